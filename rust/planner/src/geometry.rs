@@ -1,0 +1,177 @@
+//! What the kernels see: architecture, SM count, MLA dimensions, head padding.
+
+use std::str::FromStr;
+
+use crate::error::{PlanError, Result};
+
+/// Value (and output) width of MLA attention: `kv_lora_rank`.
+pub const D_V: u64 = 512;
+/// Query/key width: `kv_lora_rank + qk_rope_head_dim` (512 + 64).
+pub const D_QK: u64 = 576;
+/// DeepSeek-V3.2's `index_topk`.
+pub const DEFAULT_TOPK: u32 = 2048;
+/// Streaming multiprocessors of an H200 (and H100 SXM).
+pub const H200_NUM_SMS: u32 = 132;
+
+/// GPU architecture families with different FlashMLA kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Arch {
+    /// Hopper (H100, H200).
+    Sm90,
+    /// Blackwell (B200, GB200).
+    Sm100,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Sm90 => "sm90",
+            Arch::Sm100 => "sm100",
+        }
+    }
+}
+
+impl FromStr for Arch {
+    type Err = PlanError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "sm90" | "sm90a" | "hopper" => Ok(Arch::Sm90),
+            "sm100" | "sm100a" | "blackwell" => Ok(Arch::Sm100),
+            _ => Err(PlanError::UnknownArch(s.to_string())),
+        }
+    }
+}
+
+/// The device a plan is made for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gpu {
+    pub arch: Arch,
+    pub num_sms: u32,
+}
+
+impl Gpu {
+    pub fn new(arch: Arch, num_sms: u32) -> Result<Self> {
+        if num_sms == 0 {
+            return Err(PlanError::InvalidArgument {
+                what: "num_sms",
+                rule: "at least 1",
+                got: "0".into(),
+            });
+        }
+        Ok(Gpu { arch, num_sms })
+    }
+
+    pub fn h200() -> Self {
+        Gpu { arch: Arch::Sm90, num_sms: H200_NUM_SMS }
+    }
+}
+
+/// How the KV cache is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// `fp8_ds_mla`: 656 bytes per token (512 x e4m3, 4 x fp32 scales, 64 x bf16 RoPE).
+    Fp8,
+    /// 576 x bf16 = 1152 bytes per token.
+    Bf16,
+}
+
+impl KvDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::Fp8 => "fp8",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+
+    /// Bytes one token occupies in the paged KV cache.
+    pub fn bytes_per_token(self) -> u64 {
+        match self {
+            KvDtype::Fp8 => 656,
+            KvDtype::Bf16 => 2 * D_QK,
+        }
+    }
+}
+
+impl FromStr for KvDtype {
+    type Err = PlanError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "fp8" | "fp8_ds_mla" => Ok(KvDtype::Fp8),
+            "bf16" | "auto" | "bfloat16" => Ok(KvDtype::Bf16),
+            _ => Err(PlanError::UnknownKvDtype(s.to_string())),
+        }
+    }
+}
+
+pub(crate) fn check_heads(num_heads: u32) -> Result<()> {
+    if num_heads == 0 || num_heads > 128 {
+        return Err(PlanError::InvalidArgument {
+            what: "num_heads (query heads per rank)",
+            rule: "between 1 and 128",
+            got: num_heads.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// Heads the FlashMLA sparse decode kernel runs: it has 64- and 128-head
+/// kernels only, so callers zero-pad the query up to one of them.
+pub fn decode_padded_heads(num_heads: u32) -> Result<u32> {
+    check_heads(num_heads)?;
+    Ok(if num_heads <= 64 { 64 } else { 128 })
+}
+
+/// Heads the BF16 sparse prefill kernel runs: vLLM pads to a multiple of
+/// 64 on Hopper (`prefill_padding = 64`) and of 128 on Blackwell.
+pub fn prefill_padded_heads(num_heads: u32, arch: Arch) -> Result<u32> {
+    check_heads(num_heads)?;
+    let multiple = match arch {
+        Arch::Sm90 => 64,
+        Arch::Sm100 => 128,
+    };
+    Ok(num_heads.div_ceil(multiple) * multiple)
+}
+
+pub(crate) fn check_topk(topk: u32, multiple: u32, kernel: &'static str) -> Result<()> {
+    if topk == 0 || topk % multiple != 0 {
+        return Err(PlanError::InvalidArgument {
+            what: kernel,
+            rule: if multiple == 64 {
+                "a positive multiple of 64 (the decode kernel's topk block)"
+            } else {
+                "a positive multiple of 128 (the prefill kernel's topk block)"
+            },
+            got: topk.to_string(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_padding() {
+        assert_eq!(decode_padded_heads(1).unwrap(), 64);
+        assert_eq!(decode_padded_heads(16).unwrap(), 64);
+        assert_eq!(decode_padded_heads(64).unwrap(), 64);
+        assert_eq!(decode_padded_heads(65).unwrap(), 128);
+        assert_eq!(decode_padded_heads(128).unwrap(), 128);
+        assert!(decode_padded_heads(0).is_err());
+        assert!(decode_padded_heads(129).is_err());
+        assert_eq!(prefill_padded_heads(16, Arch::Sm90).unwrap(), 64);
+        assert_eq!(prefill_padded_heads(96, Arch::Sm90).unwrap(), 128);
+        assert_eq!(prefill_padded_heads(16, Arch::Sm100).unwrap(), 128);
+    }
+
+    #[test]
+    fn parse_names() {
+        assert_eq!("sm90".parse::<Arch>().unwrap(), Arch::Sm90);
+        assert_eq!("SM100".parse::<Arch>().unwrap(), Arch::Sm100);
+        let err = "sm80".parse::<Arch>().unwrap_err().to_string();
+        assert!(err.contains("sm80") && err.contains("sm90"), "{err}");
+        assert_eq!("fp8_ds_mla".parse::<KvDtype>().unwrap(), KvDtype::Fp8);
+        assert!("int4".parse::<KvDtype>().is_err());
+    }
+}

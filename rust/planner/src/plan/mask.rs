@@ -1,0 +1,286 @@
+//! Masked-MHA routing of a prefill set (vLLM >= 0.27 on SM100 with FA4 and a
+//! BF16 KV cache): which top-k masks a set needs, whether they fit the mask
+//! workspace, and a partition into groups that each fit, so masked MHA stays
+//! in use where vLLM would send the whole step to sparse MQA.
+
+use std::ops::Range;
+
+use super::PrefillRequest;
+use crate::error::Result;
+use crate::scratch::{topk_mask_shape, MaskShape, GLOBAL_TOPK_MASK_MAX_BYTES};
+
+/// How one group of prefills is attended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillRoute {
+    /// Every sequence is within top-k: plain causal MHA.
+    DenseMha,
+    /// MHA with a bit-packed top-k mask.
+    MaskedMha,
+    /// The sparse MQA kernels (FlashMLA sparse prefill or decode).
+    SparseMqa,
+}
+
+impl PrefillRoute {
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefillRoute::DenseMha => "dense_mha",
+            PrefillRoute::MaskedMha => "masked_mha",
+            PrefillRoute::SparseMqa => "sparse_mqa",
+        }
+    }
+}
+
+/// What masked-MHA routing needs to know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaskConfig {
+    pub topk: u32,
+    /// The mask workspace (vLLM: `GLOBAL_TOPK_MASK_MAX_BYTES`).
+    pub workspace_bytes: u64,
+    /// Rows of the chunked-context workspace: no context chunk holds a
+    /// longer per-request slice, so it bounds a chunk mask's key length.
+    pub context_chunk_rows: u64,
+    /// SM100, FA4 and a BF16 KV cache (vLLM's `_is_masked_mha_available`).
+    pub available: bool,
+}
+
+impl MaskConfig {
+    pub fn vllm_default(topk: u32, available: bool) -> Self {
+        MaskConfig {
+            topk,
+            workspace_bytes: GLOBAL_TOPK_MASK_MAX_BYTES,
+            context_chunk_rows: 64 * 1024,
+            available,
+        }
+    }
+}
+
+/// The masks a prefill set needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MaskSet {
+    /// Causal mask over the new tokens: key length = query length.
+    pub suffix: MaskShape,
+    /// The largest per-context-chunk mask (key length = the chunk's longest
+    /// per-request context slice); `None` without context.
+    pub context_chunk: Option<MaskShape>,
+    /// One mask over whole sequences plus the key-starts word, tried first
+    /// when there is context; used only if it fits.
+    pub global: Option<MaskShape>,
+    /// The shape vLLM's fit test sizes: all prefills, the longest query,
+    /// the longest of query and context-chunk keys.
+    pub fit_test: MaskShape,
+    /// `fit_test` fits the workspace (`_masked_mha_workspace_fits`).
+    pub fits: bool,
+    /// The global mask fits too, and replaces the suffix and chunk masks.
+    pub global_fits: bool,
+}
+
+impl MaskSet {
+    /// Bytes of the largest mask built at once (masks reuse the workspace
+    /// one after another).
+    pub fn peak_bytes(&self) -> Result<u64> {
+        if self.global_fits {
+            return self.global.expect("global_fits implies a global mask").bytes();
+        }
+        let suffix = self.suffix.bytes()?;
+        Ok(match self.context_chunk {
+            Some(c) => suffix.max(c.bytes()?),
+            None => suffix,
+        })
+    }
+}
+
+/// The masks of `requests` taken as one prefill set.
+pub fn prefill_masks(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<MaskSet> {
+    let batch = requests.len() as u64;
+    let max_q = requests.iter().map(|r| r.query_len).max().unwrap_or(0);
+    let max_seq = requests.iter().map(PrefillRequest::seq_len).max().unwrap_or(0);
+    let with_context: Vec<_> = requests.iter().filter(|r| r.context_len > 0).collect();
+    let chunk_keys = with_context.iter().map(|r| r.context_len.min(cfg.context_chunk_rows)).max().unwrap_or(0);
+    let fits_words = |shape: &MaskShape| -> Result<bool> { Ok(shape.bytes()? / 4 <= cfg.workspace_bytes / 4) };
+
+    let suffix = topk_mask_shape(batch, max_q, max_q, false)?;
+    let (context_chunk, global) = if with_context.is_empty() {
+        (None, None)
+    } else {
+        let chunk_q = with_context.iter().map(|r| r.query_len).max().unwrap_or(0);
+        (
+            Some(topk_mask_shape(with_context.len() as u64, chunk_q, chunk_keys, false)?),
+            Some(topk_mask_shape(batch, max_q, max_seq, true)?),
+        )
+    };
+    let fit_test = topk_mask_shape(batch, max_q, max_q.max(chunk_keys), false)?;
+    let fits = fits_words(&fit_test)?;
+    let global_fits = match &global {
+        Some(g) => fits_words(g)?,
+        None => false,
+    };
+    Ok(MaskSet { suffix, context_chunk, global, fit_test, fits, global_fits })
+}
+
+/// A contiguous group of prefills and how it is attended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillGroup {
+    pub requests: Range<usize>,
+    pub route: PrefillRoute,
+    /// Bytes of the largest mask, for masked MHA; 0 otherwise.
+    pub mask_bytes: u64,
+}
+
+fn route_of(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<(PrefillRoute, MaskSet)> {
+    let masks = prefill_masks(requests, cfg)?;
+    let max_seq = requests.iter().map(PrefillRequest::seq_len).max().unwrap_or(0);
+    let route = if max_seq <= u64::from(cfg.topk) {
+        PrefillRoute::DenseMha
+    } else if cfg.available && masks.fits {
+        PrefillRoute::MaskedMha
+    } else {
+        PrefillRoute::SparseMqa
+    };
+    Ok((route, masks))
+}
+
+fn group(range: Range<usize>, requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<PrefillGroup> {
+    let (route, masks) = route_of(&requests[range.clone()], cfg)?;
+    let mask_bytes = if route == PrefillRoute::MaskedMha { masks.peak_bytes()? } else { 0 };
+    Ok(PrefillGroup { requests: range, route, mask_bytes })
+}
+
+/// vLLM's decision: one route for the whole prefill set.
+pub fn route_prefills_stock(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<Vec<PrefillGroup>> {
+    if requests.is_empty() {
+        return Ok(vec![]);
+    }
+    Ok(vec![group(0..requests.len(), requests, cfg)?])
+}
+
+/// The fewest contiguous groups that each run as MHA (dense or masked); a
+/// request that cannot run as MHA even alone goes to sparse MQA, together
+/// with its neighbours that cannot either. Both conditions only get harder
+/// as a group grows, so growing each group greedily is optimal.
+pub fn plan_prefill_groups(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<Vec<PrefillGroup>> {
+    if !cfg.available {
+        return route_prefills_stock(requests, cfg);
+    }
+    let runs_as_mha = |range: Range<usize>| -> Result<bool> {
+        Ok(route_of(&requests[range], cfg)?.0 != PrefillRoute::SparseMqa)
+    };
+    let mut groups: Vec<PrefillGroup> = Vec::new();
+    let mut start = 0;
+    while start < requests.len() {
+        let mut end = start + 1;
+        if runs_as_mha(start..end)? {
+            while end < requests.len() && runs_as_mha(start..end + 1)? {
+                end += 1;
+            }
+        } else {
+            while end < requests.len() && !runs_as_mha(end..end + 1)? {
+                end += 1;
+            }
+        }
+        groups.push(group(start..end, requests, cfg)?);
+        start = end;
+    }
+    Ok(groups)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scratch::topk_mask_bytes;
+    use proptest::prelude::*;
+
+    fn req(query_len: u64, context_len: u64) -> PrefillRequest {
+        PrefillRequest { query_len, context_len }
+    }
+
+    fn cfg() -> MaskConfig {
+        MaskConfig::vllm_default(2048, true)
+    }
+
+    #[test]
+    fn fit_boundary_matches_vllm() {
+        assert!(prefill_masks(&[req(32768, 0)], &cfg()).unwrap().fits);
+        assert!(!prefill_masks(&[req(33024, 0)], &cfg()).unwrap().fits);
+        assert!(prefill_masks(&[req(16384, 0), req(16384, 0)], &cfg()).unwrap().fits);
+        // The global mask is left out of the fit test.
+        let set = prefill_masks(&[req(1000, 60000)], &cfg()).unwrap();
+        assert_eq!(set.fit_test, topk_mask_shape(1, 1000, 60000, false).unwrap());
+        assert_eq!(set.global.unwrap(), topk_mask_shape(1, 1000, 61000, true).unwrap());
+        assert!(set.fits && set.global_fits);
+    }
+
+    #[test]
+    fn stock_falls_back_whole_planned_keeps_masked_mha() {
+        // Two 24K prompts: 2 x 24576 x 768 words = 144 MiB > 128 MiB together, 72 MiB alone.
+        let reqs = [req(24576, 0), req(24576, 0)];
+        assert_eq!(topk_mask_bytes(2, 24576, 24576, false).unwrap(), 144 << 20);
+        let stock = route_prefills_stock(&reqs, &cfg()).unwrap();
+        assert_eq!(stock.len(), 1);
+        assert_eq!(stock[0].route, PrefillRoute::SparseMqa);
+        let planned = plan_prefill_groups(&reqs, &cfg()).unwrap();
+        assert_eq!(planned.iter().map(|g| g.route).collect::<Vec<_>>(), [PrefillRoute::MaskedMha; 2]);
+        assert_eq!(planned[0].mask_bytes, 72 << 20);
+    }
+
+    #[test]
+    fn too_large_alone_goes_to_mqa_with_its_neighbours() {
+        let reqs = [req(4096, 0), req(40000, 0), req(50000, 0), req(3000, 0)];
+        let groups = plan_prefill_groups(&reqs, &cfg()).unwrap();
+        let routes: Vec<_> = groups.iter().map(|g| (g.requests.clone(), g.route)).collect();
+        assert_eq!(
+            routes,
+            [(0..1, PrefillRoute::MaskedMha), (1..3, PrefillRoute::SparseMqa), (3..4, PrefillRoute::MaskedMha)]
+        );
+    }
+
+    #[test]
+    fn short_sequences_are_dense() {
+        let groups = plan_prefill_groups(&[req(1000, 1000), req(5, 0)], &cfg()).unwrap();
+        assert_eq!(groups.len(), 1);
+        assert_eq!(groups[0].route, PrefillRoute::DenseMha);
+        let unavailable = MaskConfig::vllm_default(2048, false);
+        let groups = plan_prefill_groups(&[req(24576, 0), req(24576, 0)], &unavailable).unwrap();
+        assert_eq!(groups.len(), 1);
+        assert_eq!(groups[0].route, PrefillRoute::SparseMqa);
+    }
+
+    /// Fewest contiguous groups, by dynamic programming over every cut.
+    fn brute_force(reqs: &[PrefillRequest], cfg: &MaskConfig) -> usize {
+        let ok = |a: usize, b: usize| route_of(&reqs[a..b], cfg).unwrap().0 != PrefillRoute::SparseMqa;
+        let mut best = vec![usize::MAX; reqs.len() + 1];
+        best[0] = 0;
+        for end in 1..=reqs.len() {
+            for start in 0..end {
+                let all_mqa = (start..end).all(|i| !ok(i, i + 1));
+                if best[start] != usize::MAX && (ok(start, end) || all_mqa) {
+                    best[end] = best[end].min(best[start] + 1);
+                }
+            }
+        }
+        best[reqs.len()]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(10_000))]
+
+        #[test]
+        fn groups_are_minimal_and_fit(
+            reqs in prop::collection::vec((1u64..40_000, 0u64..80_000), 0..8),
+            mib in 1u64..256,
+        ) {
+            let reqs: Vec<_> = reqs.into_iter().map(|(q, c)| req(q, c)).collect();
+            let c = MaskConfig { workspace_bytes: mib << 20, ..cfg() };
+            let groups = plan_prefill_groups(&reqs, &c).unwrap();
+            let mut next = 0;
+            for g in &groups {
+                prop_assert_eq!(g.requests.start, next);
+                next = g.requests.end;
+                if g.route == PrefillRoute::MaskedMha {
+                    prop_assert!(g.mask_bytes <= c.workspace_bytes);
+                }
+            }
+            prop_assert_eq!(next, reqs.len());
+            prop_assert_eq!(groups.len(), brute_force(&reqs, &c));
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! FlashMLA sparse prefill (`flash_mla_sparse_fwd`, BF16 KV) and the BF16
+//! workspace the FP8 "separate" path gathers the cache into first.
+
+use super::Breakdown;
+use crate::error::{mul, Result};
+use crate::geometry::{check_topk, prefill_padded_heads, Arch, D_QK, D_V};
+
+/// One call of the sparse prefill kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillShape {
+    pub s_q: u64,
+    pub num_heads: u32,
+    pub topk: u32,
+    pub out_preallocated: bool,
+}
+
+/// Every buffer one sparse prefill call allocates. No split-KV scratch.
+pub fn prefill_scratch(arch: Arch, shape: PrefillShape) -> Result<Breakdown> {
+    let PrefillShape { s_q, num_heads, topk, out_preallocated } = shape;
+    check_topk(topk, 128, "topk of the sparse prefill kernel")?;
+    let h = u64::from(prefill_padded_heads(num_heads, arch)?);
+    let rows = mul("prefill rows (s_q x heads)", &[s_q, h])?;
+    let mut bd = Breakdown::default();
+    if u64::from(num_heads) < h {
+        bd.push("q_padded", mul("q_padded", &[rows, D_QK, 2])?);
+    }
+    if !out_preallocated {
+        bd.push("out", mul("out", &[rows, D_V, 2])?);
+    }
+    bd.push("max_logits", mul("max_logits", &[rows, 4])?);
+    bd.push("lse", mul("lse", &[rows, 4])?);
+    Ok(bd)
+}
+
+/// Bytes of the BF16 workspace holding `rows` gathered and up-converted KV
+/// rows (576 x bf16 each).
+pub fn gather_workspace_bytes(rows: u64) -> Result<u64> {
+    mul("gather workspace", &[rows, D_QK, 2])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn separate_path_transient_per_token() {
+        // BRIEF §4b: zero-padded q + kernel out ~ 136 KiB per token at 64 padded heads.
+        let shape = PrefillShape { s_q: 1, num_heads: 16, topk: 2048, out_preallocated: false };
+        let bd = prefill_scratch(Arch::Sm90, shape).unwrap();
+        assert_eq!(bd.get("q_padded") + bd.get("out"), 136 * 1024);
+        assert_eq!(bd.get("max_logits"), 256);
+    }
+
+    #[test]
+    fn outputs_only_with_out_given() {
+        // BRIEF §4: 32768 tokens, out= given: 16 MiB (64 heads) / 32 MiB (128 heads).
+        for (heads, mib) in [(64, 16), (128, 32)] {
+            let shape = PrefillShape { s_q: 32768, num_heads: heads, topk: 2048, out_preallocated: true };
+            let bd = prefill_scratch(Arch::Sm90, shape).unwrap();
+            assert_eq!(bd.total_bytes(), mib << 20);
+        }
+    }
+
+    #[test]
+    fn workspace_rows() {
+        assert_eq!(gather_workspace_bytes(1).unwrap(), 1152);
+        assert!(gather_workspace_bytes(u64::MAX).is_err());
+        let shape = PrefillShape { s_q: 1, num_heads: 16, topk: 64, out_preallocated: true };
+        assert!(prefill_scratch(Arch::Sm90, shape).is_err());
+    }
+}
