@@ -1,0 +1,161 @@
+# Type stubs for the compiled module (rust/bindings/src/lib.rs). Hand-written;
+# checked by mypy against the tests and the package.
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+GLOBAL_TOPK_MASK_MAX_BYTES: int
+MIN_HEADS_FOR_BF16_PREFILL: int
+DEFAULT_TOPK: int
+H200_NUM_SMS: int
+
+IntArray = npt.NDArray[np.int64]
+ArrayLike = npt.ArrayLike
+Bound = Literal["none", "budget", "int32_stride", "grid"]
+Route = Literal["dense_mha", "masked_mha", "sparse_mqa"]
+
+class Scratch:
+    """The buffers one kernel call allocates (absent buffers are not listed)."""
+
+    @property
+    def buffers(self) -> dict[str, int]: ...
+    @property
+    def total_bytes(self) -> int: ...
+
+class MixedBatchPlan:
+    @property
+    def chunks(self) -> IntArray:
+        """(n, 2) ``[start, end)`` token ranges in launch order."""
+    @property
+    def launch_bytes(self) -> IntArray: ...
+    @property
+    def peak_bytes(self) -> int: ...
+    @property
+    def bound(self) -> Bound: ...
+    @property
+    def distinct_lengths(self) -> list[int]: ...
+    def __len__(self) -> int: ...
+
+class PrefillGroups:
+    @property
+    def requests(self) -> IntArray: ...
+    @property
+    def routes(self) -> list[Route]: ...
+    @property
+    def mask_bytes(self) -> IntArray: ...
+    def __len__(self) -> int: ...
+
+class StepPlan:
+    @property
+    def mode(self) -> Literal["mixed_batch", "separate_prefill_decode", "bf16"]: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_decodes(self) -> int: ...
+    @property
+    def launches(self) -> IntArray:
+        """(n, 4): token_start, token_end, req_start, req_end."""
+    @property
+    def launch_kernels(self) -> list[Literal["sparse_decode", "sparse_prefill"]]: ...
+    @property
+    def launch_bytes(self) -> IntArray: ...
+    @property
+    def bound(self) -> Bound: ...
+    @property
+    def peak_bytes(self) -> int: ...
+    @property
+    def prefill_groups(self) -> PrefillGroups: ...
+    @property
+    def gather_chunks(self) -> IntArray:
+        """(n, 7): req_start, req_end, query_start, query_end, key_start, key_end, rows."""
+    @property
+    def indexer_chunks(self) -> IntArray:
+        """(n, 5): req_start, req_end, query_start, query_end, kv_rows."""
+    @property
+    def indexer_peak_bytes(self) -> int: ...
+    @property
+    def gather_workspace_bytes(self) -> int: ...
+
+def decode_scratch(
+    batch: int,
+    s_q: int,
+    num_heads: int,
+    *,
+    arch: str = "sm90",
+    num_sms: int | None = None,
+    topk: int | None = None,
+    out_preallocated: bool = False,
+) -> Scratch: ...
+def prefill_scratch(
+    s_q: int,
+    num_heads: int,
+    *,
+    arch: str = "sm90",
+    topk: int | None = None,
+    out_preallocated: bool = False,
+) -> Scratch: ...
+def topk_mask_shape(
+    batch_size: int, max_query_len: int, max_key_len: int, *, reserve_key_starts_word: bool = False
+) -> tuple[int, int, int]: ...
+def topk_mask_bytes(
+    batch_size: int, max_query_len: int, max_key_len: int, *, reserve_key_starts_word: bool = False
+) -> int: ...
+def gather_workspace_bytes(rows: int) -> int: ...
+def indexer_logits_bytes(query_rows: int, kv_rows: int) -> int: ...
+def max_tokens_per_launch(num_heads: int) -> tuple[int, Bound]: ...
+def plan_mixed_batch(
+    num_tokens: int,
+    *,
+    num_heads: int,
+    budget_bytes: int,
+    arch: str = "sm90",
+    num_sms: int | None = None,
+    topk: int | None = None,
+    out_preallocated: bool = True,
+) -> MixedBatchPlan: ...
+def split_prefill_chunks(
+    seq_lens: ArrayLike, workspace_rows: int, *, request_offset: int | None = None
+) -> IntArray: ...
+def plan_gather_chunks(query_lens: ArrayLike, context_lens: ArrayLike, workspace_rows: int) -> IntArray: ...
+def split_indexer_prefill_chunks(
+    seq_lens: ArrayLike,
+    query_lens: ArrayLike,
+    workspace_rows: int,
+    max_logits_bytes: int,
+    *,
+    request_offset: int | None = None,
+) -> IntArray: ...
+def masked_mha_workspace_fits(
+    batch_size: int, max_query_len: int, max_context_chunk_seq_len: int, *, workspace_bytes: int | None = None
+) -> bool: ...
+def plan_prefill_groups(
+    query_lens: ArrayLike,
+    context_lens: ArrayLike,
+    *,
+    topk: int | None = None,
+    workspace_bytes: int | None = None,
+    context_chunk_rows: int | None = None,
+    available: bool = True,
+    stock: bool = False,
+) -> PrefillGroups: ...
+def plan_step(
+    query_lens: ArrayLike,
+    context_lens: ArrayLike,
+    num_decodes: int,
+    *,
+    num_heads: int,
+    budget_bytes: int,
+    kv_dtype: str = "fp8",
+    arch: str = "sm90",
+    num_sms: int | None = None,
+    topk: int | None = None,
+    gather_workspace_rows: int,
+    indexer_workspace_rows: int,
+    indexer_logits_bytes: int | None = None,
+    mask_workspace_bytes: int | None = None,
+    context_chunk_rows: int | None = None,
+    masked_mha_available: bool = False,
+    mixed_batch: bool | None = None,
+) -> StepPlan: ...
