@@ -63,6 +63,11 @@ fn lengths(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
         .map_err(|e| PyValueError::new_err(format!("{name} must be a 1-D array of integers: {e}")))?;
     let kind: String = arr.getattr("dtype")?.getattr("kind")?.extract()?;
     let ndim: usize = arr.getattr("ndim")?.extract()?;
+    let size: usize = arr.getattr("size")?.extract()?;
+    if ndim == 1 && size == 0 {
+        // `np.asarray([])` is float64; an empty list is still no lengths.
+        return Ok(Vec::new());
+    }
     if ndim != 1 || !(kind == "i" || kind == "u") {
         let dtype = arr.getattr("dtype")?.str()?.to_string();
         return Err(PyValueError::new_err(format!(

@@ -45,6 +45,12 @@ pub enum PlanError {
     },
 
     #[error(
+        "{what} would need {launches} launches, more than the {max} a plan may hold; {hint}",
+        max = MAX_LAUNCHES
+    )]
+    TooManyLaunches { what: &'static str, launches: u64, hint: &'static str },
+
+    #[error(
         "request {request} needs {needed} rows of {what} but only {available} are available; \
          {hint}"
     )]
@@ -55,6 +61,18 @@ pub enum PlanError {
         available: u64,
         hint: String,
     },
+}
+
+/// No plan has more launches than this: a step that needs more asks for a
+/// budget or workspace far too small for it, and would take longer to run
+/// than to fix.
+pub const MAX_LAUNCHES: u64 = 1 << 20;
+
+pub(crate) fn check_launches(what: &'static str, launches: u64, hint: &'static str) -> Result<()> {
+    if launches > MAX_LAUNCHES {
+        return Err(PlanError::TooManyLaunches { what, launches, hint });
+    }
+    Ok(())
 }
 
 pub type Result<T> = std::result::Result<T, PlanError>;

@@ -320,9 +320,14 @@ fn plan_decodes(step: &Step<'_>, cfg: &StepConfig, starts: &[u64], out: &mut Vec
         max_batch -= 1;
     }
     if max_batch == 0 {
-        let mixed = MixedBatchConfig { gpu: cfg.gpu, num_heads: cfg.num_heads, topk: cfg.topk, budget_bytes: cfg.scratch_budget_bytes, out_preallocated: true };
-        // The same error a one-request launch would raise, naming the minimum.
-        plan_mixed_batch(s_q.max(1), &MixedBatchConfig { budget_bytes: bytes(1)?.saturating_sub(1), ..mixed })?;
+        return Err(PlanError::BudgetTooSmall {
+            budget: crate::Bytes(cfg.scratch_budget_bytes),
+            minimum: crate::Bytes(bytes(1)?),
+            tokens: s_q,
+            num_heads: cfg.num_heads,
+            arch: cfg.gpu.arch.name(),
+            detail: "one decode request, mostly its split-KV o_accum".into(),
+        });
     }
     for r in balanced(d, max_batch) {
         let (r0, r1) = (r.start as usize, r.end as usize);
@@ -365,6 +370,7 @@ fn plan_prefill_launches(
     let padded = crate::geometry::prefill_padded_heads(cfg.num_heads, cfg.gpu.arch)?;
     let (by_limit, limit) = max_tokens_per_launch(padded);
     let max_len = by_budget.min(by_limit);
+    crate::error::check_launches("the prefill launches", total.div_ceil(max_len), "give a larger budget")?;
     for piece in balanced(total, max_len) {
         let range = tokens.start + piece.start..tokens.start + piece.end;
         let reqs = if requests.len() == 1 { requests.clone() } else { request_of(range.start)..request_of(range.end - 1) + 1 };

@@ -105,8 +105,16 @@ pub fn plan_gather_chunks(requests: &[PrefillRequest], workspace_rows: u64) -> R
         .iter()
         .map(|r| r.context_len.checked_add(r.query_len).ok_or(PlanError::Overflow { what: "seq_len" }))
         .collect::<Result<Vec<u64>>>()?;
+    let runs = greedy_runs(&seq_lens, workspace_rows);
+    let launches = runs.iter().fold(0u64, |acc, (run, rows)| {
+        // A split request of k windows takes up to k(k+1)/2 launches.
+        let k = rows.div_ceil(workspace_rows);
+        let split = if k > 1 { k.saturating_mul(k + 1) / 2 } else { 1 };
+        acc.saturating_add(if run.len() == 1 { split } else { 1 })
+    });
+    crate::error::check_launches("the gather plan", launches, "give a larger gather workspace")?;
     let mut chunks = Vec::new();
-    for (run, rows) in greedy_runs(&seq_lens, workspace_rows) {
+    for (run, rows) in runs {
         if rows <= workspace_rows {
             chunks.push(GatherChunk::Requests { requests: run, rows });
         } else {

@@ -162,6 +162,7 @@ pub fn plan_mixed_batch(num_tokens: u64, cfg: &MixedBatchConfig) -> Result<Mixed
         Bound::Budget
     };
     let first = num_tokens.div_ceil(feasible.max);
+    crate::error::check_launches("the mixed-batch step", first, "give a larger budget")?;
     let groups = (first..=num_tokens)
         .find_map(|n| split_into(num_tokens, n, &feasible))
         // Unreachable: n = num_tokens needs length 1, the cheapest length.
