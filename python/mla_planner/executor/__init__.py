@@ -1,0 +1,35 @@
+"""Run mla-planner's plans on the FlashMLA sparse kernels (or on a float32 reference).
+
+Importing this package needs torch, never CUDA or FlashMLA: kernels load when a provider is
+built (:func:`get_provider`).
+"""
+
+from mla_planner.executor.mixed_batch import ALLOCATOR_RESERVE_BYTES, MixedBatchExecutor
+from mla_planner.executor.prefill import SeparatePrefillExecutor
+from mla_planner.executor.providers import (
+    PROVIDER_NAMES,
+    FlashMLAProvider,
+    KernelProvider,
+    ProviderUnavailable,
+    ReferenceProvider,
+    VllmProvider,
+    get_provider,
+)
+from mla_planner.executor.quant import quantize_fp8_ds_mla
+from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
+
+__all__ = [
+    "ALLOCATOR_RESERVE_BYTES",
+    "PROVIDER_NAMES",
+    "FlashMLAProvider",
+    "KernelProvider",
+    "MixedBatchExecutor",
+    "ProviderUnavailable",
+    "ReferenceProvider",
+    "SeparatePrefillExecutor",
+    "VllmProvider",
+    "dequantize_fp8_ds_mla",
+    "get_provider",
+    "quantize_fp8_ds_mla",
+    "sparse_attention",
+]

@@ -1,0 +1,51 @@
+"""Shapes the FlashMLA sparse kernels fix: MLA head sizes and the ``fp8_ds_mla`` token layout.
+
+One ``fp8_ds_mla`` token is 656 bytes (BRIEF §2.5)::
+
+    [0, 512)    512 x float8_e4m3   NoPE part, quantised in 4 tiles of 128 values
+    [512, 528)    4 x float32       one dequantisation scale per tile (a power of two)
+    [528, 656)   64 x bfloat16      RoPE part, kept exact
+
+The kernels see the cache as ``(num_pages, page_size, 1, 656)`` uint8 and a token's slot as
+``page * page_size + offset``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+D_QK = 576
+D_V = 512
+D_NOPE = 512
+D_ROPE = D_QK - D_NOPE
+TILE = 128
+NUM_TILES = D_NOPE // TILE
+SCALES_START = D_NOPE
+ROPE_START = SCALES_START + NUM_TILES * 4
+FP8_BYTES_PER_TOKEN = ROPE_START + D_ROPE * 2
+PAGE_SIZE = 64
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+assert FP8_BYTES_PER_TOKEN == 656
+
+
+def padded_heads(num_heads: int) -> int:
+    """Heads as the SM90 kernels see them: both the sparse decode and the legacy sparse prefill
+    kernel take 64 or 128 query heads, so fewer heads are zero-padded up to one of those."""
+    if not 1 <= num_heads <= 128:
+        raise ValueError(f"num_heads must be in [1, 128] for the FlashMLA sparse kernels, got {num_heads}")
+    return 64 if num_heads <= 64 else 128
+
+
+def as_pages(rows: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:
+    """View ``(num_slots, 656)`` uint8 rows as the kernels' ``(num_pages, page_size, 1, 656)``."""
+    if rows.dim() != 2 or rows.shape[1] != FP8_BYTES_PER_TOKEN or rows.dtype != torch.uint8:
+        raise ValueError(f"expected (num_slots, {FP8_BYTES_PER_TOKEN}) uint8 rows, got {tuple(rows.shape)} {rows.dtype}")
+    if rows.shape[0] % page_size:
+        raise ValueError(f"{rows.shape[0]} slots is not a whole number of {page_size}-slot pages")
+    return rows.view(-1, page_size, 1, FP8_BYTES_PER_TOKEN)
+
+
+def as_slots(cache: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`as_pages`: one 656-byte row per slot."""
+    return cache.view(torch.uint8).reshape(-1, FP8_BYTES_PER_TOKEN)

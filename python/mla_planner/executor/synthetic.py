@@ -1,0 +1,96 @@
+"""Random inputs for the executors' tests and benchmark: never zeros, drawn from a seed.
+
+``kv`` rows are Gaussian with a per-row magnitude spread over ~e^±1, so the quantiser's
+per-tile scales differ; indices are a mix of valid slots and ``-1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from mla_planner.executor.layout import D_QK, PAGE_SIZE, as_pages
+from mla_planner.executor.quant import quantize_fp8_ds_mla
+
+
+@dataclass(frozen=True)
+class MixedCase:
+    q: torch.Tensor  # (T, H, 576)
+    kv_cache: torch.Tensor  # (pages, 64, 1, 656) uint8
+    indices: torch.Tensor  # (T, topk) int32 slots, some -1
+
+
+@dataclass(frozen=True)
+class PrefillCase:
+    q: torch.Tensor  # (T, H, 576), requests' new tokens back to back
+    kv_cache: torch.Tensor  # (pages, 64, 1, 656) uint8
+    block_table: torch.Tensor  # (requests, max_pages) int32, pages shuffled
+    indices: torch.Tensor  # (T, topk) int32 request positions, causal, some -1
+    query_lens: npt.NDArray[np.int64]
+    context_lens: npt.NDArray[np.int64]
+
+
+def random_kv_rows(num_rows: int, gen: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``(num_rows, 576)`` float32 rows on ``device``."""
+    rows = torch.randn((num_rows, D_QK), generator=gen)
+    rows *= torch.exp(torch.randn((num_rows, 1), generator=gen))
+    return rows.to(device)
+
+
+def random_q(num_tokens: int, num_heads: int, gen: torch.Generator, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    return torch.randn((num_tokens, num_heads, D_QK), generator=gen).to(device=device, dtype=dtype)
+
+
+def mixed_case(
+    num_tokens: int,
+    num_heads: int,
+    topk: int,
+    num_slots: int,
+    gen: torch.Generator,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    unused_fraction: float = 0.1,
+) -> MixedCase:
+    """A mixed batch: ``num_slots`` (a multiple of 64) quantised cache slots, top-k slots drawn
+    uniformly per token, ``unused_fraction`` of them ``-1``."""
+    kv_cache = as_pages(quantize_fp8_ds_mla(random_kv_rows(num_slots, gen, device)))
+    indices = torch.randint(0, num_slots, (num_tokens, topk), generator=gen, dtype=torch.int32)
+    indices[torch.rand((num_tokens, topk), generator=gen) < unused_fraction] = -1
+    q = random_q(num_tokens, num_heads, gen, dtype, device)
+    return MixedCase(q, kv_cache, indices.to(device))
+
+
+def prefill_case(
+    query_lens: npt.ArrayLike,
+    context_lens: npt.ArrayLike,
+    num_heads: int,
+    topk: int,
+    gen: torch.Generator,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    unused_fraction: float = 0.1,
+) -> PrefillCase:
+    """Prefill requests whose KV (context + new tokens) sits on shuffled pages of one cache; a
+    token at position ``p`` names ``topk`` positions drawn from ``[0, p]``."""
+    qlens, clens = np.asarray(query_lens, np.int64), np.asarray(context_lens, np.int64)
+    seq_lens = qlens + clens
+    pages_per_request = -(-seq_lens // PAGE_SIZE)
+    num_pages = int(pages_per_request.sum())
+    kv_cache = as_pages(quantize_fp8_ds_mla(random_kv_rows(num_pages * PAGE_SIZE, gen, device)))
+    order = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    block_table = torch.full((len(qlens), int(pages_per_request.max(initial=1))), -1, dtype=torch.int32)
+    first = 0
+    for r, n in enumerate(pages_per_request.tolist()):
+        block_table[r, :n] = order[first : first + n]
+        first += n
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(clens.tolist(), qlens.tolist())]) if len(qlens) else torch.zeros(0)
+    draws = torch.rand((len(positions), topk), generator=gen)
+    indices = (draws * (positions.unsqueeze(1) + 1)).floor().to(torch.int32)
+    indices[torch.rand((len(positions), topk), generator=gen) < unused_fraction] = -1
+    q = random_q(len(positions), num_heads, gen, dtype, device)
+    return PrefillCase(q, kv_cache, block_table.to(device), indices.to(device), qlens, clens)
