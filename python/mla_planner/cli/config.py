@@ -1,0 +1,147 @@
+"""The model, GPU and budget settings shared by `plan` and `simulate`:
+their command-line options and the keyword arguments the planner takes."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from mla_planner import H200_NUM_SMS, MIN_HEADS_FOR_BF16_PREFILL
+
+from . import presets
+from .units import GIB, format_bytes, parse_bytes
+
+DEFAULT_MAX_MODEL_LEN = 163_840  # DeepSeek-V3.2's context length
+# vLLM sizes these workspaces from max_model_len.
+GATHER_ROWS_PER_MODEL_LEN = 5
+INDEXER_ROWS_PER_MODEL_LEN = 40
+
+
+class CliError(Exception):
+    """Bad input: printed as one line, exit status 2, no traceback."""
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and GPU")
+    g.add_argument("--preset", help=f"model preset: {', '.join(presets.PRESETS)} (default {presets.DEFAULT_PRESET})")
+    g.add_argument("--tp", type=_positive_int, help=f"tensor-parallel size for the preset (default {presets.DEFAULT_TP})")
+    g.add_argument("--heads", type=_positive_int, help="query heads per rank, instead of --preset/--tp")
+    g.add_argument("--topk", type=_positive_int, default=2048, help="KV tokens each query attends to (default 2048)")
+    g.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8", help="KV cache dtype (default fp8)")
+    g.add_argument("--arch", choices=("sm90", "sm100"), default="sm90", help="GPU architecture (default sm90)")
+    g.add_argument("--num-sms", type=_positive_int, default=H200_NUM_SMS, help=f"SM count (default {H200_NUM_SMS}, H200)")
+    g.add_argument("--masked-mha", action="store_true", help="masked-MHA prefill available (vLLM >= 0.27: sm100 + bf16 KV only)")
+    b = p.add_argument_group("budgets")
+    b.add_argument("--budget", type=_size, default=GIB, help="bytes one attention launch may allocate, e.g. 1GiB, 512MiB (default 1GiB)")
+    b.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=DEFAULT_MAX_MODEL_LEN,
+        help=f"sizes vLLM's gather (5x) and indexer (40x) workspaces (default {DEFAULT_MAX_MODEL_LEN})",
+    )
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Everything a step plan depends on besides the step itself."""
+
+    num_heads: int
+    heads_from: str  # how num_heads was chosen, for people reading the output
+    preset: str | None
+    tp: int | None
+    topk: int
+    kv_dtype: str
+    arch: str
+    num_sms: int
+    masked_mha: bool
+    budget_bytes: int
+    max_model_len: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PlannerConfig:
+        if args.heads is not None:
+            if args.preset is not None or args.tp is not None:
+                raise CliError("give either --heads or --preset/--tp, not both")
+            heads, heads_from, preset, tp = args.heads, "--heads", None, None
+        else:
+            preset, tp = args.preset or presets.DEFAULT_PRESET, args.tp or presets.DEFAULT_TP
+            try:
+                heads = presets.lookup(preset).heads_per_rank(tp)
+            except ValueError as e:
+                raise CliError(str(e)) from None
+            heads_from = f"{preset} at TP {tp}"
+        if args.masked_mha and (args.arch, args.kv_dtype) != ("sm100", "bf16"):
+            raise CliError("--masked-mha needs --arch sm100 and --kv-dtype bf16 (vLLM's masked MHA runs on FA4 only)")
+        return cls(
+            num_heads=heads,
+            heads_from=heads_from,
+            preset=preset,
+            tp=tp,
+            topk=args.topk,
+            kv_dtype=args.kv_dtype,
+            arch=args.arch,
+            num_sms=args.num_sms,
+            masked_mha=args.masked_mha,
+            budget_bytes=args.budget,
+            max_model_len=args.max_model_len,
+        )
+
+    @property
+    def mode(self) -> str:
+        """The planner's step mode name (as ``StepPlan.mode``)."""
+        if self.kv_dtype == "bf16":
+            return "bf16"
+        return "mixed_batch" if self.num_heads < MIN_HEADS_FOR_BF16_PREFILL else "separate_prefill_decode"
+
+    @property
+    def vllm_path(self) -> str:
+        return presets.vllm_path(self.num_heads, self.kv_dtype)
+
+    @property
+    def gather_workspace_rows(self) -> int:
+        return self.max_model_len * GATHER_ROWS_PER_MODEL_LEN
+
+    @property
+    def indexer_workspace_rows(self) -> int:
+        return self.max_model_len * INDEXER_ROWS_PER_MODEL_LEN
+
+    def plan_step_kwargs(self) -> dict[str, Any]:
+        return dict(
+            num_heads=self.num_heads,
+            budget_bytes=self.budget_bytes,
+            kv_dtype=self.kv_dtype,
+            arch=self.arch,
+            num_sms=self.num_sms,
+            topk=self.topk,
+            gather_workspace_rows=self.gather_workspace_rows,
+            indexer_workspace_rows=self.indexer_workspace_rows,
+            masked_mha_available=self.masked_mha,
+        )
+
+    def describe(self) -> list[str]:
+        return [
+            f"model    {self.num_heads} query heads per rank ({self.heads_from}), topk {self.topk}, "
+            f"{self.kv_dtype} KV, {self.arch} with {self.num_sms} SMs"
+            + (", masked MHA available" if self.masked_mha else ""),
+            f"path     {self.vllm_path}",
+            f"budget   {format_bytes(self.budget_bytes)} per launch; max_model_len {self.max_model_len:,} "
+            f"(gather workspace {self.gather_workspace_rows:,} rows, indexer {self.indexer_workspace_rows:,} rows)",
+        ]

@@ -1,0 +1,210 @@
+"""What one step costs under each policy.
+
+*stock*: vLLM 0.26's FLASHMLA_SPARSE backend as shipped. Mixed batch: one
+decode-kernel call over every sparse token of the step. Separate: one decode
+call for the decodes, one prefill call per `split_prefill_chunks` chunk.
+Both let the kernel allocate `out` (vLLM passes none). Prefills are routed
+all-or-nothing per step (vLLM's rule; masked MHA is vLLM >= 0.27).
+
+*planned*: `mla_planner.plan_step` under the byte budget.
+
+All bytes come from the planner's scratch models; this module only decides
+which kernel calls a policy makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import accumulate
+
+import numpy as np
+import numpy.typing as npt
+
+from mla_planner import (
+    Scratch,
+    StepPlan,
+    decode_scratch,
+    max_tokens_per_launch,
+    plan_prefill_groups,
+    plan_step,
+    prefill_scratch,
+    split_prefill_chunks,
+)
+
+from .config import PlannerConfig
+from .steps import Step
+
+ROUTES = ("dense_mha", "masked_mha", "sparse_mqa")
+FAILURES = ("int32_stride", "grid", "workspace_assert")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One sparse-attention kernel call."""
+
+    kernel: str  # "sparse_decode" or "sparse_prefill"
+    tokens: tuple[int, int]  # [start, end) query tokens of the step
+    requests: tuple[int, int]  # [start, end) requests of the step
+    batch: int
+    s_q: int  # query tokens per batch entry
+    scratch: Scratch
+
+    @property
+    def bytes(self) -> int:
+        return self.scratch.total_bytes
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A policy's verdict on one step."""
+
+    launches: list[Launch]
+    num_launches: int
+    peak_bytes: int
+    failure: str | None  # a hard failure of the step (see FAILURES), None if it runs
+    route_tokens: dict[str, int] = field(default_factory=dict)  # prefill tokens per route
+    plan: StepPlan | None = None  # the planned policy's full plan
+
+
+class Scratches:
+    """Memoised scratch models for one config: steps repeat a handful of
+    launch shapes, and the planner's Python call is the cost here."""
+
+    def __init__(self, cfg: PlannerConfig) -> None:
+        self.cfg = cfg
+        self.decode = lru_cache(maxsize=8192)(self._decode)
+        self.prefill = lru_cache(maxsize=8192)(self._prefill)
+        self.decode_limit = max_tokens_per_launch(cfg.num_heads)
+        # The prefill kernel pads heads its own way (64 on sm90, 128 on
+        # sm100); its lse buffer (s_q * padded heads * 4 bytes) says how many.
+        padded = self._prefill(1, False).buffers["lse"] // 4
+        self.prefill_limit = max_tokens_per_launch(padded)
+
+    def _decode(self, batch: int, s_q: int, out_preallocated: bool) -> Scratch:
+        c = self.cfg
+        return decode_scratch(
+            batch, s_q, c.num_heads, arch=c.arch, num_sms=c.num_sms, topk=c.topk, out_preallocated=out_preallocated
+        )
+
+    def _prefill(self, s_q: int, out_preallocated: bool) -> Scratch:
+        c = self.cfg
+        return prefill_scratch(s_q, c.num_heads, arch=c.arch, topk=c.topk, out_preallocated=out_preallocated)
+
+    def failure(self, launch: Launch) -> str | None:
+        """The hard limit a launch crosses, if any (BRIEF §3: b = 1 strides)."""
+        limit, name = self.decode_limit if launch.kernel == "sparse_decode" else self.prefill_limit
+        if launch.batch == 1 and launch.s_q > limit:
+            return name
+        return None
+
+
+def _route_tokens(step: Step, groups_req: npt.NDArray[np.int64], routes: Sequence[str], offset: int) -> dict[str, int]:
+    starts = [0, *accumulate(step.query_lens)]
+    tokens = dict.fromkeys(ROUTES, 0)
+    for (r0, r1), route in zip(groups_req.tolist(), routes):
+        tokens[route] += starts[r1 + offset] - starts[r0 + offset]
+    return tokens
+
+
+def stock(step: Step, s: Scratches) -> Outcome:
+    cfg, d = s.cfg, step.num_decodes
+    q, c = step.query_lens, step.context_lens
+    starts = [0, *accumulate(q)]
+    sparse = [(0, d)] if d else []  # request ranges through the sparse kernels
+    route_tokens = dict.fromkeys(ROUTES, 0)
+    if len(q) > d:
+        groups = plan_prefill_groups(q[d:], c[d:], topk=cfg.topk, available=cfg.masked_mha, stock=True)
+        route_tokens = _route_tokens(step, groups.requests, groups.routes, d)
+        for (r0, r1), route in zip(groups.requests.tolist(), groups.routes):
+            if route == "sparse_mqa":
+                sparse.append((r0 + d, r1 + d))
+    launches: list[Launch] = []
+    failure = None
+    if cfg.mode == "mixed_batch" or cfg.mode == "bf16":
+        # One call over every sparse token (stock routing is all-or-nothing,
+        # so they are contiguous).
+        if sparse:
+            r0, r1 = sparse[0][0], sparse[-1][1]
+            t0, t1 = starts[r0], starts[r1]
+            if cfg.mode == "mixed_batch":
+                launches.append(Launch("sparse_decode", (t0, t1), (r0, r1), 1, t1 - t0, s.decode(1, t1 - t0, False)))
+            else:
+                launches.append(Launch("sparse_prefill", (t0, t1), (r0, r1), 1, t1 - t0, s.prefill(t1 - t0, False)))
+    else:
+        if d:
+            s_q = max(q[:d])
+            launches.append(Launch("sparse_decode", (0, starts[d]), (0, d), d, s_q, s.decode(d, s_q, False)))
+        rows = cfg.gather_workspace_rows
+        for r0, r1 in (r for r in sparse if r[0] >= d):
+            seq_lens = [q[i] + c[i] for i in range(r0, r1)]
+            if max(seq_lens) > rows:  # vLLM asserts every request fits the gather workspace
+                failure = "workspace_assert"
+                continue
+            for a, b in split_prefill_chunks(seq_lens, rows, request_offset=r0).tolist():
+                t0, t1 = starts[a], starts[b]
+                launches.append(Launch("sparse_prefill", (t0, t1), (a, b), 1, t1 - t0, s.prefill(t1 - t0, False)))
+    failure = failure or next((f for f in map(s.failure, launches) if f), None)
+    peak = max((launch.bytes for launch in launches), default=0)
+    return Outcome(launches, len(launches), peak, failure, route_tokens)
+
+
+def plan(step: Step, s: Scratches) -> StepPlan:
+    return plan_step(step.query_lens, step.context_lens, step.num_decodes, **s.cfg.plan_step_kwargs())
+
+
+def planned(step: Step, s: Scratches, *, detail: bool = False) -> Outcome:
+    """The planned policy. `detail` builds per-launch breakdowns (for `plan`);
+    `simulate` reads only the totals."""
+    p = plan(step, s)
+    groups = p.prefill_groups
+    route_tokens = _route_tokens(step, groups.requests, groups.routes, 0) if len(groups) else dict.fromkeys(ROUTES, 0)
+    launches = planned_launches(step, p, s) if detail or s.cfg.mode == "bf16" else []
+    # The planner cuts mixed and separate steps under the hard limits; its
+    # bf16 mode runs each run of sparse tokens in one call, as stock does.
+    failure = next((f for f in map(s.failure, launches) if f), None)
+    return Outcome(launches, len(p.launch_kernels), p.peak_bytes, failure, route_tokens, p)
+
+
+def planned_launches(step: Step, p: StepPlan, s: Scratches) -> list[Launch]:
+    """The plan's launches with the scratch model of each one."""
+    mixed = p.mode == "mixed_batch"
+    launches = []
+    for (t0, t1, r0, r1), kernel in zip(p.launches.tolist(), p.launch_kernels):
+        if kernel == "sparse_decode":
+            batch = 1 if mixed else r1 - r0
+            s_q = t1 - t0 if mixed else max(step.query_lens[: step.num_decodes])
+            scratch = s.decode(batch, s_q, True)
+        else:
+            batch, s_q = 1, t1 - t0
+            scratch = s.prefill(s_q, p.mode != "bf16")
+        launches.append(Launch(kernel, (t0, t1), (r0, r1), batch, s_q, scratch))
+    return launches
+
+
+
+class CachedPolicies:
+    """Both policies for a stream of steps, memoised per step shape.
+
+    Neither policy reads a decode's context length (the decode kernel
+    attends to top-k slots, whatever the context; gathers, the indexer and
+    prefill routes see prefills only), so steps that differ only there cost
+    the same, and decode-only steps repeat a handful of shapes.
+    """
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self, scratches: Scratches) -> None:
+        self.scratches = scratches
+        self._cache: dict[tuple[int, tuple[int, ...], tuple[int, ...]], tuple[Outcome, Outcome]] = {}
+
+    def __call__(self, step: Step) -> tuple[Outcome, Outcome]:
+        d = step.num_decodes
+        key = (d, tuple(step.query_lens), tuple(step.context_lens[d:]))
+        hit = self._cache.get(key)
+        if hit is None:
+            if len(self._cache) >= self.MAX_ENTRIES:
+                self._cache.clear()
+            hit = self._cache[key] = (stock(step, self.scratches), planned(step, self.scratches))
+        return hit

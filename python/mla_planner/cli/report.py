@@ -1,0 +1,105 @@
+"""What `simulate` writes: a Markdown report, the PNG, a per-step CSV and a
+JSON summary (the last two so tools and tests can check the first two)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from .atomic import AtomicFiles
+from .config import PlannerConfig
+from .records import PERCENTILES, POLICIES, Records
+from .units import format_bytes
+
+FILES = {"report": "simulate.md", "plot": "simulate.png", "steps": "simulate_steps.csv", "summary": "simulate_summary.json"}
+ROUTE_NAMES = {"dense_mha": "dense MHA", "masked_mha": "masked MHA", "sparse_mqa": "sparse MQA"}
+
+
+def _rows(s: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(metric, stock, planned) rows shared by the terminal and the report."""
+
+    def both(fmt: Any) -> tuple[str, str]:
+        return fmt(s["stock"]), fmt(s["planned"])
+
+    rows = [("peak scratch, worst step", *both(lambda p: format_bytes(p["peak_bytes"]["max"])))]
+    for q in PERCENTILES:
+        rows.append((f"peak scratch, p{q:g}", *both(lambda p, q=q: format_bytes(p["peak_bytes"][f"p{q:g}"]))))
+    rows += [
+        ("peak scratch, mean", *both(lambda p: format_bytes(int(p["peak_bytes"]["mean"])))),
+        (f"steps over the {format_bytes(s['budget_bytes'])} budget", *both(lambda p: f"{p['over_budget_steps']:,}")),
+        (f"steps over the {format_bytes(s['headroom_bytes'])} headroom (OOM)", *both(lambda p: f"{p['over_headroom_steps']:,}")),
+        ("steps over the int32 stride limit", *both(lambda p: f"{p['hard_failure_steps']['int32_stride']:,}")),
+        ("steps over the CUDA grid limit", *both(lambda p: f"{p['hard_failure_steps']['grid']:,}")),
+        ("steps failing vLLM's workspace assert", *both(lambda p: f"{p['hard_failure_steps']['workspace_assert']:,}")),
+        ("steps that fail (any of the above but budget)", *both(lambda p: f"{p['failed_steps']:,}")),
+        ("kernel launches per step, mean", *both(lambda p: f"{p['launches_per_step']['mean']:.2f}")),
+        ("kernel launches per step, max", *both(lambda p: f"{p['launches_per_step']['max']:,}")),
+    ]
+    for route, name in ROUTE_NAMES.items():
+        rows.append((f"prefill tokens via {name}", *both(lambda p, r=route: f"{p['prefill_share_by_route'][r]:.1%}")))
+    return rows
+
+
+def _header(s: dict[str, Any]) -> list[str]:
+    c = s["config"]
+    return [
+        f"trace: {s['trace']}, {s['steps']:,} steps",
+        f"model: {c['num_heads']} heads per rank ({c['heads_from']}), {c['kv_dtype']} KV, {c['arch']} with {c['num_sms']} SMs",
+        f"path:  {c['vllm_path']}",
+    ]
+
+
+def terminal_summary(s: dict[str, Any]) -> str:
+    rows = [("", "stock vLLM 0.26", "mla-planner"), *_rows(s)]
+    w0, w1, w2 = (max(len(r[i]) for r in rows) for i in range(3))
+    lines = _header(s) + [""] + [f"  {a:<{w0}}  {b:>{w1}}  {c:>{w2}}" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def markdown(s: dict[str, Any], cfg: PlannerConfig) -> str:
+    lines = ["# mla-planner simulate", "", *(f"- {h}" for h in _header(s)), ""]
+    lines += [
+        "Scratch = the bytes of the step's largest sparse-attention kernel launch (split-KV accumulators,",
+        "padded q, outputs the kernel allocates). Stock = vLLM 0.26 as shipped; planned = mla-planner",
+        f"under a {format_bytes(cfg.budget_bytes)} budget per launch. A step over the headroom is an OOM in",
+        "production; a step over a hard limit raises in the kernel whatever the memory.",
+        "",
+        "| | stock vLLM 0.26 | mla-planner |",
+        "|---|---:|---:|",
+        *(f"| {a} | {b} | {c} |" for a, b, c in _rows(s)),
+        "",
+        f"![per-step scratch]({FILES['plot']})",
+        "",
+        f"Per-step figures: [{FILES['steps']}]({FILES['steps']}); summary: [{FILES['summary']}]({FILES['summary']}).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def steps_csv(rec: Records) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["step", "tokens", "prefill_tokens"] + [f"{p}_{c}" for p in POLICIES for c in ("bytes", "launches", "failure")])
+    st, pl = rec.policies["stock"], rec.policies["planned"]
+    for i in range(len(rec)):
+        w.writerow([i + 1, rec.tokens[i], rec.prefill_tokens[i], st.peak_bytes[i], st.launches[i], st.failures[i],
+                    pl.peak_bytes[i], pl.launches[i], pl.failures[i]])
+    return buf.getvalue()
+
+
+def write_all(files: AtomicFiles, out: Path, rec: Records, s: dict[str, Any], cfg: PlannerConfig, *, plot: bool) -> list[Path]:
+    paths = {k: out / v for k, v in FILES.items()}
+    files.write_bytes(paths["summary"], (json.dumps(s, indent=2) + "\n").encode())
+    files.write_bytes(paths["steps"], steps_csv(rec).encode())
+    if plot:
+        from .plot import render_png  # matplotlib takes a while to import; only here
+
+        title = f"{s['trace']}: {s['config']['num_heads']} heads per rank, {s['config']['mode']}"
+        files.write_bytes(paths["plot"], render_png(rec, budget_bytes=cfg.budget_bytes, headroom_bytes=s["headroom_bytes"], title=title))
+    else:
+        del paths["plot"]
+    files.write_bytes(paths["report"], markdown(s, cfg).encode())
+    return list(paths.values())

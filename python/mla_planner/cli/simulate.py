@@ -1,0 +1,102 @@
+"""`mla-planner simulate`: replay a trace under stock vLLM and the planner."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import ExitStack
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from mla_planner import data
+
+from . import config, policies, report
+from .atomic import atomic_files
+from .config import CliError, PlannerConfig
+from .records import POLICIES, Records, summarise
+from .steps import read_trace
+from .units import GIB
+
+DEFAULT_OUT = Path("mla-planner-report")
+# An assumption, not a measurement: what a deployment leaves free after
+# weights, KV cache and activations. Pass your own.
+DEFAULT_HEADROOM_GIB = 4.0
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser(
+        "simulate",
+        help="replay a workload trace under stock vLLM and under the planner",
+        description=(
+            "Replay a JSON Lines trace (one scheduler step per line; format in docs/cli.md) under stock "
+            "vLLM 0.26 and under mla-planner. With no TRACE: the built-in default workload."
+        ),
+    )
+    p.add_argument("trace", nargs="?", type=Path, help="trace file (.jsonl, or .jsonl.gz); default: built-in workload")
+    config.add_options(p)
+    p.add_argument(
+        "--headroom-gib",
+        type=float,
+        default=DEFAULT_HEADROOM_GIB,
+        help="GPU memory free for attention scratch; steps needing more are OOMs (default %(default)s)",
+    )
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the report, plot and data (default ./%(default)s)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG (faster for huge traces)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def replay(steps: Any, cfg: PlannerConfig, progress: tqdm[Any] | None = None) -> Records:
+    """Both policies over every step. ValueError from the planner names the step."""
+    both = policies.CachedPolicies(policies.Scratches(cfg))
+    rec = Records()
+    stock_rec, planned_rec = rec.policies["stock"], rec.policies["planned"]
+    for i, step in enumerate(steps):
+        try:
+            stock, planned = both(step)
+            stock_rec.add(stock)
+            planned_rec.add(planned)
+        except ValueError as e:
+            raise CliError(f"step {i + 1}: {e}") from None
+        rec.tokens.append(step.num_tokens)
+        rec.prefill_tokens.append(step.prefill_tokens)
+        if progress is not None:
+            progress.update()
+    return rec
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = PlannerConfig.from_args(args)
+    if args.headroom_gib <= 0:
+        raise CliError("--headroom-gib must be > 0")
+    headroom = int(args.headroom_gib * GIB)
+    with ExitStack() as stack:
+        if args.trace is None:
+            path = stack.enter_context(resources.as_file(resources.files(data) / data.DEFAULT_TRACE))
+            label = f"built-in default workload (mla_planner/data/{data.DEFAULT_TRACE})"
+        else:
+            path, label = args.trace, str(args.trace)
+        bar = stack.enter_context(
+            tqdm(desc="simulating", unit=" steps", file=sys.stderr, disable=args.quiet or not sys.stderr.isatty())
+        )
+        rec = replay(read_trace(path, label), cfg, bar)
+    if not len(rec):
+        raise CliError(f"{label}: no steps")
+    summary = {
+        "trace": label,
+        "steps": len(rec),
+        "headroom_bytes": headroom,
+        "budget_bytes": cfg.budget_bytes,
+        "config": {"num_heads": cfg.num_heads, "heads_from": cfg.heads_from, "mode": cfg.mode, "vllm_path": cfg.vllm_path,
+                   "kv_dtype": cfg.kv_dtype, "arch": cfg.arch, "num_sms": cfg.num_sms, "topk": cfg.topk,
+                   "masked_mha": cfg.masked_mha, "max_model_len": cfg.max_model_len},
+        **{p: summarise(rec.policies[p], budget_bytes=cfg.budget_bytes, headroom_bytes=headroom) for p in POLICIES},
+    }
+    with atomic_files() as files:
+        written = report.write_all(files, args.out, rec, summary, cfg, plot=not args.no_plot)
+    print(report.terminal_summary(summary))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0

@@ -1,0 +1,71 @@
+"""`mla-planner trace gen`: write a seeded, reproducible workload trace."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import sys
+from pathlib import Path
+from typing import BinaryIO
+
+from . import tracegen
+from .atomic import atomic_files
+from .config import CliError
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser("trace", help="make workload traces")
+    sub = p.add_subparsers(dest="trace_command", metavar="SUBCOMMAND", required=True)
+    gen = sub.add_parser(
+        "gen",
+        help="generate a trace: chat turns, long documents, steady decodes",
+        description="Generate a JSON Lines trace (one scheduler step per line; format in docs/cli.md).",
+    )
+    gen.add_argument("-o", "--output", type=Path, help="file to write (.gz: gzip-compressed); default stdout")
+    gen.add_argument("--steps", type=int, default=3000, help="scheduler steps (default 3000)")
+    gen.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    gen.add_argument(
+        "--max-num-batched-tokens",
+        default=",".join(map(str, tracegen.DEFAULT_BATCHED_TOKENS)),
+        help="token budget per step; a list runs the values as equal phases in order (default %(default)s)",
+    )
+    gen.add_argument("--max-num-seqs", type=int, default=tracegen.Mix.max_num_seqs, help="most running requests (default %(default)s)")
+    gen.add_argument("--chat-per-step", type=float, default=tracegen.Mix.chat_per_step, help="mean chat turns arriving per step (default %(default)s)")
+    gen.add_argument("--docs-per-step", type=float, default=tracegen.Mix.doc_per_step, help="mean long documents arriving per step (default %(default)s)")
+    gen.set_defaults(run=run_gen)
+
+
+def _batched_tokens(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise CliError(f"--max-num-batched-tokens: {text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise CliError("--max-num-batched-tokens values must be >= 1")
+    return values
+
+
+def run_gen(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise CliError("--steps must be >= 1")
+    if args.max_num_seqs < 1 or args.chat_per_step < 0 or args.docs_per_step < 0:
+        raise CliError("--max-num-seqs must be >= 1 and arrival rates >= 0")
+    mix = tracegen.Mix(chat_per_step=args.chat_per_step, doc_per_step=args.docs_per_step, max_num_seqs=args.max_num_seqs)
+    steps = tracegen.generate(args.steps, args.seed, _batched_tokens(args.max_num_batched_tokens), mix)
+    lines = (step.to_json() + "\n" for step in steps)
+    if args.output is None:
+        sys.stdout.writelines(lines)
+        return 0
+
+    def fill(f: BinaryIO) -> None:
+        if args.output.suffix == ".gz":
+            # mtime 0 and no name: the same seed gives the same bytes.
+            with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0, compresslevel=9) as z:
+                z.writelines(line.encode() for line in lines)
+        else:
+            f.writelines(line.encode() for line in lines)
+
+    with atomic_files() as files:
+        files.write(args.output, fill)
+    print(f"wrote {args.steps:,} steps to {args.output}", file=sys.stderr)
+    return 0

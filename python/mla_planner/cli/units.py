@@ -1,0 +1,30 @@
+"""Byte sizes as people type and read them."""
+
+from __future__ import annotations
+
+import re
+
+UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+GIB = UNITS["GiB"]
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB)?\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """``"1GiB"``, ``"512 MiB"``, ``"1.5GiB"`` or ``"1073741824"`` -> bytes.
+
+    Only binary units: ``GB`` is ambiguous (10**9 or 2**30), so it is refused
+    rather than guessed.
+    """
+    m = _SIZE.match(text)
+    if m is None:
+        raise ValueError(f"{text!r} is not a size: use a number with B, KiB, MiB or GiB, e.g. 1GiB or 512MiB")
+    return int(float(m.group(1)) * UNITS[m.group(2) or "B"])
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable binary size: ``1.00 GiB``, ``956.4 MiB``, ``12 B``."""
+    for unit in ("GiB", "MiB", "KiB"):
+        if abs(n) >= UNITS[unit]:
+            value = n / UNITS[unit]
+            return f"{value:.2f} {unit}" if unit == "GiB" else f"{value:.1f} {unit}"
+    return f"{n} B"
