@@ -74,8 +74,12 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     if args.json:
         print(json.dumps(to_json(step, cfg, planned, stock), indent=2))
-    else:
-        print("\n".join(to_text(step, cfg, planned, stock)))
+        return 0
+    one_launch = None
+    if cfg.mode == "mixed_batch" and planned.launches:
+        sparse_tokens = sum(x.s_q for x in planned.launches)
+        one_launch = scratches.decode(1, sparse_tokens, True).total_bytes
+    print("\n".join(to_text(step, cfg, planned, stock, one_launch)))
     return 0
 
 
@@ -152,7 +156,7 @@ def to_json(step: Step, cfg: PlannerConfig, planned: Outcome, stock: Outcome) ->
 def _table(launches: list[Launch]) -> list[str]:
     names = [b for b in BUFFER_ORDER if any(b in x.scratch.buffers for x in launches)]
     names += sorted({b for x in launches for b in x.scratch.buffers} - set(names))
-    header = ["#", "kernel", "tokens", "requests", "b x s_q", *names, "total"]
+    header = ["#", "kernel", "tokens [a,b)", "requests [a,b)", "b x s_q", *names, "total"]
     rows = [header]
     for i, x in enumerate(launches):
         buf = x.scratch.buffers
@@ -171,10 +175,11 @@ def _table(launches: list[Launch]) -> list[str]:
     return ["  " + "  ".join(cell.rjust(w) if i > 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths))) for r in rows]
 
 
-def _bound_text(bound: str, cfg: PlannerConfig) -> str:
+def _bound_text(bound: str, cfg: PlannerConfig, one_launch_bytes: int | None) -> str:
+    would_need = f" (one launch of every sparse token would need {format_bytes(one_launch_bytes)})" if one_launch_bytes else ""
     return {
-        "none": "nothing: every run of sparse tokens fits one launch",
-        "budget": f"the {format_bytes(cfg.budget_bytes)} budget",
+        "none": "every run of sparse tokens fits one launch",
+        "budget": f"the {format_bytes(cfg.budget_bytes)} budget{would_need}",
         "int32_stride": "FlashMLA's int32 stride check (s_q x padded heads x 576 <= 2^31 - 1)",
         "grid": "the CUDA grid limit (s_q <= 65,535)",
     }[bound]
@@ -184,7 +189,13 @@ def _launch_word(n: int) -> str:
     return f"{n} launch" + ("" if n == 1 else "es")
 
 
-def to_text(step: Step, cfg: PlannerConfig, planned: Outcome, stock: Outcome) -> list[str]:
+def _launches_text(launches: list[Launch]) -> list[str]:
+    return _table(launches) if launches else ["  none: no token of this step goes through the sparse kernels"]
+
+
+def to_text(step: Step, cfg: PlannerConfig, planned: Outcome, stock: Outcome, one_launch_bytes: int | None = None) -> list[str]:
+    """The human-readable plan. `one_launch_bytes`: what the step's sparse
+    tokens would need in a single launch, to explain a budget bound."""
     p = planned.plan
     assert p is not None
     n, d = len(step.query_lens), step.num_decodes
@@ -206,17 +217,18 @@ def to_text(step: Step, cfg: PlannerConfig, planned: Outcome, stock: Outcome) ->
         out.append("")
     peak_at = next((i for i, x in enumerate(planned.launches) if x.bytes == planned.peak_bytes), 0)
     out.append(f"planned (mla-planner): {_launch_word(planned.num_launches)}")
-    out += _table(planned.launches)
-    out.append(f"  peak   {format_bytes(planned.peak_bytes)} ({planned.peak_bytes:,} B), launch {peak_at}")
-    out.append(f"  bound  {p.bound}: {_bound_text(p.bound, cfg)}")
+    out += _launches_text(planned.launches)
+    at = f", launch {peak_at}" if planned.launches else ""
+    out.append(f"  peak   {format_bytes(planned.peak_bytes)} ({planned.peak_bytes:,} B){at}")
+    out.append(f"  bound  {p.bound}: {_bound_text(p.bound, cfg, one_launch_bytes)}")
     if p.indexer_peak_bytes:
         out.append(f"  indexer  {len(p.indexer_chunks)} call(s), peak logits {format_bytes(p.indexer_peak_bytes)}")
     if p.gather_workspace_bytes:
         out.append(f"  gather workspace  {format_bytes(p.gather_workspace_bytes)} in {len(p.gather_chunks)} chunk(s)")
     if planned.failure:
         out.append(f"  FAILS: {planned.failure}")
-    out += ["", f"stock vLLM 0.26: {_launch_word(stock.num_launches)}"]
-    out += _table(stock.launches) if stock.launches else []
+    out += ["", f"stock vLLM: {_launch_word(stock.num_launches)}"]
+    out += _launches_text(stock.launches)
     out.append(f"  peak   {format_bytes(stock.peak_bytes)} ({stock.peak_bytes:,} B)")
     if stock.failure:
         out.append(f"  FAILS: {stock.failure} (the step raises instead of running)")

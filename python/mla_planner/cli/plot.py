@@ -18,7 +18,7 @@ COLORS = {"stock": "tab:red", "planned": "tab:blue"}
 # Beyond this many steps, plot each bin's maximum: spikes stay visible and
 # drawing 100k-step traces stays fast.
 MAX_POINTS = 2000
-LABELS = {"stock": "stock vLLM 0.26", "planned": "mla-planner"}
+LABELS = {"stock": "stock vLLM", "planned": "mla-planner"}
 
 
 def render_png(rec: Records, *, budget_bytes: int, headroom_bytes: int, title: str) -> bytes:

@@ -43,8 +43,13 @@ def lookup(name: str) -> Preset:
         raise ValueError(f"unknown preset {name!r}; known presets: {known}") from None
 
 
-def vllm_path(num_heads: int, kv_dtype: str) -> str:
+def vllm_path(num_heads: int, kv_dtype: str, *, short: bool = False) -> str:
     """The attention path vLLM 0.26's FLASHMLA_SPARSE backend takes."""
+    if short:
+        if kv_dtype == "bf16":
+            return "bf16 sparse prefill kernel"
+        mixed = num_heads < MIN_HEADS_FOR_BF16_PREFILL
+        return "mixed batch" if mixed else "separate prefill/decode"
     if kv_dtype == "bf16":
         return "bf16: every sparse token through the BF16 sparse prefill kernel"
     if num_heads < MIN_HEADS_FOR_BF16_PREFILL:
@@ -65,9 +70,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     for preset in PRESETS.values():
-        print(f"{preset.name}  ({preset.description})")
+        print(f"--preset {preset.name}: {preset.description}")
         for tp in preset.tensor_parallel:
             heads = preset.heads_per_rank(tp)
-            print(f"  --tp {tp}: {heads:3d} heads per rank, FP8 KV -> {vllm_path(heads, 'fp8')}")
-    print("Anything else: --heads N (query heads per rank) and --topk.")
+            print(f"  --tp {tp}: {heads:3d} heads per rank; FP8 KV takes vLLM's {vllm_path(heads, 'fp8', short=True)} path")
+    print(
+        f"vLLM 0.26 runs FP8 steps in mixed batch below {MIN_HEADS_FOR_BF16_PREFILL} heads per rank, "
+        "separate prefill/decode otherwise.\nAnything else: --heads N (query heads per rank) and --topk."
+    )
     return 0

@@ -53,7 +53,7 @@ def _header(s: dict[str, Any]) -> list[str]:
 
 
 def terminal_summary(s: dict[str, Any]) -> str:
-    rows = [("", "stock vLLM 0.26", "mla-planner"), *_rows(s)]
+    rows = [("", "stock vLLM", "mla-planner"), *_rows(s)]
     w0, w1, w2 = (max(len(r[i]) for r in rows) for i in range(3))
     lines = _header(s) + [""] + [f"  {a:<{w0}}  {b:>{w1}}  {c:>{w2}}" for a, b, c in rows]
     return "\n".join(lines)
@@ -67,7 +67,7 @@ def markdown(s: dict[str, Any], cfg: PlannerConfig) -> str:
         f"under a {format_bytes(cfg.budget_bytes)} budget per launch. A step over the headroom is an OOM in",
         "production; a step over a hard limit raises in the kernel whatever the memory.",
         "",
-        "| | stock vLLM 0.26 | mla-planner |",
+        "| | stock vLLM | mla-planner |",
         "|---|---:|---:|",
         *(f"| {a} | {b} | {c} |" for a, b, c in _rows(s)),
         "",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from contextlib import ExitStack
 from importlib import resources
 from pathlib import Path
@@ -17,7 +18,7 @@ from . import config, policies, report
 from .atomic import atomic_files
 from .config import CliError, PlannerConfig
 from .records import POLICIES, Records, summarise
-from .steps import read_trace
+from .steps import Step, read_trace
 from .units import GIB
 
 DEFAULT_OUT = Path("mla-planner-report")
@@ -49,18 +50,21 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(run=run)
 
 
-def replay(steps: Any, cfg: PlannerConfig, progress: tqdm[Any] | None = None) -> Records:
-    """Both policies over every step. ValueError from the planner names the step."""
+def replay(
+    steps: Iterable[tuple[int, Step]], cfg: PlannerConfig, label: str, progress: tqdm[Any] | None = None
+) -> Records:
+    """Both policies over every (line number, step). The planner's errors
+    (e.g. a budget below one token's launch) name the trace line."""
     both = policies.CachedPolicies(policies.Scratches(cfg))
     rec = Records()
     stock_rec, planned_rec = rec.policies["stock"], rec.policies["planned"]
-    for i, step in enumerate(steps):
+    for line, step in steps:
         try:
             stock, planned = both(step)
             stock_rec.add(stock)
             planned_rec.add(planned)
         except ValueError as e:
-            raise CliError(f"step {i + 1}: {e}") from None
+            raise CliError(f"{label}:{line}: {e}") from None
         rec.tokens.append(step.num_tokens)
         rec.prefill_tokens.append(step.prefill_tokens)
         if progress is not None:
@@ -82,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         bar = stack.enter_context(
             tqdm(desc="simulating", unit=" steps", file=sys.stderr, disable=args.quiet or not sys.stderr.isatty())
         )
-        rec = replay(read_trace(path, label), cfg, bar)
+        rec = replay(read_trace(path, label), cfg, label, bar)
     if not len(rec):
         raise CliError(f"{label}: no steps")
     summary = {

@@ -133,8 +133,9 @@ def open_text(path: Path) -> IO[str]:
     return open(path, encoding="utf-8")
 
 
-def read_trace(path: Path, label: str | None = None) -> Iterator[Step]:
-    """Steps of a trace file, blank lines skipped. Errors name the file and line."""
+def read_trace(path: Path, label: str | None = None) -> Iterator[tuple[int, Step]]:
+    """(line number, step) of a trace file, blank lines skipped. Errors
+    name the file and line."""
     name = label or str(path)
     try:
         f = open_text(path)
@@ -146,7 +147,7 @@ def read_trace(path: Path, label: str | None = None) -> Iterator[Step]:
                 if not line.strip():
                     continue
                 try:
-                    yield parse_step(line)
+                    yield number, parse_step(line)
                 except ValueError as e:
                     raise CliError(f"{name}:{number}: {e}") from None
         except (OSError, EOFError, UnicodeDecodeError) as e:
