@@ -1,0 +1,131 @@
+"""The mixed-batch executor on the float32 reference provider (CPU, CI)."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import pytest
+import torch
+
+import mla_planner
+from mla_planner.executor import ALLOCATOR_RESERVE_BYTES, MixedBatchExecutor, ReferenceProvider
+from mla_planner.executor.layout import as_slots
+from mla_planner.executor.reference import sparse_attention
+from mla_planner.executor.synthetic import MixedCase, mixed_case
+
+SCALE = 576**-0.5
+UNBOUNDED = 1 << 50
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    seed = secrets.randbits(32)
+    print(f"random seed: {seed}")  # shown by pytest when the test fails
+    return torch.Generator().manual_seed(seed)
+
+
+class RecordingProvider(ReferenceProvider):
+    """The reference, remembering what each launch was given."""
+
+    def __init__(self, takes_out: bool) -> None:
+        super().__init__(takes_out)
+        self.launches: list[dict[str, Any]] = []
+
+    def sparse_decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        indices: torch.Tensor,
+        schedule: Any,
+        softmax_scale: float,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.launches.append({"q_ptr": q.data_ptr(), "q": q.clone(), "schedule": id(schedule), "out": out is not None})
+        return super().sparse_decode(q, kv_cache, indices, schedule, softmax_scale, out)
+
+
+def _run(case: MixedCase, provider: ReferenceProvider, budget: int) -> tuple[torch.Tensor, mla_planner.MixedBatchPlan]:
+    t, h, _ = case.q.shape
+    executor = MixedBatchExecutor(provider, h)
+    plan = executor.plan(t, budget, topk=case.indices.shape[1])
+    out = torch.full((t, h, 512), float("nan"))  # poison: every element must be written
+    executor.run(plan, case.q, case.kv_cache, case.indices, out)
+    assert bool(torch.isfinite(out).all()), "some output element was never written"
+    return out, plan
+
+
+def _budget_for(length: int, heads: int, in_place: bool) -> int:
+    """A budget whose plan has launches of about ``length`` tokens."""
+    return mla_planner.decode_scratch(1, length, heads, out_preallocated=in_place).total_bytes + ALLOCATOR_RESERVE_BYTES
+
+
+@pytest.mark.parametrize("heads", [16, 64, 128])
+@pytest.mark.parametrize("takes_out", [True, False], ids=["out=", "copy"])
+def test_chunked_equals_whole_and_the_reference(gen: torch.Generator, heads: int, takes_out: bool) -> None:
+    t = int(torch.randint(100, 200, (1,), generator=gen))
+    case = mixed_case(t, heads, 128, 320, gen)
+    in_place = MixedBatchExecutor(ReferenceProvider(takes_out), heads).writes_in_place
+    assert in_place == (takes_out and heads in (64, 128))
+
+    whole, whole_plan = _run(case, ReferenceProvider(takes_out), UNBOUNDED)
+    assert len(whole_plan) == 1
+    provider = RecordingProvider(takes_out)
+    chunked, plan = _run(case, provider, _budget_for(t // 3 + 7, heads, in_place))
+    assert len(plan) >= 2
+
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6 * float(whole.abs().max()))
+    expected, _ = sparse_attention(case.q, as_slots(case.kv_cache), case.indices, SCALE)
+    torch.testing.assert_close(chunked, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+    assert all(launch["out"] == in_place for launch in provider.launches)
+
+
+def test_one_schedule_per_distinct_length_and_one_reused_q_buffer(gen: torch.Generator) -> None:
+    t, heads = 299, 16
+    case = mixed_case(t, heads, 128, 256, gen)
+    provider = RecordingProvider(takes_out=True)
+    _, plan = _run(case, provider, _budget_for(140, heads, in_place=False))
+
+    lengths = (plan.chunks[:, 1] - plan.chunks[:, 0]).tolist()
+    assert len(set(lengths)) == len(plan.distinct_lengths) == 2, lengths
+    assert provider.schedules_created == 2
+    by_length: dict[int, set[int]] = {}
+    for length, launch in zip(lengths, provider.launches):
+        by_length.setdefault(length, set()).add(launch["schedule"])
+    assert all(len(ids) == 1 for ids in by_length.values()), "each length reuses its schedule"
+    assert len({launch["q_ptr"] for launch in provider.launches}) == 1, "one padded-q buffer for all launches"
+
+
+def test_head_padding_is_zero_and_real_heads_are_copied(gen: torch.Generator) -> None:
+    t, heads = 200, 16
+    case = mixed_case(t, heads, 128, 256, gen)
+    provider = RecordingProvider(takes_out=True)
+    _, plan = _run(case, provider, _budget_for(80, heads, in_place=False))
+    for (start, end), launch in zip(plan.chunks.tolist(), provider.launches):
+        q_kernel = launch["q"]
+        assert q_kernel.shape == (1, end - start, 64, 576)
+        assert torch.equal(q_kernel[0, :, :heads], case.q[start:end])
+        assert not bool(q_kernel[0, :, heads:].any()), "padded heads must stay zero"
+
+
+def test_plan_uses_the_executors_out_handling(gen: torch.Generator) -> None:
+    for takes_out, heads in [(True, 64), (False, 64), (True, 16)]:
+        executor = MixedBatchExecutor(ReferenceProvider(takes_out), heads)
+        plan = executor.plan(4096, 1 << 30)
+        for (start, end), launch_bytes in zip(plan.chunks.tolist(), plan.launch_bytes.tolist()):
+            scratch = mla_planner.decode_scratch(1, end - start, heads, out_preallocated=executor.writes_in_place)
+            assert launch_bytes == scratch.total_bytes
+            assert ("out" in scratch.buffers) == (not executor.writes_in_place)
+        assert plan.peak_bytes <= (1 << 30) - ALLOCATOR_RESERVE_BYTES
+
+
+def test_rejects_inputs_that_do_not_match_the_plan(gen: torch.Generator) -> None:
+    case = mixed_case(100, 16, 128, 128, gen)
+    executor = MixedBatchExecutor(ReferenceProvider(), 16)
+    out = torch.empty((100, 16, 512))
+    with pytest.raises(ValueError, match="plan covers"):
+        executor.run(executor.plan(99, UNBOUNDED), case.q[:100], case.kv_cache, case.indices, out)
+    with pytest.raises(ValueError, match="indices"):
+        executor.run(executor.plan(100, UNBOUNDED), case.q, case.kv_cache, case.indices.long(), out)
+    with pytest.raises(ValueError, match="num_heads"):
+        MixedBatchExecutor(ReferenceProvider(), 129)
