@@ -12,12 +12,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .records import NO_FAILURE, Records  # noqa: E402
-from .units import GIB  # noqa: E402
+from .units import GIB, format_bytes  # noqa: E402
 
 COLORS = {"stock": "tab:red", "planned": "tab:blue"}
 # Beyond this many steps, plot each bin's maximum: spikes stay visible and
 # drawing 100k-step traces stays fast.
-MAX_POINTS = 2000
+MAX_POINTS = 5000
 LABELS = {"stock": "stock vLLM", "planned": "mla-planner"}
 
 
@@ -31,7 +31,7 @@ def render_png(rec: Records, *, budget_bytes: int, headroom_bytes: int, title: s
         gib = np.frombuffer(r.peak_bytes, dtype=np.int64) / GIB
         x, y = _bin_max(steps, gib, width)
         shown = np.where(y > 0, y, np.nan)  # log axis: steps without sparse launches are left out
-        ax.plot(x, shown, lw=0.7, color=COLORS[name], label=f"{LABELS[name]}: max {gib.max(initial=0):.2f} GiB")
+        ax.plot(x, shown, lw=0.7, color=COLORS[name], label=f"{LABELS[name]}: max {format_bytes(max(r.peak_bytes, default=0))}")
         failed = np.array([f != NO_FAILURE for f in r.failures], dtype=bool)
         if failed.any():
             ax.scatter(steps[failed], gib[failed], marker="x", s=28, color=COLORS[name], zorder=3,

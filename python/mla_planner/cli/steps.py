@@ -67,9 +67,10 @@ def _parse_fast(obj: Any) -> Step | None:
         q = list(map(_QUERY_LEN, reqs))
         c = list(map(_CONTEXT_LEN, reqs))
         flags = list(map(dict.get, reqs, repeat("decode"), repeat(_MISSING)))
-        if not all(map(REQUEST_KEYS.issuperset, reqs)):
+        missing = flags.count(_MISSING)
+        if sum(map(len, reqs)) != 3 * len(reqs) - missing:  # a key beyond the three
             return None
-        if _MISSING in flags:  # "decode" left out: a one-token query is a decode
+        if missing:  # "decode" left out: a one-token query is a decode
             flags = [qi == 1 if f is _MISSING else f for qi, f in zip(q, flags)]
     except (TypeError, KeyError, AttributeError):
         return None
