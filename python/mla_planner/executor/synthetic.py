@@ -1,7 +1,8 @@
-"""Random inputs for the executors' tests and benchmark: never zeros, drawn from a seed.
+"""Random inputs for the executors' tests and benchmark: never zeros, drawn from a seeded
+generator, on the generator's device (so large GPU cases never pass through host memory).
 
-``kv`` rows are Gaussian with a per-row magnitude spread over ~e^±1, so the quantiser's
-per-tile scales differ; indices are a mix of valid slots and ``-1``.
+``kv`` rows are Gaussian, by default times a per-row magnitude ``e^(spread * N(0, 1))`` so the
+quantiser's per-tile scales differ; indices are a mix of valid slots and ``-1``.
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ class PrefillCase:
     context_lens: npt.NDArray[np.int64]
 
 
-def random_kv_rows(num_rows: int, gen: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``(num_rows, 576)`` float32 rows on ``device``."""
-    rows = torch.randn((num_rows, D_QK), generator=gen)
-    rows *= torch.exp(torch.randn((num_rows, 1), generator=gen))
-    return rows.to(device)
+def random_kv_rows(num_rows: int, gen: torch.Generator, spread: float = 1.0) -> torch.Tensor:
+    """``(num_rows, 576)`` float32 rows."""
+    rows = torch.randn((num_rows, D_QK), generator=gen, device=gen.device)
+    if spread:
+        rows *= torch.exp(spread * torch.randn((num_rows, 1), generator=gen, device=gen.device))
+    return rows
 
 
-def random_q(num_tokens: int, num_heads: int, gen: torch.Generator, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    return torch.randn((num_tokens, num_heads, D_QK), generator=gen).to(device=device, dtype=dtype)
+def random_q(num_tokens: int, num_heads: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn((num_tokens, num_heads, D_QK), generator=gen, device=gen.device, dtype=dtype)
 
 
 def mixed_case(
@@ -52,16 +54,16 @@ def mixed_case(
     gen: torch.Generator,
     *,
     dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
     unused_fraction: float = 0.1,
+    spread: float = 1.0,
 ) -> MixedCase:
     """A mixed batch: ``num_slots`` (a multiple of 64) quantised cache slots, top-k slots drawn
     uniformly per token, ``unused_fraction`` of them ``-1``."""
-    kv_cache = as_pages(quantize_fp8_ds_mla(random_kv_rows(num_slots, gen, device)))
-    indices = torch.randint(0, num_slots, (num_tokens, topk), generator=gen, dtype=torch.int32)
-    indices[torch.rand((num_tokens, topk), generator=gen) < unused_fraction] = -1
-    q = random_q(num_tokens, num_heads, gen, dtype, device)
-    return MixedCase(q, kv_cache, indices.to(device))
+    dev = gen.device
+    kv_cache = as_pages(quantize_fp8_ds_mla(random_kv_rows(num_slots, gen, spread)))
+    indices = torch.randint(0, num_slots, (num_tokens, topk), generator=gen, device=dev, dtype=torch.int32)
+    indices.masked_fill_(torch.rand((num_tokens, topk), generator=gen, device=dev) < unused_fraction, -1)
+    return MixedCase(random_q(num_tokens, num_heads, gen, dtype), kv_cache, indices)
 
 
 def prefill_case(
@@ -72,8 +74,8 @@ def prefill_case(
     gen: torch.Generator,
     *,
     dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
     unused_fraction: float = 0.1,
+    spread: float = 1.0,
 ) -> PrefillCase:
     """Prefill requests whose KV (context + new tokens) sits on shuffled pages of one cache; a
     token at position ``p`` names ``topk`` positions drawn from ``[0, p]``."""
@@ -81,16 +83,17 @@ def prefill_case(
     seq_lens = qlens + clens
     pages_per_request = -(-seq_lens // PAGE_SIZE)
     num_pages = int(pages_per_request.sum())
-    kv_cache = as_pages(quantize_fp8_ds_mla(random_kv_rows(num_pages * PAGE_SIZE, gen, device)))
-    order = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    dev = gen.device
+    kv_cache = as_pages(quantize_fp8_ds_mla(random_kv_rows(num_pages * PAGE_SIZE, gen, spread)))
+    order = torch.randperm(num_pages, generator=gen, device=dev).to(torch.int32).cpu()
     block_table = torch.full((len(qlens), int(pages_per_request.max(initial=1))), -1, dtype=torch.int32)
     first = 0
     for r, n in enumerate(pages_per_request.tolist()):
         block_table[r, :n] = order[first : first + n]
         first += n
-    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(clens.tolist(), qlens.tolist())]) if len(qlens) else torch.zeros(0)
-    draws = torch.rand((len(positions), topk), generator=gen)
+    positions = torch.cat([torch.arange(c, c + n, device=dev) for c, n in zip(clens.tolist(), qlens.tolist())])
+    draws = torch.rand((len(positions), topk), generator=gen, device=dev)
     indices = (draws * (positions.unsqueeze(1) + 1)).floor().to(torch.int32)
-    indices[torch.rand((len(positions), topk), generator=gen) < unused_fraction] = -1
-    q = random_q(len(positions), num_heads, gen, dtype, device)
-    return PrefillCase(q, kv_cache, block_table.to(device), indices.to(device), qlens, clens)
+    indices.masked_fill_(torch.rand((len(positions), topk), generator=gen, device=dev) < unused_fraction, -1)
+    q = random_q(len(positions), num_heads, gen, dtype)
+    return PrefillCase(q, kv_cache, block_table.to(dev), indices, qlens, clens)

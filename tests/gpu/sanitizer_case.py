@@ -1,0 +1,46 @@
+"""One small chunked mixed-batch run and one separate-prefill run with a split request, on the
+real kernels; run under ``compute-sanitizer --tool memcheck`` by test_gpu_sanitizer.py.
+
+    python tests/gpu/sanitizer_case.py [flash_mla|vllm]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import mla_planner
+from mla_planner.executor import ALLOCATOR_RESERVE_BYTES, MixedBatchExecutor, SeparatePrefillExecutor, get_provider
+from mla_planner.executor.synthetic import mixed_case, prefill_case
+
+TOPK = 512
+HEADS = 16
+
+
+def main(provider_name: str) -> None:
+    provider = get_provider(provider_name)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    mixed = MixedBatchExecutor(provider, HEADS)
+    budget = mla_planner.decode_scratch(1, 100, HEADS).total_bytes + ALLOCATOR_RESERVE_BYTES
+    plan = mixed.plan(300, budget, topk=TOPK)
+    assert len(plan) > 1, plan
+    case = mixed_case(300, HEADS, TOPK, 1024, gen, dtype=torch.bfloat16)
+    out = torch.empty((300, HEADS, 512), dtype=torch.bfloat16, device="cuda")
+    mixed.run(plan, case.q, case.kv_cache, case.indices, out)
+
+    prefill = SeparatePrefillExecutor(provider, HEADS)
+    qlens, clens = [100, 200], [50, 400]
+    chunks = prefill.plan(qlens, clens, 256)
+    pcase = prefill_case(qlens, clens, HEADS, TOPK, gen, dtype=torch.bfloat16)
+    pout = torch.empty((300, HEADS, 512), dtype=torch.bfloat16, device="cuda")
+    prefill.run(chunks, pcase.q, pcase.kv_cache, pcase.block_table, qlens, clens, pcase.indices, pout)
+
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(pout).all())
+    print(f"sanitizer case ok: {len(plan)} decode launches, {len(chunks)} gather chunks")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "flash_mla")
