@@ -176,6 +176,7 @@ def test_plan_presets_state_the_vllm_path() -> None:
         (["--query-lens", "1,x"], "not a comma-separated list"),
         (["--heads", "16", "--preset", "glm-5"], "not both"),
         (["--masked-mha"], "--masked-mha needs --arch sm100"),
+        (["--heads", "200"], "must be between 1 and 128"),  # refused by the planner core
     ],
 )
 def test_plan_bad_input(args: list[str], message: str) -> None:
@@ -214,6 +215,13 @@ def test_trace_gen_follows_the_scheduler_model() -> None:
     assert big_steps > 0  # long documents arrive and take the bigger budget
     # Chunked prefill carries context: some prefill chunk starts mid-prompt.
     assert any(r["context_len"] >= 8192 and not r["decode"] for reqs in steps for r in reqs)
+
+
+def test_trace_gen_bad_input(tmp_path: Path) -> None:
+    out = tmp_path / "t.jsonl"
+    assert "--steps must be >= 1" in bad_input("trace", "gen", "--steps", "0", "-o", str(out))
+    assert "not a comma-separated list" in bad_input("trace", "gen", "--max-num-batched-tokens", "8k", "-o", str(out))
+    assert not out.exists()
 
 
 # --- simulate -------------------------------------------------------------------

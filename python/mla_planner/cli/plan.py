@@ -66,7 +66,7 @@ def step_from_args(args: argparse.Namespace) -> Step:
 def run(args: argparse.Namespace) -> int:
     cfg = PlannerConfig.from_args(args)
     step = step_from_args(args)
-    scratches = Scratches(cfg)
+    scratches = Scratches(cfg)  # refuses a config the planner core refuses
     try:
         planned = policies.planned(step, scratches, detail=True)
         stock = policies.stock(step, scratches)

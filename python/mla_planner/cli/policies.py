@@ -33,7 +33,7 @@ from mla_planner import (
     split_prefill_chunks,
 )
 
-from .config import PlannerConfig
+from .config import CliError, PlannerConfig
 from .steps import Step
 
 ROUTES = ("dense_mha", "masked_mha", "sparse_mqa")
@@ -73,6 +73,12 @@ class Scratches:
     launch shapes, and the planner's Python call is the cost here."""
 
     def __init__(self, cfg: PlannerConfig) -> None:
+        try:
+            self._setup(cfg)
+        except ValueError as e:  # the core refuses the config (heads, topk, SMs...)
+            raise CliError(str(e)) from None
+
+    def _setup(self, cfg: PlannerConfig) -> None:
         self.cfg = cfg
         self.decode = lru_cache(maxsize=8192)(self._decode)
         self.prefill = lru_cache(maxsize=8192)(self._prefill)
@@ -109,6 +115,7 @@ def _route_tokens(step: Step, groups_req: npt.NDArray[np.int64], routes: Sequenc
 
 
 def stock(step: Step, s: Scratches) -> Outcome:
+    """The kernel calls vLLM makes for this step as shipped (module docstring)."""
     cfg, d = s.cfg, step.num_decodes
     q, c = step.query_lens, step.context_lens
     starts = [0, *accumulate(q)]
