@@ -359,20 +359,25 @@ def test_simulate_other_bad_input_writes_nothing(tmp_path: Path) -> None:
 
 
 def test_simulate_ctrl_c_stops_cleanly(tmp_path: Path) -> None:
-    trace = tmp_path / "long.jsonl"
-    trace.write_text('{"requests":[{"query_len":1,"context_len":5,"decode":true}]}\n' * 2_000_000)
+    # A FIFO as the trace: opening it for writing returns once `simulate` has
+    # opened it (past its imports), and the replay then waits for more steps.
+    trace = tmp_path / "trace.fifo"
+    os.mkfifo(trace)
     out = tmp_path / "out"
     p = subprocess.Popen(
         [sys.executable, "-m", "mla_planner.cli", "simulate", str(trace), "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    time.sleep(2.0)  # past the imports, into the replay
-    assert p.poll() is None, "the replay finished before the interrupt"
-    p.send_signal(signal.SIGINT)
-    stdout, stderr = p.communicate(timeout=30)
+    with open(trace, "w") as f:
+        f.write('{"requests":[{"query_len":8192,"context_len":0}]}\n' * 100)
+        f.flush()
+        time.sleep(0.5)
+        assert p.poll() is None
+        p.send_signal(signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=30)
     assert p.returncode == 130, stderr
     assert "interrupted" in stderr and "Traceback" not in stderr
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists()
 
 
 def test_simulate_output_is_replaced_whole(tmp_path: Path) -> None:
