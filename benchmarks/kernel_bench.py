@@ -1,0 +1,145 @@
+"""Mixed-batch FP8 sparse decode on the real kernels: one call vs the planner's chunks.
+
+For T in {4K, 16K, 32K, 64K} tokens x budget in {unbounded, 2 GiB, 1 GiB, 256 MiB}: the
+planner's predicted peak, the allocator's measured peak (inputs and output excluded), and the
+median wall time of the whole executor run over --runs repeats (CUDA events, after warm-up).
+Configurations of one T are timed round-robin, so clock and thermal drift hit all of them alike.
+"Unbounded" is the single call; 64K tokens cannot run as one call (int32 stride limit): n/a.
+
+    python benchmarks/kernel_bench.py --out docs/kernel_bench.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import mla_planner
+from mla_planner.executor import MixedBatchExecutor, get_provider
+from mla_planner.executor.synthetic import MixedCase, mixed_case
+
+MiB, GiB = 1 << 20, 1 << 30
+UNBOUNDED = 1 << 50
+BUDGETS = {"unbounded": UNBOUNDED, "2 GiB": 2 * GiB, "1 GiB": GiB, "256 MiB": 256 * MiB}
+
+
+@dataclass
+class Row:
+    tokens: int
+    budget: str
+    plan: mla_planner.MixedBatchPlan | None
+    note: str = ""
+    measured: int = 0
+    times_ms: list[float] = field(default_factory=list)
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times_ms) if self.times_ms else float("nan")
+
+
+def peak_delta_bytes(run: Callable[[], None]) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def bench_tokens(executor: MixedBatchExecutor, tokens: int, args: argparse.Namespace, gen: torch.Generator) -> list[Row]:
+    rows = []
+    max_tokens, bound = mla_planner.max_tokens_per_launch(executor.num_heads)
+    for name, budget in BUDGETS.items():
+        if budget == UNBOUNDED and tokens > max_tokens:
+            rows.append(Row(tokens, name, None, f"n/a: one call is over the {bound} limit ({max_tokens} tokens)"))
+        else:
+            rows.append(Row(tokens, name, executor.plan(tokens, budget, topk=args.topk)))
+
+    case: MixedCase = mixed_case(tokens, executor.num_heads, args.topk, args.cache_slots, gen, dtype=torch.bfloat16)
+    out = torch.empty((tokens, executor.num_heads, 512), dtype=torch.bfloat16, device="cuda")
+
+    def runner(plan: mla_planner.MixedBatchPlan) -> Callable[[], None]:
+        return lambda: executor.run(plan, case.q, case.kv_cache, case.indices, out)
+
+    runs = [(row, runner(row.plan)) for row in rows if row.plan is not None]
+    for row, run in runs:
+        for _ in range(args.warmup):
+            run()
+        row.measured = peak_delta_bytes(run)
+    for _ in range(args.runs):
+        for row, run in runs:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            row.times_ms.append(start.elapsed_time(end))
+    return rows
+
+
+def markdown(rows: list[Row], header: str) -> str:
+    lines = [
+        header, "",
+        "| tokens | budget | launches (lengths) | predicted peak MiB | measured peak MiB | median ms | vs one call |",
+        "|---:|---|---|---:|---:|---:|---:|",
+    ]
+    single = {row.tokens: row.median_ms for row in rows if row.budget == "unbounded" and row.plan is not None}
+    for row in rows:
+        if row.plan is None:
+            lines.append(f"| {row.tokens} | {row.budget} | {row.note} | n/a | n/a | n/a | n/a |")
+            continue
+        lengths = ", ".join(str(n) for n in row.plan.distinct_lengths)
+        ratio = f"{row.median_ms / single[row.tokens]:.3f}x" if row.tokens in single else "n/a"
+        lines.append(
+            f"| {row.tokens} | {row.budget} | {len(row.plan)} ({lengths}) | {row.plan.peak_bytes / MiB:.1f} "
+            f"| {row.measured / MiB:.1f} | {row.median_ms:.2f} | {ratio} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--provider", default="flash_mla", choices=["flash_mla", "vllm"])
+    parser.add_argument("--heads", type=int, default=16, help="query heads per rank (16: DeepSeek-V3.2 at TP 8)")
+    parser.add_argument("--tokens", default="4096,16384,32768,65536")
+    parser.add_argument("--topk", type=int, default=2048)
+    parser.add_argument("--cache-slots", type=int, default=65536)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="also write the Markdown table here")
+    args = parser.parse_args()
+    if args.runs < 10:
+        parser.error("--runs must be at least 10")
+    if not torch.cuda.is_available():
+        sys.exit("kernel_bench.py needs a CUDA GPU")
+
+    executor = MixedBatchExecutor(get_provider(args.provider), args.heads)
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    rows: list[Row] = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        rows.extend(bench_tokens(executor, tokens, args, gen))
+        torch.cuda.empty_cache()
+
+    header = (
+        f"Mixed-batch FP8 sparse decode, {args.provider} on {torch.cuda.get_device_name()}, torch {torch.__version__}: "
+        f"{args.heads} heads (padded to {executor.kernel_heads}), topk {args.topk}, {args.cache_slots} cache slots, "
+        f"median of {args.runs} after {args.warmup} warm-up runs.\n\n"
+        f"Command: `python benchmarks/kernel_bench.py {' '.join(sys.argv[1:])}`"
+    )
+    table = markdown(rows, header)
+    print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table)
+
+
+if __name__ == "__main__":
+    main()
