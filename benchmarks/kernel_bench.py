@@ -35,6 +35,7 @@ class Row:
     budget: str
     plan: mla_planner.MixedBatchPlan | None
     note: str = ""
+    predicted: int = 0
     measured: int = 0
     times_ms: list[float] = field(default_factory=list)
 
@@ -59,7 +60,8 @@ def bench_tokens(executor: MixedBatchExecutor, tokens: int, args: argparse.Names
         if budget == UNBOUNDED and tokens > max_tokens:
             rows.append(Row(tokens, name, None, f"n/a: one call is over the {bound} limit ({max_tokens} tokens)"))
         else:
-            rows.append(Row(tokens, name, executor.plan(tokens, budget, topk=args.topk)))
+            plan = executor.plan(tokens, budget, topk=args.topk)
+            rows.append(Row(tokens, name, plan, predicted=executor.predicted_peak_bytes(plan, topk=args.topk)))
 
     case: MixedCase = mixed_case(tokens, executor.num_heads, args.topk, args.cache_slots, gen, dtype=torch.bfloat16)
     out = torch.empty((tokens, executor.num_heads, 512), dtype=torch.bfloat16, device="cuda")
@@ -98,7 +100,7 @@ def markdown(rows: list[Row], header: str) -> str:
         lengths = ", ".join(str(n) for n in row.plan.distinct_lengths)
         ratio = f"{row.median_ms / single[row.tokens]:.3f}x" if row.tokens in single else "n/a"
         lines.append(
-            f"| {row.tokens} | {row.budget} | {len(row.plan)} ({lengths}) | {row.plan.peak_bytes / MiB:.1f} "
+            f"| {row.tokens} | {row.budget} | {len(row.plan)} ({lengths}) | {row.predicted / MiB:.1f} "
             f"| {row.measured / MiB:.1f} | {row.median_ms:.2f} | {ratio} |"
         )
     return "\n".join(lines) + "\n"

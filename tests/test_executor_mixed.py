@@ -129,3 +129,28 @@ def test_rejects_inputs_that_do_not_match_the_plan(gen: torch.Generator) -> None
         executor.run(executor.plan(100, UNBOUNDED), case.q, case.kv_cache, case.indices.long(), out)
     with pytest.raises(ValueError, match="num_heads"):
         MixedBatchExecutor(ReferenceProvider(), 129)
+
+
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_predicted_peak_counts_the_shared_q_buffer_and_fits_the_budget(heads: int) -> None:
+    executor = MixedBatchExecutor(ReferenceProvider(takes_out=False), heads)
+    for num_tokens in (1, 40, 67, 130, 173, 299, 1000, 5000):
+        for budget in (24 << 20, 40 << 20, 100 << 20, 1 << 30):
+            try:
+                plan = executor.plan(num_tokens, budget)
+            except ValueError:
+                continue  # below the minimum for one token
+            predicted = executor.predicted_peak_bytes(plan)
+            assert predicted <= budget - ALLOCATOR_RESERVE_BYTES
+            lengths = plan.distinct_lengths
+            if max(lengths) - min(lengths) <= 1 and min(lengths) >= 133:
+                assert predicted == plan.peak_bytes
+
+
+def test_an_empty_batch_is_a_no_op() -> None:
+    executor = MixedBatchExecutor(ReferenceProvider(), 16)
+    plan = executor.plan(0, 1 << 30)
+    assert len(plan) == 0 and executor.predicted_peak_bytes(plan) == 0
+    empty = torch.empty((0, 16, 576))
+    executor.run(plan, empty, torch.empty((1, 64, 1, 656), dtype=torch.uint8), torch.empty((0, 128), dtype=torch.int32),
+                 torch.empty((0, 16, 512)))

@@ -12,7 +12,9 @@ predicts:
   ``out=`` and no head padding); otherwise the kernel allocates it and its real heads are copied.
 
 Plus one FlashMLA schedule per distinct launch length (a plan has at most two): a schedule may
-only be reused by calls of the same shape.
+only be reused by calls of the same shape. :meth:`MixedBatchExecutor.predicted_peak_bytes` adds
+it up from the planner's per-buffer bytes; :meth:`MixedBatchExecutor.plan` keeps it within the
+budget.
 """
 
 from __future__ import annotations
@@ -55,16 +57,43 @@ class MixedBatchExecutor:
 
     def plan(self, num_tokens: int, budget_bytes: int, *, topk: int | None = None) -> mla_planner.MixedBatchPlan:
         """The planner's launches for this executor: its ``out`` handling, and its budget less
-        :data:`ALLOCATOR_RESERVE_BYTES`."""
+        :data:`ALLOCATOR_RESERVE_BYTES`, so that :meth:`predicted_peak_bytes` fits the budget."""
+        usable = budget_bytes - ALLOCATOR_RESERVE_BYTES
+        plan = self._plan(num_tokens, usable, topk)
+        # The shared q buffer only matters when launch lengths differ by more than one token,
+        # which happens below 133 tokens (non-monotonic scratch); there, tighten and re-plan.
+        for _ in range(8):
+            excess = self.predicted_peak_bytes(plan, topk=topk) - usable
+            if excess <= 0:
+                return plan
+            plan = self._plan(num_tokens, plan.peak_bytes - excess, topk)
+        raise ValueError(f"no plan of {num_tokens} tokens keeps the shared q buffer within {budget_bytes} bytes")
+
+    def _plan(self, num_tokens: int, budget_bytes: int, topk: int | None) -> mla_planner.MixedBatchPlan:
         return mla_planner.plan_mixed_batch(
             num_tokens,
             num_heads=self.num_heads,
-            budget_bytes=budget_bytes - ALLOCATOR_RESERVE_BYTES,
+            budget_bytes=budget_bytes,
             arch=self.arch,
             num_sms=self.num_sms,
             topk=topk,
             out_preallocated=self.writes_in_place,
         )
+
+    def predicted_peak_bytes(self, plan: mla_planner.MixedBatchPlan, *, topk: int | None = None) -> int:
+        """What :meth:`run` allocates at its peak, from the planner's per-buffer bytes: the
+        kernel's buffers of each launch plus the padded-q buffer of the *longest* launch, held
+        throughout. Equal to ``plan.peak_bytes`` unless the launch lengths differ by more than
+        one token below 133 tokens."""
+        if not plan.distinct_lengths:
+            return 0
+        scratch = [
+            mla_planner.decode_scratch(1, n, self.num_heads, arch=self.arch, num_sms=self.num_sms, topk=topk,
+                                       out_preallocated=self.writes_in_place)
+            for n in plan.distinct_lengths
+        ]
+        held_q = scratch[plan.distinct_lengths.index(max(plan.distinct_lengths))].buffers.get("q_padded", 0)
+        return held_q + max(s.total_bytes - s.buffers.get("q_padded", 0) for s in scratch)
 
     def run(
         self,
@@ -77,6 +106,8 @@ class MixedBatchExecutor:
         """Attend q ``(T, H, 576)`` over kv_cache ``(pages, page_size, 1, 656)`` uint8 at indices
         ``(T, topk)`` int32 slots (``-1`` unused), writing out ``(T, H, 512)``."""
         self._check(plan, q, kv_cache, indices, out)
+        if len(plan) == 0:
+            return
         lengths = plan.chunks[:, 1] - plan.chunks[:, 0]
         q_padded = None
         if self.kernel_heads != self.num_heads:
@@ -130,6 +161,6 @@ class MixedBatchExecutor:
         if kv_cache.dim() != 4 or kv_cache.shape[2:] != (1, FP8_BYTES_PER_TOKEN) or kv_cache.dtype != torch.uint8:
             raise ValueError(f"kv_cache must be (pages, page_size, 1, {FP8_BYTES_PER_TOKEN}) uint8, got {tuple(kv_cache.shape)}")
         chunks = plan.chunks
-        if len(chunks) == 0 or chunks[0, 0] != 0 or chunks[-1, 1] != t:
-            raise ValueError(f"the plan covers tokens [{chunks[0, 0] if len(chunks) else 0}, "
-                             f"{chunks[-1, 1] if len(chunks) else 0}), the batch has {t}")
+        covered = (int(chunks[0, 0]), int(chunks[-1, 1])) if len(chunks) else (0, 0)
+        if covered != (0, t):
+            raise ValueError(f"the plan covers tokens [{covered[0]}, {covered[1]}), the batch has {t}")
