@@ -3,8 +3,8 @@ top-k indices from request positions -> workspace rows.
 
 Plain torch (vLLM does the gather with its own ``cp_gather_and_upconvert_fp8_kv_cache``). Work
 goes in blocks so the temporaries stay bounded whatever the chunk size: at most
-``GATHER_BLOCK_ROWS`` cache rows (about 12 MiB of uint8/bf16/int64 intermediates) and
-``TRANSLATE_BLOCK_TOKENS x topk`` indices (about 14 MiB at topk 2048).
+``GATHER_BLOCK_ROWS`` cache rows (about 4 KiB of intermediates per row, 16 MiB) and
+``TRANSLATE_BLOCK_TOKENS x topk`` indices (three bool masks, 6 MiB at topk 2048).
 """
 
 from __future__ import annotations
