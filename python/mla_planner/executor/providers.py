@@ -75,7 +75,7 @@ class FlashMLAProvider:
     def __init__(self, use_legacy: bool = True) -> None:
         try:
             import flash_mla
-        except (ImportError, OSError) as exc:
+        except (ImportError, OSError, RuntimeError) as exc:  # RuntimeError: torch.ops.load_library
             raise ProviderUnavailable(f"cannot import flash_mla (pip install --no-deps sgl-flash-mla==1.0.0): {exc}") from exc
         if use_legacy and not flash_mla.has_legacy():
             raise ProviderUnavailable("this flash_mla build has no legacy (SM90 / V3.2-layout) kernels")
@@ -126,7 +126,7 @@ class VllmProvider:
     def __init__(self) -> None:
         try:
             from vllm.v1.attention.ops import flashmla
-        except (ImportError, OSError) as exc:
+        except (ImportError, OSError, RuntimeError) as exc:
             raise ProviderUnavailable(f"cannot import vllm.v1.attention.ops.flashmla: {exc}") from exc
         supported, reason = flashmla.is_flashmla_sparse_supported()
         if not supported:
