@@ -96,13 +96,15 @@ fn heads(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
     u32::try_from(n).map_err(|_| PyValueError::new_err(format!("num_heads must be between 1 and 128, got {n}")))
 }
 
-fn topk_arg(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
-    let n = count(obj, "topk")?;
+/// `topk`, or DeepSeek-V3.2's 2048 when not given.
+fn topk_or_default(obj: Option<&Bound<'_, PyAny>>) -> PyResult<u32> {
+    let n = count_or(obj, "topk", u64::from(DEFAULT_TOPK))?;
     u32::try_from(n).map_err(|_| PyValueError::new_err(format!("topk is far too large: {n}")))
 }
 
-fn gpu(arch: &str, num_sms: &Bound<'_, PyAny>) -> PyResult<Gpu> {
-    let sms = count(num_sms, "num_sms")?;
+/// The GPU for `arch`, with an H200's 132 SMs unless `num_sms` is given.
+fn gpu(arch: &str, num_sms: Option<&Bound<'_, PyAny>>) -> PyResult<Gpu> {
+    let sms = count_or(num_sms, "num_sms", u64::from(H200_NUM_SMS))?;
     let sms = u32::try_from(sms).map_err(|_| PyValueError::new_err(format!("num_sms is far too large: {sms}")))?;
     Gpu::new(arch.parse::<Arch>().py()?, sms).py()
 }
@@ -163,7 +165,6 @@ impl Scratch {
 #[pyfunction]
 #[pyo3(signature = (batch, s_q, num_heads, *, arch="sm90", num_sms=None, topk=None, out_preallocated=false))]
 fn decode_scratch(
-    py: Python<'_>,
     batch: &Bound<'_, PyAny>,
     s_q: &Bound<'_, PyAny>,
     num_heads: &Bound<'_, PyAny>,
@@ -172,22 +173,15 @@ fn decode_scratch(
     topk: Option<&Bound<'_, PyAny>>,
     out_preallocated: bool,
 ) -> PyResult<Scratch> {
-    let g = gpu_or_default(py, arch, num_sms)?;
+    let g = gpu(arch, num_sms)?;
     let shape = DecodeShape {
         batch: count(batch, "batch")?,
         s_q: count(s_q, "s_q")?,
         num_heads: heads(num_heads)?,
-        topk: topk.map(topk_arg).transpose()?.unwrap_or(DEFAULT_TOPK),
+        topk: topk_or_default(topk)?,
         out_preallocated,
     };
     Ok(scratch::decode_scratch(g, shape).py()?.into())
-}
-
-fn gpu_or_default(py: Python<'_>, arch: &str, num_sms: Option<&Bound<'_, PyAny>>) -> PyResult<Gpu> {
-    match num_sms {
-        Some(n) => gpu(arch, n),
-        None => gpu(arch, &H200_NUM_SMS.into_pyobject(py)?.into_any()),
-    }
 }
 
 #[pyfunction]
@@ -202,10 +196,25 @@ fn prefill_scratch(
     let shape = PrefillShape {
         s_q: count(s_q, "s_q")?,
         num_heads: heads(num_heads)?,
-        topk: topk.map(topk_arg).transpose()?.unwrap_or(DEFAULT_TOPK),
+        topk: topk_or_default(topk)?,
         out_preallocated,
     };
     Ok(scratch::prefill_scratch(arch.parse::<Arch>().py()?, shape).py()?.into())
+}
+
+fn mask_shape(
+    batch_size: &Bound<'_, PyAny>,
+    max_query_len: &Bound<'_, PyAny>,
+    max_key_len: &Bound<'_, PyAny>,
+    reserve_key_starts_word: bool,
+) -> PyResult<scratch::MaskShape> {
+    scratch::topk_mask_shape(
+        count(batch_size, "batch_size")?,
+        count(max_query_len, "max_query_len")?,
+        count(max_key_len, "max_key_len")?,
+        reserve_key_starts_word,
+    )
+    .py()
 }
 
 #[pyfunction]
@@ -216,13 +225,7 @@ fn topk_mask_shape(
     max_key_len: &Bound<'_, PyAny>,
     reserve_key_starts_word: bool,
 ) -> PyResult<(u64, u64, u64)> {
-    let s = scratch::topk_mask_shape(
-        count(batch_size, "batch_size")?,
-        count(max_query_len, "max_query_len")?,
-        count(max_key_len, "max_key_len")?,
-        reserve_key_starts_word,
-    )
-    .py()?;
+    let s = mask_shape(batch_size, max_query_len, max_key_len, reserve_key_starts_word)?;
     Ok((s.batch, s.rows, s.words))
 }
 
@@ -234,13 +237,7 @@ fn topk_mask_bytes(
     max_key_len: &Bound<'_, PyAny>,
     reserve_key_starts_word: bool,
 ) -> PyResult<u64> {
-    scratch::topk_mask_bytes(
-        count(batch_size, "batch_size")?,
-        count(max_query_len, "max_query_len")?,
-        count(max_key_len, "max_key_len")?,
-        reserve_key_starts_word,
-    )
-    .py()
+    mask_shape(batch_size, max_query_len, max_key_len, reserve_key_starts_word)?.bytes().py()
 }
 
 #[pyfunction]
@@ -329,9 +326,9 @@ fn plan_mixed_batch(
     out_preallocated: bool,
 ) -> PyResult<MixedBatchPlan> {
     let cfg = plan::MixedBatchConfig {
-        gpu: gpu_or_default(py, arch, num_sms)?,
+        gpu: gpu(arch, num_sms)?,
         num_heads: heads(num_heads)?,
-        topk: topk.map(topk_arg).transpose()?.unwrap_or(DEFAULT_TOPK),
+        topk: topk_or_default(topk)?,
         budget_bytes: count(budget_bytes, "budget_bytes")?,
         out_preallocated,
     };
@@ -458,11 +455,13 @@ fn masked_mha_workspace_fits(
     max_context_chunk_seq_len: &Bound<'_, PyAny>,
     workspace_bytes: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<bool> {
-    let workspace_bytes = count_or(workspace_bytes, "workspace_bytes", GLOBAL_TOPK_MASK_MAX_BYTES)?;
-    let q = count(max_query_len, "max_query_len")?;
-    let k = q.max(count(max_context_chunk_seq_len, "max_context_chunk_seq_len")?);
-    let bytes = scratch::topk_mask_bytes(count(batch_size, "batch_size")?, q, k, false).py()?;
-    Ok(bytes / 4 <= workspace_bytes / 4)
+    plan::masked_mha_workspace_fits(
+        count(batch_size, "batch_size")?,
+        count(max_query_len, "max_query_len")?,
+        count(max_context_chunk_seq_len, "max_context_chunk_seq_len")?,
+        count_or(workspace_bytes, "workspace_bytes", GLOBAL_TOPK_MASK_MAX_BYTES)?,
+    )
+    .py()
 }
 
 /// Prefill groups and their routes.
@@ -518,7 +517,7 @@ fn plan_prefill_groups(
 ) -> PyResult<PrefillGroups> {
     let reqs = prefill_requests(query_lens, context_lens)?;
     let cfg = MaskConfig {
-        topk: topk.map(topk_arg).transpose()?.unwrap_or(DEFAULT_TOPK),
+        topk: topk_or_default(topk)?,
         workspace_bytes: count_or(workspace_bytes, "workspace_bytes", GLOBAL_TOPK_MASK_MAX_BYTES)?,
         context_chunk_rows: count_or(context_chunk_rows, "context_chunk_rows", DEFAULT_CONTEXT_CHUNK_ROWS)?,
         available,
@@ -657,9 +656,9 @@ fn plan_step<'py>(
     let q = lengths(query_lens, "query_lens")?;
     let c = lengths(context_lens, "context_lens")?;
     let d = usize::try_from(count(num_decodes, "num_decodes")?).unwrap_or(usize::MAX);
-    let topk = topk.map(topk_arg).transpose()?.unwrap_or(DEFAULT_TOPK);
+    let topk = topk_or_default(topk)?;
     let cfg = StepConfig {
-        gpu: gpu_or_default(py, arch, num_sms)?,
+        gpu: gpu(arch, num_sms)?,
         num_heads: heads(num_heads)?,
         topk,
         kv_dtype: kv_dtype.parse::<KvDtype>().py()?,

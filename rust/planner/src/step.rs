@@ -187,7 +187,10 @@ pub fn plan_step(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
         g.requests = g.requests.start + d..g.requests.end + d;
     }
     // Requests whose tokens go through the sparse kernels, as contiguous runs.
-    let mut sparse_runs: Vec<Range<usize>> = if d > 0 { vec![0..d] } else { vec![] };
+    let mut sparse_runs: Vec<Range<usize>> = Vec::new();
+    if d > 0 {
+        sparse_runs.push(0..d);
+    }
     for g in prefill_groups.iter().filter(|g| g.route == PrefillRoute::SparseMqa) {
         match sparse_runs.last_mut() {
             Some(last) if last.end == g.requests.start => last.end = g.requests.end,

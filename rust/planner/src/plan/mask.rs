@@ -89,6 +89,29 @@ impl MaskSet {
     }
 }
 
+/// Whether a mask of `shape` fits a workspace of `workspace_bytes`, counted
+/// in int32 words as vLLM counts them.
+fn fits_workspace(shape: &MaskShape, workspace_bytes: u64) -> Result<bool> {
+    Ok(shape.bytes()? / 4 <= workspace_bytes / 4)
+}
+
+/// vLLM's `_masked_mha_workspace_fits`: one shape bounds the suffix mask and
+/// every context-chunk mask — all prefills, the longest query, the longer of
+/// that query and the longest context-chunk slice. The global mask is not in
+/// it: it is tried on its own and dropped when too big.
+pub fn masked_mha_workspace_fits(
+    batch_size: u64,
+    max_query_len: u64,
+    max_context_chunk_seq_len: u64,
+    workspace_bytes: u64,
+) -> Result<bool> {
+    fits_workspace(&fit_test_shape(batch_size, max_query_len, max_context_chunk_seq_len)?, workspace_bytes)
+}
+
+fn fit_test_shape(batch_size: u64, max_query_len: u64, max_context_chunk_seq_len: u64) -> Result<MaskShape> {
+    topk_mask_shape(batch_size, max_query_len, max_query_len.max(max_context_chunk_seq_len), false)
+}
+
 /// The masks of `requests` taken as one prefill set.
 pub fn prefill_masks(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<MaskSet> {
     let batch = requests.len() as u64;
@@ -96,7 +119,6 @@ pub fn prefill_masks(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<Ma
     let max_seq = requests.iter().map(PrefillRequest::seq_len).max().unwrap_or(0);
     let with_context: Vec<_> = requests.iter().filter(|r| r.context_len > 0).collect();
     let chunk_keys = with_context.iter().map(|r| r.context_len.min(cfg.context_chunk_rows)).max().unwrap_or(0);
-    let fits_words = |shape: &MaskShape| -> Result<bool> { Ok(shape.bytes()? / 4 <= cfg.workspace_bytes / 4) };
 
     let suffix = topk_mask_shape(batch, max_q, max_q, false)?;
     let (context_chunk, global) = if with_context.is_empty() {
@@ -108,10 +130,10 @@ pub fn prefill_masks(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<Ma
             Some(topk_mask_shape(batch, max_q, max_seq, true)?),
         )
     };
-    let fit_test = topk_mask_shape(batch, max_q, max_q.max(chunk_keys), false)?;
-    let fits = fits_words(&fit_test)?;
+    let fit_test = fit_test_shape(batch, max_q, chunk_keys)?;
+    let fits = fits_workspace(&fit_test, cfg.workspace_bytes)?;
     let global_fits = match &global {
-        Some(g) => fits_words(g)?,
+        Some(g) => fits_workspace(g, cfg.workspace_bytes)?,
         None => false,
     };
     Ok(MaskSet { suffix, context_chunk, global, fit_test, fits, global_fits })

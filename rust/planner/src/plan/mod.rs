@@ -9,7 +9,7 @@ mod mixed;
 pub use gather::{plan_gather_chunks, split_prefill_chunks, GatherChunk, PrefillRequest};
 pub use indexer::{split_indexer_prefill_chunks, IndexerChunk};
 pub use mask::{
-    plan_prefill_groups, prefill_masks, route_prefills_stock, MaskConfig, MaskSet, PrefillGroup, PrefillRoute,
+    masked_mha_workspace_fits, plan_prefill_groups, prefill_masks, route_prefills_stock, MaskConfig, MaskSet, PrefillGroup, PrefillRoute,
 };
 pub use mixed::{plan_mixed_batch, MixedBatchConfig, MixedBatchPlan};
 
