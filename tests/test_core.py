@@ -223,3 +223,14 @@ def test_plan_step_separate() -> None:
     assert plan.launch_kernels[0] == "sparse_decode"
     assert (plan.gather_chunks[:, 6] <= 40_000).all()
     assert plan.gather_workspace_bytes == mp.gather_workspace_bytes(40_000)
+
+
+def test_step_mode_is_the_plans_mode() -> None:
+    assert mp.step_mode(16) == "mixed_batch"
+    assert mp.step_mode(31) == "mixed_batch"
+    assert mp.step_mode(32) == "separate_prefill_decode"
+    assert mp.step_mode(16, mixed_batch=False) == "separate_prefill_decode"
+    assert mp.step_mode(128, kv_dtype="bf16") == "bf16"
+    for heads in (16, 64):
+        plan = mp.plan_step([4096], [0], 0, num_heads=heads, budget_bytes=GIB, gather_workspace_rows=10**6, indexer_workspace_rows=10**7)
+        assert plan.mode == mp.step_mode(heads)

@@ -28,6 +28,7 @@ from mla_planner._core import (
     prefill_scratch,
     split_indexer_prefill_chunks,
     split_prefill_chunks,
+    step_mode,
     topk_mask_bytes,
     topk_mask_shape,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "prefill_scratch",
     "split_indexer_prefill_chunks",
     "split_prefill_chunks",
+    "step_mode",
     "topk_mask_bytes",
     "topk_mask_shape",
 ]

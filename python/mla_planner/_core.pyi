@@ -140,6 +140,9 @@ def plan_prefill_groups(
     available: bool = True,
     stock: bool = False,
 ) -> PrefillGroups: ...
+def step_mode(
+    num_heads: int, *, kv_dtype: str = "fp8", mixed_batch: bool | None = None
+) -> Literal["mixed_batch", "separate_prefill_decode", "bf16"]: ...
 def plan_step(
     query_lens: ArrayLike,
     context_lens: ArrayLike,

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from mla_planner import H200_NUM_SMS, MIN_HEADS_FOR_BF16_PREFILL
+from mla_planner import H200_NUM_SMS, step_mode
 
 from . import presets
 from .units import GIB, format_bytes, parse_bytes
@@ -107,9 +107,7 @@ class PlannerConfig:
     @property
     def mode(self) -> str:
         """The planner's step mode name (as ``StepPlan.mode``)."""
-        if self.kv_dtype == "bf16":
-            return "bf16"
-        return "mixed_batch" if self.num_heads < MIN_HEADS_FOR_BF16_PREFILL else "separate_prefill_decode"
+        return step_mode(self.num_heads, kv_dtype=self.kv_dtype)
 
     @property
     def vllm_path(self) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from mla_planner import MIN_HEADS_FOR_BF16_PREFILL
+from mla_planner import MIN_HEADS_FOR_BF16_PREFILL, step_mode
 
 
 @dataclass(frozen=True)
@@ -45,14 +45,12 @@ def lookup(name: str) -> Preset:
 
 def vllm_path(num_heads: int, kv_dtype: str, *, short: bool = False) -> str:
     """The attention path vLLM 0.26's FLASHMLA_SPARSE backend takes."""
+    mode = step_mode(num_heads, kv_dtype=kv_dtype)
     if short:
-        if kv_dtype == "bf16":
-            return "bf16 sparse prefill kernel"
-        mixed = num_heads < MIN_HEADS_FOR_BF16_PREFILL
-        return "mixed batch" if mixed else "separate prefill/decode"
-    if kv_dtype == "bf16":
+        return {"bf16": "bf16 sparse prefill kernel", "mixed_batch": "mixed batch"}.get(mode, "separate prefill/decode")
+    if mode == "bf16":
         return "bf16: every sparse token through the BF16 sparse prefill kernel"
-    if num_heads < MIN_HEADS_FOR_BF16_PREFILL:
+    if mode == "mixed_batch":
         return (
             f"mixed batch ({num_heads} heads per rank < {MIN_HEADS_FOR_BF16_PREFILL}): "
             "every sparse token through the FP8 sparse decode kernel"

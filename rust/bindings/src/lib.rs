@@ -679,6 +679,14 @@ fn plan_step<'py>(
     Ok(StepPlan { inner })
 }
 
+/// The mode `plan_step` runs a step in: "mixed_batch", "separate_prefill_decode" or "bf16".
+#[pyfunction]
+#[pyo3(signature = (num_heads, *, kv_dtype="fp8", mixed_batch=None))]
+fn step_mode(num_heads: &Bound<'_, PyAny>, kv_dtype: &str, mixed_batch: Option<bool>) -> PyResult<&'static str> {
+    let kv_dtype = kv_dtype.parse::<KvDtype>().py()?;
+    Ok(step::step_mode(heads(num_heads)?, kv_dtype, mixed_batch).name())
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -704,5 +712,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(masked_mha_workspace_fits, m)?)?;
     m.add_function(wrap_pyfunction!(plan_prefill_groups, m)?)?;
     m.add_function(wrap_pyfunction!(plan_step, m)?)?;
+    m.add_function(wrap_pyfunction!(step_mode, m)?)?;
     Ok(())
 }

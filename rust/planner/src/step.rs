@@ -75,15 +75,19 @@ pub struct StepConfig {
     pub mixed_batch: Option<bool>,
 }
 
+/// vLLM's choice of mode, unless `mixed_batch` forces the FP8 one: BF16 KV
+/// runs the prefill kernel; FP8 KV runs mixed batch below 32 heads per rank.
+pub fn step_mode(num_heads: u32, kv_dtype: KvDtype, mixed_batch: Option<bool>) -> StepMode {
+    match kv_dtype {
+        KvDtype::Bf16 => StepMode::Bf16,
+        KvDtype::Fp8 if mixed_batch.unwrap_or(num_heads < MIN_HEADS_FOR_BF16_PREFILL) => StepMode::MixedBatch,
+        KvDtype::Fp8 => StepMode::SeparatePrefillDecode,
+    }
+}
+
 impl StepConfig {
     pub fn mode(&self) -> StepMode {
-        match self.kv_dtype {
-            KvDtype::Bf16 => StepMode::Bf16,
-            KvDtype::Fp8 if self.mixed_batch.unwrap_or(self.num_heads < MIN_HEADS_FOR_BF16_PREFILL) => {
-                StepMode::MixedBatch
-            }
-            KvDtype::Fp8 => StepMode::SeparatePrefillDecode,
-        }
+        step_mode(self.num_heads, self.kv_dtype, self.mixed_batch)
     }
 }
 
