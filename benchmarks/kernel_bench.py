@@ -22,6 +22,7 @@ import torch
 
 import mla_planner
 from mla_planner.executor import MixedBatchExecutor, get_provider
+from mla_planner.executor.measure import peak_delta_bytes
 from mla_planner.executor.synthetic import MixedCase, mixed_case
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -42,15 +43,6 @@ class Row:
     @property
     def median_ms(self) -> float:
         return statistics.median(self.times_ms) if self.times_ms else float("nan")
-
-
-def peak_delta_bytes(run: Callable[[], None]) -> int:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    run()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
 
 
 def bench_tokens(executor: MixedBatchExecutor, tokens: int, args: argparse.Namespace, gen: torch.Generator) -> list[Row]:

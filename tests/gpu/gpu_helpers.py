@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
+
+from mla_planner.executor.measure import peak_delta_bytes
+
+__all__ = ["MiB", "PROVIDER", "peak_delta_bytes", "prediction_tolerance"]
 
 MiB = 1 << 20
 PROVIDER = os.environ.get("MLA_PLANNER_PROVIDER", "flash_mla")
 """The kernels under test: ``flash_mla`` (sgl-flash-mla, the default) or ``vllm``."""
-
-
-def peak_delta_bytes(fn: Callable[[], object]) -> int:
-    """How far the allocator's peak rose above what was allocated when ``fn`` started."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
 
 
 def prediction_tolerance(predicted: int) -> int:
