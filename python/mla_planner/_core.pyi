@@ -87,6 +87,7 @@ def decode_scratch(
     num_sms: int | None = None,
     topk: int | None = None,
     out_preallocated: bool = False,
+    translated_indices: bool = False,
 ) -> Scratch: ...
 def prefill_scratch(
     s_q: int,
@@ -114,6 +115,7 @@ def plan_mixed_batch(
     num_sms: int | None = None,
     topk: int | None = None,
     out_preallocated: bool = True,
+    translated_indices: bool = False,
 ) -> MixedBatchPlan: ...
 def split_prefill_chunks(
     seq_lens: ArrayLike, workspace_rows: int, *, request_offset: int | None = None

@@ -163,7 +163,8 @@ impl Scratch {
 }
 
 #[pyfunction]
-#[pyo3(signature = (batch, s_q, num_heads, *, arch="sm90", num_sms=None, topk=None, out_preallocated=false))]
+#[pyo3(signature = (batch, s_q, num_heads, *, arch="sm90", num_sms=None, topk=None, out_preallocated=false, translated_indices=false))]
+#[allow(clippy::too_many_arguments)]
 fn decode_scratch(
     batch: &Bound<'_, PyAny>,
     s_q: &Bound<'_, PyAny>,
@@ -172,6 +173,7 @@ fn decode_scratch(
     num_sms: Option<&Bound<'_, PyAny>>,
     topk: Option<&Bound<'_, PyAny>>,
     out_preallocated: bool,
+    translated_indices: bool,
 ) -> PyResult<Scratch> {
     let g = gpu(arch, num_sms)?;
     let shape = DecodeShape {
@@ -180,6 +182,7 @@ fn decode_scratch(
         num_heads: heads(num_heads)?,
         topk: topk_or_default(topk)?,
         out_preallocated,
+        translated_indices,
     };
     Ok(scratch::decode_scratch(g, shape).py()?.into())
 }
@@ -313,7 +316,7 @@ impl MixedBatchPlan {
 }
 
 #[pyfunction]
-#[pyo3(signature = (num_tokens, *, num_heads, budget_bytes, arch="sm90", num_sms=None, topk=None, out_preallocated=true))]
+#[pyo3(signature = (num_tokens, *, num_heads, budget_bytes, arch="sm90", num_sms=None, topk=None, out_preallocated=true, translated_indices=false))]
 #[allow(clippy::too_many_arguments)]
 fn plan_mixed_batch(
     py: Python<'_>,
@@ -324,6 +327,7 @@ fn plan_mixed_batch(
     num_sms: Option<&Bound<'_, PyAny>>,
     topk: Option<&Bound<'_, PyAny>>,
     out_preallocated: bool,
+    translated_indices: bool,
 ) -> PyResult<MixedBatchPlan> {
     let cfg = plan::MixedBatchConfig {
         gpu: gpu(arch, num_sms)?,
@@ -331,6 +335,7 @@ fn plan_mixed_batch(
         topk: topk_or_default(topk)?,
         budget_bytes: count(budget_bytes, "budget_bytes")?,
         out_preallocated,
+        translated_indices,
     };
     let t = count(num_tokens, "num_tokens")?;
     let inner = py.detach(|| plan::plan_mixed_batch(t, &cfg)).py()?;

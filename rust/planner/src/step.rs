@@ -216,6 +216,7 @@ pub fn plan_step(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
                 topk: cfg.topk,
                 budget_bytes: cfg.scratch_budget_bytes,
                 out_preallocated: true,
+                translated_indices: false,
             };
             for run in &sparse_runs {
                 let tokens = tokens_of(run);
@@ -318,7 +319,7 @@ fn plan_decodes(step: &Step<'_>, cfg: &StepConfig, starts: &[u64], out: &mut Vec
     let bytes = |batch: u64| -> Result<u64> {
         Ok(decode_scratch(
             cfg.gpu,
-            DecodeShape { batch, s_q, num_heads: cfg.num_heads, topk: cfg.topk, out_preallocated: true },
+            DecodeShape { batch, s_q, num_heads: cfg.num_heads, topk: cfg.topk, out_preallocated: true, translated_indices: false },
         )?
         .total_bytes())
     };

@@ -20,6 +20,9 @@ pub struct MixedBatchConfig {
     /// The executor passes `out=` (one output for the whole step), so no
     /// launch allocates its own.
     pub out_preallocated: bool,
+    /// Each launch translates its own tokens' top-k indices to cache slots
+    /// (see [`DecodeShape::translated_indices`]).
+    pub translated_indices: bool,
 }
 
 impl MixedBatchConfig {
@@ -33,6 +36,7 @@ impl MixedBatchConfig {
                 num_heads: self.num_heads,
                 topk: self.topk,
                 out_preallocated: self.out_preallocated,
+                translated_indices: self.translated_indices,
             },
         )
     }
@@ -218,7 +222,7 @@ mod tests {
     const GIB: u64 = 1 << 30;
 
     fn cfg(num_heads: u32, budget_bytes: u64) -> MixedBatchConfig {
-        MixedBatchConfig { gpu: Gpu::h200(), num_heads, topk: 2048, budget_bytes, out_preallocated: true }
+        MixedBatchConfig { gpu: Gpu::h200(), num_heads, topk: 2048, budget_bytes, out_preallocated: true, translated_indices: false }
     }
 
     #[test]
@@ -331,13 +335,15 @@ mod tests {
             any::<bool>(),
             // Budgets around the irregular region: 15-60 MiB.
             (15 * MIB)..(60 * MIB),
+            any::<bool>(),
         )
-            .prop_map(|(arch, num_sms, num_heads, topk, out_preallocated, budget_bytes)| MixedBatchConfig {
+            .prop_map(|(arch, num_sms, num_heads, topk, out_preallocated, budget_bytes, translated_indices)| MixedBatchConfig {
                 gpu: Gpu::new(arch, num_sms).unwrap(),
                 num_heads,
                 topk,
                 budget_bytes,
                 out_preallocated,
+                translated_indices,
             })
     }
 

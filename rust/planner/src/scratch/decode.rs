@@ -16,6 +16,10 @@ pub struct DecodeShape {
     pub topk: u32,
     /// The caller passes `out=`, so the kernel allocates no output.
     pub out_preallocated: bool,
+    /// The caller turns request-relative top-k positions into cache slots
+    /// for this call only, in a fresh `(batch x s_q, topk)` int32 tensor
+    /// (vLLM's `triton_convert_req_index_to_global_index`).
+    pub translated_indices: bool,
 }
 
 /// `num_sm_parts`: how many SM groups split each query's KV work. It falls
@@ -40,7 +44,7 @@ pub fn split_kv_enabled(arch: Arch, topk: u32) -> bool {
 
 /// Every buffer one sparse decode call allocates.
 pub fn decode_scratch(gpu: Gpu, shape: DecodeShape) -> Result<Breakdown> {
-    let DecodeShape { batch, s_q, num_heads, topk, out_preallocated } = shape;
+    let DecodeShape { batch, s_q, num_heads, topk, out_preallocated, translated_indices } = shape;
     check_topk(topk, 64, "topk of the sparse decode kernel")?;
     let h = u64::from(decode_padded_heads(num_heads)?);
     let rows = mul("decode rows (batch x s_q x heads)", &[batch, s_q, h])?;
@@ -58,6 +62,9 @@ pub fn decode_scratch(gpu: Gpu, shape: DecodeShape) -> Result<Breakdown> {
         bd.push("out", mul("out", &[rows, D_V, 2])?);
     }
     bd.push("lse", mul("lse", &[rows, 4])?);
+    if translated_indices {
+        bd.push("slot_indices", mul("slot_indices", &[batch, s_q, u64::from(topk), 4])?);
+    }
     Ok(bd)
 }
 
@@ -69,7 +76,7 @@ mod tests {
     const MIB: f64 = (1u64 << 20) as f64;
 
     fn accum(batch: u64, s_q: u64, heads: u32) -> Breakdown {
-        let shape = DecodeShape { batch, s_q, num_heads: heads, topk: 2048, out_preallocated: true };
+        let shape = DecodeShape { batch, s_q, num_heads: heads, topk: 2048, out_preallocated: true, translated_indices: false };
         decode_scratch(Gpu::h200(), shape).unwrap()
     }
 
@@ -116,7 +123,7 @@ mod tests {
     /// Mixed-batch mode at 16 heads: ~392.75 KiB per token all told.
     #[test]
     fn mixed_batch_transient_per_token() {
-        let shape = DecodeShape { batch: 1, s_q: 32768, num_heads: 16, topk: 2048, out_preallocated: false };
+        let shape = DecodeShape { batch: 1, s_q: 32768, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false };
         let bd = decode_scratch(Gpu::h200(), shape).unwrap();
         assert_eq!(bd.get("q_padded"), 32768 * 72 * 1024);
         assert_eq!(bd.get("out"), 32768 * 64 * 1024);
@@ -127,12 +134,21 @@ mod tests {
     }
 
     #[test]
+    fn translated_indices_are_int32_per_query_row() {
+        let with = |t| DecodeShape { batch: 2, s_q: 3, num_heads: 64, topk: 2048, out_preallocated: true, translated_indices: t };
+        let a = decode_scratch(Gpu::h200(), with(true)).unwrap();
+        let b = decode_scratch(Gpu::h200(), with(false)).unwrap();
+        assert_eq!(a.get("slot_indices"), 2 * 3 * 2048 * 4);
+        assert_eq!(a.total_bytes() - b.total_bytes(), 2 * 3 * 2048 * 4);
+    }
+
+    #[test]
     fn absent_buffers() {
         let bd = accum(1, 100, 64);
         assert!(bd.buffers.iter().all(|b| b.name != "out" && b.name != "q_padded"));
         // SM100 without split-KV (topk <= 640) has no accumulators.
         let gpu = Gpu::new(Arch::Sm100, 148).unwrap();
-        let shape = DecodeShape { batch: 1, s_q: 10, num_heads: 64, topk: 512, out_preallocated: true };
+        let shape = DecodeShape { batch: 1, s_q: 10, num_heads: 64, topk: 512, out_preallocated: true, translated_indices: false };
         let bd = decode_scratch(gpu, shape).unwrap();
         assert_eq!(bd.get("o_accum"), 0);
         assert_eq!(bd.total_bytes(), 10 * 64 * 4);
@@ -140,9 +156,9 @@ mod tests {
 
     #[test]
     fn bad_input_is_an_error() {
-        let shape = DecodeShape { batch: 1, s_q: 1, num_heads: 16, topk: 100, out_preallocated: true };
+        let shape = DecodeShape { batch: 1, s_q: 1, num_heads: 16, topk: 100, out_preallocated: true, translated_indices: false };
         assert!(decode_scratch(Gpu::h200(), shape).is_err());
-        let shape = DecodeShape { batch: u64::MAX, s_q: u64::MAX, num_heads: 16, topk: 2048, out_preallocated: true };
+        let shape = DecodeShape { batch: u64::MAX, s_q: u64::MAX, num_heads: 16, topk: 2048, out_preallocated: true, translated_indices: false };
         assert!(decode_scratch(Gpu::h200(), shape).is_err());
     }
 }
