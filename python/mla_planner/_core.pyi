@@ -96,7 +96,19 @@ def prefill_scratch(
     arch: str = "sm90",
     topk: int | None = None,
     out_preallocated: bool = False,
+    translated_indices: bool = False,
 ) -> Scratch: ...
+def prefill_launch_tokens(
+    num_heads: int,
+    *,
+    budget_bytes: int,
+    arch: str = "sm90",
+    topk: int | None = None,
+    out_preallocated: bool = False,
+    translated_indices: bool = False,
+) -> tuple[int, Bound]:
+    """The most query tokens one sparse prefill launch may take within the budget, and what
+    caps it (``"budget"`` or a hard limit)."""
 def topk_mask_shape(
     batch_size: int, max_query_len: int, max_key_len: int, *, reserve_key_starts_word: bool = False
 ) -> tuple[int, int, int]: ...

@@ -188,21 +188,45 @@ fn decode_scratch(
 }
 
 #[pyfunction]
-#[pyo3(signature = (s_q, num_heads, *, arch="sm90", topk=None, out_preallocated=false))]
+#[pyo3(signature = (s_q, num_heads, *, arch="sm90", topk=None, out_preallocated=false, translated_indices=false))]
 fn prefill_scratch(
     s_q: &Bound<'_, PyAny>,
     num_heads: &Bound<'_, PyAny>,
     arch: &str,
     topk: Option<&Bound<'_, PyAny>>,
     out_preallocated: bool,
+    translated_indices: bool,
 ) -> PyResult<Scratch> {
     let shape = PrefillShape {
         s_q: count(s_q, "s_q")?,
         num_heads: heads(num_heads)?,
         topk: topk_or_default(topk)?,
         out_preallocated,
+        translated_indices,
     };
     Ok(scratch::prefill_scratch(arch.parse::<Arch>().py()?, shape).py()?.into())
+}
+
+#[pyfunction]
+#[pyo3(signature = (num_heads, *, budget_bytes, arch="sm90", topk=None, out_preallocated=false, translated_indices=false))]
+fn prefill_launch_tokens(
+    num_heads: &Bound<'_, PyAny>,
+    budget_bytes: &Bound<'_, PyAny>,
+    arch: &str,
+    topk: Option<&Bound<'_, PyAny>>,
+    out_preallocated: bool,
+    translated_indices: bool,
+) -> PyResult<(u64, &'static str)> {
+    let shape = PrefillShape {
+        s_q: 1,
+        num_heads: heads(num_heads)?,
+        topk: topk_or_default(topk)?,
+        out_preallocated,
+        translated_indices,
+    };
+    let budget = count(budget_bytes, "budget_bytes")?;
+    let (n, bound) = plan::prefill_launch_tokens(arch.parse::<Arch>().py()?, shape, budget).py()?;
+    Ok((n, bound_name(bound)))
 }
 
 fn mask_shape(
@@ -705,6 +729,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StepPlan>()?;
     m.add_function(wrap_pyfunction!(decode_scratch, m)?)?;
     m.add_function(wrap_pyfunction!(prefill_scratch, m)?)?;
+    m.add_function(wrap_pyfunction!(prefill_launch_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(topk_mask_shape, m)?)?;
     m.add_function(wrap_pyfunction!(topk_mask_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(gather_workspace_bytes, m)?)?;

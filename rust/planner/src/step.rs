@@ -8,7 +8,7 @@ use crate::error::{add, PlanError, Result};
 use crate::geometry::{Gpu, KvDtype};
 use crate::limits::max_tokens_per_launch;
 use crate::plan::{
-    plan_gather_chunks, plan_mixed_batch, plan_prefill_groups, split_indexer_prefill_chunks, Bound,
+    plan_gather_chunks, plan_mixed_batch, plan_prefill_groups, prefill_launch_tokens, split_indexer_prefill_chunks, Bound,
     GatherChunk, IndexerChunk, MaskConfig, MixedBatchConfig, PrefillGroup, PrefillRequest, PrefillRoute,
 };
 use crate::scratch::{decode_scratch, gather_workspace_bytes, prefill_scratch, DecodeShape, PrefillShape};
@@ -256,7 +256,7 @@ pub fn plan_step(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
                 let tokens = tokens_of(run);
                 let bytes = prefill_scratch(
                     cfg.gpu.arch,
-                    PrefillShape { s_q: tokens.end - tokens.start, num_heads: cfg.num_heads, topk: cfg.topk, out_preallocated: false },
+                    PrefillShape { s_q: tokens.end - tokens.start, num_heads: cfg.num_heads, topk: cfg.topk, out_preallocated: false, translated_indices: false },
                 )?
                 .total_bytes();
                 launches.push(KernelLaunch { kernel: Kernel::SparsePrefill, tokens, requests: run.clone(), bytes });
@@ -358,39 +358,17 @@ fn plan_prefill_launches(
     request_of: &dyn Fn(u64) -> usize,
     out: &mut Vec<KernelLaunch>,
 ) -> Result<Bound> {
-    let bytes = |s_q: u64| -> Result<u64> {
-        Ok(prefill_scratch(cfg.gpu.arch, PrefillShape { s_q, num_heads: cfg.num_heads, topk: cfg.topk, out_preallocated: true })?
-            .total_bytes())
-    };
+    let shape = PrefillShape { s_q: 1, num_heads: cfg.num_heads, topk: cfg.topk, out_preallocated: true, translated_indices: false };
+    let bytes = |s_q: u64| -> Result<u64> { Ok(prefill_scratch(cfg.gpu.arch, PrefillShape { s_q, ..shape })?.total_bytes()) };
     let total = tokens.end - tokens.start;
-    let per_token = bytes(1)?;
-    let by_budget = cfg.scratch_budget_bytes / per_token;
-    if by_budget == 0 {
-        return Err(PlanError::BudgetTooSmall {
-            budget: crate::Bytes(cfg.scratch_budget_bytes),
-            minimum: crate::Bytes(per_token),
-            tokens: 1,
-            num_heads: cfg.num_heads,
-            arch: cfg.gpu.arch.name(),
-            detail: "the sparse prefill kernel's padded q and softmax statistics".into(),
-        });
-    }
-    let padded = crate::geometry::prefill_padded_heads(cfg.num_heads, cfg.gpu.arch)?;
-    let (by_limit, limit) = max_tokens_per_launch(padded);
-    let max_len = by_budget.min(by_limit);
+    let (max_len, cap) = prefill_launch_tokens(cfg.gpu.arch, shape, cfg.scratch_budget_bytes)?;
     crate::error::check_launches("the prefill launches", total.div_ceil(max_len), "give a larger budget")?;
     for piece in balanced(total, max_len) {
         let range = tokens.start + piece.start..tokens.start + piece.end;
         let reqs = if requests.len() == 1 { requests.clone() } else { request_of(range.start)..request_of(range.end - 1) + 1 };
         out.push(KernelLaunch { kernel: Kernel::SparsePrefill, tokens: range, requests: reqs, bytes: bytes(piece.end - piece.start)? });
     }
-    Ok(if total <= max_len {
-        Bound::Unbounded
-    } else if by_limit < by_budget {
-        Bound::Limit(limit)
-    } else {
-        Bound::Budget
-    })
+    Ok(if total <= max_len { Bound::Unbounded } else { cap })
 }
 
 #[cfg(test)]

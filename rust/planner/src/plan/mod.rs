@@ -5,6 +5,7 @@ mod gather;
 mod indexer;
 mod mask;
 mod mixed;
+mod prefill;
 
 pub use gather::{plan_gather_chunks, split_prefill_chunks, GatherChunk, PrefillRequest};
 pub use indexer::{split_indexer_prefill_chunks, IndexerChunk};
@@ -12,6 +13,7 @@ pub use mask::{
     masked_mha_workspace_fits, plan_prefill_groups, prefill_masks, route_prefills_stock, MaskConfig, MaskSet, PrefillGroup, PrefillRoute,
 };
 pub use mixed::{plan_mixed_batch, MixedBatchConfig, MixedBatchPlan};
+pub use prefill::prefill_launch_tokens;
 
 use crate::limits::HardLimit;
 

@@ -12,11 +12,15 @@ pub struct PrefillShape {
     pub num_heads: u32,
     pub topk: u32,
     pub out_preallocated: bool,
+    /// The caller translates this call's top-k positions to workspace rows
+    /// in fresh tensors: `(s_q, topk)` int32 rows and `(s_q,)` int32 valid
+    /// counts (vLLM's `triton_convert_req_index_to_global_index`).
+    pub translated_indices: bool,
 }
 
 /// Every buffer one sparse prefill call allocates. No split-KV scratch.
 pub fn prefill_scratch(arch: Arch, shape: PrefillShape) -> Result<Breakdown> {
-    let PrefillShape { s_q, num_heads, topk, out_preallocated } = shape;
+    let PrefillShape { s_q, num_heads, topk, out_preallocated, translated_indices } = shape;
     check_topk(topk, 128, "topk of the sparse prefill kernel")?;
     let h = u64::from(prefill_padded_heads(num_heads, arch)?);
     let rows = mul("prefill rows (s_q x heads)", &[s_q, h])?;
@@ -29,6 +33,10 @@ pub fn prefill_scratch(arch: Arch, shape: PrefillShape) -> Result<Breakdown> {
     }
     bd.push("max_logits", mul("max_logits", &[rows, 4])?);
     bd.push("lse", mul("lse", &[rows, 4])?);
+    if translated_indices {
+        bd.push("workspace_indices", mul("workspace_indices", &[s_q, u64::from(topk), 4])?);
+        bd.push("topk_length", mul("topk_length", &[s_q, 4])?);
+    }
     Ok(bd)
 }
 
@@ -45,7 +53,7 @@ mod tests {
     #[test]
     fn separate_path_transient_per_token() {
         // BRIEF §4b: zero-padded q + kernel out ~ 136 KiB per token at 64 padded heads.
-        let shape = PrefillShape { s_q: 1, num_heads: 16, topk: 2048, out_preallocated: false };
+        let shape = PrefillShape { s_q: 1, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false };
         let bd = prefill_scratch(Arch::Sm90, shape).unwrap();
         assert_eq!(bd.get("q_padded") + bd.get("out"), 136 * 1024);
         assert_eq!(bd.get("max_logits"), 256);
@@ -55,7 +63,7 @@ mod tests {
     fn outputs_only_with_out_given() {
         // BRIEF §4: 32768 tokens, out= given: 16 MiB (64 heads) / 32 MiB (128 heads).
         for (heads, mib) in [(64, 16), (128, 32)] {
-            let shape = PrefillShape { s_q: 32768, num_heads: heads, topk: 2048, out_preallocated: true };
+            let shape = PrefillShape { s_q: 32768, num_heads: heads, topk: 2048, out_preallocated: true, translated_indices: false };
             let bd = prefill_scratch(Arch::Sm90, shape).unwrap();
             assert_eq!(bd.total_bytes(), mib << 20);
         }
@@ -65,7 +73,7 @@ mod tests {
     fn workspace_rows() {
         assert_eq!(gather_workspace_bytes(1).unwrap(), 1152);
         assert!(gather_workspace_bytes(u64::MAX).is_err());
-        let shape = PrefillShape { s_q: 1, num_heads: 16, topk: 64, out_preallocated: true };
+        let shape = PrefillShape { s_q: 1, num_heads: 16, topk: 64, out_preallocated: true, translated_indices: false };
         assert!(prefill_scratch(Arch::Sm90, shape).is_err());
     }
 }
