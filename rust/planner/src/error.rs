@@ -61,6 +61,10 @@ pub enum PlanError {
         available: u64,
         hint: String,
     },
+
+    /// A cost profile that is malformed, or made for another GPU or model.
+    #[error("cost profile: {0}")]
+    CostProfile(String),
 }
 
 /// No plan has more launches than this: a step that needs more asks for a

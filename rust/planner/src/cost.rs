@@ -1,0 +1,429 @@
+//! Which FP8 route a step should take, from kernel times measured on the GPU.
+//!
+//! A calibration profile holds, per architecture and padded head count, the
+//! measured time of the sparse decode kernel (`b = 1, s_q = tokens`), the
+//! gather-and-up-convert of FP8 cache rows to BF16, and the BF16 sparse
+//! prefill kernel. A route's time for a step is the sum over the launches its
+//! plan makes (the planners decide the launches and bound their memory; this
+//! module only prices them):
+//!
+//! * mixed batch: every launch of [`StepMode::MixedBatch`]'s plan;
+//! * separate: the decode launches, one gather per gather chunk, and the
+//!   prefill launches of [`StepMode::SeparatePrefillDecode`]'s plan.
+//!
+//! Left out, as they cost about the same on both routes or little: head
+//! padding of q, top-k index translation, the LSE merge of split requests.
+
+mod profile;
+mod table;
+
+use std::collections::BTreeMap;
+
+pub use profile::{ENVIRONMENT_KEYS, PROFILE_FORMAT};
+pub use table::Table;
+
+use crate::error::{PlanError, Result};
+use crate::geometry::{decode_padded_heads, prefill_padded_heads, Arch, Gpu, KvDtype};
+use crate::step::{plan_step, step_mode, Kernel, Step, StepConfig, StepMode, StepPlan};
+
+/// Kernel times measured on one GPU, for every padded head count calibrated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostModel {
+    pub arch: Arch,
+    pub num_sms: u32,
+    /// The top-k the kernels were timed at (their time grows with it).
+    pub topk: u32,
+    /// Where it was measured: [`ENVIRONMENT_KEYS`] at least.
+    pub environment: BTreeMap<String, String>,
+    /// How it was measured, as the profile says; not interpreted.
+    pub calibration: serde_json::Value,
+    decode: BTreeMap<u32, Table>,
+    prefill: BTreeMap<u32, Table>,
+    gather: Table,
+}
+
+/// The tables one configuration reads.
+struct Tables<'a> {
+    decode: &'a Table,
+    prefill: &'a Table,
+    gather: &'a Table,
+}
+
+/// A route's predicted time for a step, by part.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RouteTime {
+    pub decode_us: f64,
+    pub gather_us: f64,
+    pub prefill_us: f64,
+    pub decode_launches: usize,
+    pub gathers: usize,
+    pub prefill_launches: usize,
+}
+
+impl RouteTime {
+    pub fn total_us(&self) -> f64 {
+        self.decode_us + self.gather_us + self.prefill_us
+    }
+}
+
+/// Both FP8 routes' predicted times; a route the planner cannot fit in the
+/// budget carries the planner's error instead.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    pub mixed: Result<RouteTime>,
+    pub separate: Result<RouteTime>,
+}
+
+/// The route taken for a step, why, and its plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouteChoice {
+    /// [`StepMode::MixedBatch`] or [`StepMode::SeparatePrefillDecode`].
+    pub mode: StepMode,
+    pub prediction: Prediction,
+    /// The chosen route's plan, so the caller need not plan again.
+    pub plan: StepPlan,
+}
+
+impl CostModel {
+    /// Parse and validate a profile (format in docs/routing.md).
+    pub fn from_json(text: &str) -> Result<CostModel> {
+        let p = profile::parse(text)?;
+        Ok(CostModel {
+            arch: p.arch,
+            num_sms: p.num_sms,
+            topk: p.topk,
+            environment: p.environment,
+            calibration: p.calibration,
+            decode: p.decode,
+            prefill: p.prefill,
+            gather: p.gather,
+        })
+    }
+
+    /// Padded head counts with a decode table.
+    pub fn decode_heads(&self) -> Vec<u32> {
+        self.decode.keys().copied().collect()
+    }
+
+    /// Padded head counts with a prefill table.
+    pub fn prefill_heads(&self) -> Vec<u32> {
+        self.prefill.keys().copied().collect()
+    }
+
+    /// One kernel's table: the decode or prefill kernel at `padded_heads`.
+    pub fn kernel_table(&self, kernel: Kernel, padded_heads: u32) -> Option<&Table> {
+        match kernel {
+            Kernel::SparseDecode => self.decode.get(&padded_heads),
+            Kernel::SparsePrefill => self.prefill.get(&padded_heads),
+        }
+    }
+
+    /// The gather-and-up-convert table (it does not depend on heads).
+    pub fn gather_table(&self) -> &Table {
+        &self.gather
+    }
+
+    /// Whether this profile can price steps of `num_heads` heads at `topk`
+    /// on `gpu`: an error naming the difference rather than a guess.
+    pub fn check(&self, gpu: Gpu, num_heads: u32, topk: u32) -> Result<()> {
+        self.tables(gpu, num_heads, topk).map(|_| ())
+    }
+
+    fn tables(&self, gpu: Gpu, num_heads: u32, topk: u32) -> Result<Tables<'_>> {
+        let mismatch = |what: String| {
+            PlanError::CostProfile(format!("{what}; calibrate this configuration (`mla-planner calibrate`) instead of reusing it"))
+        };
+        if gpu.arch != self.arch || gpu.num_sms != self.num_sms {
+            return Err(mismatch(format!(
+                "measured on {} with {} SMs, asked about {} with {} SMs",
+                self.arch.name(),
+                self.num_sms,
+                gpu.arch.name(),
+                gpu.num_sms
+            )));
+        }
+        if topk != self.topk {
+            return Err(mismatch(format!("measured at topk {}, asked about topk {topk}", self.topk)));
+        }
+        let (dh, ph) = (decode_padded_heads(num_heads)?, prefill_padded_heads(num_heads, gpu.arch)?);
+        let missing = |kernel: &str, heads: u32, have: Vec<u32>| {
+            mismatch(format!("has no {kernel} table at {heads} padded heads ({num_heads} heads per rank); it has {have:?}"))
+        };
+        Ok(Tables {
+            decode: self.decode.get(&dh).ok_or_else(|| missing("sparse_decode", dh, self.decode_heads()))?,
+            prefill: self.prefill.get(&ph).ok_or_else(|| missing("sparse_prefill", ph, self.prefill_heads()))?,
+            gather: &self.gather,
+        })
+    }
+
+    /// Both routes' predicted times for a step. Errors: a step the planner
+    /// refuses, a BF16 cache (one route only), a profile of another
+    /// configuration.
+    pub fn predict(&self, step: Step<'_>, cfg: &StepConfig) -> Result<Prediction> {
+        let (mixed, separate) = self.plan_routes(step, cfg)?;
+        Ok(Prediction { mixed: mixed.map(|(t, _)| t), separate: separate.map(|(t, _)| t) })
+    }
+
+    /// The faster route that fits the budget: decodes take the decode kernel
+    /// on both routes, so the choice is how the prefill tokens run. When the
+    /// two are predicted equal (a decode-only step), vLLM's rule decides; when
+    /// neither fits, the error is that of vLLM's route.
+    pub fn choose_route(&self, step: Step<'_>, cfg: &StepConfig) -> Result<RouteChoice> {
+        let (mixed, separate) = self.plan_routes(step, cfg)?;
+        let vllm = step_mode(cfg.num_heads, KvDtype::Fp8, None);
+        let take_mixed = match (&mixed, &separate) {
+            (Ok((m, _)), Ok((s, _))) if m.total_us() == s.total_us() => vllm == StepMode::MixedBatch,
+            (Ok((m, _)), Ok((s, _))) => m.total_us() < s.total_us(),
+            (Ok(_), Err(_)) => true,
+            (Err(_), Ok(_)) => false,
+            (Err(e), Err(_)) if vllm == StepMode::MixedBatch => return Err(e.clone()),
+            (Err(_), Err(e)) => return Err(e.clone()),
+        };
+        let split = |r: Result<(RouteTime, StepPlan)>| match r {
+            Ok((t, p)) => (Ok(t), Some(p)),
+            Err(e) => (Err(e), None),
+        };
+        let ((mixed, mixed_plan), (separate, separate_plan)) = (split(mixed), split(separate));
+        let (mode, plan) = if take_mixed {
+            (StepMode::MixedBatch, mixed_plan)
+        } else {
+            (StepMode::SeparatePrefillDecode, separate_plan)
+        };
+        let plan = plan.expect("the chosen route was planned");
+        Ok(RouteChoice { mode, prediction: Prediction { mixed, separate }, plan })
+    }
+
+    /// Plan the step both ways and price each plan.
+    #[allow(clippy::type_complexity)]
+    fn plan_routes(&self, step: Step<'_>, cfg: &StepConfig) -> Result<(Result<(RouteTime, StepPlan)>, Result<(RouteTime, StepPlan)>)> {
+        if cfg.kv_dtype != KvDtype::Fp8 {
+            return Err(PlanError::InvalidArgument {
+                what: "kv_dtype",
+                rule: "fp8 for a route choice (a BF16 cache has one route, the prefill kernel)",
+                got: cfg.kv_dtype.name().into(),
+            });
+        }
+        let tables = self.tables(cfg.gpu, cfg.num_heads, cfg.topk)?;
+        let route = |mixed_batch: bool| -> Result<(RouteTime, StepPlan)> {
+            let plan = plan_step(step, &StepConfig { mixed_batch: Some(mixed_batch), ..*cfg })?;
+            Ok((price(&tables, &plan), plan))
+        };
+        let (mixed, separate) = (route(true), route(false));
+        // A step the planner refuses outright is refused by both routes alike.
+        if let (Err(e), Err(_)) = (&mixed, &separate) {
+            if !matches!(e, PlanError::BudgetTooSmall { .. } | PlanError::TooManyLaunches { .. } | PlanError::WorkspaceTooSmall { .. }) {
+                return Err(e.clone());
+            }
+        }
+        Ok((mixed, separate))
+    }
+}
+
+fn price(t: &Tables<'_>, plan: &StepPlan) -> RouteTime {
+    let mut time = RouteTime::default();
+    for launch in &plan.launches {
+        let tokens = launch.tokens.end - launch.tokens.start;
+        match launch.kernel {
+            Kernel::SparseDecode => {
+                time.decode_us += t.decode.micros(tokens);
+                time.decode_launches += 1;
+            }
+            Kernel::SparsePrefill => {
+                time.prefill_us += t.prefill.micros(tokens);
+                time.prefill_launches += 1;
+            }
+        }
+    }
+    for chunk in &plan.gather_chunks {
+        time.gather_us += t.gather.micros(chunk.rows());
+        time.gathers += 1;
+    }
+    time
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::MaskConfig;
+    use serde_json::json;
+
+    const GIB: u64 = 1 << 30;
+
+    /// Exactly linear kernels: decode 10 + T us, prefill 200 + T/2 us (at 64
+    /// heads; 200 + 4T at 128), gather 5 + R/1000 us.
+    fn synthetic() -> serde_json::Value {
+        json!({
+            "format": PROFILE_FORMAT,
+            "arch": "sm90",
+            "num_sms": 132,
+            "topk": 2048,
+            "environment": {"gpu": "Test GPU", "driver": "1", "cuda": "1", "torch": "1", "kernels": "test 1", "gather": "test 1"},
+            "sparse_decode": {"64": [[1, 11], [65536, 65546]], "128": [[1, 11], [65536, 65546]]},
+            "sparse_prefill": {"64": [[2, 201], [65536, 32968]], "128": [[1, 204], [65536, 262344]]},
+            "gather_upconvert": [[1000, 6], [1000000, 1005]],
+        })
+    }
+
+    fn model() -> CostModel {
+        CostModel::from_json(&synthetic().to_string()).unwrap()
+    }
+
+    fn cfg(num_heads: u32) -> StepConfig {
+        StepConfig {
+            gpu: Gpu::h200(),
+            num_heads,
+            topk: 2048,
+            kv_dtype: KvDtype::Fp8,
+            scratch_budget_bytes: 64 * GIB,
+            gather_workspace_rows: 163_840 * 5,
+            indexer_workspace_rows: 163_840 * 40,
+            indexer_logits_bytes: 512 << 20,
+            mask: MaskConfig::vllm_default(2048, false),
+            mixed_batch: None,
+        }
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0)
+    }
+
+    /// One prefill of `t` tokens after 10,000 of context (sparse: past top-k).
+    fn prefill(t: u64) -> ([u64; 1], [u64; 1]) {
+        ([t], [10_000])
+    }
+
+    #[test]
+    fn route_flips_where_the_tables_cross() {
+        // Mixed: 10 + T. Separate: gather (5 + (T + 10,000)/1000) + prefill
+        // (200 + T/2) = 215 + 0.501 T. Equal at T = 205 / 0.499 = 410.8.
+        let m = model();
+        for (t, mixed) in [(410, true), (411, false), (32_768, false), (16, true)] {
+            let (q, c) = prefill(t);
+            let step = Step { query_lens: &q, context_lens: &c, num_decodes: 0 };
+            let choice = m.choose_route(step, &cfg(16)).unwrap();
+            let (pm, ps) = (choice.prediction.mixed.clone().unwrap(), choice.prediction.separate.clone().unwrap());
+            assert!(close(pm.total_us(), 10.0 + t as f64), "{pm:?}");
+            assert!(close(ps.total_us(), 215.0 + 0.501 * t as f64), "{ps:?}");
+            assert_eq!((ps.gathers, ps.prefill_launches, pm.decode_launches), (1, 1, 1));
+            assert_eq!(choice.mode == StepMode::MixedBatch, mixed, "T = {t}: {pm:?} vs {ps:?}");
+            assert_eq!(choice.plan.mode, choice.mode);
+        }
+    }
+
+    #[test]
+    fn slow_prefill_table_keeps_mixed_at_128_heads() {
+        // At 100 heads both kernels pad to 128; there the prefill kernel
+        // costs 4 us per token, more than the decode kernel's 1.
+        let (q, c) = prefill(32_768);
+        let step = Step { query_lens: &q, context_lens: &c, num_decodes: 0 };
+        assert_eq!(model().choose_route(step, &cfg(100)).unwrap().mode, StepMode::MixedBatch);
+        assert_eq!(model().choose_route(step, &cfg(64)).unwrap().mode, StepMode::SeparatePrefillDecode);
+    }
+
+    #[test]
+    fn prediction_sums_the_planned_launches() {
+        let m = model();
+        let (q, c) = ([1, 1, 1, 40_000], [100, 200, 300, 5_000]);
+        let step = Step { query_lens: &q, context_lens: &c, num_decodes: 3 };
+        let mut config = cfg(16);
+        config.scratch_budget_bytes = GIB;
+        config.gather_workspace_rows = 20_000;
+        let p = m.predict(step, &config).unwrap();
+        let mixed_plan = plan_step(step, &StepConfig { mixed_batch: Some(true), ..config }).unwrap();
+        let sep_plan = plan_step(step, &StepConfig { mixed_batch: Some(false), ..config }).unwrap();
+        let by_launch = |plan: &StepPlan, kernel: Kernel, f: fn(f64) -> f64| -> f64 {
+            plan.launches.iter().filter(|l| l.kernel == kernel).map(|l| f((l.tokens.end - l.tokens.start) as f64)).sum()
+        };
+        let mixed = p.mixed.unwrap();
+        assert!(mixed_plan.launches.len() > 1, "the 1 GiB budget splits it");
+        assert_eq!(mixed.decode_launches, mixed_plan.launches.len());
+        assert!(close(mixed.total_us(), by_launch(&mixed_plan, Kernel::SparseDecode, |t| 10.0 + t)));
+        let sep = p.separate.unwrap();
+        assert!(sep.gathers > 1, "45,000 rows do not fit a 20,000-row workspace");
+        assert_eq!(sep.gathers, sep_plan.gather_chunks.len());
+        let gather: f64 = sep_plan.gather_chunks.iter().map(|g| 5.0 + g.rows() as f64 / 1000.0).sum();
+        assert!(close(sep.gather_us, gather));
+        assert!(close(sep.decode_us, by_launch(&sep_plan, Kernel::SparseDecode, |t| 10.0 + t)));
+        assert!(close(sep.prefill_us, by_launch(&sep_plan, Kernel::SparsePrefill, |t| 200.0 + t / 2.0)));
+    }
+
+    #[test]
+    fn a_route_over_the_budget_is_not_taken() {
+        // 8 MiB is below one decode launch's o_accum (16.7 MiB at 132 SMs)
+        // but holds prefill launches of ~100 tokens.
+        let (q, c) = prefill(300);
+        let step = Step { query_lens: &q, context_lens: &c, num_decodes: 0 };
+        let mut config = cfg(16);
+        config.scratch_budget_bytes = 8 << 20;
+        let choice = model().choose_route(step, &config).unwrap();
+        assert!(matches!(choice.prediction.mixed, Err(PlanError::BudgetTooSmall { .. })));
+        assert_eq!(choice.mode, StepMode::SeparatePrefillDecode, "mixed would be faster, but does not fit");
+        config.scratch_budget_bytes = 1 << 10;
+        assert!(matches!(model().choose_route(step, &config), Err(PlanError::BudgetTooSmall { .. })));
+    }
+
+    #[test]
+    fn decode_only_steps_follow_vllm() {
+        let step = Step { query_lens: &[1, 1, 1], context_lens: &[10, 20, 30], num_decodes: 3 };
+        assert_eq!(model().choose_route(step, &cfg(16)).unwrap().mode, StepMode::MixedBatch);
+        assert_eq!(model().choose_route(step, &cfg(64)).unwrap().mode, StepMode::SeparatePrefillDecode);
+    }
+
+    #[test]
+    fn refuses_other_configurations() {
+        let m = model();
+        let (q, c) = prefill(100);
+        let step = Step { query_lens: &q, context_lens: &c, num_decodes: 0 };
+        let mut sm100 = cfg(16);
+        sm100.gpu = Gpu::new(Arch::Sm100, 148).unwrap();
+        let mut topk = cfg(16);
+        topk.topk = 512;
+        let mut bf16 = cfg(16);
+        bf16.kv_dtype = KvDtype::Bf16;
+        for (config, needle) in [(sm100, "sm100"), (topk, "topk 512"), (bf16, "fp8")] {
+            let err = m.predict(step, &config).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err}");
+        }
+        // A profile with no 128-head tables cannot price 100 heads.
+        let mut only64 = synthetic();
+        only64["sparse_decode"].as_object_mut().unwrap().remove("128");
+        let err = CostModel::from_json(&only64.to_string()).unwrap().predict(step, &cfg(100)).unwrap_err().to_string();
+        assert!(err.contains("no sparse_decode table at 128 padded heads"), "{err}");
+        // A step the planner refuses is refused, not priced.
+        let bad = Step { query_lens: &[1, 2], context_lens: &[0], num_decodes: 0 };
+        assert!(matches!(m.predict(bad, &cfg(16)), Err(PlanError::LengthMismatch { .. })));
+    }
+
+    #[test]
+    fn malformed_profiles_are_refused() {
+        let edit = |f: fn(&mut serde_json::Value)| {
+            let mut v = synthetic();
+            f(&mut v);
+            CostModel::from_json(&v.to_string()).unwrap_err().to_string()
+        };
+        let cases: [(String, &str); 9] = [
+            (CostModel::from_json("{not json").unwrap_err().to_string(), "not valid JSON"),
+            (CostModel::from_json("[]").unwrap_err().to_string(), "not a cost profile"),
+            (edit(|v| v["format"] = json!("mla-planner.cost-profile/0")), "re-run"),
+            (edit(|v| v["arch"] = json!("sm80")), "sm80"),
+            (edit(|v| v["environment"].as_object_mut().unwrap().remove("driver").map(drop).unwrap()), "environment.driver"),
+            (edit(|v| v["sparse_prefill"]["64"] = json!([[64, 5], [128, 4]])), "sparse_prefill at 64 heads: point 1"),
+            (edit(|v| v["sparse_decode"] = json!({"32": [[1, 1], [2, 2]]})), "64 or 128"),
+            (edit(|v| v["gather_upconvert"] = json!([[1, 1]])), "gather_upconvert: needs at least 2"),
+            (edit(|v| v["extra"] = json!(1)), "unknown field"),
+        ];
+        for (err, needle) in cases {
+            assert!(err.starts_with("cost profile: ") && err.contains(needle), "{err:?} lacks {needle:?}");
+        }
+    }
+
+    #[test]
+    fn tables_are_exact_at_their_points() {
+        let m = model();
+        let t = m.kernel_table(Kernel::SparsePrefill, 64).unwrap();
+        assert_eq!(t.micros(2), 201.0);
+        assert_eq!(t.micros(65536), 32968.0);
+        assert_eq!(m.gather_table().micros(1000), 6.0);
+        assert_eq!(m.decode_heads(), vec![64, 128]);
+    }
+}

@@ -1,0 +1,106 @@
+//! The calibration profile's JSON format (`mla-planner calibrate` writes it;
+//! docs/routing.md describes it).
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use super::table::Table;
+use crate::error::{PlanError, Result};
+use crate::geometry::Arch;
+
+/// The `format` a profile must name; bumped whenever the layout changes.
+pub const PROFILE_FORMAT: &str = "mla-planner.cost-profile/1";
+
+/// What a profile must say about where it was measured: a profile is only
+/// valid where all of these are the same (the caller checks; see
+/// `mla_planner.routing`).
+pub const ENVIRONMENT_KEYS: [&str; 6] = ["gpu", "driver", "cuda", "torch", "kernels", "gather"];
+
+/// Head counts the FlashMLA sparse kernels run (queries are zero-padded up).
+const KERNEL_HEADS: [u32; 2] = [64, 128];
+
+type Points = Vec<[f64; 2]>;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProfileJson {
+    format: String,
+    arch: String,
+    num_sms: u32,
+    topk: u32,
+    environment: BTreeMap<String, String>,
+    /// How it was measured (runs, grid, raw medians): kept, not interpreted.
+    #[serde(default)]
+    calibration: serde_json::Value,
+    /// Padded heads -> decode kernel, `b = 1, s_q = tokens`.
+    sparse_decode: BTreeMap<u32, Points>,
+    /// Padded heads -> BF16 prefill kernel by tokens.
+    sparse_prefill: BTreeMap<u32, Points>,
+    /// FP8 cache rows -> BF16 workspace rows, by rows.
+    gather_upconvert: Points,
+}
+
+/// A profile, validated.
+pub(super) struct Parsed {
+    pub arch: Arch,
+    pub num_sms: u32,
+    pub topk: u32,
+    pub environment: BTreeMap<String, String>,
+    pub calibration: serde_json::Value,
+    pub decode: BTreeMap<u32, Table>,
+    pub prefill: BTreeMap<u32, Table>,
+    pub gather: Table,
+}
+
+fn bad(msg: impl Into<String>) -> PlanError {
+    PlanError::CostProfile(msg.into())
+}
+
+fn tables(kernel: &str, by_heads: BTreeMap<u32, Points>) -> Result<BTreeMap<u32, Table>> {
+    if by_heads.is_empty() {
+        return Err(bad(format!("{kernel} has no table")));
+    }
+    by_heads
+        .into_iter()
+        .map(|(heads, points)| {
+            if !KERNEL_HEADS.contains(&heads) {
+                return Err(bad(format!("{kernel}: padded heads must be 64 or 128, got {heads}")));
+            }
+            let table = Table::new(&points).map_err(|e| bad(format!("{kernel} at {heads} heads: {e}")))?;
+            Ok((heads, table))
+        })
+        .collect()
+}
+
+pub(super) fn parse(text: &str) -> Result<Parsed> {
+    // Check the format first, so a profile of another version says so
+    // instead of failing on a field it does not know.
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+    match value.get("format").and_then(|f| f.as_str()) {
+        Some(PROFILE_FORMAT) => {}
+        Some(other) => return Err(bad(format!("format {other:?} is not {PROFILE_FORMAT:?}; re-run `mla-planner calibrate`"))),
+        None => return Err(bad(format!("not a cost profile: no \"format\": {PROFILE_FORMAT:?} field"))),
+    }
+    let p: ProfileJson = serde_json::from_value(value).map_err(|e| bad(e.to_string()))?;
+    debug_assert_eq!(p.format, PROFILE_FORMAT);
+    let arch = p.arch.parse::<Arch>().map_err(|e| bad(e.to_string()))?;
+    if p.num_sms == 0 || p.topk == 0 {
+        return Err(bad("num_sms and topk must be at least 1"));
+    }
+    for key in ENVIRONMENT_KEYS {
+        if p.environment.get(key).map_or(true, |v| v.trim().is_empty()) {
+            return Err(bad(format!("environment.{key} is missing; a profile must name where it was measured")));
+        }
+    }
+    Ok(Parsed {
+        arch,
+        num_sms: p.num_sms,
+        topk: p.topk,
+        environment: p.environment,
+        calibration: p.calibration,
+        decode: tables("sparse_decode", p.sparse_decode)?,
+        prefill: tables("sparse_prefill", p.sparse_prefill)?,
+        gather: Table::new(&p.gather_upconvert).map_err(|e| bad(format!("gather_upconvert: {e}")))?,
+    })
+}
