@@ -154,3 +154,25 @@ def test_an_empty_batch_is_a_no_op() -> None:
     empty = torch.empty((0, 16, 576))
     executor.run(plan, empty, torch.empty((1, 64, 1, 656), dtype=torch.uint8), torch.empty((0, 128), dtype=torch.int32),
                  torch.empty((0, 16, 512)))
+
+
+def test_translating_executor_takes_a_function_and_only_a_function(gen: torch.Generator) -> None:
+    case = mixed_case(40, 16, 64, 128, gen)
+    translated = MixedBatchExecutor(ReferenceProvider(), 16, translates_indices=True)
+    plan = translated.plan(40, UNBOUNDED, topk=64)
+    assert "slot_indices" in mla_planner.decode_scratch(1, 40, 16, topk=64, translated_indices=True).buffers
+    out = torch.full((40, 16, 512), float("nan"))
+    asked: list[tuple[int, int]] = []
+
+    def slots(rows: slice) -> torch.Tensor:
+        asked.append((rows.start, rows.stop))
+        return case.indices[rows]
+
+    translated.run(plan, case.q, case.kv_cache, slots, out)
+    assert asked == [tuple(c) for c in plan.chunks.tolist()]
+    expected = sparse_attention(case.q, as_slots(case.kv_cache), case.indices, SCALE)[0]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="function"):
+        translated.run(plan, case.q, case.kv_cache, case.indices, out)
+    with pytest.raises(ValueError, match="function"):
+        MixedBatchExecutor(ReferenceProvider(), 16).run(plan, case.q, case.kv_cache, slots, out)
