@@ -1,0 +1,76 @@
+"""The backend's knobs, read from the environment once per process and checked at start-up.
+
+* ``MLA_PLANNER_SCRATCH_MB`` -- the scratch budget in MiB (default
+  :data:`DEFAULT_SCRATCH_MB`). ``VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB``, the name the upstream
+  proposal used, is honoured too; when both are set they must agree.
+* ``MLA_PLANNER_REPLACE_FLASHMLA_SPARSE`` -- ``1`` registers the backend in place of
+  ``FLASHMLA_SPARSE`` as well as ``CUSTOM``, so existing command lines pick it up unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+DEFAULT_SCRATCH_MB = 1024
+"""1 GiB: 3,641-token launches at 64 padded heads (the mixed-batch path of a 16-head rank), a
+few percent slower than one unbounded call on the H200 (docs/benchmarks.md), against the 8-10 GiB
+one 32K-token call would take."""
+
+MIN_SCRATCH_MB = 64
+"""Below this a launch shrinks to a few hundred tokens at most (one of 133 tokens at 64 padded
+heads takes 33 MiB) and a long prompt becomes hundreds of launches."""
+
+MAX_SCRATCH_MB = 1 << 20
+
+SCRATCH_VARS = ("MLA_PLANNER_SCRATCH_MB", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB")
+REPLACE_VAR = "MLA_PLANNER_REPLACE_FLASHMLA_SPARSE"
+
+
+class SettingsError(ValueError):
+    """A knob has a value the backend cannot use; the message names it and says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    scratch_mb: int
+    replace_flashmla_sparse: bool
+    source: str
+    """Where ``scratch_mb`` came from: an environment variable's name, or ``"default"``."""
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self.scratch_mb << 20
+
+
+def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    env = os.environ if environ is None else environ
+    values = {name: _scratch_mb(name, env[name]) for name in SCRATCH_VARS if env.get(name, "").strip()}
+    if len(set(values.values())) > 1:
+        shown = ", ".join(f"{name}={mb}" for name, mb in values.items())
+        raise SettingsError(f"{shown} disagree: set one of them (MLA_PLANNER_SCRATCH_MB is the project's name)")
+    source, scratch_mb = next(iter(values.items()), ("default", DEFAULT_SCRATCH_MB))
+    return Settings(scratch_mb, _flag(REPLACE_VAR, env.get(REPLACE_VAR, "")), source)
+
+
+def _scratch_mb(name: str, raw: str) -> int:
+    try:
+        mb = int(raw.strip())
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a whole number of MiB (e.g. {name}={DEFAULT_SCRATCH_MB})") from None
+    if not MIN_SCRATCH_MB <= mb <= MAX_SCRATCH_MB:
+        raise SettingsError(
+            f"{name}={mb} is outside {MIN_SCRATCH_MB}..{MAX_SCRATCH_MB} MiB; "
+            f"the default is {DEFAULT_SCRATCH_MB} (unset {name} to use it)"
+        )
+    return mb
+
+
+def _flag(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise SettingsError(f"{name}={raw!r}: use 1 to replace FLASHMLA_SPARSE, 0 (or unset) to keep it")

@@ -1,0 +1,300 @@
+"""The vLLM backend on the CPU: plugin registration, vLLM's configuration checks, the plan the
+builder attaches, and the impl's launches against the float32 reference (tests/vllm_cpu.py
+stands in for vLLM's GPU-only pieces)."""
+
+from __future__ import annotations
+
+import pathlib
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the backend tests need vLLM 0.26.0 (pip install '.[test]')")
+
+import mla_planner  # noqa: E402
+from mla_planner.executor.mixed_batch import ALLOCATOR_RESERVE_BYTES, MixedBatchExecutor  # noqa: E402
+from mla_planner.executor.quant import quantize_fp8_ds_mla  # noqa: E402
+from mla_planner.executor.synthetic import random_kv_rows  # noqa: E402
+from mla_planner.vllm_backend import reservation  # noqa: E402
+from mla_planner.vllm_backend.settings import DEFAULT_SCRATCH_MB, SettingsError, read_settings  # noqa: E402
+from vllm_cpu import (  # noqa: E402
+    NUM_SMS,
+    KernelRecorder,
+    RecordingProvider,
+    causal_positions,
+    common_metadata,
+    cpu_vllm,
+    model_dir,
+    reference_output,
+    request_slots,
+    shuffled_block_table,
+    vllm_config,
+)
+
+BACKEND = "mla_planner.vllm_backend.backend.PlannedFlashMLASparseBackend"
+TOPK = 128
+SCRATCH_MB = 64
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    seed = secrets.randbits(32)
+    print(f"random seed: {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def registry() -> Iterator[dict[Any, str]]:
+    """vLLM's backend overrides, restored after the test."""
+    from vllm.v1.attention.backends import registry as reg
+
+    saved = dict(reg._ATTN_OVERRIDES)
+    yield reg._ATTN_OVERRIDES
+    reg._ATTN_OVERRIDES.clear()
+    reg._ATTN_OVERRIDES.update(saved)
+
+
+# -- settings -----------------------------------------------------------------------------------
+
+
+def test_settings_default_and_both_names() -> None:
+    assert read_settings({}).scratch_mb == DEFAULT_SCRATCH_MB
+    assert read_settings({}).source == "default"
+    s = read_settings({"VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB": "512"})
+    assert (s.scratch_mb, s.source, s.scratch_bytes) == (512, "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB", 512 << 20)
+    both = read_settings({"MLA_PLANNER_SCRATCH_MB": "256", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB": "256"})
+    assert both.scratch_mb == 256
+    assert read_settings({"MLA_PLANNER_REPLACE_FLASHMLA_SPARSE": "1"}).replace_flashmla_sparse
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"MLA_PLANNER_SCRATCH_MB": "lots"}, ["MLA_PLANNER_SCRATCH_MB='lots'", "whole number"]),
+        ({"MLA_PLANNER_SCRATCH_MB": "0"}, ["outside", "default"]),
+        ({"MLA_PLANNER_SCRATCH_MB": "-5"}, ["outside"]),
+        ({"VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB": "1.5"}, ["VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB"]),
+        ({"MLA_PLANNER_SCRATCH_MB": "512", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB": "1024"}, ["disagree"]),
+        ({"MLA_PLANNER_REPLACE_FLASHMLA_SPARSE": "maybe"}, ["MLA_PLANNER_REPLACE_FLASHMLA_SPARSE", "use 1"]),
+    ],
+)
+def test_bad_settings_say_what_is_wrong(env: dict[str, str], words: list[str]) -> None:
+    with pytest.raises(SettingsError) as err:
+        read_settings(env)
+    assert isinstance(err.value, ValueError)
+    for word in words:
+        assert word in str(err.value)
+
+
+# -- plugin -------------------------------------------------------------------------------------
+
+
+def test_vllm_loads_the_entry_point_and_custom_is_ours(registry: dict[Any, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.plugins
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    monkeypatch.delenv("MLA_PLANNER_REPLACE_FLASHMLA_SPARSE", raising=False)
+    vllm.plugins.load_general_plugins()  # type: ignore[no-untyped-call]
+    assert AttentionBackendEnum.CUSTOM.get_path() == BACKEND
+    assert AttentionBackendEnum.CUSTOM.get_class().__name__ == "PlannedFlashMLASparseBackend"
+    assert AttentionBackendEnum.FLASHMLA_SPARSE.get_path() != BACKEND
+    # vLLM may load plugins again in another process or call: harmless.
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    vllm.plugins.load_general_plugins()  # type: ignore[no-untyped-call]
+    assert AttentionBackendEnum.CUSTOM.get_path() == BACKEND
+
+
+def test_replace_takes_the_place_of_flashmla_sparse(registry: dict[Any, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from mla_planner.vllm_backend import register
+
+    monkeypatch.setenv("MLA_PLANNER_REPLACE_FLASHMLA_SPARSE", "1")
+    register()
+    assert AttentionBackendEnum.FLASHMLA_SPARSE.get_path() == BACKEND
+    assert AttentionBackendEnum.CUSTOM.get_path() == BACKEND
+
+
+def test_bad_settings_fail_registration(registry: dict[Any, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from mla_planner.vllm_backend import register
+
+    monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", "nope")
+    with pytest.raises(ValueError, match="MLA_PLANNER_SCRATCH_MB"):
+        register()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "auto"])
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
+def test_passes_vllm_configuration_checks(kv_cache_dtype: str, capability: tuple[int, int]) -> None:
+    from vllm.platforms.interface import DeviceCapability
+
+    from mla_planner.vllm_backend.backend import PlannedFlashMLASparseBackend
+
+    reasons = PlannedFlashMLASparseBackend.validate_configuration(
+        head_size=576, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
+        block_size=64, use_mla=True, has_sink=False, use_sparse=True, use_mm_prefix=False,
+        use_per_head_quant_scales=False, device_capability=DeviceCapability(*capability), attn_type="decoder",
+    )
+    assert reasons == []
+    # And it is not a yes-to-everything: a non-sparse model is refused.
+    refused = PlannedFlashMLASparseBackend.validate_configuration(
+        head_size=576, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
+        block_size=64, use_mla=True, has_sink=False, use_sparse=False, use_mm_prefix=False,
+        use_per_head_quant_scales=False, device_capability=DeviceCapability(*capability), attn_type="decoder",
+    )
+    assert refused
+
+
+# -- reservation --------------------------------------------------------------------------------
+
+
+def test_reservation_is_once_per_process_and_released_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reservation, "_held", None)
+    monkeypatch.setattr(reservation, "_reserved_bytes", 0)
+    assert reservation.reserve(1 << 20, torch.device("cpu"))
+    assert not reservation.reserve(1 << 20, torch.device("cpu")), "a second layer must not reserve again"
+    assert reservation.reserved_bytes() == 1 << 20
+    assert reservation._held is not None and reservation._held.numel() == 1 << 20
+    assert reservation.release()
+    assert not reservation.release()
+    assert reservation._held is None
+
+
+# -- builder and impl ---------------------------------------------------------------------------
+
+
+class Backend:
+    """A builder and an impl of one layer, on the CPU, with the reference kernels."""
+
+    def __init__(self, tmp: pathlib.Path, monkeypatch: pytest.MonkeyPatch, *, num_heads: int) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+        from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+        from mla_planner.vllm_backend.backend import PlannedFlashMLASparseImpl, PlannedFlashMLASparseMetadataBuilder
+
+        monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", str(SCRATCH_MB))
+        monkeypatch.setattr(reservation, "reserve", lambda num_bytes, device: False)
+        self.num_heads = num_heads
+        self.provider = RecordingProvider()
+        self.kernels = KernelRecorder()
+        self.config = vllm_config(model_dir(tmp, num_heads=num_heads, topk=TOPK))
+        self._cpu = cpu_vllm(monkeypatch, self.provider, self.kernels)
+        self._cpu.__enter__()
+        spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8,
+                                cache_dtype_str="fp8_ds_mla")
+        if not is_workspace_manager_initialized():
+            init_workspace_manager(torch.device("cpu"))
+        self.topk_buffer = torch.empty((2048, TOPK), dtype=torch.int32)
+        with set_current_vllm_config(self.config):
+            self.builder = PlannedFlashMLASparseMetadataBuilder(spec, ["layers.0.attn"], self.config, torch.device("cpu"))
+            self.impl = PlannedFlashMLASparseImpl(
+                num_heads, 576, 576**-0.5, 1, None, None, "fp8_ds_mla", None, "decoder", None,
+                q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192,
+                v_head_dim=128, kv_b_proj=None, topk_indices_buffer=self.topk_buffer,
+            )
+
+    def close(self) -> None:
+        self._cpu.__exit__(None, None, None)
+
+    def step(self, query_lens: list[int], context_lens: list[int], gen: torch.Generator) -> dict[str, Any]:
+        seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+        block_table, num_pages = shuffled_block_table(seq_lens, gen)
+        kv_cache = quantize_fp8_ds_mla(random_kv_rows(num_pages * 64, gen)).view(num_pages, 64, 656)
+        metadata = self.builder.build(0, common_metadata(query_lens, context_lens, block_table))
+        positions = causal_positions(query_lens, context_lens, TOPK, gen)
+        q = torch.randn((sum(query_lens), self.num_heads, 576), generator=gen)
+        slots = request_slots(positions, query_lens, block_table)
+        return dict(metadata=metadata, kv_cache=kv_cache, positions=positions, q=q,
+                    expected=reference_output(q, kv_cache, slots, 576**-0.5))
+
+
+@pytest.fixture
+def mixed(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
+    backend = Backend(tmp_path, monkeypatch, num_heads=16)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def separate(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
+    backend = Backend(tmp_path, monkeypatch, num_heads=32)
+    yield backend
+    backend.close()
+
+
+# Decodes first, then prefills with and without context: about 900 tokens.
+QUERY_LENS = [1, 1, 1, 350, 520]
+CONTEXT_LENS = [70, 200, 5, 0, 130]
+
+
+def test_builder_attaches_the_planned_mixed_batch(mixed: Backend, gen: torch.Generator) -> None:
+    metadata = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)["metadata"]
+    assert metadata.fp8_use_mixed_batch
+    step = metadata.mixed_batch
+    assert step is not None
+    expected = MixedBatchExecutor(RecordingProvider(), 16, num_sms=NUM_SMS, translates_indices=True).plan(
+        sum(QUERY_LENS), SCRATCH_MB << 20, topk=TOPK
+    )
+    plan = step.plan(sum(QUERY_LENS))
+    assert plan.chunks.tolist() == expected.chunks.tolist()
+    assert len(plan) > 1, "the test budget must cut the step"
+    assert plan.peak_bytes <= (SCRATCH_MB << 20) - ALLOCATOR_RESERVE_BYTES
+    assert step.plan(sum(QUERY_LENS)) is plan, "one plan per step, shared by the layers"
+
+
+def test_decode_only_steps_carry_no_plan(mixed: Backend, gen: torch.Generator) -> None:
+    metadata = mixed.step([1, 1, 1], [40, 9, 300], gen)["metadata"]
+    assert metadata.num_prefills == 0 and metadata.mixed_batch is None
+
+
+def test_mixed_batch_impl_runs_the_planned_launches(mixed: Backend, gen: torch.Generator) -> None:
+    case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    md, q = case["metadata"], case["q"]
+    mixed.topk_buffer[: q.shape[0]] = case["positions"]
+    plan = md.mixed_batch.plan(q.shape[0])
+    for layer in range(2):  # two layers share the step's plan and schedules
+        out = mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md)
+        torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
+    launches = mixed.provider.launch_q
+    assert len(launches) == 2 * len(plan)
+    for (start, end), launch_q in zip(plan.chunks.tolist(), launches):
+        assert launch_q.shape == (1, end - start, 64, 576)
+        assert torch.equal(launch_q[0, :, :16], q[start:end])
+        assert not launch_q[0, :, 16:].any(), "padded heads must be zero"
+    assert mixed.provider.schedules_created == len(plan.distinct_lengths)
+    assert mixed.kernels.decode_calls == [], "the stock single call must not run"
+
+
+def test_mixed_decode_only_runs_stock(mixed: Backend, gen: torch.Generator) -> None:
+    case = mixed.step([1, 1, 1], [40, 9, 300], gen)
+    q = case["q"]
+    mixed.topk_buffer[:3] = case["positions"]
+    out = mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:3], case["metadata"])
+    torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
+    assert mixed.kernels.decode_calls == [(1, 3, 64, 576)] and mixed.provider.launch_q == []
+
+
+def test_separate_impl_cuts_prefill_launches_by_the_budget(separate: Backend, gen: torch.Generator) -> None:
+    case = separate.step(QUERY_LENS, CONTEXT_LENS, gen)
+    md, q = case["metadata"], case["q"]
+    assert not md.fp8_use_mixed_batch
+    max_tokens, _ = mla_planner.prefill_launch_tokens(
+        32, budget_bytes=(SCRATCH_MB << 20) - ALLOCATOR_RESERVE_BYTES, topk=TOPK, translated_indices=True
+    )
+    assert md.prefill_launch_tokens == max_tokens
+    separate.topk_buffer[: q.shape[0]] = case["positions"]
+    out = separate.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md)
+    torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
+    # One decode call for the three decodes; prefill calls of at most max_tokens per gathered chunk.
+    assert separate.kernels.decode_calls == [(3, 1, 64, 576)]
+    sizes = [shape[0] for shape in separate.kernels.prefill_calls]
+    assert max(sizes) <= max_tokens and sum(sizes) == sum(QUERY_LENS[3:])
+    chunks = md.fp8_extra_metadata.prefill.chunks
+    assert len(sizes) == sum(-(-(c.tokens_slice.stop - c.tokens_slice.start) // max_tokens) for c in chunks)
+    assert len(sizes) > len(chunks), "the test budget must cut a chunk's prefill call"
+    assert all(shape[1] == 64 for shape in separate.kernels.prefill_calls)

@@ -1,0 +1,225 @@
+"""Running vLLM 0.26's sparse-MLA builder and impl on the CPU, for the backend's tests.
+
+vLLM needs a GPU for three things these tests do not: the SM count, the Triton index
+translation and the CUDA gather op. Each is replaced here by a torch version of what its
+docstring specifies; the FlashMLA kernels become the float32 reference, recording every call.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from mla_planner.executor.layout import PAGE_SIZE, as_slots
+from mla_planner.executor.reference import (
+    dequantize_fp8_ds_mla,
+    sparse_attention,
+    sparse_decode_reference,
+    sparse_prefill_reference,
+)
+from mla_planner.executor.providers import ReferenceProvider
+
+MODEL_CONFIG = pathlib.Path(__file__).parent / "e2e" / "tiny-deepseek-v32" / "config.json"
+SHARED_MODEL_CONFIG = pathlib.Path(__file__).parents[2] / "shared" / "e2e" / "tiny-deepseek-v32" / "config.json"
+NUM_SMS = 132
+
+
+def model_dir(tmp: pathlib.Path, *, num_heads: int, topk: int) -> pathlib.Path:
+    """The tiny DeepSeek-V3.2 config with ``num_heads`` heads and top-``topk`` indexing."""
+    source = MODEL_CONFIG if MODEL_CONFIG.exists() else SHARED_MODEL_CONFIG
+    config = json.loads(source.read_text())
+    config.update(num_attention_heads=num_heads, num_key_value_heads=num_heads, index_topk=topk)
+    out = tmp / f"model-h{num_heads}-k{topk}"
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def vllm_config(model: pathlib.Path, *, kv_cache_dtype: str = "fp8_ds_mla", max_model_len: int = 4096) -> Any:
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    model_config = ModelConfig(
+        model=str(model), skip_tokenizer_init=True, max_model_len=max_model_len, dtype="bfloat16",
+        generation_config="vllm",
+    )
+    config = VllmConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=PAGE_SIZE, cache_dtype=kv_cache_dtype),  # type: ignore[arg-type]
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=max_model_len, is_encoder_decoder=False
+        ),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    # The builder reads the layer's dense-MHA prefill backend from here; none on the CPU.
+    config.compilation_config.static_forward_context["layers.0.attn"] = SimpleNamespace(prefill_backend=None)
+    return config
+
+
+def common_metadata(query_lens: list[int], context_lens: list[int], block_table: torch.Tensor) -> Any:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    q = torch.tensor(query_lens, dtype=torch.int32)
+    seq = q + torch.tensor(context_lens, dtype=torch.int32)
+    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(q, 0)
+    return CommonAttentionMetadata(
+        query_start_loc=starts.clone(),
+        query_start_loc_cpu=starts,
+        seq_lens=seq.clone(),
+        num_reqs=len(query_lens),
+        num_actual_tokens=int(q.sum()),
+        max_query_len=int(q.max()),
+        max_seq_len=int(seq.max()),
+        block_table_tensor=block_table,
+        slot_mapping=torch.zeros(int(q.sum()), dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seq,
+        _seq_lens_cpu=seq,
+    )
+
+
+def convert_req_index_to_global_index(
+    req_id: torch.Tensor,
+    block_table: torch.Tensor,
+    token_indices: torch.Tensor,
+    BLOCK_SIZE: int = 64,
+    NUM_TOPK_TOKENS: int = 2048,
+    BLOCK_N: int = 128,
+    HAS_PREFILL_WORKSPACE: bool = False,
+    prefill_workspace_request_ids: torch.Tensor | None = None,
+    prefill_workspace_starts: torch.Tensor | None = None,
+    return_valid_counts: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``triton_convert_req_index_to_global_index`` as its docstring defines it."""
+    assert req_id.shape[0] == token_indices.shape[0]
+    pos = token_indices.long()
+    valid = pos >= 0
+    page = block_table[req_id.long()].long().gather(1, (pos // BLOCK_SIZE).clamp(min=0, max=block_table.shape[1] - 1))
+    out = page * BLOCK_SIZE + pos % BLOCK_SIZE
+    if HAS_PREFILL_WORKSPACE:
+        assert prefill_workspace_request_ids is not None and prefill_workspace_starts is not None
+        prefill = prefill_workspace_request_ids.long()
+        is_prefill = (prefill >= 0).unsqueeze(1)
+        starts = prefill_workspace_starts.long()[prefill.clamp(min=0)].unsqueeze(1)
+        out = torch.where(is_prefill, starts + pos, out)
+    out = torch.where(valid, out, -1).to(torch.int32)
+    if return_valid_counts:
+        return out, valid.sum(1).to(torch.int32)
+    return out
+
+
+def gather_and_upconvert(
+    src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor, workspace_starts: torch.Tensor,
+    batch_size: int, seq_starts: torch.Tensor | None = None,
+) -> None:
+    """vLLM's ``cp_gather_and_upconvert_fp8_kv_cache``: each request's rows, from position 0, to
+    ``dst`` from its workspace start up to the next request's (the last one to ``dst``'s end)."""
+    starts = workspace_starts.tolist() + [dst.shape[0]]
+    slots = as_slots(src_cache)
+    for r in range(batch_size):
+        n = starts[r + 1] - starts[r]
+        pos = torch.arange(n)
+        slot = block_table[r, pos // PAGE_SIZE].long() * PAGE_SIZE + pos % PAGE_SIZE
+        dst[starts[r] : starts[r + 1]] = dequantize_fp8_ds_mla(slots[slot], dst.dtype)
+
+
+class KernelRecorder:
+    """The FlashMLA kernels as the float32 reference, recording each call's shapes."""
+
+    def __init__(self) -> None:
+        self.decode_calls: list[tuple[int, ...]] = []
+        self.prefill_calls: list[tuple[int, ...]] = []
+
+    def flash_mla_with_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, block_table: Any, cache_seqlens: Any,
+                               head_dim_v: int, tile_scheduler_metadata: Any, num_splits: None = None,
+                               softmax_scale: float | None = None, causal: bool = False, is_fp8_kvcache: bool = False,
+                               indices: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        assert indices is not None and softmax_scale is not None and is_fp8_kvcache
+        self.decode_calls.append(tuple(q.shape))
+        return sparse_decode_reference(q, k_cache, indices, softmax_scale)
+
+    def flash_mla_sparse_fwd(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                             d_v: int = 512, topk_length: torch.Tensor | None = None,
+                             **_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.prefill_calls.append(tuple(q.shape))
+        out, lse = sparse_prefill_reference(q, kv, indices, sm_scale)
+        return out, lse, lse
+
+
+class RecordingProvider(ReferenceProvider):
+    """The mixed-batch executor's provider: the reference, recording each launch's q."""
+
+    def __init__(self) -> None:
+        super().__init__(takes_out=True)
+        self.launch_q: list[torch.Tensor] = []
+
+    def sparse_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, schedule: Any,
+                      softmax_scale: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        self.launch_q.append(q.clone())
+        return super().sparse_decode(q, kv_cache, indices, schedule, softmax_scale, out)
+
+
+@contextmanager
+def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kernels: KernelRecorder) -> Iterator[None]:
+    """Swap vLLM's GPU-only pieces for the CPU versions above while the builder and impl run."""
+    import vllm.v1.attention.backends.mla.flashmla_sparse as stock
+
+    import mla_planner.vllm_backend.backend as backend
+
+    for module in (stock, backend):
+        monkeypatch.setattr(module, "num_compute_units", lambda device_id=None: NUM_SMS)
+    monkeypatch.setattr(stock, "triton_convert_req_index_to_global_index", convert_req_index_to_global_index)
+    monkeypatch.setattr(backend, "triton_convert_req_index_to_global_index", convert_req_index_to_global_index)
+    monkeypatch.setattr(stock, "flash_mla_with_kvcache", kernels.flash_mla_with_kvcache)
+    monkeypatch.setattr(stock, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
+    monkeypatch.setattr(stock, "get_mla_metadata", lambda *a, **k: (object(), None))
+    monkeypatch.setattr(backend, "ops", SimpleNamespace(cp_gather_and_upconvert_fp8_kv_cache=gather_and_upconvert))
+    monkeypatch.setattr(backend, "kernel_provider", lambda: provider)
+    # No pinned host memory without a GPU.
+    import vllm.utils.torch_utils
+
+    monkeypatch.setattr(vllm.utils.torch_utils, "PIN_MEMORY", False)
+    zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: zeros(*a, **k))
+    yield
+
+
+def request_slots(indices: torch.Tensor, query_lens: list[int], block_table: torch.Tensor) -> torch.Tensor:
+    """Request-relative top-k positions -> cache slots, request by request (``-1`` stays)."""
+    req = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+    slots = convert_req_index_to_global_index(req.to(torch.int32), block_table, indices)
+    assert isinstance(slots, torch.Tensor)
+    return slots
+
+
+def reference_output(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    return sparse_attention(q, as_slots(kv_cache), slots, scale)[0]
+
+
+def causal_positions(query_lens: list[int], context_lens: list[int], topk: int, gen: torch.Generator) -> torch.Tensor:
+    """Each token's top-k request positions, drawn from ``[0, its position]``, some ``-1``."""
+    pos = torch.cat([torch.arange(c, c + n) for n, c in zip(query_lens, context_lens)])
+    draws = (torch.rand((len(pos), topk), generator=gen) * (pos.unsqueeze(1) + 1)).floor().to(torch.int32)
+    return draws.masked_fill(torch.rand((len(pos), topk), generator=gen) < 0.1, -1)
+
+
+def shuffled_block_table(seq_lens: list[int], gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    pages = [-(-s // PAGE_SIZE) for s in seq_lens]
+    order = torch.randperm(sum(pages), generator=gen).to(torch.int32)
+    table = torch.full((len(seq_lens), max(pages)), 0, dtype=torch.int32)
+    first = 0
+    for r, n in enumerate(pages):
+        table[r, :n] = order[first : first + n]
+        first += n
+    return table, sum(pages)
+
+
+def numpy_lengths(values: list[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    return np.asarray(values, dtype=np.int64)
