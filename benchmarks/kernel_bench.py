@@ -5,6 +5,8 @@ planner's predicted peak, the allocator's measured peak (inputs and output exclu
 median wall time of the whole executor run over --runs repeats (CUDA events, after warm-up).
 Configurations of one T are timed round-robin, so clock and thermal drift hit all of them alike.
 "Unbounded" is the single call; 64K tokens cannot run as one call (int32 stride limit): n/a.
+Rows marked "waves" plan with ``align_waves``: launch lengths in whole waves of the GPU (one CTA
+per token and 64-head block per SM), so the launches take as many waves as one call would.
 
     python benchmarks/kernel_bench.py --out docs/kernel_bench.md
 """
@@ -45,15 +47,21 @@ class Row:
         return statistics.median(self.times_ms) if self.times_ms else float("nan")
 
 
-def bench_tokens(executor: MixedBatchExecutor, tokens: int, args: argparse.Namespace, gen: torch.Generator) -> list[Row]:
+def bench_tokens(
+    executor: MixedBatchExecutor, aligned: MixedBatchExecutor, tokens: int, args: argparse.Namespace,
+    gen: torch.Generator,
+) -> list[Row]:
     rows = []
     max_tokens, bound = mla_planner.max_tokens_per_launch(executor.num_heads)
     for name, budget in BUDGETS.items():
         if budget == UNBOUNDED and tokens > max_tokens:
             rows.append(Row(tokens, name, None, f"n/a: one call is over the {bound} limit ({max_tokens} tokens)"))
-        else:
-            plan = executor.plan(tokens, budget, topk=args.topk)
-            rows.append(Row(tokens, name, plan, predicted=executor.predicted_peak_bytes(plan, topk=args.topk)))
+            continue
+        plan = executor.plan(tokens, budget, topk=args.topk)
+        rows.append(Row(tokens, name, plan, predicted=executor.predicted_peak_bytes(plan, topk=args.topk)))
+        if budget != UNBOUNDED:
+            plan = aligned.plan(tokens, budget, topk=args.topk)
+            rows.append(Row(tokens, f"{name}, waves", plan, predicted=aligned.predicted_peak_bytes(plan, topk=args.topk)))
 
     case: MixedCase = mixed_case(tokens, executor.num_heads, args.topk, args.cache_slots, gen, dtype=torch.bfloat16)
     out = torch.empty((tokens, executor.num_heads, 512), dtype=torch.bfloat16, device="cuda")
@@ -115,11 +123,13 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("kernel_bench.py needs a CUDA GPU")
 
-    executor = MixedBatchExecutor(get_provider(args.provider), args.heads)
+    provider = get_provider(args.provider)
+    executor = MixedBatchExecutor(provider, args.heads)
+    aligned = MixedBatchExecutor(provider, args.heads, align_waves=True)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     rows: list[Row] = []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        rows.extend(bench_tokens(executor, tokens, args, gen))
+        rows.extend(bench_tokens(executor, aligned, tokens, args, gen))
         torch.cuda.empty_cache()
 
     header = (

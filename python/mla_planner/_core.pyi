@@ -128,6 +128,7 @@ def plan_mixed_batch(
     topk: int | None = None,
     out_preallocated: bool = True,
     translated_indices: bool = False,
+    align_waves: bool = False,
 ) -> MixedBatchPlan: ...
 def split_prefill_chunks(
     seq_lens: ArrayLike, workspace_rows: int, *, request_offset: int | None = None

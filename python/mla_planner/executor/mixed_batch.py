@@ -51,6 +51,7 @@ class MixedBatchExecutor:
         arch: str = "sm90",
         num_sms: int | None = None,
         translates_indices: bool = False,
+        align_waves: bool = False,
     ) -> None:
         self.provider = provider
         self.num_heads = num_heads
@@ -59,6 +60,7 @@ class MixedBatchExecutor:
         self.arch = arch
         self.num_sms = num_sms
         self.translates_indices = translates_indices
+        self.align_waves = align_waves
 
     @property
     def writes_in_place(self) -> bool:
@@ -90,6 +92,7 @@ class MixedBatchExecutor:
             topk=topk,
             out_preallocated=self.writes_in_place,
             translated_indices=self.translates_indices,
+            align_waves=self.align_waves,
         )
 
     def predicted_peak_bytes(self, plan: mla_planner.MixedBatchPlan, *, topk: int | None = None) -> int:

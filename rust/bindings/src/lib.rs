@@ -340,7 +340,7 @@ impl MixedBatchPlan {
 }
 
 #[pyfunction]
-#[pyo3(signature = (num_tokens, *, num_heads, budget_bytes, arch="sm90", num_sms=None, topk=None, out_preallocated=true, translated_indices=false))]
+#[pyo3(signature = (num_tokens, *, num_heads, budget_bytes, arch="sm90", num_sms=None, topk=None, out_preallocated=true, translated_indices=false, align_waves=false))]
 #[allow(clippy::too_many_arguments)]
 fn plan_mixed_batch(
     py: Python<'_>,
@@ -352,6 +352,7 @@ fn plan_mixed_batch(
     topk: Option<&Bound<'_, PyAny>>,
     out_preallocated: bool,
     translated_indices: bool,
+    align_waves: bool,
 ) -> PyResult<MixedBatchPlan> {
     let cfg = plan::MixedBatchConfig {
         gpu: gpu(arch, num_sms)?,
@@ -360,6 +361,7 @@ fn plan_mixed_batch(
         budget_bytes: count(budget_bytes, "budget_bytes")?,
         out_preallocated,
         translated_indices,
+        align_waves,
     };
     let t = count(num_tokens, "num_tokens")?;
     let inner = py.detach(|| plan::plan_mixed_batch(t, &cfg)).py()?;

@@ -6,7 +6,6 @@ use std::ops::Range;
 
 use crate::error::{add, PlanError, Result};
 use crate::geometry::{Gpu, KvDtype};
-use crate::limits::max_tokens_per_launch;
 use crate::plan::{
     plan_gather_chunks, plan_mixed_batch, plan_prefill_groups, prefill_launch_tokens, split_indexer_prefill_chunks, Bound,
     GatherChunk, IndexerChunk, MaskConfig, MixedBatchConfig, PrefillGroup, PrefillRequest, PrefillRoute,
@@ -217,6 +216,7 @@ pub fn plan_step(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
                 budget_bytes: cfg.scratch_budget_bytes,
                 out_preallocated: true,
                 translated_indices: false,
+                align_waves: false,
             };
             for run in &sparse_runs {
                 let tokens = tokens_of(run);

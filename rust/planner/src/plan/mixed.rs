@@ -23,6 +23,9 @@ pub struct MixedBatchConfig {
     /// Each launch translates its own tokens' top-k indices to cache slots
     /// (see [`DecodeShape::translated_indices`]).
     pub translated_indices: bool,
+    /// Prefer launch lengths that fill whole waves of the GPU (see
+    /// [`wave_tokens`]) when that costs at most one extra launch.
+    pub align_waves: bool,
 }
 
 impl MixedBatchConfig {
@@ -144,6 +147,26 @@ fn split_into(total: u64, n: u64, feasible: &Feasible) -> Option<Vec<(u64, u64)>
     None
 }
 
+/// Query tokens one wave of the decode kernel takes: a CTA per token and
+/// 64-head block, one CTA per SM at a time (past `num_sms` tokens the kernel
+/// does not split keys across SMs).
+pub fn wave_tokens(gpu: Gpu, padded_heads: u32) -> u64 {
+    (u64::from(gpu.num_sms) * 64 / u64::from(padded_heads)).max(1)
+}
+
+/// Launches of the longest whole-wave length that fits, then the rest: as
+/// many waves in total as one call would take. `None` when not even one
+/// wave fits. Lengths below `max_len` always fit once one longer than
+/// `num_sms` does (see [`Feasible`]).
+fn wave_aligned(total: u64, max_len: u64, wave: u64) -> Option<Vec<(u64, u64)>> {
+    let len = max_len - max_len % wave;
+    if len == 0 {
+        return None;
+    }
+    let (full, rest) = (total / len, total % len);
+    Some([(len, full), (rest, u64::from(rest > 0))].into_iter().filter(|&(_, c)| c > 0).collect())
+}
+
 /// Plan `num_tokens` tokens of one step.
 pub fn plan_mixed_batch(num_tokens: u64, cfg: &MixedBatchConfig) -> Result<MixedBatchPlan> {
     let padded = decode_padded_heads(cfg.num_heads)?;
@@ -167,10 +190,18 @@ pub fn plan_mixed_batch(num_tokens: u64, cfg: &MixedBatchConfig) -> Result<Mixed
     };
     let first = num_tokens.div_ceil(feasible.max);
     crate::error::check_launches("the mixed-batch step", first, "give a larger budget")?;
-    let groups = (first..=num_tokens)
+    let mut groups = (first..=num_tokens)
         .find_map(|n| split_into(num_tokens, n, &feasible))
         // Unreachable: n = num_tokens needs length 1, the cheapest length.
         .ok_or(PlanError::Overflow { what: "mixed-batch partition" })?;
+    if cfg.align_waves && bound != Bound::Unbounded {
+        let launches: u64 = groups.iter().map(|&(_, c)| c).sum();
+        if let Some(aligned) = wave_aligned(num_tokens, feasible.max, wave_tokens(cfg.gpu, padded)) {
+            if aligned.iter().map(|&(_, c)| c).sum::<u64>() <= launches + 1 {
+                groups = aligned;
+            }
+        }
+    }
 
     let mut launches = Vec::new();
     let mut start = 0;
@@ -222,7 +253,7 @@ mod tests {
     const GIB: u64 = 1 << 30;
 
     fn cfg(num_heads: u32, budget_bytes: u64) -> MixedBatchConfig {
-        MixedBatchConfig { gpu: Gpu::h200(), num_heads, topk: 2048, budget_bytes, out_preallocated: true, translated_indices: false }
+        MixedBatchConfig { gpu: Gpu::h200(), num_heads, topk: 2048, budget_bytes, out_preallocated: true, translated_indices: false, align_waves: false }
     }
 
     #[test]
@@ -326,6 +357,33 @@ mod tests {
         assert_eq!(plan.peak_bytes, plan.launches.iter().map(|l| l.bytes).max().unwrap_or(0));
     }
 
+    #[test]
+    fn wave_aligned_plans_take_as_many_waves_as_one_call() {
+        let wave = wave_tokens(Gpu::h200(), 64);
+        assert_eq!(wave, 132);
+        assert_eq!(wave_tokens(Gpu::h200(), 128), 66);
+        let aligned = MixedBatchConfig { align_waves: true, out_preallocated: false, ..cfg(16, 1 << 30) };
+        let plain = plan_mixed_batch(32768, &MixedBatchConfig { align_waves: false, ..aligned }).unwrap();
+        let plan = plan_mixed_batch(32768, &aligned).unwrap();
+        let waves = |p: &MixedBatchPlan| p.launches.iter().map(|l| l.len().div_ceil(wave)).sum::<u64>();
+        assert_eq!(plain.launches.len(), 13);
+        assert_eq!(waves(&plain), 13 * 20);
+        assert_eq!(waves(&plan), 32768u64.div_ceil(wave));
+        // Here the longest launch that fits is 20 waves or more, so alignment costs no launch.
+        assert_eq!(plan.launches.len(), 13);
+        let lengths = plan.distinct_lengths();
+        assert_eq!(lengths.len(), 2);
+        assert_eq!(lengths[1] % wave, 0, "{lengths:?}");
+        assert_eq!(plan.launches.last().unwrap().len(), lengths[0]);
+        assert!(plan.peak_bytes <= aligned.budget_bytes);
+        // Never more than one launch over the minimum: at a small budget it keeps the plain plan.
+        let small = MixedBatchConfig { budget_bytes: 60 << 20, ..aligned };
+        let (a, p) = (plan_mixed_batch(32768, &small).unwrap(), plan_mixed_batch(32768, &MixedBatchConfig { align_waves: false, ..small }).unwrap());
+        assert!(a.launches.len() <= p.launches.len() + 1);
+        // Unbounded steps stay one call.
+        assert_eq!(plan_mixed_batch(4096, &MixedBatchConfig { budget_bytes: 1 << 40, ..aligned }).unwrap().launches.len(), 1);
+    }
+
     fn small_config() -> impl Strategy<Value = MixedBatchConfig> {
         (
             prop_oneof![Just(Arch::Sm90), Just(Arch::Sm100)],
@@ -338,6 +396,7 @@ mod tests {
             any::<bool>(),
         )
             .prop_map(|(arch, num_sms, num_heads, topk, out_preallocated, budget_bytes, translated_indices)| MixedBatchConfig {
+                align_waves: false,
                 gpu: Gpu::new(arch, num_sms).unwrap(),
                 num_heads,
                 topk,
@@ -387,6 +446,22 @@ mod tests {
                 let cap = max_tokens_per_launch(decode_padded_heads(heads).unwrap()).0;
                 let shortest_longest = t.div_ceil(n - 1);
                 prop_assert!(shortest_longest > cap || c.launch_bytes(shortest_longest).unwrap() > budget);
+            }
+        }
+
+        /// Wave-aligned plans: valid, at most one launch over the minimal
+        /// plan, and when aligned as few waves as one call would take.
+        #[test]
+        fn wave_aligned_steps(t in 1u64..300_000, heads in 1u32..=128, budget in (128 * MIB)..(16 * GIB)) {
+            let c = MixedBatchConfig { align_waves: true, ..cfg(heads, budget) };
+            let plan = plan_mixed_batch(t, &c).unwrap();
+            check_plan(t, &c, &plan);
+            let plain = plan_mixed_batch(t, &MixedBatchConfig { align_waves: false, ..c }).unwrap();
+            prop_assert!(plan.launches.len() <= plain.launches.len() + 1);
+            if plan != plain {
+                let wave = wave_tokens(c.gpu, decode_padded_heads(heads).unwrap());
+                let waves: u64 = plan.launches.iter().map(|l| l.len().div_ceil(wave)).sum();
+                prop_assert_eq!(waves, t.div_ceil(wave));
             }
         }
     }
