@@ -7,12 +7,17 @@ package re-exports it and adds the command line and the vLLM backend.
 """
 
 from mla_planner._core import (
+    COST_PROFILE_FORMAT,
     DEFAULT_TOPK,
     GLOBAL_TOPK_MASK_MAX_BYTES,
     H200_NUM_SMS,
     MIN_HEADS_FOR_BF16_PREFILL,
+    CostModel,
     MixedBatchPlan,
     PrefillGroups,
+    RouteChoice,
+    RoutePrediction,
+    RouteTime,
     Scratch,
     StepPlan,
     __version__,
@@ -35,12 +40,17 @@ from mla_planner._core import (
 )
 
 __all__ = [
+    "COST_PROFILE_FORMAT",
     "DEFAULT_TOPK",
     "GLOBAL_TOPK_MASK_MAX_BYTES",
     "H200_NUM_SMS",
     "MIN_HEADS_FOR_BF16_PREFILL",
+    "CostModel",
     "MixedBatchPlan",
     "PrefillGroups",
+    "RouteChoice",
+    "RoutePrediction",
+    "RouteTime",
     "Scratch",
     "StepPlan",
     "__version__",

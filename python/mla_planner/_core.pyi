@@ -177,3 +177,106 @@ def plan_step(
     masked_mha_available: bool = False,
     mixed_batch: bool | None = None,
 ) -> StepPlan: ...
+
+# --- cost model (rust/bindings/src/cost.rs) --------------------------------
+
+COST_PROFILE_FORMAT: str
+COST_PROFILE_ENVIRONMENT_KEYS: list[str]
+FP8Route = Literal["mixed_batch", "separate_prefill_decode"]
+ProfileTable = Literal["sparse_decode", "sparse_prefill", "gather_upconvert"]
+
+class RouteTime:
+    """One route's predicted time for a step, by part (microseconds, launch counts)."""
+
+    @property
+    def total_us(self) -> float: ...
+    @property
+    def decode_us(self) -> float: ...
+    @property
+    def gather_us(self) -> float: ...
+    @property
+    def prefill_us(self) -> float: ...
+    @property
+    def decode_launches(self) -> int: ...
+    @property
+    def gathers(self) -> int: ...
+    @property
+    def prefill_launches(self) -> int: ...
+
+class RoutePrediction:
+    """Both FP8 routes; a route the budget cannot hold is ``None`` with its planner error."""
+
+    @property
+    def mixed(self) -> RouteTime | None: ...
+    @property
+    def separate(self) -> RouteTime | None: ...
+    @property
+    def mixed_error(self) -> str | None: ...
+    @property
+    def separate_error(self) -> str | None: ...
+
+class RouteChoice:
+    @property
+    def mode(self) -> FP8Route: ...
+    @property
+    def mixed_batch(self) -> bool: ...
+    @property
+    def prediction(self) -> RoutePrediction: ...
+    @property
+    def plan(self) -> StepPlan:
+        """The chosen route's plan (as ``plan_step(..., mixed_batch=self.mixed_batch)``)."""
+
+class CostModel:
+    """Kernel times measured on one GPU (``mla-planner calibrate``); see docs/routing.md."""
+
+    @staticmethod
+    def from_json(text: str | bytes) -> CostModel: ...
+    @property
+    def arch(self) -> Literal["sm90", "sm100"]: ...
+    @property
+    def num_sms(self) -> int: ...
+    @property
+    def topk(self) -> int: ...
+    @property
+    def environment(self) -> dict[str, str]: ...
+    @property
+    def decode_heads(self) -> list[int]: ...
+    @property
+    def prefill_heads(self) -> list[int]: ...
+    def time_us(self, kernel: ProfileTable, size: int, *, padded_heads: int | None = None) -> float: ...
+    def check(self, num_heads: int, *, arch: str = "sm90", num_sms: int | None = None, topk: int | None = None) -> None:
+        """ValueError unless the profile prices this configuration (``num_sms`` defaults to the profile's)."""
+    def predict(
+        self,
+        query_lens: ArrayLike,
+        context_lens: ArrayLike,
+        num_decodes: int,
+        *,
+        num_heads: int,
+        budget_bytes: int,
+        arch: str = "sm90",
+        num_sms: int | None = None,
+        topk: int | None = None,
+        gather_workspace_rows: int,
+        indexer_workspace_rows: int,
+        indexer_logits_bytes: int | None = None,
+        mask_workspace_bytes: int | None = None,
+        context_chunk_rows: int | None = None,
+    ) -> RoutePrediction: ...
+    def choose_route(
+        self,
+        query_lens: ArrayLike,
+        context_lens: ArrayLike,
+        num_decodes: int,
+        *,
+        num_heads: int,
+        budget_bytes: int,
+        arch: str = "sm90",
+        num_sms: int | None = None,
+        topk: int | None = None,
+        gather_workspace_rows: int,
+        indexer_workspace_rows: int,
+        indexer_logits_bytes: int | None = None,
+        mask_workspace_bytes: int | None = None,
+        context_chunk_rows: int | None = None,
+    ) -> RouteChoice: ...

@@ -3,6 +3,8 @@
 //! in frozen classes that hand out fresh numpy arrays. Every planner error
 //! becomes one `ValueError` with the planner's message.
 
+mod cost;
+
 use std::ops::Range;
 
 use mla_planner::geometry::{Arch, Gpu, KvDtype, DEFAULT_TOPK, H200_NUM_SMS};
@@ -745,5 +747,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_prefill_groups, m)?)?;
     m.add_function(wrap_pyfunction!(plan_step, m)?)?;
     m.add_function(wrap_pyfunction!(step_mode, m)?)?;
+    cost::register(m)?;
     Ok(())
 }

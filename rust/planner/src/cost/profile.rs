@@ -82,7 +82,8 @@ pub(super) fn parse(text: &str) -> Result<Parsed> {
         Some(other) => return Err(bad(format!("format {other:?} is not {PROFILE_FORMAT:?}; re-run `mla-planner calibrate`"))),
         None => return Err(bad(format!("not a cost profile: no \"format\": {PROFILE_FORMAT:?} field"))),
     }
-    let p: ProfileJson = serde_json::from_value(value).map_err(|e| bad(e.to_string()))?;
+    // Parsed again from the text, so an error names its line and column.
+    let p: ProfileJson = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
     debug_assert_eq!(p.format, PROFILE_FORMAT);
     let arch = p.arch.parse::<Arch>().map_err(|e| bad(e.to_string()))?;
     if p.num_sms == 0 || p.topk == 0 {

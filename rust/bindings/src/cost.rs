@@ -1,0 +1,389 @@
+//! `CostModel` and its route predictions (`mla_planner::cost`) for Python.
+
+use std::collections::BTreeMap;
+
+use mla_planner::cost::{self, RouteTime as CoreRouteTime};
+use mla_planner::geometry::{Gpu, KvDtype};
+use mla_planner::plan::MaskConfig;
+use mla_planner::step::{self, Kernel, StepConfig, StepMode};
+use mla_planner::PlanError;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyString};
+
+use super::{
+    count, count_or, heads, lengths, topk_or_default, OrValueError, StepPlan, DEFAULT_CONTEXT_CHUNK_ROWS,
+    DEFAULT_INDEXER_LOGITS_BYTES,
+};
+use mla_planner::scratch::GLOBAL_TOPK_MASK_MAX_BYTES;
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("COST_PROFILE_FORMAT", cost::PROFILE_FORMAT)?;
+    m.add("COST_PROFILE_ENVIRONMENT_KEYS", cost::ENVIRONMENT_KEYS.to_vec())?;
+    m.add_class::<CostModel>()?;
+    m.add_class::<RouteTime>()?;
+    m.add_class::<RoutePrediction>()?;
+    m.add_class::<RouteChoice>()?;
+    Ok(())
+}
+
+/// One route's predicted time for a step, by part.
+#[pyclass(frozen, module = "mla_planner._core")]
+struct RouteTime {
+    inner: CoreRouteTime,
+}
+
+#[pymethods]
+impl RouteTime {
+    #[getter]
+    fn total_us(&self) -> f64 {
+        self.inner.total_us()
+    }
+    #[getter]
+    fn decode_us(&self) -> f64 {
+        self.inner.decode_us
+    }
+    #[getter]
+    fn gather_us(&self) -> f64 {
+        self.inner.gather_us
+    }
+    #[getter]
+    fn prefill_us(&self) -> f64 {
+        self.inner.prefill_us
+    }
+    #[getter]
+    fn decode_launches(&self) -> usize {
+        self.inner.decode_launches
+    }
+    #[getter]
+    fn gathers(&self) -> usize {
+        self.inner.gathers
+    }
+    #[getter]
+    fn prefill_launches(&self) -> usize {
+        self.inner.prefill_launches
+    }
+    fn __repr__(&self) -> String {
+        let t = &self.inner;
+        format!(
+            "RouteTime(total_us={:.1}, decode_us={:.1} x{}, gather_us={:.1} x{}, prefill_us={:.1} x{})",
+            t.total_us(),
+            t.decode_us,
+            t.decode_launches,
+            t.gather_us,
+            t.gathers,
+            t.prefill_us,
+            t.prefill_launches
+        )
+    }
+}
+
+/// Both FP8 routes' times; a route that does not fit the budget has an error instead.
+#[pyclass(frozen, module = "mla_planner._core")]
+struct RoutePrediction {
+    inner: cost::Prediction,
+}
+
+fn time_or_none(r: &Result<CoreRouteTime, PlanError>) -> Option<RouteTime> {
+    r.as_ref().ok().map(|&inner| RouteTime { inner })
+}
+
+fn error_or_none(r: &Result<CoreRouteTime, PlanError>) -> Option<String> {
+    r.as_ref().err().map(ToString::to_string)
+}
+
+#[pymethods]
+impl RoutePrediction {
+    #[getter]
+    fn mixed(&self) -> Option<RouteTime> {
+        time_or_none(&self.inner.mixed)
+    }
+    #[getter]
+    fn separate(&self) -> Option<RouteTime> {
+        time_or_none(&self.inner.separate)
+    }
+    #[getter]
+    fn mixed_error(&self) -> Option<String> {
+        error_or_none(&self.inner.mixed)
+    }
+    #[getter]
+    fn separate_error(&self) -> Option<String> {
+        error_or_none(&self.inner.separate)
+    }
+    fn __repr__(&self) -> String {
+        let show = |r: &Result<CoreRouteTime, PlanError>| match r {
+            Ok(t) => format!("{:.1} us", t.total_us()),
+            Err(_) => "does not fit".into(),
+        };
+        format!("RoutePrediction(mixed={}, separate={})", show(&self.inner.mixed), show(&self.inner.separate))
+    }
+}
+
+/// The route a step takes, the prediction behind it, and the chosen route's plan.
+#[pyclass(frozen, module = "mla_planner._core")]
+struct RouteChoice {
+    mode: StepMode,
+    prediction: cost::Prediction,
+    plan: step::StepPlan,
+}
+
+#[pymethods]
+impl RouteChoice {
+    /// "mixed_batch" or "separate_prefill_decode".
+    #[getter]
+    fn mode(&self) -> &'static str {
+        self.mode.name()
+    }
+    #[getter]
+    fn mixed_batch(&self) -> bool {
+        self.mode == StepMode::MixedBatch
+    }
+    #[getter]
+    fn prediction(&self) -> RoutePrediction {
+        RoutePrediction { inner: self.prediction.clone() }
+    }
+    #[getter]
+    fn plan(&self) -> StepPlan {
+        StepPlan { inner: self.plan.clone() }
+    }
+    fn __repr__(&self) -> String {
+        format!("RouteChoice(mode={:?}, {})", self.mode.name(), self.prediction().__repr__())
+    }
+}
+
+/// Kernel times measured on one GPU (`mla-planner calibrate`), and the route
+/// choice they imply.
+#[pyclass(frozen, module = "mla_planner._core")]
+struct CostModel {
+    inner: cost::CostModel,
+}
+
+fn text_of(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(s.to_str()?.to_owned());
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return String::from_utf8(b.as_bytes().to_vec())
+            .map_err(|e| PyValueError::new_err(format!("cost profile: not UTF-8 text: {e}")));
+    }
+    Err(PyValueError::new_err(format!("cost profile: expected JSON text (str or bytes), got {}", super::repr(obj))))
+}
+
+impl CostModel {
+    fn gpu(&self, arch: &str, num_sms: Option<&Bound<'_, PyAny>>) -> PyResult<Gpu> {
+        let sms = count_or(num_sms, "num_sms", u64::from(self.inner.num_sms))?;
+        let sms = u32::try_from(sms).map_err(|_| PyValueError::new_err(format!("num_sms is far too large: {sms}")))?;
+        Gpu::new(arch.parse().py()?, sms).py()
+    }
+}
+
+/// A step and its configuration as `plan_step` takes them (FP8 KV).
+struct StepArgs {
+    query_lens: Vec<u64>,
+    context_lens: Vec<u64>,
+    num_decodes: usize,
+    cfg: StepConfig,
+}
+
+impl StepArgs {
+    fn step(&self) -> step::Step<'_> {
+        step::Step { query_lens: &self.query_lens, context_lens: &self.context_lens, num_decodes: self.num_decodes }
+    }
+}
+
+#[pymethods]
+impl CostModel {
+    /// Parse and validate a profile; any fault is a ValueError naming it.
+    #[staticmethod]
+    fn from_json(py: Python<'_>, text: &Bound<'_, PyAny>) -> PyResult<CostModel> {
+        let text = text_of(text)?;
+        let inner = py.detach(|| cost::CostModel::from_json(&text)).py()?;
+        Ok(CostModel { inner })
+    }
+
+    #[getter]
+    fn arch(&self) -> &'static str {
+        self.inner.arch.name()
+    }
+    #[getter]
+    fn num_sms(&self) -> u32 {
+        self.inner.num_sms
+    }
+    #[getter]
+    fn topk(&self) -> u32 {
+        self.inner.topk
+    }
+    /// Where the profile was measured: gpu, driver, cuda, torch, kernels, gather, ...
+    #[getter]
+    fn environment(&self) -> BTreeMap<String, String> {
+        self.inner.environment.clone()
+    }
+    /// Padded head counts with a decode-kernel table.
+    #[getter]
+    fn decode_heads(&self) -> Vec<u32> {
+        self.inner.decode_heads()
+    }
+    /// Padded head counts with a prefill-kernel table.
+    #[getter]
+    fn prefill_heads(&self) -> Vec<u32> {
+        self.inner.prefill_heads()
+    }
+
+    /// One table's predicted microseconds at `size` tokens (kernels) or rows (gather).
+    #[pyo3(signature = (kernel, size, *, padded_heads=None))]
+    fn time_us(&self, kernel: &str, size: &Bound<'_, PyAny>, padded_heads: Option<&Bound<'_, PyAny>>) -> PyResult<f64> {
+        let size = count(size, "size")?;
+        let heads = padded_heads.map(|h| count(h, "padded_heads")).transpose()?;
+        let table = match (kernel, heads) {
+            ("gather_upconvert", None) => Some(self.inner.gather_table()),
+            ("gather_upconvert", Some(_)) => {
+                return Err(PyValueError::new_err("gather_upconvert does not depend on heads; leave padded_heads out"))
+            }
+            ("sparse_decode" | "sparse_prefill", None) => {
+                return Err(PyValueError::new_err(format!("{kernel} needs padded_heads (64 or 128)")))
+            }
+            ("sparse_decode", Some(h)) => u32::try_from(h).ok().and_then(|h| self.inner.kernel_table(Kernel::SparseDecode, h)),
+            ("sparse_prefill", Some(h)) => u32::try_from(h).ok().and_then(|h| self.inner.kernel_table(Kernel::SparsePrefill, h)),
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "kernel must be \"sparse_decode\", \"sparse_prefill\" or \"gather_upconvert\", got {kernel:?}"
+                )))
+            }
+        };
+        let table = table.ok_or_else(|| PyValueError::new_err(format!("the profile has no {kernel} table at {} padded heads", heads.unwrap_or(0))))?;
+        Ok(table.micros(size))
+    }
+
+    /// Raise ValueError unless this profile prices `num_heads` at `topk` on `arch`.
+    #[pyo3(signature = (num_heads, *, arch="sm90", num_sms=None, topk=None))]
+    fn check(
+        &self,
+        num_heads: &Bound<'_, PyAny>,
+        arch: &str,
+        num_sms: Option<&Bound<'_, PyAny>>,
+        topk: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        self.inner.check(self.gpu(arch, num_sms)?, heads(num_heads)?, topk_or_default(topk)?).py()
+    }
+
+    /// Both FP8 routes' predicted times for a step (arguments as `plan_step`).
+    #[pyo3(signature = (
+        query_lens, context_lens, num_decodes, *, num_heads, budget_bytes, arch="sm90", num_sms=None, topk=None,
+        gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes=None, mask_workspace_bytes=None,
+        context_chunk_rows=None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn predict(
+        &self,
+        py: Python<'_>,
+        query_lens: &Bound<'_, PyAny>,
+        context_lens: &Bound<'_, PyAny>,
+        num_decodes: &Bound<'_, PyAny>,
+        num_heads: &Bound<'_, PyAny>,
+        budget_bytes: &Bound<'_, PyAny>,
+        arch: &str,
+        num_sms: Option<&Bound<'_, PyAny>>,
+        topk: Option<&Bound<'_, PyAny>>,
+        gather_workspace_rows: &Bound<'_, PyAny>,
+        indexer_workspace_rows: &Bound<'_, PyAny>,
+        indexer_logits_bytes: Option<&Bound<'_, PyAny>>,
+        mask_workspace_bytes: Option<&Bound<'_, PyAny>>,
+        context_chunk_rows: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<RoutePrediction> {
+        let a = self.step_args(
+            query_lens, context_lens, num_decodes, num_heads, budget_bytes, arch, num_sms, topk,
+            gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes, mask_workspace_bytes, context_chunk_rows,
+        )?; // fmt: skip
+        let inner = py.detach(|| self.inner.predict(a.step(), &a.cfg)).py()?;
+        Ok(RoutePrediction { inner })
+    }
+
+    /// The faster route that fits the budget, with its plan (arguments as `plan_step`).
+    #[pyo3(signature = (
+        query_lens, context_lens, num_decodes, *, num_heads, budget_bytes, arch="sm90", num_sms=None, topk=None,
+        gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes=None, mask_workspace_bytes=None,
+        context_chunk_rows=None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn choose_route(
+        &self,
+        py: Python<'_>,
+        query_lens: &Bound<'_, PyAny>,
+        context_lens: &Bound<'_, PyAny>,
+        num_decodes: &Bound<'_, PyAny>,
+        num_heads: &Bound<'_, PyAny>,
+        budget_bytes: &Bound<'_, PyAny>,
+        arch: &str,
+        num_sms: Option<&Bound<'_, PyAny>>,
+        topk: Option<&Bound<'_, PyAny>>,
+        gather_workspace_rows: &Bound<'_, PyAny>,
+        indexer_workspace_rows: &Bound<'_, PyAny>,
+        indexer_logits_bytes: Option<&Bound<'_, PyAny>>,
+        mask_workspace_bytes: Option<&Bound<'_, PyAny>>,
+        context_chunk_rows: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<RouteChoice> {
+        let a = self.step_args(
+            query_lens, context_lens, num_decodes, num_heads, budget_bytes, arch, num_sms, topk,
+            gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes, mask_workspace_bytes, context_chunk_rows,
+        )?; // fmt: skip
+        let c = py.detach(|| self.inner.choose_route(a.step(), &a.cfg)).py()?;
+        Ok(RouteChoice { mode: c.mode, prediction: c.prediction, plan: c.plan })
+    }
+
+    fn __repr__(&self) -> String {
+        let gpu = self.inner.environment.get("gpu").map_or("?", String::as_str);
+        format!(
+            "CostModel(arch={:?}, num_sms={}, topk={}, gpu={gpu:?}, decode_heads={:?}, prefill_heads={:?})",
+            self.arch(),
+            self.inner.num_sms,
+            self.inner.topk,
+            self.inner.decode_heads(),
+            self.inner.prefill_heads()
+        )
+    }
+}
+
+impl CostModel {
+    #[allow(clippy::too_many_arguments)]
+    fn step_args(
+        &self,
+        query_lens: &Bound<'_, PyAny>,
+        context_lens: &Bound<'_, PyAny>,
+        num_decodes: &Bound<'_, PyAny>,
+        num_heads: &Bound<'_, PyAny>,
+        budget_bytes: &Bound<'_, PyAny>,
+        arch: &str,
+        num_sms: Option<&Bound<'_, PyAny>>,
+        topk: Option<&Bound<'_, PyAny>>,
+        gather_workspace_rows: &Bound<'_, PyAny>,
+        indexer_workspace_rows: &Bound<'_, PyAny>,
+        indexer_logits_bytes: Option<&Bound<'_, PyAny>>,
+        mask_workspace_bytes: Option<&Bound<'_, PyAny>>,
+        context_chunk_rows: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<StepArgs> {
+        let topk = topk_or_default(topk)?;
+        let cfg = StepConfig {
+            gpu: self.gpu(arch, num_sms)?,
+            num_heads: heads(num_heads)?,
+            topk,
+            kv_dtype: KvDtype::Fp8,
+            scratch_budget_bytes: count(budget_bytes, "budget_bytes")?,
+            gather_workspace_rows: count(gather_workspace_rows, "gather_workspace_rows")?,
+            indexer_workspace_rows: count(indexer_workspace_rows, "indexer_workspace_rows")?,
+            indexer_logits_bytes: count_or(indexer_logits_bytes, "indexer_logits_bytes", DEFAULT_INDEXER_LOGITS_BYTES)?,
+            mask: MaskConfig {
+                topk,
+                workspace_bytes: count_or(mask_workspace_bytes, "mask_workspace_bytes", GLOBAL_TOPK_MASK_MAX_BYTES)?,
+                context_chunk_rows: count_or(context_chunk_rows, "context_chunk_rows", DEFAULT_CONTEXT_CHUNK_ROWS)?,
+                available: false, // masked MHA needs a BF16 cache; routes are FP8
+            },
+            mixed_batch: None,
+        };
+        Ok(StepArgs {
+            query_lens: lengths(query_lens, "query_lens")?,
+            context_lens: lengths(context_lens, "context_lens")?,
+            num_decodes: usize::try_from(count(num_decodes, "num_decodes")?).unwrap_or(usize::MAX),
+            cfg,
+        })
+    }
+}
