@@ -1,4 +1,5 @@
-"""The `mla-planner` command line: `plan`, `simulate`, `trace gen`, `presets`.
+"""The `mla-planner` command line: `plan`, `simulate`, `trace gen`, `presets`,
+`calibrate`.
 
 Errors in what the user gave (files, options) print one line and exit 2;
 Ctrl-C exits 130 with nothing half-written.
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 
 from mla_planner import __version__
 
-from . import plan, presets, simulate, trace
+from . import calibrate, plan, presets, simulate, trace
 from .config import CliError
 
 EXIT_BAD_INPUT = 2
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mla-planner {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (plan, simulate, trace, presets):
+    for module in (plan, simulate, trace, presets, calibrate):
         module.add_parser(commands)
     return parser
 

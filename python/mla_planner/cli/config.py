@@ -74,6 +74,9 @@ class PlannerConfig:
     masked_mha: bool
     budget_bytes: int
     max_model_len: int
+    # The FP8 route the planned policy takes (a cost model's choice); None: vLLM's
+    # rule. `mode` stays vLLM's: the stock policy follows it.
+    mixed_batch: bool | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlannerConfig:
@@ -106,7 +109,7 @@ class PlannerConfig:
 
     @property
     def mode(self) -> str:
-        """The planner's step mode name (as ``StepPlan.mode``)."""
+        """vLLM's step mode name (as ``StepPlan.mode``)."""
         return step_mode(self.num_heads, kv_dtype=self.kv_dtype)
 
     @property
@@ -132,6 +135,7 @@ class PlannerConfig:
             gather_workspace_rows=self.gather_workspace_rows,
             indexer_workspace_rows=self.indexer_workspace_rows,
             masked_mha_available=self.masked_mha,
+            mixed_batch=self.mixed_batch,
         )
 
     def describe(self) -> list[str]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
-from . import config, policies
+from . import config, policies, routes
 from .config import CliError, PlannerConfig
 from .policies import Launch, Outcome, Scratches
 from .steps import Step
@@ -34,6 +36,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     s.add_argument("--num-decodes", type=int, default=0, help="the first N requests are decodes (default 0)")
     config.add_options(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON (schema in docs/cli.md)")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        metavar="FILE",
+        help="cost profile (mla-planner calibrate): plan the FP8 route it predicts faster, and show both routes' times",
+    )
     p.set_defaults(run=run)
 
 
@@ -66,6 +74,9 @@ def step_from_args(args: argparse.Namespace) -> Step:
 def run(args: argparse.Namespace) -> int:
     cfg = PlannerConfig.from_args(args)
     step = step_from_args(args)
+    chosen = routes.choose(args.profile, step, cfg) if args.profile is not None else None
+    if chosen is not None:
+        cfg = dataclasses.replace(cfg, mixed_batch=chosen.mixed_batch)
     scratches = Scratches(cfg)  # refuses a config the planner core refuses
     try:
         planned = policies.planned(step, scratches, detail=True)
@@ -73,13 +84,20 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # the planner's own message: what and why
         raise CliError(str(e)) from None
     if args.json:
-        print(json.dumps(to_json(step, cfg, planned, stock), indent=2))
+        doc = to_json(step, cfg, planned, stock)
+        if chosen is not None:
+            doc["routing"] = routes.to_json(chosen)
+        print(json.dumps(doc, indent=2))
         return 0
     one_launch = None
-    if cfg.mode == "mixed_batch" and planned.launches:
+    if planned.plan is not None and planned.plan.mode == "mixed_batch" and planned.launches:
         sparse_tokens = sum(x.s_q for x in planned.launches)
         one_launch = scratches.decode(1, sparse_tokens, True).total_bytes
-    print("\n".join(to_text(step, cfg, planned, stock, one_launch)))
+    text = to_text(step, cfg, planned, stock, one_launch)
+    if chosen is not None:
+        at = text.index("")  # after the step and config lines
+        text[at + 1 : at + 1] = routes.to_text(chosen)
+    print("\n".join(text))
     return 0
 
 

@@ -1,0 +1,153 @@
+"""GPU side of `mla-planner calibrate`: fresh inputs per measurement, CUDA-event timing.
+
+A *token case* (padded heads H, T tokens) is one prefill request of T tokens whose causal top-k
+indices come from the executor's synthetic inputs, with ``max(0, topk - T)`` tokens of context so
+every query has at least top-k keys to choose from. It times the two kernels a route would call
+on it: the FP8 sparse decode kernel as ``b = 1, s_q = T`` over the paged cache (the mixed route),
+and the BF16 sparse prefill kernel over the request's up-converted rows (the separate route).
+A *gather case* (R rows) times the gather-and-up-convert of one request's R cache rows, on
+shuffled pages, into a BF16 workspace.
+
+Before each timed call: a 256 MiB write evicts L2 (inside a model, other layers run between
+two attention calls), then a short GPU sleep keeps the stream busy while the host enqueues the
+call, so host launch overhead stays outside the events.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mla_planner.executor.gather import gather_upconvert
+from mla_planner.executor.layout import D_QK, PAGE_SIZE
+from mla_planner.executor.providers import KernelProvider
+from mla_planner.executor.synthetic import PrefillCase, prefill_case
+
+if TYPE_CHECKING:
+    import torch
+
+L2_FLUSH_BYTES = 256 << 20
+SLEEP_CYCLES = 200_000  # ~0.1 ms: longer than the host needs to enqueue one call
+
+
+def case_context(tokens: int, topk: int) -> int:
+    return max(0, topk - tokens)
+
+
+@dataclass(frozen=True)
+class TokenCase:
+    heads: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class GatherCase:
+    rows: int
+
+
+class GatherOp:
+    """One request's FP8 rows -> a BF16 workspace, by vLLM's kernel or the executor's torch."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        if kind == "vllm":
+            try:
+                from vllm import _custom_ops
+            except (ImportError, OSError, RuntimeError) as exc:
+                raise RuntimeError(f"cannot import vLLM's cp_gather_and_upconvert_fp8_kv_cache: {exc}") from exc
+            self._op: Any = _custom_ops.cp_gather_and_upconvert_fp8_kv_cache
+            # Older vLLM took per-request lengths; 0.26 infers them from the workspace.
+            self._takes_seq_lens = "seq_lens" in inspect.signature(self._op).parameters
+
+    def __call__(self, case: PrefillCase, rows: int, workspace: torch.Tensor) -> None:
+        import torch
+
+        if self.kind == "torch":
+            gather_upconvert(case.kv_cache, case.block_table[0], 0, rows, workspace[:rows])
+            return
+        dev = workspace.device
+        cache = case.kv_cache.view(case.kv_cache.shape[0], PAGE_SIZE, -1)  # vLLM's (blocks, 64, 656)
+        starts = torch.zeros(1, dtype=torch.int32, device=dev)
+        if self._takes_seq_lens:
+            lens = torch.full((1,), rows, dtype=torch.int32, device=dev)
+            self._op(cache, workspace[:rows], case.block_table, lens, starts, 1)
+        else:
+            self._op(cache, workspace[:rows], case.block_table, starts, 1)
+
+
+class Timer:
+    def __init__(self, device: torch.device) -> None:
+        import torch
+
+        self._flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        """Microseconds of GPU time ``fn`` enqueues."""
+        import torch
+
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        self._flush.zero_()
+        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return 1000.0 * float(start.elapsed_time(end))
+
+
+class KernelBench:
+    """Times the kernels of token and gather cases; inputs are drawn fresh for every call."""
+
+    def __init__(self, provider: KernelProvider, gather: GatherOp, topk: int, gen: torch.Generator) -> None:
+        self.provider, self.gather, self.topk, self.gen = provider, gather, topk, gen
+        self.timer = Timer(gen.device)
+        self.scale = D_QK**-0.5
+        # One decode schedule per shape, filled by its first (warm-up) call and reused after, as
+        # vLLM reuses one per step across layers.
+        self._schedules: dict[TokenCase, Any] = {}
+
+    def token_case(self, case: TokenCase) -> dict[str, float]:
+        """``{"sparse_decode": us, "sparse_prefill": us}`` on one fresh input."""
+        import torch
+
+        context = case_context(case.tokens, self.topk)
+        inputs = prefill_case([case.tokens], [context], case.heads, self.topk, self.gen, dtype=torch.bfloat16)
+        rows = context + case.tokens
+        workspace = torch.empty((rows, D_QK), dtype=torch.bfloat16, device=self.gen.device)
+        gather_upconvert(inputs.kv_cache, inputs.block_table[0], 0, rows, workspace)
+        slots = self._slots(inputs)
+        if case not in self._schedules:
+            self._schedules[case] = self.provider.new_decode_schedule()
+        schedule = self._schedules[case]
+        q, positions = inputs.q, inputs.indices
+
+        def decode() -> None:
+            self.provider.sparse_decode(q.unsqueeze(0), inputs.kv_cache, slots.unsqueeze(0), schedule, self.scale)
+
+        def prefill() -> None:
+            self.provider.sparse_prefill(q, workspace.unsqueeze(1), positions.unsqueeze(1), self.scale)
+
+        order = [("sparse_decode", decode), ("sparse_prefill", prefill)]
+        if torch.rand((), generator=self.gen, device=self.gen.device).item() < 0.5:
+            order.reverse()
+        return {name: self.timer(fn) for name, fn in order}
+
+    def gather_case(self, case: GatherCase) -> float:
+        import torch
+
+        # One query token after rows - 1 of context: a request of `rows` rows, q and indices tiny.
+        inputs = prefill_case([1], [case.rows - 1], 64, 64, self.gen, dtype=torch.bfloat16)
+        workspace = torch.empty((case.rows, D_QK), dtype=torch.bfloat16, device=self.gen.device)
+        return self.timer(lambda: self.gather(inputs, case.rows, workspace))
+
+    def _slots(self, inputs: PrefillCase) -> torch.Tensor:
+        """Request positions -> cache slots (what the decode kernel reads), -1 kept."""
+        import torch
+
+        pos = inputs.indices.long()
+        valid = pos.clamp(min=0)
+        pages = inputs.block_table[0].long()[valid // PAGE_SIZE]
+        return torch.where(pos >= 0, pages * PAGE_SIZE + valid % PAGE_SIZE, -1).to(torch.int32)

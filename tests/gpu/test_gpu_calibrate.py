@@ -1,0 +1,44 @@
+"""On the GPU: a small `mla-planner calibrate` run writes a profile the cost model accepts, whose
+tables are measured times (positive, non-decreasing) at the sizes asked for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mla_planner import CostModel
+from mla_planner.cli import main
+
+from gpu_helpers import PROVIDER
+
+pytestmark = pytest.mark.gpu
+
+
+def _gather_op() -> str:
+    try:
+        from vllm import _custom_ops  # noqa: F401
+    except (ImportError, OSError, RuntimeError):
+        return "torch"
+    return "vllm"
+
+
+def test_small_calibration_writes_a_valid_profile(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    args = ["calibrate", "-o", str(out), "--provider", PROVIDER, "--gather", _gather_op(), "--heads", "64",
+            "--tokens", "64,512,4096", "--rows", "1024,65536", "--runs", "10", "--warmup", "1"]  # fmt: skip
+    assert main(args) == 0
+    profile = json.loads(out.read_text())
+    model = CostModel.from_json(out.read_text())
+    assert model.decode_heads == model.prefill_heads == [64]
+    for kernel in ("sparse_decode", "sparse_prefill"):
+        points = profile[kernel]["64"]
+        assert [size for size, _ in points] == [64, 512, 4096]
+        times = [us for _, us in points]
+        assert 0 < times[0] <= times[1] <= times[2]
+    assert [size for size, _ in profile["gather_upconvert"]] == [1024, 65536]
+    assert profile["environment"]["kernels"].startswith("vllm" if PROVIDER == "vllm" else "sgl-flash-mla")
+    prediction = model.predict([4096], [0], 0, num_heads=16, budget_bytes=1 << 30, gather_workspace_rows=1 << 20,
+                               indexer_workspace_rows=1 << 22, arch=model.arch)  # fmt: skip
+    assert prediction.mixed is not None and prediction.separate is not None

@@ -1,0 +1,410 @@
+"""The cost model from Python (CPU only): profiles, route predictions, `mla_planner.routing`,
+and `mla-planner calibrate` / `plan --profile` on a synthetic profile."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mla_planner
+from mla_planner import COST_PROFILE_FORMAT, CostModel
+from mla_planner.cli import kernel_timing
+from mla_planner.cli.calibrate import build_profile, default_tokens, non_decreasing
+from mla_planner.executor.providers import ReferenceProvider
+from mla_planner.routing import choose_mixed_batch, load_profile, stale_keys
+
+GIB = 1 << 30
+ENV = {
+    "gpu": "Test GPU",
+    "driver": "1.0",
+    "cuda": "12.9",
+    "torch": "2.11.0",
+    "kernels": "vllm 0.26.0",
+    "gather": "vllm 0.26.0 cp_gather_and_upconvert_fp8_kv_cache",
+}
+# Exactly linear kernels (as the Rust tests): decode 10 + T us; prefill 200 + T/2 us at 64 heads and
+# 200 + 4T at 128; gather 5 + R/1000 us.
+SYNTHETIC: dict[str, Any] = {
+    "format": COST_PROFILE_FORMAT,
+    "arch": "sm90",
+    "num_sms": 132,
+    "topk": 2048,
+    "environment": ENV,
+    "sparse_decode": {"64": [[1, 11], [65536, 65546]], "128": [[1, 11], [65536, 65546]]},
+    "sparse_prefill": {"64": [[2, 201], [65536, 32968]], "128": [[1, 204], [65536, 262344]]},
+    "gather_upconvert": [[1000, 6], [1000000, 1005]],
+}
+STEP_CONFIG: dict[str, Any] = dict(
+    num_heads=16, budget_bytes=64 * GIB, gather_workspace_rows=163_840 * 5, indexer_workspace_rows=163_840 * 40
+)
+
+
+def profile_text(**changes: Any) -> str:
+    return json.dumps({**SYNTHETIC, **changes})
+
+
+@pytest.fixture
+def model() -> CostModel:
+    return CostModel.from_json(profile_text())
+
+
+@pytest.fixture
+def profile_path(tmp_path: Path) -> Path:
+    path = tmp_path / "sm90.json"
+    path.write_text(profile_text())
+    return path
+
+
+# --- CostModel ------------------------------------------------------------------------
+
+
+def test_tables_interpolate_and_extrapolate(model: CostModel) -> None:
+    assert model.time_us("sparse_prefill", 2, padded_heads=64) == 201.0
+    assert model.time_us("sparse_prefill", 65536, padded_heads=64) == 32968.0
+    assert model.time_us("sparse_decode", 1000, padded_heads=64) == pytest.approx(1010.0)
+    assert model.time_us("gather_upconvert", 2_000_000) == pytest.approx(2005.0)  # past the last point
+    assert model.time_us("gather_upconvert", 10) == 6.0  # below the first: its time
+    assert (model.arch, model.num_sms, model.topk, model.environment) == ("sm90", 132, 2048, ENV)
+    assert model.decode_heads == model.prefill_heads == [64, 128]
+
+
+@pytest.mark.parametrize(
+    "tokens, mixed", [(16, True), (410, True), (411, False), (32_768, False)]
+)
+def test_route_flips_where_the_tables_cross(model: CostModel, tokens: int, mixed: bool) -> None:
+    # One prefill after 10,000 tokens of context. Mixed: 10 + T; separate: gather 5 + (T +
+    # 10,000)/1000 plus prefill 200 + T/2 = 215 + 0.501 T. They cross at T = 410.8.
+    choice = model.choose_route([tokens], [10_000], 0, **STEP_CONFIG)
+    p = choice.prediction
+    assert p.mixed is not None and p.separate is not None
+    assert p.mixed.total_us == pytest.approx(10 + tokens)
+    assert p.separate.total_us == pytest.approx(215 + 0.501 * tokens)
+    assert choice.mixed_batch is mixed
+    assert choice.mode == ("mixed_batch" if mixed else "separate_prefill_decode")
+    assert choose_mixed_batch(model, [tokens], [10_000], 0, **STEP_CONFIG) is mixed
+    # The plan handed back is the planner's plan of the chosen route.
+    again = mla_planner.plan_step([tokens], [10_000], 0, mixed_batch=mixed, **STEP_CONFIG)
+    assert choice.plan.mode == again.mode
+    assert choice.plan.launches.tolist() == again.launches.tolist()
+
+
+def test_a_route_that_does_not_fit_is_not_taken(model: CostModel) -> None:
+    config = {**STEP_CONFIG, "budget_bytes": 8 << 20}  # below one decode launch, enough for prefill pieces
+    p = model.predict([300], [10_000], 0, **config)
+    assert p.mixed is None and p.mixed_error is not None and "give at least" in p.mixed_error
+    assert p.separate is not None and p.separate_error is None
+    assert not choose_mixed_batch(model, [300], [10_000], 0, **config)
+    with pytest.raises(ValueError, match="give at least"):
+        choose_mixed_batch(model, [300], [10_000], 0, **{**config, "budget_bytes": 1024})
+
+
+def test_no_model_is_vllms_rule() -> None:
+    config = {k: v for k, v in STEP_CONFIG.items() if k != "num_heads"}
+    assert choose_mixed_batch(None, [32_768], [0], 0, num_heads=16, **config)
+    assert not choose_mixed_batch(None, [32_768], [0], 0, num_heads=32, **config)
+
+
+def test_choice_is_fast(model: CostModel) -> None:
+    q = np.array([1] * 64 + [8192])
+    c = np.array([5000] * 64 + [3000])
+    choose_mixed_batch(model, q, c, 64, **STEP_CONFIG)
+    n = 200
+    start = time.perf_counter()
+    for _ in range(n):
+        choose_mixed_batch(model, q, c, 64, **STEP_CONFIG)
+    per_call = (time.perf_counter() - start) / n
+    assert per_call < 1e-3, f"{per_call * 1e6:.0f} us per step"  # tens of us expected; generous for CI
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{", "not valid JSON"),
+        ("[]", "not a cost profile"),
+        (profile_text(format="mla-planner.cost-profile/0"), "re-run `mla-planner calibrate`"),
+        (profile_text(arch="sm80"), "sm80"),
+        (profile_text(environment={**ENV, "torch": ""}), "environment.torch"),
+        (profile_text(sparse_decode={"64": [[64, 10], [128, 9]]}), "must not fall"),
+        (profile_text(sparse_decode={"96": [[64, 10], [128, 19]]}), "64 or 128"),
+        (profile_text(gather_upconvert=[[10, 1]]), "at least 2 points"),
+        (profile_text(topk=-1), "expected u32 at line 1"),
+        (profile_text(extra=1), "unknown field"),
+    ],
+)
+def test_malformed_profiles_are_value_errors(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match="cost profile") as e:
+        CostModel.from_json(text)
+    assert message in str(e.value)
+
+
+def test_bytes_are_accepted_and_other_types_refused() -> None:
+    assert CostModel.from_json(profile_text().encode()).arch == "sm90"
+    for bad in (None, 3, b"\xff"):
+        with pytest.raises(ValueError, match="cost profile"):
+            CostModel.from_json(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"arch": "sm100"}, "measured on sm90 with 132 SMs, asked about sm100"),
+        ({"num_sms": 114}, "asked about sm90 with 114 SMs"),
+        ({"topk": 512}, "topk 512"),
+        ({"num_heads": 200}, "between 1 and 128"),
+        ({"budget_bytes": -1}, "budget_bytes must be a non-negative integer"),
+    ],
+)
+def test_other_configurations_are_refused(model: CostModel, changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        model.predict([4096], [0], 0, **{**STEP_CONFIG, **changes})
+    if "budget_bytes" not in changes:
+        check = {k: v for k, v in changes.items() if k != "num_heads"}
+        with pytest.raises(ValueError, match=message):
+            model.check(changes.get("num_heads", 16), **check)
+
+
+def test_missing_head_table_is_refused() -> None:
+    only64 = CostModel.from_json(profile_text(sparse_prefill={"64": SYNTHETIC["sparse_prefill"]["64"]}))
+    only64.check(64)
+    with pytest.raises(ValueError, match="no sparse_prefill table at 128 padded heads"):
+        only64.choose_route([4096], [0], 0, **{**STEP_CONFIG, "num_heads": 100})
+
+
+def test_bad_steps_and_lookups_are_value_errors(model: CostModel) -> None:
+    with pytest.raises(ValueError, match="context_lens"):
+        model.predict([1, 2], [0], 0, **STEP_CONFIG)
+    with pytest.raises(ValueError, match="non-negative"):
+        model.predict([-1], [0], 0, **STEP_CONFIG)
+    with pytest.raises(ValueError, match="needs padded_heads"):
+        model.time_us("sparse_decode", 10)
+    with pytest.raises(ValueError, match="kernel must be"):
+        model.time_us("indexer", 10)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no sparse_decode table at 96"):
+        model.time_us("sparse_decode", 10, padded_heads=96)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(edits=st.dictionaries(st.sampled_from(sorted(SYNTHETIC)), json_values, max_size=3))
+def test_any_corrupted_profile_is_a_value_error_never_a_panic(edits: dict[str, Any]) -> None:
+    text = json.dumps({**SYNTHETIC, **edits})
+    try:
+        CostModel.from_json(text)
+    except ValueError:
+        pass
+
+
+# --- routing.load_profile ---------------------------------------------------------------
+
+
+def test_load_profile_applies_where_measured(profile_path: Path) -> None:
+    model = load_profile(profile_path, environment=ENV, num_heads=16)
+    assert model is not None and model.environment == ENV
+    assert load_profile(profile_path) is not None  # no machine check: offline planning
+
+
+def test_stale_profile_falls_back_with_a_warning(profile_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    here = {**ENV, "driver": "2.0", "kernels": "vllm 0.27.0"}
+    with caplog.at_level(logging.WARNING, logger="mla_planner.routing"):
+        assert load_profile(profile_path, environment=here) is None
+    (record,) = caplog.records
+    assert "measured elsewhere" in record.message and "driver '2.0' here, '1.0' in the profile" in record.message
+    assert "vllm 0.27.0" in record.message and "vLLM's rule" in record.message
+    assert stale_keys(ENV, ENV) == []
+    assert len(stale_keys(ENV, {})) == len(ENV)  # nothing known about this machine: stale
+
+
+def test_missing_profile_falls_back_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="mla_planner.routing"):
+        assert load_profile(tmp_path / "absent.json") is None
+        assert load_profile(None, arch="sm100") is None  # no packaged sm100 profile
+    assert len(caplog.records) == 2
+    assert all("no such file" in r.message and "vLLM's rule" in r.message for r in caplog.records)
+
+
+def test_uncovered_configuration_falls_back(profile_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="mla_planner.routing"):
+        assert load_profile(profile_path, environment=ENV, num_heads=16, topk=512) is None
+    assert "topk 512" in caplog.records[0].message
+
+
+def test_malformed_profile_file_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text("{}")
+    with pytest.raises(ValueError, match=f"{path}: cost profile"):
+        load_profile(path)
+
+
+def test_packaged_profiles_are_valid() -> None:
+    from mla_planner.routing import default_profile_path
+
+    for arch in ("sm90", "sm100"):
+        path = default_profile_path(arch)
+        if path.exists():
+            assert CostModel.from_json(path.read_text()).arch == arch
+
+
+# --- calibrate's arithmetic -------------------------------------------------------------
+
+
+def test_non_decreasing_is_the_least_squares_monotone_fit() -> None:
+    assert non_decreasing([1, 3, 2, 4]) == [1, 2.5, 2.5, 4]
+    assert non_decreasing([5, 1, 1, 1]) == [2, 2, 2, 2]
+    assert non_decreasing([1, 2, 3]) == [1, 2, 3]
+
+
+def test_default_token_grid_ends_at_the_launch_limit() -> None:
+    grid = default_tokens(58_254)
+    assert grid[:5] == [16, 32, 64, 96, 128] and grid[-3:] == [32_768, 49_152, 58_254]
+    assert grid == sorted(set(grid))
+
+
+def test_built_profile_is_accepted_by_the_cost_model() -> None:
+    args = argparse.Namespace(topk=2048, runs=10, warmup=1, seed=0)
+    samples = {
+        ("sparse_decode", 64): {16: [20.0, 21.0, 19.0], 64: [22.0, 18.0, 20.0], 4096: [900.0] * 3},
+        ("sparse_prefill", 64): {16: [30.0] * 3, 64: [32.0] * 3, 4096: [500.0] * 3},
+        ("gather_upconvert", 0): {64: [5.0] * 3, 65536: [40.0] * 3},
+    }
+    profile = build_profile(args, "sm90", 132, samples, ENV, 1.0)
+    model = CostModel.from_json(json.dumps(profile))
+    assert model.decode_heads == [64]
+    # 20 then 20 (noise pooled flat), never falling; the raw medians are kept beside.
+    assert profile["sparse_decode"]["64"][:2] == [[16, 20.0], [64, 20.0]]
+    assert profile["calibration"]["raw_median_us"]["sparse_decode"]["64"][1] == [64, 20.0]
+
+
+class _Recorder(ReferenceProvider):
+    """The float32 reference kernels, keeping each kernel's last output."""
+
+    def __init__(self) -> None:
+        super().__init__(takes_out=False)
+        self.outputs: dict[str, torch.Tensor] = {}
+
+    def sparse_decode(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = super().sparse_decode(*args, **kwargs)
+        self.outputs["sparse_decode"] = out[0]
+        return out, lse
+
+    def sparse_prefill(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = super().sparse_prefill(*args, **kwargs)
+        self.outputs["sparse_prefill"] = out
+        return out, lse
+
+
+class _CpuTimer:
+    def __init__(self, device: torch.device) -> None:
+        pass
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - start)
+
+
+def test_calibration_cases_give_both_kernels_the_same_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the reference kernels: the decode kernel (cache slots) and the prefill kernel (gathered
+    rows) compute the same attention for a token case, so the two tables price the same work."""
+    monkeypatch.setattr(kernel_timing, "Timer", _CpuTimer)
+    provider = _Recorder()
+    gen = torch.Generator().manual_seed(0)
+    bench = kernel_timing.KernelBench(provider, kernel_timing.GatherOp("torch"), 128, gen)
+    for case in (kernel_timing.TokenCase(64, 16), kernel_timing.TokenCase(128, 200), kernel_timing.TokenCase(64, 16)):
+        times = bench.token_case(case)
+        assert set(times) == {"sparse_decode", "sparse_prefill"} and min(times.values()) > 0
+        decode, prefill = provider.outputs["sparse_decode"].float(), provider.outputs["sparse_prefill"].float()
+        assert decode.shape == (case.tokens, case.heads, 512)
+        torch.testing.assert_close(decode, prefill, rtol=2e-2, atol=2e-2)
+    assert provider.schedules_created == 2  # one per shape, reused
+    assert bench.gather_case(kernel_timing.GatherCase(300)) > 0
+
+
+# --- the command line -------------------------------------------------------------------
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(
+        [sys.executable, "-m", "mla_planner.cli", *args],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def test_calibrate_without_a_gpu_is_a_one_line_error(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    r = cli("calibrate", "-o", str(out), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0
+    assert "mla-planner calibrate: error: calibrate needs a CUDA GPU" in r.stderr
+    assert not out.exists()
+
+
+def test_calibrate_dry_run_prints_the_grid_and_a_time() -> None:
+    r = cli("calibrate", "--dry-run", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    assert "64 padded heads: sparse_decode and sparse_prefill at 23 sizes" in r.stdout
+    assert "58,254" in r.stdout and "29,127" in r.stdout and "1,048,576" in r.stdout
+    minutes = float(r.stdout.rsplit("estimated time: ", 1)[1].split()[0])
+    assert 0 < minutes < 4
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--runs", "5"], "--runs must be at least 10"), (["--heads", "96"], "64 or 128"), (["--tokens", "70000"], "fewer than 2")],
+)
+def test_calibrate_bad_options(args: list[str], message: str) -> None:
+    r = cli("calibrate", "--dry-run", *args)
+    assert r.returncode == 2 and message in r.stderr
+
+
+def test_plan_with_a_profile_takes_the_faster_route(profile_path: Path) -> None:
+    text = cli("plan", "--profile", str(profile_path)).stdout
+    assert "routes   cost model measured on Test GPU" in text
+    assert "taken: separate prefill/decode, predicted 1.93x faster" in text
+    doc = json.loads(cli("plan", "--json", "--profile", str(profile_path)).stdout)
+    routing = doc["routing"]
+    assert routing["rule"] == "cost_model" and routing["route"] == doc["mode"] == "separate_prefill_decode"
+    assert routing["mixed"]["total_us"] > routing["separate"]["total_us"]
+    assert {x["kernel"] for x in doc["planned"]["launches"]} == {"sparse_prefill"}
+    assert doc["stock"]["launches"][0]["kernel"] == "sparse_decode"  # stock stays vLLM's
+    # A short prefill is faster through the decode kernel.
+    short = cli("plan", "--json", "--profile", str(profile_path), "--query-lens", "100", "--context-lens", "9000")
+    assert json.loads(short.stdout)["routing"]["route"] == "mixed_batch"
+
+
+def test_plan_without_a_usable_profile(tmp_path: Path, profile_path: Path) -> None:
+    r = cli("plan", "--profile", str(tmp_path / "absent.json"))
+    assert r.returncode == 0
+    assert "no such file; routing steps by vLLM's rule" in r.stderr
+    assert "route    vLLM's rule (mixed batch below 32 heads per rank)" in r.stdout
+    for args, message in [
+        (["--arch", "sm100"], "measured on sm90 with 132 SMs, asked about sm100"),
+        (["--kv-dtype", "bf16"], "drop --profile"),
+    ]:
+        r = cli("plan", "--profile", str(profile_path), *args)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    r = cli("plan", "--profile", str(bad))
+    assert r.returncode == 2 and "not valid JSON" in r.stderr
