@@ -16,6 +16,7 @@ call, so host launch overhead stays outside the events.
 from __future__ import annotations
 
 import inspect
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
 L2_FLUSH_BYTES = 256 << 20
-SLEEP_CYCLES = 200_000  # ~0.1 ms: longer than the host needs to enqueue one call
+SLEEP_CYCLES = 1_000_000  # ~0.5 ms at 2 GHz: longer than the host needs to enqueue one call
 
 
 def case_context(tokens: int, topk: int) -> int:
@@ -108,6 +109,7 @@ class KernelBench:
         # One decode schedule per shape, filled by its first (warm-up) call and reused after, as
         # vLLM reuses one per step across layers.
         self._schedules: dict[TokenCase, Any] = {}
+        self._coin = random.Random(gen.initial_seed())  # host-side: no device sync
 
     def token_case(self, case: TokenCase) -> dict[str, float]:
         """``{"sparse_decode": us, "sparse_prefill": us}`` on one fresh input."""
@@ -131,8 +133,7 @@ class KernelBench:
             self.provider.sparse_prefill(q, workspace.unsqueeze(1), positions.unsqueeze(1), self.scale)
 
         order = [("sparse_decode", decode), ("sparse_prefill", prefill)]
-        if torch.rand((), generator=self.gen, device=self.gen.device).item() < 0.5:
-            order.reverse()
+        self._coin.shuffle(order)
         return {name: self.timer(fn) for name, fn in order}
 
     def gather_case(self, case: GatherCase) -> float:
