@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repo root (docs/e2e.md has the call sequence):
+#   bash tests/e2e/device_install.sh stash K   copy the carried .e2e/parts/partK into $E2E_STASH (/tmp/stash)
+#   bash tests/e2e/device_install.sh install   join + verify the parts, install the dependency wheels and
+#                                              vLLM into $E2E_SITE (/tmp/site), then every .whl/*.whl
+#                                              (this project's abi3 wheel at least), and check the imports
+#   bash tests/e2e/device_install.sh check     only the import and entry-point check
+# Idempotent: install skips the vLLM step when /tmp/site already holds this bundle; our wheel is
+# always reinstalled (it changes between runs). Use with PYTHONPATH=$E2E_SITE.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+STASH=${E2E_STASH:-/tmp/stash}
+SITE=${E2E_SITE:-/tmp/site}
+PY=${PYTHON:-python3}
+BUNDLE_PY=tests/e2e/e2e_bundle.py
+PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE")
+
+check() {
+    PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'EOF'
+import importlib.metadata as md
+import sys
+
+import mla_planner
+import vllm
+
+plugins = sorted(f"{ep.name} = {ep.value}" for ep in md.entry_points(group="vllm.general_plugins"))
+print(f"import ok: vllm {vllm.__version__} from {vllm.__file__}; mla_planner {mla_planner.__version__}")
+print(f"vllm.general_plugins: {plugins}")
+if not any(p.startswith("mla_planner =") for p in plugins):
+    sys.exit("the mla_planner entry point is missing from vllm.general_plugins: rebuild the wheel")
+EOF
+}
+
+case "${1:-}" in
+stash)
+    k=${2:?usage: device_install.sh stash K}
+    src=.e2e/parts/part$k
+    [ -d "$src" ] || { echo "no $src here: carry [\".e2e/parts/part$k\"] in this call" >&2; exit 2; }
+    mkdir -p "$STASH"
+    if [ -f "$STASH/manifest.json" ] && ! cmp -s "$src/manifest.json" "$STASH/manifest.json"; then
+        echo "the stash holds parts of another staging: clearing $STASH"
+        rm -rf "$STASH"; mkdir -p "$STASH"
+    fi
+    cp "$src"/* "$STASH"/
+    echo "stashed part $k: $(cd "$src" && ls | tr '\n' ' ')"
+    "$PY" "$BUNDLE_PY" status --stash "$STASH"
+    ;;
+install)
+    "$PY" "$BUNDLE_PY" status --stash "$STASH"
+    sha=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["sha256"])' "$STASH/manifest.json")
+    if [ "$(cat "$SITE/.e2e-bundle" 2>/dev/null || true)" = "$sha" ] && "$PY" "$BUNDLE_PY" check --site "$SITE"; then
+        echo "vLLM and its dependencies already installed from this bundle: skipped"
+    else
+        t0=$SECONDS
+        "$PY" "$BUNDLE_PY" join --stash "$STASH" --dest "$STASH/unpacked"
+        "${PIP[@]}" "$STASH"/unpacked/wheels/*.whl
+        echo "installed $(ls "$STASH"/unpacked/wheels | wc -l) dependency wheels into $SITE"
+        "$PY" "$BUNDLE_PY" install-vllm --src "$STASH/unpacked" --site "$SITE"
+        "$PY" "$BUNDLE_PY" check --site "$SITE"
+        rm -rf "$STASH/unpacked"
+        echo "$sha" >"$SITE/.e2e-bundle"
+        echo "vLLM install took $((SECONDS - t0)) s"
+    fi
+    shopt -s nullglob
+    ours=(.whl/mla_planner-*.whl)
+    if [ ${#ours[@]} -ne 1 ]; then
+        echo "expected exactly one .whl/mla_planner-*.whl (carry .whl in this call), found ${#ours[@]}" >&2
+        exit 2
+    fi
+    # A wheel of another version leaves its own dist-info behind: remove every earlier copy first.
+    rm -rf "$SITE"/mla_planner "$SITE"/mla_planner-*.dist-info
+    "${PIP[@]}" .whl/*.whl
+    echo "installed into $SITE: $(cd .whl && ls *.whl | tr '\n' ' ')"
+    check
+    ;;
+check)
+    "$PY" "$BUNDLE_PY" check --site "$SITE"
+    check
+    ;;
+*)
+    sed -n '2,10p' "$0" >&2
+    exit 2
+    ;;
+esac
