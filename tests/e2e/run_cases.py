@@ -1,0 +1,521 @@
+"""One vLLM engine (stock FLASHMLA_SPARSE or our planned backend), the issue-6 cases in order.
+
+    python3 tests/e2e/run_cases.py --backend planned --util 0.95 --mnbt 32768 --cases 1 2 3 5 --out r.json
+
+The JSON is rewritten after every case (a case is marked ``started`` before it runs), so a crash or a
+timeout keeps what came before. A case that raises (a CUDA OOM in stock is expected) is a result: its
+error is recorded, its requests are aborted, and the next case runs in the same engine, flagged with the
+failures that came before it. ``--dry-run`` prints the plan and checks the engine arguments against the
+installed vLLM, with no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+MODEL_DIR = Path(__file__).resolve().parent / "tiny-deepseek-v32"
+BACKENDS = {"stock": "FLASHMLA_SPARSE", "planned": "CUSTOM"}
+ENV_DEFAULTS = {  # BRIEF §8: what the H200 run needed
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in this process: torch.cuda peak stats see it
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "CUDA_HOME": "/usr/local/cuda",
+}
+REPLACE_VAR = "MLA_PLANNER_REPLACE_FLASHMLA_SPARSE"
+PLANNER_VARS = ("MLA_PLANNER_SCRATCH_MB", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB", REPLACE_VAR)
+TOKEN_RANGE = (100, 30000)
+MAX_TOKENS = 4
+GIB = 1 << 30
+
+# Issue 6. Case 3: the 32K blocker fills one step of 32,768 tokens; the five queued prompts (32,767
+# tokens) then share the next step with the blocker's first decode token.
+CASE_PROMPTS: dict[str, list[int]] = {
+    "1": [32768],
+    "2": [12288, 8192, 4096, 3072, 2048, 1536, 1024, 508],  # 32,764
+    "3": [32768, 16384, 4096, 4096, 4096, 4095],
+    "4": [65536],
+    "5": [512],
+}
+CASE_MAX_TOKENS = {"5": 16}
+CASE_TITLES = {
+    "1": "one 32,768-token prompt",
+    "2": "eight heterogeneous prompts, 32,764 tokens",
+    "3": "16,384 + 3 x 4,096 + 4,095 tokens queued behind a 32K blocker",
+    "4": "one 65,536-token prompt",
+    "5": "a short normal request after the others (engine still healthy)",
+    "throughput": "prefill tokens/s, median of repeats (prefix caching off, fresh prompts)",
+    "same_function": "first generated tokens of a fixed 16K prompt",
+}
+CASES = tuple(CASE_TITLES)
+SAME_FUNCTION_SEED = 16384
+MIXED_DECODERS, MIXED_DECODER_LEN, MIXED_DECODE_TOKENS = 8, 1024, 48
+MIXED_PREFILLS = (16384, 16384)
+TOP_LOGPROBS = 5
+
+
+def token_prompt(length: int, rng: random.Random) -> dict[str, list[int]]:
+    return {"prompt_token_ids": [rng.randrange(*TOKEN_RANGE) for _ in range(length)]}
+
+
+def case_seed(case: str) -> int:
+    """Distinct prompts per case (prefix caching is off anyway), the same for both backends."""
+    return 1000 + CASES.index(case)
+
+
+def engine_kwargs(backend: str, util: float, mnbt: int, *, model: Path = MODEL_DIR, max_model_len: int = 70000,
+                  max_num_seqs: int = 16, seed: int = 0) -> dict[str, Any]:
+    return {
+        "model": str(model),
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "kv_cache_dtype": "fp8_ds_mla",
+        "block_size": 64,
+        "max_model_len": max_model_len,
+        "max_num_batched_tokens": mnbt,
+        "max_num_seqs": max_num_seqs,
+        "gpu_memory_utilization": util,
+        "enforce_eager": True,
+        "generation_config": "vllm",
+        "attention_backend": BACKENDS[backend],
+        "attention_config": {"sparse_mla_force_mqa": True},
+        "enable_prefix_caching": False,
+        "seed": seed,
+    }
+
+
+def check_engine_kwargs(kwargs: dict[str, Any]) -> list[str]:
+    """Names vLLM would reject or silently drop (LLM drops unknown attention_config keys)."""
+    try:
+        from vllm import SamplingParams
+        from vllm.config import AttentionConfig
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError as exc:
+        return [f"vllm not importable: {exc}"]
+    try:
+        SamplingParams(**sampling_kwargs(logprobs=TOP_LOGPROBS))
+    except Exception as exc:
+        return [f"SamplingParams refuses {sampling_kwargs(logprobs=TOP_LOGPROBS)}: {exc}"]
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    problems = [f"EngineArgs has no field {k!r}" for k in kwargs if k not in fields]
+    attn_fields = {f.name for f in dataclasses.fields(AttentionConfig)}
+    problems += [f"AttentionConfig has no field {k!r}" for k in kwargs["attention_config"] if k not in attn_fields]
+    return problems
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=sorted(BACKENDS), required=True)
+    ap.add_argument("--util", type=float, required=True, help="gpu_memory_utilization")
+    ap.add_argument("--mnbt", type=int, default=32768, help="max_num_batched_tokens")
+    ap.add_argument("--cases", nargs="+", required=True, help=f"in order; of {', '.join(CASES)} (commas also split)")
+    ap.add_argument("--out", type=Path, required=True, help="JSON results, rewritten after every case")
+    ap.add_argument("--scratch-mb", type=int, help="planned backend's scratch budget (MLA_PLANNER_SCRATCH_MB)")
+    ap.add_argument("--repeats", type=int, default=5, help="throughput repeats per workload")
+    ap.add_argument("--model", type=Path, default=MODEL_DIR)
+    ap.add_argument("--case-timeout-s", type=float, default=90,
+                    help="limit on one generate call (default 90 s; a 2-layer model prefills 64K tokens in seconds)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, check engine arguments, run nothing")
+    ap.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # CPU tests: e2e_fakes
+    args = ap.parse_args(argv)
+    args.cases = [c for item in args.cases for c in item.split(",") if c]
+    unknown = [c for c in args.cases if c not in CASES]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    if not 0 < args.util <= 1:
+        ap.error("--util must be in (0, 1]")
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    if "4" in args.cases and args.mnbt < max(CASE_PROMPTS["4"]):
+        print(f"note: case 4 with --mnbt {args.mnbt} < 65536 is prefilled in chunks", file=sys.stderr)
+    return args
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:4000]
+
+
+def is_oom(exc: BaseException) -> bool:
+    return "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
+
+
+def external_id(request_id: str) -> str:
+    """vLLM 0.26 suffixes ``-<8 random chars>`` to the id it hands back; outputs carry the plain one."""
+    return request_id.rsplit("-", 1)[0]
+
+
+def sampling_kwargs(max_tokens: int = MAX_TOKENS, logprobs: int | None = None) -> dict[str, Any]:
+    """Greedy, so both backends' first tokens can be compared; token ids only (no tokenizer)."""
+    return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "detokenize": False,
+            "logprobs": logprobs}
+
+
+class Bench:
+    """The engine and what the cases need of it. vLLM and torch are imported only here; the CPU tests
+    pass stand-ins for the three (``e2e_fakes``)."""
+
+    def __init__(self, kwargs: dict[str, Any], modules: tuple[Any, Any, Any] | None = None,
+                 case_timeout_s: float = 90) -> None:
+        self.case_timeout_s = case_timeout_s
+        if modules is None:
+            import torch
+            from vllm import LLM, SamplingParams
+
+            modules = (torch, LLM, SamplingParams)
+        self.torch: Any = modules[0]
+        self.SamplingParams: Any = modules[2]
+        self.llm: Any = modules[1](**kwargs)
+
+    def params(self, max_tokens: int = MAX_TOKENS, logprobs: int | None = None) -> Any:
+        return self.SamplingParams(**sampling_kwargs(max_tokens, logprobs))
+
+    def generate(self, prompts: list[dict[str, list[int]]], params: Any) -> list[Any]:
+        """What LLM.generate does (enqueue, step until nothing is unfinished, sort by request id), with a
+        time limit: an engine left inconsistent by an earlier failure must not hang the whole run."""
+        self.llm.enqueue(prompts, params, use_tqdm=False)
+        return self.run_until_done()
+
+    def run_until_done(self) -> list[Any]:
+        engine = self.llm.llm_engine
+        deadline = time.monotonic() + self.case_timeout_s
+        outputs = []
+        while engine.has_unfinished_requests():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests unfinished after {self.case_timeout_s:.0f} s")
+            outputs += [out for out in engine.step() if out.finished]
+        return sorted(outputs, key=lambda out: int(external_id(out.request_id)))
+
+    def abort_all(self) -> int:
+        """Aborts whatever a failed call left in the engine (LLM.generate does not)."""
+        engine = self.llm.llm_engine
+        ids = list(engine.output_processor.request_states)
+        if ids:
+            engine.abort_request(ids, internal=True)
+        return len(ids)
+
+    def memory(self) -> dict[str, int]:
+        cuda = self.torch.cuda
+        free, total = cuda.mem_get_info()
+        return {"allocated": cuda.memory_allocated(), "reserved": cuda.memory_reserved(), "free": free,
+                "total": total}
+
+    def engine_info(self) -> dict[str, Any]:
+        """The KV cache the engine got at start-up, and which attention implementation runs.
+
+        In-process (multiprocessing off): ``llm.llm_engine.vllm_config.cache_config.num_gpu_blocks`` is
+        set by EngineCore._initialize_kv_caches; ``llm.llm_engine.engine_core`` is the InprocClient and
+        its ``.engine_core`` the EngineCore, whose scheduler holds the KVCacheConfig.
+        """
+        engine = self.llm.llm_engine
+        info: dict[str, Any] = {}
+
+        def record(key: str, read: Callable[[], Any]) -> None:
+            try:  # an attribute moved in another vLLM costs one field, not the run
+                info[key] = read()
+            except Exception as exc:
+                info[key] = None
+                info.setdefault("info_errors", {})[key] = error_text(exc)
+
+        cache = engine.vllm_config.cache_config
+        record("num_gpu_blocks", lambda: cache.num_gpu_blocks)
+        record("block_size", lambda: cache.block_size)
+        record("kv_cache_size_tokens", lambda: getattr(cache, "kv_cache_size_tokens", None))
+        record("kv_cache_max_concurrency", lambda: getattr(cache, "kv_cache_max_concurrency", None))
+        core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+        record("kv_available_bytes", lambda: getattr(core, "available_gpu_memory_for_kv_cache", None))
+        kv_config = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
+        record("kv_cache_bytes", lambda: kv_tensor_bytes(getattr(kv_config, "kv_cache_tensors")))
+        record("kv_cache_groups", lambda: [type(g.kv_cache_spec).__name__ for g in getattr(kv_config, "kv_cache_groups")])
+        layers = list(engine.vllm_config.compilation_config.static_forward_context.values())
+        record("attention_backends", lambda: sorted({layer.attn_backend.get_name() for layer in layers
+                                                     if hasattr(layer, "attn_backend")}))
+        record("attention_impls", lambda: sorted({f"{type(layer.impl).__module__}.{type(layer.impl).__qualname__}"
+                                                  for layer in layers if hasattr(layer, "impl")}))
+        return info
+
+
+def kv_tensor_bytes(tensors: list[Any]) -> int:
+    """Bytes of the KV cache tensors; packed ones (``block_stride`` set) all alias one buffer."""
+    packed = [t.size for t in tensors if getattr(t, "block_stride", 0)]
+    return sum(int(t.size) for t in tensors if not getattr(t, "block_stride", 0)) + max(packed, default=0)
+
+
+def summarize_outputs(outputs: list[Any]) -> list[dict[str, Any]]:
+    rows = []
+    for out in outputs:
+        completion = out.outputs[0]
+        rows.append({"prompt_len": len(out.prompt_token_ids or []), "token_ids": [int(t) for t in completion.token_ids],
+                     "finish_reason": completion.finish_reason})
+    return rows
+
+
+def top_logprobs(completion: Any) -> list[list[list[float]]]:
+    """Per generated position, ``[token, logprob]`` pairs, best first."""
+    positions = completion.logprobs or []
+    return [sorted(([int(t), float(lp.logprob)] for t, lp in pos.items()), key=lambda p: -p[1]) for pos in positions]
+
+
+def measured(bench: Bench, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Runs ``body`` between peak-memory resets; an exception becomes the result."""
+    cuda = bench.torch.cuda
+    try:
+        cuda.synchronize()
+        cuda.reset_peak_memory_stats()
+        before = bench.memory()
+    except Exception as exc:  # a sticky CUDA error from an earlier case
+        return {"status": "error", "error": f"the GPU failed before the case began: {error_text(exc)}", "oom": False,
+                "elapsed_s": 0.0}
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"status": "ok", "error": None, "oom": False}
+    try:
+        result.update(body())
+    except Exception as exc:  # the result of a case, e.g. stock's CUDA OOM
+        result.update(status="error", error=error_text(exc), oom=is_oom(exc),
+                      traceback=traceback.format_exc()[-3000:])
+    result["elapsed_s"] = time.perf_counter() - t0
+    try:
+        cuda.synchronize()
+    except Exception as exc:  # a sticky CUDA error shows here
+        result.setdefault("sync_error", error_text(exc))
+    result["memory_before"] = before
+    result["peak_allocated_bytes"] = cuda.max_memory_allocated()
+    result["peak_reserved_bytes"] = cuda.max_memory_reserved()
+    result["peak_over_before_bytes"] = result["peak_allocated_bytes"] - before["allocated"]
+    try:
+        result["memory_after"] = bench.memory()
+    except Exception as exc:
+        result["memory_after"] = None
+        result.setdefault("sync_error", error_text(exc))
+    return result
+
+
+def run_prompts_case(bench: Bench, case: str) -> dict[str, Any]:
+    rng = random.Random(case_seed(case))
+    prompts = [token_prompt(n, rng) for n in CASE_PROMPTS[case]]
+    max_tokens = CASE_MAX_TOKENS.get(case, MAX_TOKENS)
+
+    def body() -> dict[str, Any]:
+        outputs = summarize_outputs(bench.generate(prompts, bench.params(max_tokens)))
+        back = sum(len(o["token_ids"]) == max_tokens for o in outputs)
+        return {"outputs": outputs, "requests_with_all_tokens": back}
+
+    result = measured(bench, body)
+    result.update(prompt_lens=CASE_PROMPTS[case], prompt_tokens=sum(CASE_PROMPTS[case]), max_tokens=max_tokens)
+    result["tokens_back"] = result.get("requests_with_all_tokens") == len(prompts)
+    if result["status"] == "ok" and result["elapsed_s"] > 0:
+        result["prompt_tok_s"] = result["prompt_tokens"] / result["elapsed_s"]
+    return result
+
+
+def time_single(bench: Bench, length: int, seed: int) -> float:
+    """Prompt tokens/s of one prompt, max_tokens 1: the step that prefills it, and the sampling."""
+    prompt = token_prompt(length, random.Random(seed))
+    t0 = time.perf_counter()
+    outputs = bench.generate([prompt], bench.params(max_tokens=1))
+    dt = time.perf_counter() - t0
+    if len(outputs) != 1 or len(outputs[0].outputs[0].token_ids) != 1:
+        raise RuntimeError("no token came back")
+    return length / dt
+
+
+def time_mixed(bench: Bench, seed: int) -> float:
+    """Prefill tokens/s of two 16K prompts arriving while eight requests decode (mixed steps)."""
+    rng = random.Random(seed)
+    llm, engine = bench.llm, bench.llm.llm_engine
+    decoders = [token_prompt(MIXED_DECODER_LEN, rng) for _ in range(MIXED_DECODERS)]
+    llm.enqueue(decoders, bench.params(max_tokens=MIXED_DECODE_TOKENS), use_tqdm=False)
+    for _ in range(2):  # their prefill step, then a decode step
+        engine.step()
+    prefills = [token_prompt(n, rng) for n in MIXED_PREFILLS]
+    t0 = time.perf_counter()
+    pending = {external_id(i) for i in llm.enqueue(prefills, bench.params(max_tokens=1), use_tqdm=False)}
+    deadline = time.monotonic() + bench.case_timeout_s
+    while pending:
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"the engine finished without requests {sorted(pending)}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"requests {sorted(pending)} unfinished after {bench.case_timeout_s:.0f} s")
+        for out in engine.step():
+            if out.finished:
+                pending.discard(external_id(out.request_id))
+    dt = time.perf_counter() - t0
+    bench.run_until_done()  # the decoders finish outside the timing
+    return sum(MIXED_PREFILLS) / dt
+
+
+def run_throughput(bench: Bench, repeats: int) -> dict[str, Any]:
+    workloads: dict[str, Callable[[int], float]] = {
+        "prefill_8k": lambda seed: time_single(bench, 8192, seed),
+        "prefill_32k": lambda seed: time_single(bench, 32768, seed),
+        "mixed": lambda seed: time_mixed(bench, seed),
+    }
+
+    def body() -> dict[str, Any]:
+        samples: dict[str, list[float]] = {name: [] for name in workloads}
+        for i, fn in enumerate(workloads.values()):  # warm-up: the first use of a shape compiles kernels
+            fn(90_000 + i)
+        for r in range(repeats):  # interleaved, so drift hits every workload alike
+            for i, (name, fn) in enumerate(workloads.items()):
+                samples[name].append(fn(100_000 + 1000 * r + i))
+        return {"tok_s": samples, "median_tok_s": {k: statistics.median(v) for k, v in samples.items()},
+                "repeats": repeats}
+
+    result = measured(bench, body)
+    result["workloads"] = {
+        "prefill_8k": "one 8,192-token prompt, max_tokens 1",
+        "prefill_32k": "one 32,768-token prompt, max_tokens 1",
+        "mixed": f"{len(MIXED_PREFILLS)} x {MIXED_PREFILLS[0]:,}-token prompts (max_tokens 1) arriving while "
+                 f"{MIXED_DECODERS} requests of {MIXED_DECODER_LEN:,} tokens decode; timed until both finish",
+    }
+    return result
+
+
+def run_same_function(bench: Bench) -> dict[str, Any]:
+    prompt = token_prompt(16384, random.Random(SAME_FUNCTION_SEED))
+
+    def body() -> dict[str, Any]:
+        runs = []
+        for _ in range(2):  # twice: is the backend deterministic on its own?
+            (out,) = bench.generate([prompt], bench.params(MAX_TOKENS, logprobs=TOP_LOGPROBS))
+            completion = out.outputs[0]
+            runs.append({"token_ids": [int(t) for t in completion.token_ids], "top_logprobs": top_logprobs(completion)})
+        return {"runs": runs, "token_ids": runs[0]["token_ids"],
+                "repeat_identical": runs[0]["token_ids"] == runs[1]["token_ids"]}
+
+    result = measured(bench, body)
+    result.update(prompt_len=16384, prompt_seed=SAME_FUNCTION_SEED, max_tokens=MAX_TOKENS, greedy=True)
+    result["tokens_back"] = len(result.get("token_ids", [])) == MAX_TOKENS
+    return result
+
+
+def run_case(bench: Bench, case: str, repeats: int) -> dict[str, Any]:
+    if case == "throughput":
+        return run_throughput(bench, repeats)
+    if case == "same_function":
+        return run_same_function(bench)
+    return run_prompts_case(bench, case)
+
+
+def fake_modules() -> tuple[Any, Any, Any]:
+    import e2e_fakes
+
+    return e2e_fakes.modules()
+
+
+def planner_settings() -> dict[str, Any]:
+    """The planned backend's scratch budget as it reads it (docs/vllm.md), or why it could not."""
+    try:
+        from mla_planner.vllm_backend import read_settings
+
+        settings = read_settings()
+    except Exception as exc:
+        return {"error": error_text(exc)}
+    return {"scratch_mb": settings.scratch_mb, "source": settings.source,
+            "replace_flashmla_sparse": settings.replace_flashmla_sparse}
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    found = {}
+    for dist in ("vllm", "torch", "mla-planner"):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found[dist] = "absent"
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    if args.scratch_mb is not None:
+        os.environ["MLA_PLANNER_SCRATCH_MB"] = str(args.scratch_mb)
+    if args.backend == "stock":  # with it set, our backend would stand in for FLASHMLA_SPARSE
+        os.environ.pop(REPLACE_VAR, None)
+    kwargs = engine_kwargs(args.backend, args.util, args.mnbt, model=args.model)
+    data: dict[str, Any] = {
+        "schema": 1,
+        "run": {"backend": args.backend, "util": args.util, "mnbt": args.mnbt, "cases": args.cases,
+                "repeats": args.repeats, "scratch_mb": args.scratch_mb},
+        "engine_kwargs": kwargs,
+        "env": {k: os.environ.get(k) for k in [*ENV_DEFAULTS, *PLANNER_VARS]},
+        "case_titles": {c: CASE_TITLES[c] for c in args.cases},
+        "startup": {"status": "started"},
+        "cases": {},
+        "finished": False,
+    }
+    if args.dry_run:
+        problems = check_engine_kwargs(kwargs)
+        data["problems"] = problems
+        data["prompt_lens"] = {c: CASE_PROMPTS[c] for c in args.cases if c in CASE_PROMPTS}
+        print(json.dumps(data, indent=1))
+        return 1 if problems else 0
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    data["versions"] = versions()
+    if args.backend == "planned":
+        data["planner_settings"] = planner_settings()
+    write_json(args.out, data)
+    t0 = time.perf_counter()
+    try:
+        bench = Bench(kwargs, fake_modules() if args.fake_engine else None, args.case_timeout_s)
+        data["startup"] = {"status": "ok", "elapsed_s": time.perf_counter() - t0, **bench.engine_info(),
+                           "memory": bench.memory(), "device": bench.torch.cuda.get_device_name()}
+    except Exception as exc:
+        data["startup"] = {"status": "error", "elapsed_s": time.perf_counter() - t0, "error": error_text(exc),
+                           "oom": is_oom(exc), "traceback": traceback.format_exc()[-3000:]}
+        data["finished"] = True
+        write_json(args.out, data)
+        print(f"engine start-up failed: {data['startup']['error']}", file=sys.stderr)
+        return 2
+    write_json(args.out, data)
+    kv_bytes = data["startup"].get("kv_cache_bytes")
+    print(f"engine up in {data['startup']['elapsed_s']:.0f} s: {data['startup'].get('num_gpu_blocks')} KV blocks, "
+          f"{kv_bytes / GIB if isinstance(kv_bytes, int) else float('nan'):.2f} GiB KV cache", flush=True)
+
+    failures: list[str] = []
+    dead: str | None = None
+    for case in args.cases:
+        if dead is not None:
+            data["cases"][case] = {"status": "skipped", "error": dead}
+            continue
+        data["cases"][case] = {"status": "started", "after_failure_in": list(failures)}
+        write_json(args.out, data)
+        result = run_case(bench, case, args.repeats)
+        result["after_failure_in"] = list(failures)
+        if result["status"] != "ok":
+            failures.append(case)
+            try:
+                result["aborted_requests"] = bench.abort_all()
+            except Exception as exc:  # the engine cannot even drop the failed requests
+                dead = f"engine dead after case {case}: {error_text(exc)}"
+                result["abort_error"] = error_text(exc)
+        data["cases"][case] = result
+        write_json(args.out, data)
+        print(f"case {case}: {result['status']} in {result['elapsed_s']:.1f} s"
+              + (f" ({result['error'][:200]})" if result["error"] else ""), flush=True)
+    data["finished"] = True
+    write_json(args.out, data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Issue 6 end to end: stock FLASHMLA_SPARSE vs the planned backend, one engine per subprocess.
+
+    PYTHONPATH=/tmp/site python3 tests/e2e/run_e2e.py --group A --out /tmp/e2e   # 0.95: cases 1-5
+    PYTHONPATH=/tmp/site python3 tests/e2e/run_e2e.py --group B --out /tmp/e2e   # 0.90: throughput, same function
+    python3 tests/e2e/run_e2e.py --report-only /tmp/e2e                          # e2e.md from the saved JSON
+
+Each run (see ``--list``) is one ``run_cases.py`` process: ``DIR/<run>.json`` (rewritten after every
+case) and ``DIR/<run>.log``. Cases 1-3 and 5 run at max_num_batched_tokens 32768, case 4 (65,536
+tokens) in its own engine at 65536, followed by case 5 again. A stock OOM does not end its engine's
+run: the failed requests are aborted and the next case is flagged as coming after a failure. Runs
+share one deadline (``--deadline-s``) so the group ends inside the device tool's 10 minutes; what
+the deadline cuts is reported as not run. ``DIR/e2e.md`` covers every run in DIR, earlier groups too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import e2e_report
+from run_cases import ENV_DEFAULTS
+
+HERE = Path(__file__).resolve().parent
+MIN_RUN_S = 75  # an engine start-up alone takes about a minute: start no run with less left
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    backend: str
+    util: float
+    mnbt: int
+    cases: tuple[str, ...]
+    group: str
+    timeout_s: int = 300
+
+
+RUNS = (  # planned first in group A: finishing every case at 0.95 is the goal
+    Run("planned-0.95-32k", "planned", 0.95, 32768, ("1", "2", "3", "5"), "A"),
+    Run("planned-0.95-64k", "planned", 0.95, 65536, ("4", "5"), "A"),
+    Run("stock-0.95-32k", "stock", 0.95, 32768, ("1", "2", "3", "5"), "A"),
+    Run("stock-0.95-64k", "stock", 0.95, 65536, ("4", "5"), "A"),
+    Run("stock-0.90-32k", "stock", 0.90, 32768, ("1", "same_function", "throughput"), "B"),
+    Run("planned-0.90-32k", "planned", 0.90, 32768, ("1", "same_function", "throughput"), "B"),
+)
+RUNS_BY_NAME = {r.name: r for r in RUNS}
+
+
+def select_runs(group: str | None, names: str | None) -> list[Run]:
+    if names:
+        wanted = [n for n in names.split(",") if n]
+        unknown = [n for n in wanted if n not in RUNS_BY_NAME]
+        if unknown:
+            raise SystemExit(f"unknown run(s) {unknown}; known: {', '.join(RUNS_BY_NAME)}")
+        return [RUNS_BY_NAME[n] for n in wanted]
+    return [r for r in RUNS if group in ("all", r.group)]
+
+
+def command(run: Run, out: Path, args: argparse.Namespace) -> list[str]:
+    cmd = [args.python, str(HERE / "run_cases.py"), "--backend", run.backend, "--util", str(run.util),
+           "--mnbt", str(run.mnbt), "--cases", *run.cases, "--out", str(out / f"{run.name}.json"),
+           "--repeats", str(args.repeats)]
+    if run.backend == "planned" and args.scratch_mb is not None:
+        cmd += ["--scratch-mb", str(args.scratch_mb)]
+    if args.fake_engine:
+        cmd.append("--fake-engine")
+    return cmd
+
+
+def run_one(cmd: list[str], log: Path, timeout_s: float) -> dict[str, Any]:
+    """Runs ``cmd`` in its own process group, output to ``log``; kills the group at the timeout."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for key, value in ENV_DEFAULTS.items():
+        env.setdefault(key, value)
+    t0 = time.monotonic()
+    with log.open("w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                rc = proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+    return {"rc": rc, "timed_out": timed_out, "timeout_s": round(timeout_s), "wall_s": time.monotonic() - t0,
+            "log": log.name}
+
+
+def progress_lines(log: Path) -> list[str]:
+    """run_cases.py's own one-line reports, out of the vLLM log around them."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return [line for line in text.splitlines() if re.match(r"(engine up|engine start-up failed|case \S+: )", line)]
+
+
+def load_driver(out: Path) -> dict[str, Any]:
+    path = out / e2e_report.DRIVER_JSON
+    return json.loads(path.read_text()) if path.is_file() else {"runs": {}}
+
+
+def save_driver(out: Path, driver: dict[str, Any]) -> None:
+    (out / e2e_report.DRIVER_JSON).write_text(json.dumps(driver, indent=1) + "\n")
+
+
+def write_report(out: Path) -> str:
+    text = e2e_report.render_dir(out)
+    (out / e2e_report.REPORT_MD).write_text(text)
+    return text
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--group", choices=("A", "B", "all"), help="A: 0.95, cases 1-5; B: 0.90, throughput + same function")
+    ap.add_argument("--runs", help="comma-separated run names instead of a group (see --list)")
+    ap.add_argument("--out", type=Path, help="results folder (kept: later groups add to it)")
+    ap.add_argument("--scratch-mb", type=int, help="MLA_PLANNER_SCRATCH_MB for planned runs (default: unset)")
+    ap.add_argument("--deadline-s", type=float, default=570, help="all runs of this call end by then (default 570)")
+    ap.add_argument("--repeats", type=int, default=5, help="throughput repeats per workload (default 5)")
+    ap.add_argument("--python", default=sys.executable, help="interpreter for run_cases.py")
+    ap.add_argument("--report-only", type=Path, metavar="DIR", help="only write DIR/e2e.md from DIR's JSON")
+    ap.add_argument("--list", action="store_true", help="print the runs and exit")
+    ap.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # CPU tests of the pipeline
+    args = ap.parse_args(argv)
+    if not (args.list or args.report_only) and not ((args.group or args.runs) and args.out):
+        ap.error("give --group or --runs, and --out (or --report-only DIR, or --list)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for r in RUNS:
+            print(f"{r.group}  {r.name:18} {r.backend:8} util {r.util}  mnbt {r.mnbt:5}  cases {' '.join(r.cases)}")
+        return 0
+    if args.report_only:
+        print(write_report(args.report_only))
+        return 0
+
+    start = time.monotonic()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    driver = load_driver(out)
+    for run in select_runs(args.group, args.runs):
+        left = args.deadline_s - (time.monotonic() - start)
+        if left < MIN_RUN_S:
+            driver["runs"][run.name] = {"status": "not run", "reason": f"deadline: {left:.0f} s left"}
+            print(f"{run.name}: not run ({left:.0f} s left of the deadline)", flush=True)
+            continue
+        timeout = min(run.timeout_s, left - 5)
+        print(f"{run.name}: running (timeout {timeout:.0f} s) ...", flush=True)
+        result = run_one(command(run, out, args), out / f"{run.name}.log", timeout)
+        driver["runs"][run.name] = {"status": "ran", **result}
+        state = "TIMED OUT" if result["timed_out"] else f"rc {result['rc']}"
+        print(f"{run.name}: {state} after {result['wall_s']:.0f} s", flush=True)
+        for line in progress_lines(out / f"{run.name}.log"):
+            print(f"    {line}", flush=True)
+        save_driver(out, driver)
+        time.sleep(3 if result["timed_out"] else 1)  # the next engine measures free memory at start-up
+    save_driver(out, driver)
+    print(write_report(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
