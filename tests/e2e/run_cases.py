@@ -30,6 +30,7 @@ ENV_DEFAULTS = {  # BRIEF §8: what the H200 run needed
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in this process: torch.cuda peak stats see it
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
     "CUDA_HOME": "/usr/local/cuda",
+    "VLLM_NO_USAGE_STATS": "1",  # the GPU machine has no network
 }
 REPLACE_VAR = "MLA_PLANNER_REPLACE_FLASHMLA_SPARSE"
 PLANNER_VARS = ("MLA_PLANNER_SCRATCH_MB", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB", REPLACE_VAR)
