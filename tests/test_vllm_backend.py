@@ -170,7 +170,8 @@ def test_reservation_is_once_per_process_and_released_once(monkeypatch: pytest.M
 class Backend:
     """A builder and an impl of one layer, on the CPU, with the reference kernels."""
 
-    def __init__(self, tmp: pathlib.Path, monkeypatch: pytest.MonkeyPatch, *, num_heads: int) -> None:
+    def __init__(self, tmp: pathlib.Path, monkeypatch: pytest.MonkeyPatch, *, num_heads: int,
+                 cost_profile: pathlib.Path | None = None) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
         from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
@@ -178,6 +179,8 @@ class Backend:
         from mla_planner.vllm_backend.backend import PlannedFlashMLASparseImpl, PlannedFlashMLASparseMetadataBuilder
 
         monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", str(SCRATCH_MB))
+        if cost_profile is not None:
+            monkeypatch.setenv("MLA_PLANNER_COST_PROFILE", str(cost_profile))
         monkeypatch.setattr(reservation, "reserve", lambda num_bytes, device: False)
         self.num_heads = num_heads
         self.provider = RecordingProvider()
@@ -298,3 +301,48 @@ def test_separate_impl_cuts_prefill_launches_by_the_budget(separate: Backend, ge
     assert len(sizes) == sum(-(-(c.tokens_slice.stop - c.tokens_slice.start) // max_tokens) for c in chunks)
     assert len(sizes) > len(chunks), "the test budget must cut a chunk's prefill call"
     assert all(shape[1] == 64 for shape in separate.kernels.prefill_calls)
+
+
+# A profile in which the separate route wins any prefill of more than a few hundred tokens:
+# decode 10 + T us, prefill 200 + T/2 us, gather almost free.
+ROUTING_PROFILE = {
+    "format": mla_planner.COST_PROFILE_FORMAT,
+    "arch": "sm90",
+    "num_sms": NUM_SMS,
+    "topk": TOPK,
+    "environment": {"gpu": "CPU test", "driver": "-", "cuda": "-", "torch": "-", "kernels": "-", "gather": "-"},
+    "sparse_decode": {"64": [[1, 11], [65536, 65546]], "128": [[1, 11], [65536, 65546]]},
+    "sparse_prefill": {"64": [[2, 201], [65536, 32968]], "128": [[1, 204], [65536, 262344]]},
+    "gather_upconvert": [[1000, 6], [1000000, 1005]],
+}
+
+
+@pytest.fixture
+def routed(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
+    import json
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(ROUTING_PROFILE))
+    backend = Backend(tmp_path, monkeypatch, num_heads=16, cost_profile=path)
+    yield backend
+    backend.close()
+
+
+def test_cost_profile_puts_a_16_head_prefill_on_the_separate_route(routed: Backend, gen: torch.Generator) -> None:
+    assert routed.builder.cost_model is not None
+    case = routed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    md, q = case["metadata"], case["q"]
+    # vLLM's rule would take mixed batch at 16 heads; the profile says separate is faster here.
+    assert not md.fp8_use_mixed_batch and md.mixed_batch is None
+    assert md.prefill_launch_tokens > 0
+    routed.topk_buffer[: q.shape[0]] = case["positions"]
+    out = routed.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], routed.topk_buffer[: q.shape[0]], md)
+    torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
+    assert routed.kernels.prefill_calls and routed.provider.launch_q == []
+    # A short prefill stays on the mixed route, where the profile prices it cheaper.
+    small = routed.step([1, 1, 40], [70, 200, 0], gen)["metadata"]
+    assert small.fp8_use_mixed_batch and small.mixed_batch is not None
+
+
+def test_no_usable_profile_is_vllms_rule(mixed: Backend) -> None:
+    assert mixed.builder.cost_model is None

@@ -3,7 +3,8 @@
 Subclasses vLLM's ``FlashMLASparse*`` classes and changes only what the plan changes:
 
 * the builder plans once per step, on the CPU, from metadata it already has, and attaches the
-  plan to the step's metadata (shared by every layer);
+  plan to the step's metadata (shared by every layer); with a cost profile measured on this
+  machine it also picks the faster FP8 route for the step (:mod:`mla_planner.routing`);
 * FP8 mixed-batch steps with prefill tokens run launch by launch through
   :class:`~mla_planner.executor.mixed_batch.MixedBatchExecutor`, each launch translating its own
   top-k indices, within the scratch budget and the kernel's int32 limit;
@@ -32,12 +33,14 @@ from vllm.v1.attention.backends.mla.flashmla_sparse import (
     FlashMLASparseImpl,
     FlashMLASparseMetadata,
     FlashMLASparseMetadataBuilder,
+    get_prefill_workspace_size,
 )
 from vllm.v1.attention.backends.mla.sparse_utils import triton_convert_req_index_to_global_index
 from vllm.v1.attention.backends.utils import reshape_attn_output_for_spec_decode, reshape_query_for_spec_decode
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 import mla_planner
+from mla_planner import routing
 from mla_planner.executor.mixed_batch import ALLOCATOR_RESERVE_BYTES, MixedBatchExecutor
 from mla_planner.executor.providers import KernelProvider, VllmProvider
 from mla_planner.vllm_backend import reservation
@@ -104,12 +107,13 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         settings = read_settings()
         self.scratch_budget_bytes = settings.scratch_bytes
-        arch = device_arch()
+        self.arch = arch = device_arch()
+        self.num_sms = num_compute_units(device.index)
         self.mixed_executor = MixedBatchExecutor(
             kernel_provider(),
             self.num_heads,
             arch=arch,
-            num_sms=num_compute_units(device.index),
+            num_sms=self.num_sms,
             translates_indices=True,
         )
         # Fails at start-up, not mid-serving, when the budget cannot hold one token.
@@ -120,6 +124,10 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             topk=self.topk_tokens,
             translated_indices=True,
         )
+        self.cost_model = load_cost_model(settings.cost_profile, arch, self.num_heads, self.num_sms, self.topk_tokens)
+        # Once per process, like the budget: which rule routes FP8 steps.
+        logger.info_once("mla-planner: FP8 steps routed by %s",
+                         "the cost profile" if self.cost_model is not None else routing.VLLM_RULE)
 
     def build(
         self,
@@ -134,6 +142,8 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         assert isinstance(metadata, PlannedFlashMLASparseMetadata)
         if not self.use_fp8_kv_cache or metadata.num_prefills == 0:
             return metadata
+        if self.cost_model is not None:
+            self._route(metadata, common_attn_metadata)
         if metadata.fp8_use_mixed_batch:
             step = MixedBatchStep(self.mixed_executor, self.scratch_budget_bytes, self.topk_tokens)
             plan = step.plan(metadata.num_actual_tokens)
@@ -145,6 +155,36 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             logger.debug("mla-planner step: %d tokens, separate prefill/decode, prefill launches of <= %d tokens",
                          metadata.num_actual_tokens, self.prefill_launch_tokens)
         return metadata
+
+    def _route(self, metadata: PlannedFlashMLASparseMetadata, common: CommonAttentionMetadata) -> None:
+        """Put the step on the route the cost model predicts faster, rebuilding vLLM's FP8
+        metadata for it when that is not the route vLLM's rule took."""
+        starts = common.query_start_loc_cpu.numpy().astype("int64")
+        query_lens = starts[1:] - starts[:-1]
+        seq_lens = common.seq_lens_cpu_upper_bound
+        assert seq_lens is not None
+        context_lens = seq_lens.numpy().astype("int64")[: len(query_lens)] - query_lens
+        max_model_len = self.model_config.max_model_len
+        mixed = routing.choose_mixed_batch(
+            self.cost_model, query_lens, context_lens, metadata.num_decodes,
+            num_heads=self.num_heads, budget_bytes=self.scratch_budget_bytes - ALLOCATOR_RESERVE_BYTES,
+            gather_workspace_rows=get_prefill_workspace_size(max_model_len),
+            indexer_workspace_rows=max_model_len * 40, arch=self.arch, num_sms=self.num_sms, topk=self.topk_tokens,
+        )
+        if mixed != metadata.fp8_use_mixed_batch:
+            metadata.fp8_use_mixed_batch = mixed
+            metadata.fp8_extra_metadata = (
+                self._build_fp8_mixed_decode_prefill(common)
+                if mixed
+                else self._build_fp8_separate_prefill_decode(common, metadata)
+            )
+
+
+def load_cost_model(path: str | None, arch: str, num_heads: int, num_sms: int, topk: int) -> mla_planner.CostModel | None:
+    """The cost profile that applies on this machine, or ``None`` (vLLM's rule; the reason is
+    logged). No GPU visible, as in tests: the machine check is skipped."""
+    environment = routing.current_environment("vllm", "vllm") if torch.cuda.is_available() else None
+    return routing.load_profile(path, arch=arch, environment=environment, num_heads=num_heads, num_sms=num_sms, topk=topk)
 
 
 def token_pieces(tokens: slice, max_len: int) -> Iterator[slice]:

@@ -5,6 +5,9 @@
   proposal used, is honoured too; when both are set they must agree.
 * ``MLA_PLANNER_REPLACE_FLASHMLA_SPARSE`` -- ``1`` registers the backend in place of
   ``FLASHMLA_SPARSE`` as well as ``CUSTOM``, so existing command lines pick it up unchanged.
+* ``MLA_PLANNER_COST_PROFILE`` -- the cost profile that routes FP8 steps (``mla-planner
+  calibrate``); default: the one packaged for the GPU's architecture. A profile that does not
+  match this machine means vLLM's rule, with a warning (docs/routing.md).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ MAX_SCRATCH_MB = 1 << 20
 
 SCRATCH_VARS = ("MLA_PLANNER_SCRATCH_MB", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB")
 REPLACE_VAR = "MLA_PLANNER_REPLACE_FLASHMLA_SPARSE"
+PROFILE_VAR = "MLA_PLANNER_COST_PROFILE"
 
 
 class SettingsError(ValueError):
@@ -38,6 +42,8 @@ class Settings:
     replace_flashmla_sparse: bool
     source: str
     """Where ``scratch_mb`` came from: an environment variable's name, or ``"default"``."""
+    cost_profile: str | None = None
+    """A cost profile's path; ``None``: the packaged one."""
 
     @property
     def scratch_bytes(self) -> int:
@@ -51,7 +57,8 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         shown = ", ".join(f"{name}={mb}" for name, mb in values.items())
         raise SettingsError(f"{shown} disagree: set one of them (MLA_PLANNER_SCRATCH_MB is the project's name)")
     source, scratch_mb = next(iter(values.items()), ("default", DEFAULT_SCRATCH_MB))
-    return Settings(scratch_mb, _flag(REPLACE_VAR, env.get(REPLACE_VAR, "")), source)
+    profile = env.get(PROFILE_VAR, "").strip() or None
+    return Settings(scratch_mb, _flag(REPLACE_VAR, env.get(REPLACE_VAR, "")), source, profile)
 
 
 def _scratch_mb(name: str, raw: str) -> int:
