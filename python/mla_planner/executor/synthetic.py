@@ -66,6 +66,27 @@ def mixed_case(
     return MixedCase(random_q(num_tokens, num_heads, gen, dtype), kv_cache, indices)
 
 
+_DRAW_BLOCK_ELEMENTS = 1 << 26
+
+
+def distinct_causal_positions(positions: torch.Tensor, topk: int, gen: torch.Generator) -> torch.Tensor:
+    """``(len(positions), topk)`` int32: for a query at ``p``, ``min(topk, p + 1)`` distinct
+    positions of ``[0, p]`` in random order, then ``-1``. Distinct because a repeated key is
+    not what the indexer produces, and repeats make the kernels' bf16 rounding coherent (every
+    copy rounds the same way), which a real step never sees."""
+    dev = positions.device
+    out = torch.empty((len(positions), topk), dtype=torch.int32, device=dev)
+    width = int(positions.max().item()) + 1 if len(positions) else 1
+    block = max(1, _DRAW_BLOCK_ELEMENTS // max(width, topk))
+    for start in range(0, len(positions), block):
+        pos = positions[start : start + block]
+        keys = torch.rand((len(pos), max(width, topk)), generator=gen, device=dev)
+        keys[torch.arange(keys.shape[1], device=dev).unsqueeze(0) > pos.unsqueeze(1)] = -1.0  # not causal
+        score, picked = keys.topk(topk, dim=1)
+        out[start : start + block] = picked.to(torch.int32).masked_fill_(score < 0, -1)
+    return out
+
+
 def prefill_case(
     query_lens: npt.ArrayLike,
     context_lens: npt.ArrayLike,
@@ -78,7 +99,8 @@ def prefill_case(
     spread: float = 1.0,
 ) -> PrefillCase:
     """Prefill requests whose KV (context + new tokens) sits on shuffled pages of one cache; a
-    token at position ``p`` names ``topk`` positions drawn from ``[0, p]``."""
+    token at position ``p`` names ``topk`` distinct positions of ``[0, p]`` (all of them, then
+    ``-1``, while ``p < topk``), as the indexer's top-k does."""
     qlens, clens = np.asarray(query_lens, np.int64), np.asarray(context_lens, np.int64)
     seq_lens = qlens + clens
     pages_per_request = -(-seq_lens // PAGE_SIZE)
@@ -92,8 +114,7 @@ def prefill_case(
         block_table[r, :n] = order[first : first + n]
         first += n
     positions = torch.cat([torch.arange(c, c + n, device=dev) for c, n in zip(clens.tolist(), qlens.tolist())])
-    draws = torch.rand((len(positions), topk), generator=gen, device=dev)
-    indices = (draws * (positions.unsqueeze(1) + 1)).floor().to(torch.int32)
+    indices = distinct_causal_positions(positions, topk, gen)
     indices.masked_fill_(torch.rand((len(positions), topk), generator=gen, device=dev) < unused_fraction, -1)
     q = random_q(len(positions), num_heads, gen, dtype)
     return PrefillCase(q, kv_cache, block_table.to(dev), indices, qlens, clens)
