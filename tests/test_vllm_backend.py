@@ -179,8 +179,8 @@ class Backend:
         from mla_planner.vllm_backend.backend import PlannedFlashMLASparseImpl, PlannedFlashMLASparseMetadataBuilder
 
         monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", str(SCRATCH_MB))
-        if cost_profile is not None:
-            monkeypatch.setenv("MLA_PLANNER_COST_PROFILE", str(cost_profile))
+        # No profile unless the test gives one (the packaged H200 profile must not leak in).
+        monkeypatch.setenv("MLA_PLANNER_COST_PROFILE", str(cost_profile or tmp / "no-profile.json"))
         monkeypatch.setattr(reservation, "reserve", lambda num_bytes, device: False)
         self.num_heads = num_heads
         self.provider = RecordingProvider()
@@ -240,7 +240,7 @@ def test_builder_attaches_the_planned_mixed_batch(mixed: Backend, gen: torch.Gen
     assert metadata.fp8_use_mixed_batch
     step = metadata.mixed_batch
     assert step is not None
-    expected = MixedBatchExecutor(RecordingProvider(), 16, num_sms=NUM_SMS, translates_indices=True).plan(
+    expected = MixedBatchExecutor(RecordingProvider(), 16, num_sms=NUM_SMS, translates_indices=True, align_waves=True).plan(
         sum(QUERY_LENS), SCRATCH_MB << 20, topk=TOPK
     )
     plan = step.plan(sum(QUERY_LENS))

@@ -46,7 +46,8 @@ from mla_planner.executor.providers import KernelProvider, VllmProvider
 from mla_planner.vllm_backend import reservation
 from mla_planner.vllm_backend.settings import read_settings
 
-logger = init_logger(__name__)
+# Under vLLM's logger, so the lines come out with vLLM's format and VLLM_LOGGING_LEVEL.
+logger = init_logger("vllm.mla_planner")
 
 FP8_KV = "fp8_ds_mla"
 
@@ -115,6 +116,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             arch=arch,
             num_sms=self.num_sms,
             translates_indices=True,
+            align_waves=True,
         )
         # Fails at start-up, not mid-serving, when the budget cannot hold one token.
         self.prefill_launch_tokens, _ = mla_planner.prefill_launch_tokens(
@@ -206,7 +208,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         settings = read_settings()
         self.mixed_executor = MixedBatchExecutor(
             kernel_provider(), self.num_heads, softmax_scale=self.softmax_scale, arch=device_arch(),
-            translates_indices=True,
+            translates_indices=True, align_waves=True,
         )
         # Model construction: vLLM counts this as model memory, so the KV cache leaves room.
         device = get_current_vllm_config().device_config.device  # resolved from "auto" by now
