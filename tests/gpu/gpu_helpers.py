@@ -58,6 +58,30 @@ def assert_close_flashmla(name: str, ans: torch.Tensor, ref: torch.Tensor, *, ab
     assert cos_diff <= cos_diff_tol, f"{name}: cos diff {cos_diff:.3g} > {cos_diff_tol}"
 
 
+def kernel_call_accuracy(name: str, ans: torch.Tensor, ref: torch.Tensor, *, abs_tol: float, rel_tol: float, cos_diff_tol: float) -> float:
+    """One kernel call's own output, which no planning touches: infinities and NaNs at the same
+    places and FlashMLA's cosine criterion, asserted; the fraction of elements outside FlashMLA's
+    element-wise criterion, printed and returned. On these inputs the sparse prefill kernel
+    (sgl-flash-mla's legacy build and vLLM 0.26's alike) misses the element-wise criterion on about
+    0.02% of the elements of a single call (docs/benchmarks.md), so that criterion cannot judge the
+    planner; the split check compares against it instead."""
+    assert ans.shape == ref.shape, f"{name}: shape {tuple(ans.shape)} != {tuple(ref.shape)}"
+    a, r = ans.double(), ref.double()
+    for special in (float("inf"), float("-inf")):
+        assert torch.equal(a == special, r == special), f"{name}: {special} at different places"
+    assert torch.equal(a.isnan(), r.isnan()), f"{name}: NaN at different places"
+    finite = torch.isfinite(r)
+    a, r = a[finite], r[finite]
+    err = (a - r).abs()
+    outside = int((err >= flashmla_tolerance(r, abs_tol=abs_tol, rel_tol=rel_tol)).sum())
+    fraction = outside / max(1, err.numel())
+    cos_diff = cosine_difference(a, r)
+    print(f"{name}: {outside} of {err.numel()} ({fraction:.4%}) outside FlashMLA's element-wise criterion, "
+          f"max abs {float(err.max()) if err.numel() else 0.0:.3g}; cos diff {cos_diff:.3g}")
+    assert cos_diff <= cos_diff_tol, f"{name}: cos diff {cos_diff:.3g} > {cos_diff_tol}"
+    return fraction
+
+
 def flashmla_tolerance(ref: torch.Tensor, *, abs_tol: float, rel_tol: float) -> torch.Tensor:
     """The largest error FlashMLA's criterion accepts at each element (it accepts an error below
     ``abs_tol`` or below ``rel_tol * (|ref| + 1e-6)``)."""

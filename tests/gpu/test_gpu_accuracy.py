@@ -26,7 +26,14 @@ from mla_planner.executor.lse_merge import merge_error_bound
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
 from mla_planner.executor.synthetic import mixed_case, prefill_case
 
-from gpu_helpers import MiB, assert_close_flashmla, assert_within_split_bound, cosine_difference, lse_error
+from gpu_helpers import (
+    MiB,
+    assert_close_flashmla,
+    assert_within_split_bound,
+    cosine_difference,
+    kernel_call_accuracy,
+    lse_error,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -133,8 +140,11 @@ def test_separate_prefill_with_a_split_request_matches_the_reference(provider: K
         whole[tokens] = False
         pieces.append((request, tokens, windows))
 
-    # Rows computed by one kernel call each (whole requests): FlashMLA's criterion, as before.
-    check(lambda: assert_close_flashmla("prefill out (whole requests)", out[whole].float(), reference[whole], **PREFILL_OUT))
+    # Rows computed by one kernel call each (whole requests): the kernel's own accuracy, the
+    # yardstick for the split rows below.
+    single_call_misses: list[float] = []
+    check(lambda: single_call_misses.append(
+        kernel_call_accuracy("prefill out (whole requests)", out[whole].float(), reference[whole], **PREFILL_OUT)))
 
     # A split request: each window's call against its own float32 reference (FlashMLA's output
     # criterion: the bound's assumption; the lse's measured error goes into the bound), then the
@@ -147,7 +157,7 @@ def test_separate_prefill_with_a_split_request_matches_the_reference(provider: K
             o, lse = sparse_attention(case.q[tokens], request_rows(request, key_start, key_end), torch.where(inside, positions - key_start, -1), SCALE)
             kernel_o, kernel_lse = recorder.prefill_calls[row]
             window = f"window {row} (rows {tokens.start}-{tokens.stop}, keys {key_start}-{key_end})"
-            check(lambda: assert_close_flashmla(f"{window} out", kernel_o.float(), o, **PREFILL_OUT))
+            check(lambda: single_call_misses.append(kernel_call_accuracy(f"{window} out", kernel_o.float(), o, **PREFILL_OUT)))
             try:
                 lse_errs.append(lse_error(f"{window} lse", kernel_lse, lse))
             except AssertionError as exc:
@@ -164,6 +174,12 @@ def test_separate_prefill_with_a_split_request_matches_the_reference(provider: K
             name, out[tokens].float(), reference[tokens], bound,
             abs_tol=PREFILL_OUT["abs_tol"], rel_tol=PREFILL_OUT["rel_tol"], max_extra=MAX_EXTRA,
         ))
+        # And no less accurate than one kernel call: the share of elements outside FlashMLA's
+        # element-wise criterion is at most the worst single call's.
+        merged = kernel_call_accuracy(f"{name}, element-wise", out[tokens].float(), reference[tokens], **PREFILL_OUT)
+        if single_call_misses and merged > max(single_call_misses):
+            failures.append(f"{name}: {merged:.4%} outside FlashMLA's element-wise criterion, "
+                            f"more than a single kernel call's {max(single_call_misses):.4%}")
 
     # FlashMLA's cosine criterion over the whole output, as for an unsplit step.
     cos_diff = cosine_difference(out.float(), reference)
