@@ -129,7 +129,8 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         self.cost_model = load_cost_model(settings.cost_profile, arch, self.num_heads, self.num_sms, self.topk_tokens)
         # Once per process, like the budget: which rule routes FP8 steps.
         logger.info_once("mla-planner: FP8 steps routed by %s",
-                         "the cost profile" if self.cost_model is not None else routing.VLLM_RULE)
+                         "the cost profile" if self.cost_model is not None
+                         else f"{routing.VLLM_RULE}: {step_mode(self.num_heads)}")
 
     def build(
         self,
@@ -215,8 +216,8 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         reserved = reservation.reserve(settings.scratch_bytes, torch.device(device or "cuda"))
         if reserved and not PlannedFlashMLASparseImpl._logged_start:
             PlannedFlashMLASparseImpl._logged_start = True
-            logger.info("mla-planner: sparse MLA scratch budget %d MiB (%s), %s mode at %d heads per rank; reserved",
-                        settings.scratch_mb, settings.source, step_mode(self.num_heads), self.num_heads)
+            logger.info("mla-planner: sparse MLA scratch budget %d MiB (%s), reserved from the KV cache; %d heads per rank",
+                        settings.scratch_mb, settings.source, self.num_heads)
 
     def _forward_fp8_kv_mixed_batch(
         self,
