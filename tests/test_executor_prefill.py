@@ -80,5 +80,7 @@ def test_predicted_bytes_come_from_the_planner(gen: torch.Generator) -> None:
 
     executor = SeparatePrefillExecutor(ReferenceProvider(takes_out=False), 16)
     chunks = executor.plan([100, 50], [20, 0], 200)
-    expected = mla_planner.gather_workspace_bytes(170) + mla_planner.prefill_scratch(150, 16).total_bytes
+    indices = mla_planner.prefill_scratch(150, 16, translated_indices=True).buffers["workspace_indices"]
+    assert indices == 150 * mla_planner.DEFAULT_TOPK * 4  # the (tokens, topk) int32 buffer run() allocates
+    expected = mla_planner.gather_workspace_bytes(170) + mla_planner.prefill_scratch(150, 16).total_bytes + indices
     assert executor.predicted_peak_bytes(chunks, [100, 50], [20, 0]) == expected

@@ -97,17 +97,25 @@ class SeparatePrefillExecutor:
     def plan(self, query_lens: npt.ArrayLike, context_lens: npt.ArrayLike, workspace_rows: int) -> IntArray:
         return mla_planner.plan_gather_chunks(query_lens, context_lens, workspace_rows)
 
-    def predicted_peak_bytes(self, chunks: IntArray, query_lens: npt.ArrayLike, context_lens: npt.ArrayLike) -> int:
-        """The planner's bytes for this run: the workspace of the largest chunk plus the largest
-        launch's ``prefill_scratch``. Not included (see docs/executor.md): the workspace-index
-        buffer, ``tokens x topk x 4`` bytes, and the bounded gather/translate temporaries."""
+    def predicted_peak_bytes(
+        self, chunks: IntArray, query_lens: npt.ArrayLike, context_lens: npt.ArrayLike, *, topk: int | None = None
+    ) -> int:
+        """The planner's bytes for this run: the workspace of the largest chunk, the largest
+        launch's ``prefill_scratch`` and the workspace-index buffer of the longest launch (held for
+        the run; the planner's ``workspace_indices``). Not included (see docs/executor.md): the
+        bounded gather/translate temporaries and the merge's."""
         qlens, clens = np.asarray(query_lens, np.int64), np.asarray(context_lens, np.int64)
-        scratch = 0
+        scratch = held_indices = 0
         for launch in launches(chunks, qlens, clens):
             in_place = self._writes_in_place(launch)
             tokens = launch.tokens.stop - launch.tokens.start
-            scratch = max(scratch, mla_planner.prefill_scratch(tokens, self.num_heads, arch=self.arch, out_preallocated=in_place).total_bytes)
-        return mla_planner.gather_workspace_bytes(int(chunks[:, 6].max())) + scratch
+            launch_scratch = mla_planner.prefill_scratch(
+                tokens, self.num_heads, arch=self.arch, topk=topk, out_preallocated=in_place, translated_indices=True
+            )
+            held_indices = max(held_indices, launch_scratch.buffers["workspace_indices"])
+            scratch = max(scratch, launch_scratch.total_bytes - launch_scratch.buffers["workspace_indices"]
+                          - launch_scratch.buffers["topk_length"])
+        return mla_planner.gather_workspace_bytes(int(chunks[:, 6].max())) + held_indices + scratch
 
     def _writes_in_place(self, launch: Launch) -> bool:
         return self.provider.prefill_takes_out and self.num_heads == self.kernel_heads and len(launch.windows) == 1
