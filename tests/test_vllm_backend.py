@@ -301,6 +301,9 @@ def test_separate_impl_cuts_prefill_launches_by_the_budget(separate: Backend, ge
     assert len(sizes) == sum(-(-(c.tokens_slice.stop - c.tokens_slice.start) // max_tokens) for c in chunks)
     assert len(sizes) > len(chunks), "the test budget must cut a chunk's prefill call"
     assert all(shape[1] == 64 for shape in separate.kernels.prefill_calls)
+    # One padded q and one kernel output for the step, reused by every call; padded heads zero.
+    assert len(set(separate.kernels.prefill_out_ptrs)) == 1 and len(separate.kernels.prefill_out_ptrs) == len(sizes)
+    assert all(not bool(kq[:, 32:].any()) for kq in separate.kernels.prefill_q)
 
 
 # A profile in which the separate route wins any prefill of more than a few hundred tokens:

@@ -136,6 +136,8 @@ class KernelRecorder:
     def __init__(self) -> None:
         self.decode_calls: list[tuple[int, ...]] = []
         self.prefill_calls: list[tuple[int, ...]] = []
+        self.prefill_q: list[torch.Tensor] = []
+        self.prefill_out_ptrs: list[int] = []
 
     def flash_mla_with_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, block_table: Any, cache_seqlens: Any,
                                head_dim_v: int, tile_scheduler_metadata: Any, num_splits: None = None,
@@ -147,10 +149,15 @@ class KernelRecorder:
 
     def flash_mla_sparse_fwd(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                              d_v: int = 512, topk_length: torch.Tensor | None = None,
-                             **_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             out: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.prefill_calls.append(tuple(q.shape))
-        out, lse = sparse_prefill_reference(q, kv, indices, sm_scale)
-        return out, lse, lse
+        self.prefill_q.append(q.clone())
+        result, lse = sparse_prefill_reference(q, kv, indices, sm_scale)
+        if out is not None:
+            assert out.shape == result.shape and out.stride(-1) == 1
+            self.prefill_out_ptrs.append(out.data_ptr())
+            result = out.copy_(result)
+        return result, lse, lse
 
 
 class RecordingProvider(ReferenceProvider):
@@ -179,6 +186,7 @@ def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kerne
     monkeypatch.setattr(backend, "triton_convert_req_index_to_global_index", convert_req_index_to_global_index)
     monkeypatch.setattr(stock, "flash_mla_with_kvcache", kernels.flash_mla_with_kvcache)
     monkeypatch.setattr(stock, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
+    monkeypatch.setattr(backend, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
     monkeypatch.setattr(stock, "get_mla_metadata", lambda *a, **k: (object(), None))
     monkeypatch.setattr(backend, "ops", SimpleNamespace(cp_gather_and_upconvert_fp8_kv_cache=gather_and_upconvert))
     monkeypatch.setattr(backend, "kernel_provider", lambda: provider)

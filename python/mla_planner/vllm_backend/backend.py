@@ -9,7 +9,8 @@ Subclasses vLLM's ``FlashMLASparse*`` classes and changes only what the plan cha
   :class:`~mla_planner.executor.mixed_batch.MixedBatchExecutor`, each launch translating its own
   top-k indices, within the scratch budget and the kernel's int32 limit;
 * FP8 separate-path steps with prefill tokens run each gathered chunk's prefill-kernel calls in
-  pieces of at most ``prefill_launch_tokens`` tokens, translating indices per piece;
+  pieces of at most ``prefill_launch_tokens`` tokens, translating indices per piece, into one
+  padded q and one kernel output reused by every piece (:class:`PaddedPrefill`);
 * BF16-KV steps and decode-only steps run stock code.
 
 The budget is reserved from vLLM's KV-cache sizing by :mod:`.reservation`.
@@ -37,6 +38,7 @@ from vllm.v1.attention.backends.mla.flashmla_sparse import (
 )
 from vllm.v1.attention.backends.mla.sparse_utils import triton_convert_req_index_to_global_index
 from vllm.v1.attention.backends.utils import reshape_attn_output_for_spec_decode, reshape_query_for_spec_decode
+from vllm.v1.attention.ops.flashmla import flash_mla_sparse_fwd  # type: ignore[attr-defined]  # a re-export
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 import mla_planner
@@ -290,14 +292,16 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         if num_decode_tokens:
             decode_rows = slice(0, num_decode_tokens)
             out[decode_rows] = self._decode(q[decode_rows], kv_c_and_k_pe_cache, workspace_indices(decode_rows)[0], fp8)
-        for chunk in prefill.chunks:
+        pieces = [(chunk, rows) for chunk in prefill.chunks for rows in token_pieces(chunk.tokens_slice, max_tokens)]
+        prefill_call = PaddedPrefill(self, q, max(rows.stop - rows.start for _, rows in pieces))
+        for i, (chunk, rows) in enumerate(pieces):
             workspace = self.prefill_bf16_workspace[: chunk.chunk_tot_seqlen]
-            ops.cp_gather_and_upconvert_fp8_kv_cache(
-                kv_c_and_k_pe_cache, workspace, chunk.block_table, chunk.workspace_starts, len(chunk.block_table)
-            )
-            for rows in token_pieces(chunk.tokens_slice, max_tokens):
-                indices, lengths = workspace_indices(rows)
-                out[rows] = self._bf16_flash_mla_kernel(q[rows], workspace, indices, lengths)
+            if i == 0 or chunk is not pieces[i - 1][0]:
+                ops.cp_gather_and_upconvert_fp8_kv_cache(
+                    kv_c_and_k_pe_cache, workspace, chunk.block_table, chunk.workspace_starts, len(chunk.block_table)
+                )
+            indices, lengths = workspace_indices(rows)
+            prefill_call(q[rows], workspace, indices, lengths, out[rows])
         return out
 
     def _decode(
@@ -318,6 +322,33 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         )
         result: torch.Tensor = reshape_attn_output_for_spec_decode(out)
         return result
+
+
+class PaddedPrefill:
+    """The BF16 sparse prefill kernel over one step's prefill pieces, with the zero-padded q
+    (heads padded to the kernel's 64 or 128) and the kernel's output allocated once for the
+    longest piece and reused by every piece, instead of per call as stock does. Same bytes as
+    the planner's per-launch ``prefill_scratch`` (``q_padded`` and ``out``), held for the step."""
+
+    def __init__(self, impl: FlashMLASparseImpl, q: torch.Tensor, max_tokens: int) -> None:
+        self.impl = impl
+        self.num_heads = q.shape[1]
+        heads = impl.prefill_padding if self.num_heads % impl.prefill_padding else self.num_heads
+        self.q_padded = None if heads == self.num_heads else q.new_zeros((max_tokens, heads, q.shape[2]))
+        self.out = None if heads == self.num_heads else q.new_empty((max_tokens, heads, impl.kv_lora_rank))
+
+    def __call__(self, q: torch.Tensor, workspace: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        n = q.shape[0]
+        kv = workspace.view(-1, 1, workspace.shape[-1])
+        if self.q_padded is None or self.out is None:  # heads already a multiple: in place
+            flash_mla_sparse_fwd(q, kv, indices.view(n, 1, -1), self.impl.softmax_scale, topk_length=lengths, out=out)
+            return
+        q_kernel, out_kernel = self.q_padded[:n], self.out[:n]
+        q_kernel[:, : self.num_heads].copy_(q)
+        flash_mla_sparse_fwd(q_kernel, kv, indices.view(n, 1, -1), self.impl.softmax_scale, topk_length=lengths,
+                             out=out_kernel)
+        out.copy_(out_kernel[:, : self.num_heads])
 
 
 class PlannedFlashMLASparseBackend(FlashMLASparseBackend):
