@@ -333,6 +333,7 @@ def routed(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
 def test_cost_profile_puts_a_16_head_prefill_on_the_separate_route(routed: Backend, gen: torch.Generator) -> None:
     assert routed.builder.cost_model is not None
+    assert routed.builder.force_mqa, "no dense prefill backend here: every prefill is sparse MQA"
     case = routed.step(QUERY_LENS, CONTEXT_LENS, gen)
     md, q = case["metadata"], case["q"]
     # vLLM's rule would take mixed batch at 16 heads; the profile says separate is faster here.

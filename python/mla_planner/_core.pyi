@@ -154,6 +154,7 @@ def plan_prefill_groups(
     context_chunk_rows: int | None = None,
     available: bool = True,
     stock: bool = False,
+    force_mqa: bool = False,
 ) -> PrefillGroups: ...
 def step_mode(
     num_heads: int, *, kv_dtype: str = "fp8", mixed_batch: bool | None = None
@@ -176,6 +177,7 @@ def plan_step(
     context_chunk_rows: int | None = None,
     masked_mha_available: bool = False,
     mixed_batch: bool | None = None,
+    force_mqa: bool = False,
 ) -> StepPlan: ...
 
 # --- cost model (rust/bindings/src/cost.rs) --------------------------------
@@ -262,6 +264,7 @@ class CostModel:
         indexer_logits_bytes: int | None = None,
         mask_workspace_bytes: int | None = None,
         context_chunk_rows: int | None = None,
+        force_mqa: bool = False,
     ) -> RoutePrediction: ...
     def choose_route(
         self,
@@ -279,4 +282,5 @@ class CostModel:
         indexer_logits_bytes: int | None = None,
         mask_workspace_bytes: int | None = None,
         context_chunk_rows: int | None = None,
+        force_mqa: bool = False,
     ) -> RouteChoice: ...

@@ -165,6 +165,7 @@ def choose_mixed_batch(
     num_sms: int | None = None,
     topk: int | None = None,
     indexer_logits_bytes: int | None = None,
+    force_mqa: bool = False,
 ) -> bool:
     """Whether an FP8 step runs as one mixed batch (``True``) or separately (``False``).
 
@@ -172,7 +173,8 @@ def choose_mixed_batch(
 
     * the step as the builder sees it: requests ordered decodes first, ``query_lens`` and
       ``context_lens`` per request (1-D integer arrays or lists), the first ``num_decodes``
-      requests decodes; the other arguments as :func:`mla_planner.plan_step` takes them;
+      requests decodes; the other arguments as :func:`mla_planner.plan_step` takes them
+      (``force_mqa``: vLLM runs every prefill as sparse MQA, short ones too);
     * ``model`` from :func:`load_profile`, checked once at start-up; ``None`` means no usable
       profile, and the answer is vLLM's rule (``num_heads < 32``), whatever the step;
     * with a model: the route predicted faster for this step among those the planner fits in
@@ -201,4 +203,5 @@ def choose_mixed_batch(
         gather_workspace_rows=gather_workspace_rows,
         indexer_workspace_rows=indexer_workspace_rows,
         indexer_logits_bytes=indexer_logits_bytes,
+        force_mqa=force_mqa,
     ).mixed_batch

@@ -128,6 +128,9 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             topk=self.topk_tokens,
             translated_indices=True,
         )
+        # Short prefills run dense MHA unless vLLM is told otherwise or has no prefill backend;
+        # then every prefill token reaches this backend, and the routes must price them.
+        self.force_mqa = bool(vllm_config.attention_config.sparse_mla_force_mqa) or self._prefill_backend is None
         self.cost_model = load_cost_model(settings.cost_profile, arch, self.num_heads, self.num_sms, self.topk_tokens)
         # Once per process, like the budget: which rule routes FP8 steps.
         logger.info_once("mla-planner: FP8 steps routed by %s",
@@ -175,6 +178,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             num_heads=self.num_heads, budget_bytes=self.scratch_budget_bytes - ALLOCATOR_RESERVE_BYTES,
             gather_workspace_rows=get_prefill_workspace_size(max_model_len),
             indexer_workspace_rows=max_model_len * 40, arch=self.arch, num_sms=self.num_sms, topk=self.topk_tokens,
+            force_mqa=self.force_mqa,
         )
         if mixed != metadata.fp8_use_mixed_batch:
             metadata.fp8_use_mixed_batch = mixed

@@ -270,7 +270,7 @@ impl CostModel {
     #[pyo3(signature = (
         query_lens, context_lens, num_decodes, *, num_heads, budget_bytes, arch="sm90", num_sms=None, topk=None,
         gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes=None, mask_workspace_bytes=None,
-        context_chunk_rows=None,
+        context_chunk_rows=None, force_mqa=false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn predict(
@@ -289,10 +289,12 @@ impl CostModel {
         indexer_logits_bytes: Option<&Bound<'_, PyAny>>,
         mask_workspace_bytes: Option<&Bound<'_, PyAny>>,
         context_chunk_rows: Option<&Bound<'_, PyAny>>,
+        force_mqa: bool,
     ) -> PyResult<RoutePrediction> {
         let a = self.step_args(
             query_lens, context_lens, num_decodes, num_heads, budget_bytes, arch, num_sms, topk,
             gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes, mask_workspace_bytes, context_chunk_rows,
+            force_mqa,
         )?; // fmt: skip
         let inner = py.detach(|| self.inner.predict(a.step(), &a.cfg)).py()?;
         Ok(RoutePrediction { inner })
@@ -302,7 +304,7 @@ impl CostModel {
     #[pyo3(signature = (
         query_lens, context_lens, num_decodes, *, num_heads, budget_bytes, arch="sm90", num_sms=None, topk=None,
         gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes=None, mask_workspace_bytes=None,
-        context_chunk_rows=None,
+        context_chunk_rows=None, force_mqa=false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn choose_route(
@@ -321,10 +323,12 @@ impl CostModel {
         indexer_logits_bytes: Option<&Bound<'_, PyAny>>,
         mask_workspace_bytes: Option<&Bound<'_, PyAny>>,
         context_chunk_rows: Option<&Bound<'_, PyAny>>,
+        force_mqa: bool,
     ) -> PyResult<RouteChoice> {
         let a = self.step_args(
             query_lens, context_lens, num_decodes, num_heads, budget_bytes, arch, num_sms, topk,
             gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes, mask_workspace_bytes, context_chunk_rows,
+            force_mqa,
         )?; // fmt: skip
         let c = py.detach(|| self.inner.choose_route(a.step(), &a.cfg)).py()?;
         Ok(RouteChoice { mode: c.mode, prediction: c.prediction, plan: c.plan })
@@ -360,6 +364,7 @@ impl CostModel {
         indexer_logits_bytes: Option<&Bound<'_, PyAny>>,
         mask_workspace_bytes: Option<&Bound<'_, PyAny>>,
         context_chunk_rows: Option<&Bound<'_, PyAny>>,
+        force_mqa: bool,
     ) -> PyResult<StepArgs> {
         let topk = topk_or_default(topk)?;
         let cfg = StepConfig {
@@ -376,6 +381,7 @@ impl CostModel {
                 workspace_bytes: count_or(mask_workspace_bytes, "mask_workspace_bytes", GLOBAL_TOPK_MASK_MAX_BYTES)?,
                 context_chunk_rows: count_or(context_chunk_rows, "context_chunk_rows", DEFAULT_CONTEXT_CHUNK_ROWS)?,
                 available: false, // masked MHA needs a BF16 cache; routes are FP8
+                force_mqa,
             },
             mixed_batch: None,
         };

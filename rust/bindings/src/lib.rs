@@ -536,7 +536,7 @@ impl PrefillGroups {
 }
 
 #[pyfunction]
-#[pyo3(signature = (query_lens, context_lens, *, topk=None, workspace_bytes=None, context_chunk_rows=None, available=true, stock=false))]
+#[pyo3(signature = (query_lens, context_lens, *, topk=None, workspace_bytes=None, context_chunk_rows=None, available=true, stock=false, force_mqa=false))]
 #[allow(clippy::too_many_arguments)]
 fn plan_prefill_groups(
     py: Python<'_>,
@@ -547,6 +547,7 @@ fn plan_prefill_groups(
     context_chunk_rows: Option<&Bound<'_, PyAny>>,
     available: bool,
     stock: bool,
+    force_mqa: bool,
 ) -> PyResult<PrefillGroups> {
     let reqs = prefill_requests(query_lens, context_lens)?;
     let cfg = MaskConfig {
@@ -554,6 +555,7 @@ fn plan_prefill_groups(
         workspace_bytes: count_or(workspace_bytes, "workspace_bytes", GLOBAL_TOPK_MASK_MAX_BYTES)?,
         context_chunk_rows: count_or(context_chunk_rows, "context_chunk_rows", DEFAULT_CONTEXT_CHUNK_ROWS)?,
         available,
+        force_mqa,
     };
     let groups = py
         .detach(|| if stock { plan::route_prefills_stock(&reqs, &cfg) } else { plan::plan_prefill_groups(&reqs, &cfg) })
@@ -664,7 +666,7 @@ impl StepPlan {
     query_lens, context_lens, num_decodes, *, num_heads, budget_bytes, kv_dtype="fp8", arch="sm90",
     num_sms=None, topk=None, gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes=None,
     mask_workspace_bytes=None, context_chunk_rows=None, masked_mha_available=false,
-    mixed_batch=None,
+    mixed_batch=None, force_mqa=false,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn plan_step<'py>(
@@ -685,6 +687,7 @@ fn plan_step<'py>(
     context_chunk_rows: Option<&Bound<'py, PyAny>>,
     masked_mha_available: bool,
     mixed_batch: Option<bool>,
+    force_mqa: bool,
 ) -> PyResult<StepPlan> {
     let q = lengths(query_lens, "query_lens")?;
     let c = lengths(context_lens, "context_lens")?;
@@ -704,6 +707,7 @@ fn plan_step<'py>(
             workspace_bytes: count_or(mask_workspace_bytes, "mask_workspace_bytes", GLOBAL_TOPK_MASK_MAX_BYTES)?,
             context_chunk_rows: count_or(context_chunk_rows, "context_chunk_rows", DEFAULT_CONTEXT_CHUNK_ROWS)?,
             available: masked_mha_available,
+            force_mqa,
         },
         mixed_batch,
     };

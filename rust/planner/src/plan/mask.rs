@@ -41,6 +41,9 @@ pub struct MaskConfig {
     pub context_chunk_rows: u64,
     /// SM100, FA4 and a BF16 KV cache (vLLM's `_is_masked_mha_available`).
     pub available: bool,
+    /// Every prefill runs sparse MQA, short ones too: vLLM's
+    /// `attention_config.sparse_mla_force_mqa`, or no dense prefill backend.
+    pub force_mqa: bool,
 }
 
 impl MaskConfig {
@@ -50,6 +53,7 @@ impl MaskConfig {
             workspace_bytes: GLOBAL_TOPK_MASK_MAX_BYTES,
             context_chunk_rows: 64 * 1024,
             available,
+            force_mqa: false,
         }
     }
 }
@@ -151,7 +155,9 @@ pub struct PrefillGroup {
 fn route_of(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<(PrefillRoute, MaskSet)> {
     let masks = prefill_masks(requests, cfg)?;
     let max_seq = requests.iter().map(PrefillRequest::seq_len).max().unwrap_or(0);
-    let route = if max_seq <= u64::from(cfg.topk) {
+    let route = if cfg.force_mqa {
+        PrefillRoute::SparseMqa
+    } else if max_seq <= u64::from(cfg.topk) {
         PrefillRoute::DenseMha
     } else if cfg.available && masks.fits {
         PrefillRoute::MaskedMha
@@ -217,6 +223,16 @@ mod tests {
 
     fn cfg() -> MaskConfig {
         MaskConfig::vllm_default(2048, true)
+    }
+
+    #[test]
+    fn forced_mqa_routes_every_prefill_to_sparse_mqa() {
+        let short = [PrefillRequest { query_len: 100, context_len: 0 }, PrefillRequest { query_len: 5000, context_len: 0 }];
+        assert_eq!(plan_prefill_groups(&short[..1], &cfg()).unwrap()[0].route, PrefillRoute::DenseMha);
+        let forced = MaskConfig { force_mqa: true, ..cfg() };
+        for groups in [plan_prefill_groups(&short, &forced).unwrap(), route_prefills_stock(&short, &forced).unwrap()] {
+            assert!(groups.iter().all(|g| g.route == PrefillRoute::SparseMqa && g.mask_bytes == 0));
+        }
     }
 
     #[test]
