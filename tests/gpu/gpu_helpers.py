@@ -37,15 +37,21 @@ def cosine_difference(ans: torch.Tensor, ref: torch.Tensor) -> float:
     return 0.0 if denominator == 0 else 1 - 2 * float((a * r).sum()) / denominator
 
 
+def same_special_values(name: str, a: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """FlashMLA's anomaly check: infinities and NaNs at the same places. Returns where ``r`` is
+    finite, the elements the other criteria judge."""
+    for special in (float("inf"), float("-inf")):
+        assert torch.equal(a == special, r == special), f"{name}: {special} at different places"
+    assert torch.equal(a.isnan(), r.isnan()), f"{name}: NaN at different places"
+    return torch.isfinite(r)
+
+
 def assert_close_flashmla(name: str, ans: torch.Tensor, ref: torch.Tensor, *, abs_tol: float, rel_tol: float, cos_diff_tol: float) -> None:
     """FlashMLA's test criterion: infinities and NaNs must sit at the same places; every other
     element must be within ``abs_tol`` *or* ``rel_tol``; and ``1 - cos_sim`` within ``cos_diff_tol``."""
     assert ans.shape == ref.shape, f"{name}: shape {tuple(ans.shape)} != {tuple(ref.shape)}"
     a, r = ans.double(), ref.double()
-    for special in (float("inf"), float("-inf")):
-        assert torch.equal(a == special, r == special), f"{name}: {special} at different places"
-    assert torch.equal(a.isnan(), r.isnan()), f"{name}: NaN at different places"
-    finite = torch.isfinite(r)
+    finite = same_special_values(name, a, r)
     a, r = a[finite], r[finite]
     abs_err = (a - r).abs()
     rel_err = abs_err / (r.abs() + 1e-6)
@@ -67,10 +73,7 @@ def kernel_call_accuracy(name: str, ans: torch.Tensor, ref: torch.Tensor, *, abs
     planner; the split check compares against it instead."""
     assert ans.shape == ref.shape, f"{name}: shape {tuple(ans.shape)} != {tuple(ref.shape)}"
     a, r = ans.double(), ref.double()
-    for special in (float("inf"), float("-inf")):
-        assert torch.equal(a == special, r == special), f"{name}: {special} at different places"
-    assert torch.equal(a.isnan(), r.isnan()), f"{name}: NaN at different places"
-    finite = torch.isfinite(r)
+    finite = same_special_values(name, a, r)
     a, r = a[finite], r[finite]
     err = (a - r).abs()
     outside = int((err >= flashmla_tolerance(r, abs_tol=abs_tol, rel_tol=rel_tol)).sum())
@@ -126,10 +129,7 @@ def assert_within_split_bound(
     rows' ``1 - cos_sim`` (FlashMLA's cosine criterion is checked on the whole output)."""
     assert ans.shape == ref.shape == bound.shape, f"{name}: shapes {tuple(ans.shape)}, {tuple(ref.shape)}, {tuple(bound.shape)}"
     a, r = ans.double(), ref.double()
-    for special in (float("inf"), float("-inf")):
-        assert torch.equal(a == special, r == special), f"{name}: {special} at different places"
-    assert torch.equal(a.isnan(), r.isnan()), f"{name}: NaN at different places"
-    finite = torch.isfinite(r)
+    finite = same_special_values(name, a, r)
     a, r, b = a[finite], r[finite], bound[finite].double()
     err = (a - r).abs()
     tol = flashmla_tolerance(r, abs_tol=abs_tol, rel_tol=rel_tol)

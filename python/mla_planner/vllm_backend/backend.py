@@ -196,6 +196,32 @@ def load_cost_model(path: str | None, arch: str, num_heads: int, num_sms: int, t
     return routing.load_profile(path, arch=arch, environment=environment, num_heads=num_heads, num_sms=num_sms, topk=topk)
 
 
+def translate_indices(
+    md: FlashMLASparseMetadata,
+    topk_indices: torch.Tensor,
+    rows: slice,
+    prefill: FlashMLASparseMetadata.FP8SeparatePrefillDecode.Prefill | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's Triton translation of ``rows`` of request-relative top-k positions, into a fresh
+    tensor for those rows only: cache slots; with ``prefill`` (the separate path), prefill rows
+    become rows of their chunk's workspace (the builder made the workspace starts chunk-local),
+    decode rows (request id -1) stay cache slots, and the valid counts come back too."""
+    workspace: dict[str, Any] = {} if prefill is None else dict(
+        HAS_PREFILL_WORKSPACE=True,
+        prefill_workspace_request_ids=prefill.request_ids[rows],
+        prefill_workspace_starts=prefill.workspace_starts,
+        return_valid_counts=True,
+    )
+    return triton_convert_req_index_to_global_index(
+        md.req_id_per_token[rows],
+        md.block_table,
+        topk_indices[rows],
+        BLOCK_SIZE=md.block_size,
+        NUM_TOPK_TOKENS=topk_indices.shape[1],
+        **workspace,
+    )
+
+
 def token_pieces(tokens: slice, max_len: int) -> Iterator[slice]:
     """``tokens`` cut into the fewest pieces of at most ``max_len``, balanced."""
     start, total = tokens.start, tokens.stop - tokens.start
@@ -237,17 +263,9 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
             return super()._forward_fp8_kv_mixed_batch(q, kv_c_and_k_pe_cache, topk_indices, attn_metadata)
         num_tokens = q.shape[0]
         out = q.new_empty((num_tokens, self.num_heads, self.kv_lora_rank))
-        md = attn_metadata
 
         def slots(rows: slice) -> torch.Tensor:
-            result = triton_convert_req_index_to_global_index(
-                md.req_id_per_token[rows],
-                md.block_table,
-                topk_indices[rows],
-                BLOCK_SIZE=md.block_size,
-                NUM_TOPK_TOKENS=topk_indices.shape[1],
-            )
-            return cast(torch.Tensor, result)
+            return cast(torch.Tensor, translate_indices(attn_metadata, topk_indices, rows))
 
         self.mixed_executor.run(
             step.plan(num_tokens),
@@ -274,23 +292,9 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
             return super()._forward_fp8_kv_separate_prefill_decode(q, kv_c_and_k_pe_cache, topk_indices, attn_metadata)
         prefill = fp8.prefill
         assert prefill is not None
-        md = attn_metadata
 
         def workspace_indices(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-            # Decode rows (request id -1) come out as cache slots, prefill rows as rows of
-            # their chunk's workspace: the builder made the workspace starts chunk-local.
-            result = triton_convert_req_index_to_global_index(
-                md.req_id_per_token[rows],
-                md.block_table,
-                topk_indices[rows],
-                BLOCK_SIZE=md.block_size,
-                NUM_TOPK_TOKENS=topk_indices.shape[1],
-                HAS_PREFILL_WORKSPACE=True,
-                prefill_workspace_request_ids=prefill.request_ids[rows],
-                prefill_workspace_starts=prefill.workspace_starts,
-                return_valid_counts=True,
-            )
-            return cast(tuple[torch.Tensor, torch.Tensor], result)
+            return cast(tuple[torch.Tensor, torch.Tensor], translate_indices(attn_metadata, topk_indices, rows, prefill))
 
         out = q.new_empty((num_tokens, self.num_heads, self.kv_lora_rank))
         if num_decode_tokens:
