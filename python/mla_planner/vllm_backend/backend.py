@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import torch
 from vllm import _custom_ops as ops
@@ -110,6 +110,8 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         settings = read_settings()
         self.scratch_budget_bytes = settings.scratch_bytes
+        # What the launches themselves may take: the executor holds back a little for the allocator.
+        usable_bytes = settings.scratch_bytes - ALLOCATOR_RESERVE_BYTES
         self.arch = arch = device_arch()
         self.num_sms = num_compute_units(device.index)
         self.mixed_executor = MixedBatchExecutor(
@@ -123,7 +125,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         # Fails at start-up, not mid-serving, when the budget cannot hold one token.
         self.prefill_launch_tokens, _ = mla_planner.prefill_launch_tokens(
             self.num_heads,
-            budget_bytes=self.scratch_budget_bytes - ALLOCATOR_RESERVE_BYTES,
+            budget_bytes=usable_bytes,
             arch=arch,
             topk=self.topk_tokens,
             translated_indices=True,
@@ -132,6 +134,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         # then every prefill token reaches this backend, and the routes must price them.
         self.force_mqa = bool(vllm_config.attention_config.sparse_mla_force_mqa) or self._prefill_backend is None
         self.cost_model = load_cost_model(settings.cost_profile, arch, self.num_heads, self.num_sms, self.topk_tokens)
+        self.route_budget_bytes = usable_bytes
         # Once per process, like the budget: which rule routes FP8 steps.
         logger.info_once("mla-planner: FP8 steps routed by %s",
                          "the cost profile" if self.cost_model is not None
@@ -175,7 +178,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         max_model_len = self.model_config.max_model_len
         mixed = routing.choose_mixed_batch(
             self.cost_model, query_lens, context_lens, metadata.num_decodes,
-            num_heads=self.num_heads, budget_bytes=self.scratch_budget_bytes - ALLOCATOR_RESERVE_BYTES,
+            num_heads=self.num_heads, budget_bytes=self.route_budget_bytes,
             gather_workspace_rows=get_prefill_workspace_size(max_model_len),
             indexer_workspace_rows=max_model_len * 40, arch=self.arch, num_sms=self.num_sms, topk=self.topk_tokens,
             force_mqa=self.force_mqa,
@@ -231,8 +234,6 @@ def token_pieces(tokens: slice, max_len: int) -> Iterator[slice]:
 
 
 class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
-    _logged_start: ClassVar[bool] = False
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.mixed_executor: MixedBatchExecutor | None = None
@@ -245,9 +246,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         )
         # Model construction: vLLM counts this as model memory, so the KV cache leaves room.
         device = get_current_vllm_config().device_config.device  # resolved from "auto" by now
-        reserved = reservation.reserve(settings.scratch_bytes, torch.device(device or "cuda"))
-        if reserved and not PlannedFlashMLASparseImpl._logged_start:
-            PlannedFlashMLASparseImpl._logged_start = True
+        if reservation.reserve(settings.scratch_bytes, torch.device(device or "cuda")):  # once per process
             logger.info("mla-planner: sparse MLA scratch budget %d MiB (%s), reserved from the KV cache; %d heads per rank",
                         settings.scratch_mb, settings.source, self.num_heads)
 
