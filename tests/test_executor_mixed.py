@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 import pytest
@@ -13,16 +12,11 @@ from mla_planner.executor import ALLOCATOR_RESERVE_BYTES, MixedBatchExecutor, Re
 from mla_planner.executor.layout import as_slots
 from mla_planner.executor.reference import sparse_attention
 from mla_planner.executor.synthetic import MixedCase, mixed_case
+from fixtures import gen  # noqa: F401  (a pytest fixture)
 
 SCALE = 576**-0.5
 UNBOUNDED = 1 << 50
 
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = secrets.randbits(32)
-    print(f"random seed: {seed}")  # shown by pytest when the test fails
-    return torch.Generator().manual_seed(seed)
 
 
 class RecordingProvider(ReferenceProvider):

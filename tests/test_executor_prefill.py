@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 
 import numpy as np
 import pytest
@@ -12,15 +11,10 @@ from mla_planner.executor import ReferenceProvider, SeparatePrefillExecutor
 from mla_planner.executor.layout import as_slots
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
 from mla_planner.executor.synthetic import PrefillCase, prefill_case
+from fixtures import gen  # noqa: F401  (a pytest fixture)
 
 SCALE = 576**-0.5
 
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = secrets.randbits(32)
-    print(f"random seed: {seed}")  # shown by pytest when the test fails
-    return torch.Generator().manual_seed(seed)
 
 
 def _expected(case: PrefillCase) -> torch.Tensor:

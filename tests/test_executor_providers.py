@@ -3,7 +3,6 @@ sgl-flash-mla's Python API (checked against a stand-in with the same signatures)
 
 from __future__ import annotations
 
-import secrets
 import subprocess
 import sys
 import types
@@ -23,15 +22,10 @@ from mla_planner.executor.layout import as_slots
 from mla_planner.executor.providers import ReferenceProvider, ReferenceSchedule
 from mla_planner.executor.reference import sparse_attention, sparse_decode_reference, sparse_prefill_reference
 from mla_planner.executor.synthetic import mixed_case, prefill_case
+from fixtures import gen  # noqa: F401  (a pytest fixture)
 
 SCALE = 576**-0.5
 
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = secrets.randbits(32)
-    print(f"random seed: {seed}")  # shown by pytest when the test fails
-    return torch.Generator().manual_seed(seed)
 
 
 def test_importing_the_executor_loads_no_kernels() -> None:

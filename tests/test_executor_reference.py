@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 
 import pytest
 import torch
@@ -12,15 +11,10 @@ from mla_planner.executor.lse_merge import merge_window, start_merge
 from mla_planner.executor.quant import quantize_fp8_ds_mla
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
 from mla_planner.executor.synthetic import random_kv_rows
+from fixtures import gen  # noqa: F401  (a pytest fixture)
 
 SCALE = 576**-0.5
 
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = secrets.randbits(32)
-    print(f"random seed: {seed}")  # shown by pytest when the test fails
-    return torch.Generator().manual_seed(seed)
 
 
 def test_quantiser_round_trips_within_fp8_e4m3_precision(gen: torch.Generator) -> None:

@@ -11,7 +11,6 @@ in bf16 by the executor's own merge.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from mla_planner.executor.layout import D_V, as_slots
 from mla_planner.executor.lse_merge import MergeBound, merge_error_bound, merge_window, start_merge
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
 from mla_planner.executor.synthetic import PrefillCase, prefill_case
+from fixtures import gen  # noqa: F401  (a pytest fixture)
 
 SCALE = 576**-0.5
 BF16_U = 2.0**-8
@@ -35,12 +35,6 @@ SIMULATED = {"out_abs": 0.0, "out_rel": BF16_U, "lse_abs": 2.0**-20, "lse_rel": 
 # than the 205-row workspace; its query pieces run over two and three key windows.
 QUERY_LENS, CONTEXT_LENS, WORKSPACE_ROWS, TOPK = [70, 30, 150], [50, 0, 300], 205, 200
 
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = secrets.randbits(32)
-    print(f"random seed: {seed}")  # shown by pytest when the test fails
-    return torch.Generator().manual_seed(seed)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ stands in for vLLM's GPU-only pieces)."""
 from __future__ import annotations
 
 import pathlib
-import secrets
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ from mla_planner.executor.quant import quantize_fp8_ds_mla  # noqa: E402
 from mla_planner.executor.synthetic import random_kv_rows  # noqa: E402
 from mla_planner.vllm_backend import reservation  # noqa: E402
 from mla_planner.vllm_backend.settings import DEFAULT_SCRATCH_MB, SettingsError, read_settings  # noqa: E402
+from fixtures import gen  # noqa: E402, F401  (a pytest fixture)
 from vllm_cpu import (  # noqa: E402
     NUM_SMS,
     KernelRecorder,
@@ -38,12 +38,6 @@ BACKEND = "mla_planner.vllm_backend.backend.PlannedFlashMLASparseBackend"
 TOPK = 128
 SCRATCH_MB = 64
 
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = secrets.randbits(32)
-    print(f"random seed: {seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 @pytest.fixture
