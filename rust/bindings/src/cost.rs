@@ -4,18 +4,13 @@ use std::collections::BTreeMap;
 
 use mla_planner::cost::{self, RouteTime as CoreRouteTime};
 use mla_planner::geometry::{Gpu, KvDtype};
-use mla_planner::plan::MaskConfig;
-use mla_planner::step::{self, Kernel, StepConfig, StepMode};
+use mla_planner::step::{self, Kernel, StepMode};
 use mla_planner::PlanError;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
-use super::{
-    count, count_or, heads, lengths, topk_or_default, OrValueError, StepPlan, DEFAULT_CONTEXT_CHUNK_ROWS,
-    DEFAULT_INDEXER_LOGITS_BYTES,
-};
-use mla_planner::scratch::GLOBAL_TOPK_MASK_MAX_BYTES;
+use super::{count, count_or, heads, topk_or_default, OrValueError, StepArgs, StepPlan};
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("COST_PROFILE_FORMAT", cost::PROFILE_FORMAT)?;
@@ -178,19 +173,6 @@ impl CostModel {
 }
 
 /// A step and its configuration as `plan_step` takes them (FP8 KV).
-struct StepArgs {
-    query_lens: Vec<u64>,
-    context_lens: Vec<u64>,
-    num_decodes: usize,
-    cfg: StepConfig,
-}
-
-impl StepArgs {
-    fn step(&self) -> step::Step<'_> {
-        step::Step { query_lens: &self.query_lens, context_lens: &self.context_lens, num_decodes: self.num_decodes }
-    }
-}
-
 #[pymethods]
 impl CostModel {
     /// Parse and validate a profile; any fault is a ValueError naming it.
@@ -366,30 +348,11 @@ impl CostModel {
         context_chunk_rows: Option<&Bound<'_, PyAny>>,
         force_mqa: bool,
     ) -> PyResult<StepArgs> {
-        let topk = topk_or_default(topk)?;
-        let cfg = StepConfig {
-            gpu: self.gpu(arch, num_sms)?,
-            num_heads: heads(num_heads)?,
-            topk,
-            kv_dtype: KvDtype::Fp8,
-            scratch_budget_bytes: count(budget_bytes, "budget_bytes")?,
-            gather_workspace_rows: count(gather_workspace_rows, "gather_workspace_rows")?,
-            indexer_workspace_rows: count(indexer_workspace_rows, "indexer_workspace_rows")?,
-            indexer_logits_bytes: count_or(indexer_logits_bytes, "indexer_logits_bytes", DEFAULT_INDEXER_LOGITS_BYTES)?,
-            mask: MaskConfig {
-                topk,
-                workspace_bytes: count_or(mask_workspace_bytes, "mask_workspace_bytes", GLOBAL_TOPK_MASK_MAX_BYTES)?,
-                context_chunk_rows: count_or(context_chunk_rows, "context_chunk_rows", DEFAULT_CONTEXT_CHUNK_ROWS)?,
-                available: false, // masked MHA needs a BF16 cache; routes are FP8
-                force_mqa,
-            },
-            mixed_batch: None,
-        };
-        Ok(StepArgs {
-            query_lens: lengths(query_lens, "query_lens")?,
-            context_lens: lengths(context_lens, "context_lens")?,
-            num_decodes: usize::try_from(count(num_decodes, "num_decodes")?).unwrap_or(usize::MAX),
-            cfg,
-        })
+        // Masked MHA needs a BF16 cache; the routes are FP8.
+        StepArgs::parse(
+            query_lens, context_lens, num_decodes, self.gpu(arch, num_sms)?, num_heads, budget_bytes, KvDtype::Fp8,
+            topk, gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes, mask_workspace_bytes,
+            context_chunk_rows, false, force_mqa, None,
+        ) // fmt: skip
     }
 }

@@ -661,6 +661,67 @@ impl StepPlan {
     }
 }
 
+/// A step and its configuration from `plan_step`'s arguments; the cost model's `predict` and
+/// `choose_route` take the same ones.
+pub(crate) struct StepArgs {
+    query_lens: Vec<u64>,
+    context_lens: Vec<u64>,
+    num_decodes: usize,
+    pub(crate) cfg: StepConfig,
+}
+
+impl StepArgs {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn parse(
+        query_lens: &Bound<'_, PyAny>,
+        context_lens: &Bound<'_, PyAny>,
+        num_decodes: &Bound<'_, PyAny>,
+        gpu: Gpu,
+        num_heads: &Bound<'_, PyAny>,
+        budget_bytes: &Bound<'_, PyAny>,
+        kv_dtype: KvDtype,
+        topk: Option<&Bound<'_, PyAny>>,
+        gather_workspace_rows: &Bound<'_, PyAny>,
+        indexer_workspace_rows: &Bound<'_, PyAny>,
+        indexer_logits_bytes: Option<&Bound<'_, PyAny>>,
+        mask_workspace_bytes: Option<&Bound<'_, PyAny>>,
+        context_chunk_rows: Option<&Bound<'_, PyAny>>,
+        masked_mha_available: bool,
+        force_mqa: bool,
+        mixed_batch: Option<bool>,
+    ) -> PyResult<Self> {
+        let topk = topk_or_default(topk)?;
+        let cfg = StepConfig {
+            gpu,
+            num_heads: heads(num_heads)?,
+            topk,
+            kv_dtype,
+            scratch_budget_bytes: count(budget_bytes, "budget_bytes")?,
+            gather_workspace_rows: count(gather_workspace_rows, "gather_workspace_rows")?,
+            indexer_workspace_rows: count(indexer_workspace_rows, "indexer_workspace_rows")?,
+            indexer_logits_bytes: count_or(indexer_logits_bytes, "indexer_logits_bytes", DEFAULT_INDEXER_LOGITS_BYTES)?,
+            mask: MaskConfig {
+                topk,
+                workspace_bytes: count_or(mask_workspace_bytes, "mask_workspace_bytes", GLOBAL_TOPK_MASK_MAX_BYTES)?,
+                context_chunk_rows: count_or(context_chunk_rows, "context_chunk_rows", DEFAULT_CONTEXT_CHUNK_ROWS)?,
+                available: masked_mha_available,
+                force_mqa,
+            },
+            mixed_batch,
+        };
+        Ok(StepArgs {
+            query_lens: lengths(query_lens, "query_lens")?,
+            context_lens: lengths(context_lens, "context_lens")?,
+            num_decodes: usize::try_from(count(num_decodes, "num_decodes")?).unwrap_or(usize::MAX),
+            cfg,
+        })
+    }
+
+    pub(crate) fn step(&self) -> step::Step<'_> {
+        step::Step { query_lens: &self.query_lens, context_lens: &self.context_lens, num_decodes: self.num_decodes }
+    }
+}
+
 #[pyfunction]
 #[pyo3(signature = (
     query_lens, context_lens, num_decodes, *, num_heads, budget_bytes, kv_dtype="fp8", arch="sm90",
@@ -689,30 +750,12 @@ fn plan_step<'py>(
     mixed_batch: Option<bool>,
     force_mqa: bool,
 ) -> PyResult<StepPlan> {
-    let q = lengths(query_lens, "query_lens")?;
-    let c = lengths(context_lens, "context_lens")?;
-    let d = usize::try_from(count(num_decodes, "num_decodes")?).unwrap_or(usize::MAX);
-    let topk = topk_or_default(topk)?;
-    let cfg = StepConfig {
-        gpu: gpu(arch, num_sms)?,
-        num_heads: heads(num_heads)?,
-        topk,
-        kv_dtype: kv_dtype.parse::<KvDtype>().py()?,
-        scratch_budget_bytes: count(budget_bytes, "budget_bytes")?,
-        gather_workspace_rows: count(gather_workspace_rows, "gather_workspace_rows")?,
-        indexer_workspace_rows: count(indexer_workspace_rows, "indexer_workspace_rows")?,
-        indexer_logits_bytes: count_or(indexer_logits_bytes, "indexer_logits_bytes", DEFAULT_INDEXER_LOGITS_BYTES)?,
-        mask: MaskConfig {
-            topk,
-            workspace_bytes: count_or(mask_workspace_bytes, "mask_workspace_bytes", GLOBAL_TOPK_MASK_MAX_BYTES)?,
-            context_chunk_rows: count_or(context_chunk_rows, "context_chunk_rows", DEFAULT_CONTEXT_CHUNK_ROWS)?,
-            available: masked_mha_available,
-            force_mqa,
-        },
-        mixed_batch,
-    };
-    let step = step::Step { query_lens: &q, context_lens: &c, num_decodes: d };
-    let inner = py.detach(|| step::plan_step(step, &cfg)).py()?;
+    let args = StepArgs::parse(
+        query_lens, context_lens, num_decodes, gpu(arch, num_sms)?, num_heads, budget_bytes,
+        kv_dtype.parse::<KvDtype>().py()?, topk, gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes,
+        mask_workspace_bytes, context_chunk_rows, masked_mha_available, force_mqa, mixed_batch,
+    )?; // fmt: skip
+    let inner = py.detach(|| step::plan_step(args.step(), &args.cfg)).py()?;
     Ok(StepPlan { inner })
 }
 
