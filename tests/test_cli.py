@@ -62,7 +62,7 @@ def test_plan_default_step() -> None:
     assert "planned (mla-planner): 11 launches" in out
     assert "peak   956.4 MiB (1,002,850,560 B)" in out
     assert "bound  budget" in out
-    # Stock: one call of 32,768 tokens, BRIEF §2.1's 12.27 GiB.
+    # Stock: one call of 32,768 tokens, 12.27 GiB (docs/kernels.md, "Sparse decode").
     assert "peak   12.27 GiB (13,178,503,168 B)" in out
 
 
@@ -260,7 +260,7 @@ def test_simulate_default_workload_outputs_agree(tmp_path: Path) -> None:
 
 
 def test_simulate_golden_tiny_trace(tmp_path: Path) -> None:
-    """Stock and planned peaks computed by hand from BRIEF §2.1 (16 heads per
+    """Stock and planned peaks computed by hand from docs/kernels.md, "Sparse decode" (16 heads per
     rank padded to h = 64, sm90, 132 SMs, topk 2048, d_v 512, d_qk 576)."""
     trace = write_trace(
         tmp_path / "tiny.jsonl",
@@ -291,7 +291,7 @@ def test_simulate_golden_tiny_trace(tmp_path: Path) -> None:
     stock_peaks = [decode(4, True), decode(32768, True), decode(60002, True), decode(3, True)]
     p32k, p60k = planned(32768), planned(60002)
     planned_peaks = [decode(4, False), p32k[0], p60k[0], decode(3, False)]
-    assert stock_peaks[1] == 13_178_503_168  # 12.27 GiB, BRIEF §2.1
+    assert stock_peaks[1] == 13_178_503_168  # 12.27 GiB, docs/kernels.md "Sparse decode"
     assert p32k == (1_002_850_560, 11)
 
     cli("simulate", str(trace), "--out", str(tmp_path / "out"), "--headroom-gib", "4")

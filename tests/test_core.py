@@ -1,4 +1,4 @@
-"""The bindings against the BRIEF's numbers and vLLM 0.26.0's own functions."""
+"""The bindings against the numbers of docs/kernels.md and vLLM 0.26.0's own functions."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ MIB = 1 << 20
 
 
 def test_decode_scratch_matches_h200_allocator() -> None:
-    # BRIEF §2.1: o_accum + lse_accum read off the allocator on an H200.
+    # docs/kernels.md, "Sparse decode": o_accum + lse_accum read off the allocator on an H200.
     for batch, s_q, gib in [(1, 1, 0.016), (1, 1024, 0.25), (1, 4096, 1.002), (1, 16384, 4.008), (1, 32768, 8.016), (8, 4096, 4.509)]:
         b = mp.decode_scratch(batch, s_q, 64).buffers
         assert abs((b["o_accum"] + b["lse_accum"]) / GIB - gib) < 0.0005 + 1e-3 * gib

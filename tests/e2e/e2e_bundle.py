@@ -42,7 +42,7 @@ REQUIRED_IN_SITE = (
     f"{DIST_INFO}/METADATA",  # vLLM's platform detection reads its own distribution metadata
 )
 
-# What the GPU image lacks (BRIEF §8): cp312 wheels, installed with --no-deps.
+# What the GPU image lacks (docs/e2e.md, "Staging"): cp312 wheels, installed with --no-deps.
 DEPENDENCIES = (
     "annotated-types==0.8.0", "apache-tvm-ffi==0.1.10", "astor==0.8.1", "blake3==1.0.11",
     "cachetools==8.0.2", "cbor2==6.3.0", "compressed-tensors==0.17.0", "depyf==0.20.0", "dill==0.4.1",

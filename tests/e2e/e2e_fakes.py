@@ -5,7 +5,7 @@ They copy the shape of what run_cases touches in vLLM 0.26.0 (``LLM.enqueue``, `
 the cache config and the engine core's KV cache config) and nothing of its behaviour beyond a toy
 scheduler: prompts are prefilled under the token budget in order, then decode one token a step.
 The stock stand-in at gpu_memory_utilization >= 0.95 raises a CUDA-OOM-like error on any step that
-prefills more than 16,384 tokens (BRIEF §8: stock dies on 32K steps at 0.95), leaving its requests
+prefills more than 16,384 tokens (stock dies on 32K steps at 0.95: docs/kernels.md), leaving its requests
 in the engine as vLLM does. No number they produce means anything.
 """
 

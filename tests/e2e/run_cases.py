@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 MODEL_DIR = Path(__file__).resolve().parent / "tiny-deepseek-v32"
 BACKENDS = {"stock": "FLASHMLA_SPARSE", "planned": "CUSTOM"}
-ENV_DEFAULTS = {  # BRIEF §8: what the H200 run needed
+ENV_DEFAULTS = {  # what vLLM 0.26.0 needed on the H200 (docs/e2e.md)
     "HF_HUB_OFFLINE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in this process: torch.cuda peak stats see it
     "VLLM_USE_FLASHINFER_SAMPLER": "0",

@@ -16,7 +16,7 @@ from gpu_helpers import MiB, peak_delta_bytes, prediction_tolerance
 pytestmark = pytest.mark.gpu
 
 TOPK = 2048
-CACHE_SLOTS = 65536  # as in BRIEF §4
+CACHE_SLOTS = 65536  # as in docs/kernels.md, "Measured: kernels"
 UNBOUNDED = 1 << 50
 GiB = 1 << 30
 

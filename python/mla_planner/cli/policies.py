@@ -99,7 +99,7 @@ class Scratches:
         return prefill_scratch(s_q, c.num_heads, arch=c.arch, topk=c.topk, out_preallocated=out_preallocated)
 
     def failure(self, launch: Launch) -> str | None:
-        """The hard limit a launch crosses, if any (BRIEF §3: b = 1 strides)."""
+        """The hard limit a launch crosses, if any (docs/kernels.md, "Hard limits": b = 1 strides)."""
         limit, name = self.decode_limit if launch.kernel == "sparse_decode" else self.prefill_limit
         if launch.batch == 1 and launch.s_q > limit:
             return name

@@ -1,6 +1,6 @@
 """Shapes the FlashMLA sparse kernels fix: MLA head sizes and the ``fp8_ds_mla`` token layout.
 
-One ``fp8_ds_mla`` token is 656 bytes (BRIEF §2.5)::
+One ``fp8_ds_mla`` token is 656 bytes (docs/kernels.md, "FP8 KV layout")::
 
     [0, 512)    512 x float8_e4m3   NoPE part, quantised in 4 tiles of 128 values
     [512, 528)    4 x float32       one dequantisation scale per tile (a power of two)

@@ -66,7 +66,7 @@ class KernelProvider(Protocol):
 
 
 class FlashMLAProvider:
-    """``sgl-flash-mla``. Installs with ``--no-deps`` next to torch 2.11 (BRIEF §6)."""
+    """``sgl-flash-mla``. Installs with ``--no-deps`` next to torch 2.11 (docs/executor.md, "Tests")."""
 
     name = "flash_mla"
     decode_takes_out = False

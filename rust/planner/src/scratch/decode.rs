@@ -85,7 +85,7 @@ mod tests {
         (bd.get("o_accum") + bd.get("lse_accum")) as f64 / GIB
     }
 
-    /// BRIEF §2.1: o_accum + lse_accum measured on the H200 by the allocator.
+    /// docs/kernels.md, "Sparse decode": o_accum + lse_accum measured on the H200 by the allocator.
     #[test]
     fn reproduces_h200_measurements() {
         for (batch, s_q, gib) in [

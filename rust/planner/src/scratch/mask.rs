@@ -52,7 +52,7 @@ pub fn topk_mask_bytes(
 mod tests {
     use super::*;
 
-    /// BRIEF §2.3's cases.
+    /// The examples of docs/kernels.md, "Masked-MHA top-k mask".
     #[test]
     fn brief_cases() {
         assert_eq!(topk_mask_bytes(1, 32768, 32768, false).unwrap(), GLOBAL_TOPK_MASK_MAX_BYTES);

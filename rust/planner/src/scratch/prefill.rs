@@ -52,7 +52,7 @@ mod tests {
 
     #[test]
     fn separate_path_transient_per_token() {
-        // BRIEF §4b: zero-padded q + kernel out ~ 136 KiB per token at 64 padded heads.
+        // docs/kernels.md, "Sparse prefill": padded q + kernel out = 136 KiB/token at 64 heads.
         let shape = PrefillShape { s_q: 1, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false };
         let bd = prefill_scratch(Arch::Sm90, shape).unwrap();
         assert_eq!(bd.get("q_padded") + bd.get("out"), 136 * 1024);
@@ -61,7 +61,7 @@ mod tests {
 
     #[test]
     fn outputs_only_with_out_given() {
-        // BRIEF §4: 32768 tokens, out= given: 16 MiB (64 heads) / 32 MiB (128 heads).
+        // docs/kernels.md, "Sparse prefill": 32768 tokens, out= given: 16 MiB (64 heads) / 32 (128).
         for (heads, mib) in [(64, 16), (128, 32)] {
             let shape = PrefillShape { s_q: 32768, num_heads: heads, topk: 2048, out_preallocated: true, translated_indices: false };
             let bd = prefill_scratch(Arch::Sm90, shape).unwrap();
