@@ -59,8 +59,8 @@ def test_plan_default_step() -> None:
     assert "1 request, 32,768 query tokens" in out
     assert "16 query heads per rank (deepseek-v3.2 at TP 8)" in out
     assert "mixed batch" in out
-    assert "planned (mla-planner): 11 launches" in out
-    assert "peak   956.4 MiB (1,002,850,560 B)" in out
+    assert "planned (mla-planner): 14 launches" in out
+    assert "peak   981.5 MiB (1,029,202,944 B)" in out
     assert "bound  budget" in out
     # Stock: one call of 32,768 tokens, 12.27 GiB (docs/kernels.md, "Sparse decode").
     assert "peak   12.27 GiB (13,178,503,168 B)" in out
@@ -136,19 +136,20 @@ def test_plan_json_schema_and_consistency(args: list[str]) -> None:
     assert plan["planned"]["bound"] in ("none", "budget", "int32_stride", "grid")
     step, cfg = plan["step"], plan["config"]
     # The JSON is the planner's own plan: same launches and bytes as the API.
-    api = mla_planner.plan_step(
-        step["query_lens"], step["context_lens"], step["num_decodes"],
-        num_heads=cfg["num_heads"], budget_bytes=cfg["budget_bytes"], kv_dtype=cfg["kv_dtype"], arch=cfg["arch"],
+    config = mla_planner.StepConfig(
+        cfg["num_heads"], scratch_budget_bytes=cfg["budget_bytes"], kv_dtype=cfg["kv_dtype"], arch=cfg["arch"],
         num_sms=cfg["num_sms"], topk=cfg["topk"], gather_workspace_rows=cfg["gather_workspace_rows"],
-        indexer_workspace_rows=cfg["indexer_workspace_rows"], masked_mha_available=cfg["masked_mha"],
+        indexer_workspace_rows=cfg["indexer_workspace_rows"], masked_mha=cfg["masked_mha"], execution="vllm",
     )  # fmt: skip
+    api = mla_planner.plan_step(step["query_lens"], step["context_lens"], step["num_decodes"], config)
     launches = plan["planned"]["launches"]
-    assert [x["tokens"] + x["requests"] for x in launches] == api.launches.tolist()
+    assert [x["tokens"] + x["requests"] for x in launches] == api.launches[:, :4].tolist()
     assert [x["bytes"] for x in launches] == api.launch_bytes.tolist()
     assert plan["planned"]["peak_bytes"] == api.peak_bytes == max((x["bytes"] for x in launches), default=0)
-    for policy in ("planned", "stock"):
-        for x in plan[policy]["launches"]:
-            assert sum(x["buffers"].values()) == x["bytes"], (policy, x)
+    for x in plan["stock"]["launches"]:
+        assert sum(x["buffers"].values()) == x["bytes"], x
+    for x in plan["planned"]["launches"]:  # plus the buffers the step's launches share
+        assert sum(x["buffers"].values()) <= x["bytes"], x
     if plan["mode"] != "bf16":
         assert plan["planned"]["peak_bytes"] <= cfg["budget_bytes"]
 
@@ -281,25 +282,31 @@ def test_simulate_golden_tiny_trace(tmp_path: Path) -> None:
         lse = s_q * h * 4
         return o_accum + lse_accum + q_padded + lse + (s_q * h * dv * 2 if out else 0)
 
+    slots = 2048 * 4  # each launch translates its own tokens' top-k indices (int32)
+
     def planned(tokens: int) -> tuple[int, int]:
-        # P = 1 from 67 tokens on, so bytes grow linearly: the fewest
-        # launches under 1 GiB, balanced; peak = the longest launch.
-        per_token = decode(1000, False) // 1000
-        launches = math.ceil(tokens / (GIB // per_token))
-        return math.ceil(tokens / launches) * per_token, launches
+        # P = 1 from 67 tokens on, so bytes grow linearly. The backend's launches: the longest
+        # whole number of 132-token waves under the 1 GiB budget less the allocator's 64 KiB,
+        # then the rest (one launch more than the fewest at most).
+        per_token = decode(1000, True) // 1000 + slots
+        longest = (GIB - (64 << 10)) // per_token
+        wave = longest - longest % sms
+        fewest, aligned = math.ceil(tokens / longest), math.ceil(tokens / wave)
+        assert aligned <= fewest + 1
+        return wave * per_token, aligned
 
     stock_peaks = [decode(4, True), decode(32768, True), decode(60002, True), decode(3, True)]
     p32k, p60k = planned(32768), planned(60002)
-    planned_peaks = [decode(4, False), p32k[0], p60k[0], decode(3, False)]
+    planned_peaks = [decode(4, True) + 4 * slots, p32k[0], p60k[0], decode(3, True) + 3 * slots]
     assert stock_peaks[1] == 13_178_503_168  # 12.27 GiB, docs/kernels.md "Sparse decode"
-    assert p32k == (1_002_850_560, 11)
+    assert p32k[1] == 14
 
     cli("simulate", str(trace), "--out", str(tmp_path / "out"), "--headroom-gib", "4")
     rows = list(csv.DictReader((tmp_path / "out" / "simulate_steps.csv").open()))
     assert [int(r["stock_bytes"]) for r in rows] == stock_peaks
     assert [int(r["planned_bytes"]) for r in rows] == planned_peaks
     assert [r["stock_failure"] for r in rows] == ["", "", "int32_stride", ""]  # 60,002 > 58,254 tokens
-    assert [int(r["planned_launches"]) for r in rows] == [1, 11, p60k[1], 1]
+    assert [int(r["planned_launches"]) for r in rows] == [1, p32k[1], p60k[1], 1]
     assert [int(r["stock_launches"]) for r in rows] == [1, 1, 1, 1]
     s = json.loads((tmp_path / "out" / "simulate_summary.json").read_text())
     assert s["stock"]["peak_bytes"]["max"] == stock_peaks[2]
@@ -353,7 +360,7 @@ def test_simulate_other_bad_input_writes_nothing(tmp_path: Path) -> None:
     assert "cannot read trace" in bad_input("simulate", str(tmp_path / "missing.jsonl"), "--out", str(out))
     trace = write_trace(tmp_path / "t.jsonl", [[(1, 3, True)], [(9000, 0, False)]])
     # A budget below one launch's minimum: the planner's message, with the step.
-    assert f"{trace}:1: a budget of 1.0 MiB is below" in bad_input("simulate", str(trace), "--budget", "1MiB", "--out", str(out))
+    assert f"{trace}:1: a budget of 960.0 KiB is below" in bad_input("simulate", str(trace), "--budget", "1MiB", "--out", str(out))
     assert "unknown preset" in bad_input("simulate", str(trace), "--preset", "nope", "--out", str(out))
     assert not out.exists()
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import mla_planner
-from mla_planner.executor import ALLOCATOR_RESERVE_BYTES, MixedBatchExecutor, ReferenceProvider
+from mla_planner import ALLOCATOR_RESERVE_BYTES
+from mla_planner.executor import MixedBatchExecutor, ReferenceProvider
 from mla_planner.executor.layout import as_slots
 from mla_planner.executor.reference import sparse_attention
 from mla_planner.executor.synthetic import MixedCase, mixed_case
@@ -39,10 +40,21 @@ class RecordingProvider(ReferenceProvider):
         return super().sparse_decode(q, kv_cache, indices, schedule, softmax_scale, out)
 
 
-def _run(case: MixedCase, provider: ReferenceProvider, budget: int) -> tuple[torch.Tensor, mla_planner.MixedBatchPlan]:
+def executor_for(provider: ReferenceProvider, heads: int, budget: int = UNBOUNDED, *, topk: int = 2048,
+                 translated: bool = False) -> MixedBatchExecutor:
+    config = mla_planner.StepConfig(heads, scratch_budget_bytes=budget, topk=topk, max_model_len=1 << 17,
+                                    decode_takes_out=provider.decode_takes_out, translated_indices=translated)
+    return MixedBatchExecutor(provider, config)
+
+
+def lengths_of(plan: mla_planner.StepPlan) -> list[int]:
+    return [end - start for start, end in plan.launches[:, :2].tolist()]
+
+
+def _run(case: MixedCase, provider: ReferenceProvider, budget: int) -> tuple[torch.Tensor, mla_planner.StepPlan]:
     t, h, _ = case.q.shape
-    executor = MixedBatchExecutor(provider, h)
-    plan = executor.plan(t, budget, topk=case.indices.shape[1])
+    executor = executor_for(provider, h, budget, topk=case.indices.shape[1])
+    plan = executor.plan(t)
     out = torch.full((t, h, 512), float("nan"))  # poison: every element must be written
     executor.run(plan, case.q, case.kv_cache, case.indices, out)
     assert bool(torch.isfinite(out).all()), "some output element was never written"
@@ -59,7 +71,7 @@ def _budget_for(length: int, heads: int, in_place: bool) -> int:
 def test_chunked_equals_whole_and_the_reference(gen: torch.Generator, heads: int, takes_out: bool) -> None:
     t = int(torch.randint(100, 200, (1,), generator=gen))
     case = mixed_case(t, heads, 128, 320, gen)
-    in_place = MixedBatchExecutor(ReferenceProvider(takes_out), heads).writes_in_place
+    in_place = executor_for(ReferenceProvider(takes_out), heads).writes_in_place
     assert in_place == (takes_out and heads in (64, 128))
 
     whole, whole_plan = _run(case, ReferenceProvider(takes_out), UNBOUNDED)
@@ -80,8 +92,8 @@ def test_one_schedule_per_distinct_length_and_one_reused_q_buffer(gen: torch.Gen
     provider = RecordingProvider(takes_out=True)
     _, plan = _run(case, provider, _budget_for(140, heads, in_place=False))
 
-    lengths = (plan.chunks[:, 1] - plan.chunks[:, 0]).tolist()
-    assert len(set(lengths)) == len(plan.distinct_lengths) == 2, lengths
+    lengths = lengths_of(plan)
+    assert len(set(lengths)) == 2, lengths
     assert provider.schedules_created == 2
     by_length: dict[int, set[int]] = {}
     for length, launch in zip(lengths, provider.launches):
@@ -95,7 +107,7 @@ def test_head_padding_is_zero_and_real_heads_are_copied(gen: torch.Generator) ->
     case = mixed_case(t, heads, 128, 256, gen)
     provider = RecordingProvider(takes_out=True)
     _, plan = _run(case, provider, _budget_for(80, heads, in_place=False))
-    for (start, end), launch in zip(plan.chunks.tolist(), provider.launches):
+    for (start, end), launch in zip(plan.launches[:, :2].tolist(), provider.launches):
         q_kernel = launch["q"]
         assert q_kernel.shape == (1, end - start, 64, 576)
         assert torch.equal(q_kernel[0, :, :heads], case.q[start:end])
@@ -104,47 +116,55 @@ def test_head_padding_is_zero_and_real_heads_are_copied(gen: torch.Generator) ->
 
 def test_plan_uses_the_executors_out_handling(gen: torch.Generator) -> None:
     for takes_out, heads in [(True, 64), (False, 64), (True, 16)]:
-        executor = MixedBatchExecutor(ReferenceProvider(takes_out), heads)
-        plan = executor.plan(4096, 1 << 30)
-        for (start, end), launch_bytes in zip(plan.chunks.tolist(), plan.launch_bytes.tolist()):
-            scratch = mla_planner.decode_scratch(1, end - start, heads, out_preallocated=executor.writes_in_place)
-            assert launch_bytes == scratch.total_bytes
+        executor = executor_for(ReferenceProvider(takes_out), heads, 1 << 30)
+        plan = executor.plan(4096)
+        held_q = mla_planner.decode_scratch(1, plan.longest_launch("sparse_decode"), heads).buffers.get("q_padded", 0)
+        for length, launch_bytes in zip(lengths_of(plan), plan.launch_bytes.tolist()):
+            scratch = mla_planner.decode_scratch(1, length, heads, out_preallocated=executor.writes_in_place)
+            assert launch_bytes == scratch.total_bytes - scratch.buffers.get("q_padded", 0) + held_q
             assert ("out" in scratch.buffers) == (not executor.writes_in_place)
         assert plan.peak_bytes <= (1 << 30) - ALLOCATOR_RESERVE_BYTES
 
 
+def test_a_provider_without_out_needs_a_config_that_says_so() -> None:
+    config = mla_planner.StepConfig(64, max_model_len=1024)
+    with pytest.raises(ValueError, match="decode_takes_out"):
+        MixedBatchExecutor(ReferenceProvider(takes_out=False), config)
+
+
 def test_rejects_inputs_that_do_not_match_the_plan(gen: torch.Generator) -> None:
     case = mixed_case(100, 16, 128, 128, gen)
-    executor = MixedBatchExecutor(ReferenceProvider(), 16)
+    executor = executor_for(ReferenceProvider(), 16, topk=128)
     out = torch.empty((100, 16, 512))
     with pytest.raises(ValueError, match="plan covers"):
-        executor.run(executor.plan(99, UNBOUNDED), case.q[:100], case.kv_cache, case.indices, out)
+        executor.run(executor.plan(99), case.q[:100], case.kv_cache, case.indices, out)
     with pytest.raises(ValueError, match="indices"):
-        executor.run(executor.plan(100, UNBOUNDED), case.q, case.kv_cache, case.indices.long(), out)
+        executor.run(executor.plan(100), case.q, case.kv_cache, case.indices.long(), out)
     with pytest.raises(ValueError, match="num_heads"):
-        MixedBatchExecutor(ReferenceProvider(), 129)
+        executor_for(ReferenceProvider(), 129)
 
 
 @pytest.mark.parametrize("heads", [16, 64, 128])
-def test_predicted_peak_counts_the_shared_q_buffer_and_fits_the_budget(heads: int) -> None:
-    executor = MixedBatchExecutor(ReferenceProvider(takes_out=False), heads)
+def test_the_shared_q_buffer_is_counted_and_fits_the_budget(heads: int) -> None:
     for num_tokens in (1, 40, 67, 130, 173, 299, 1000, 5000):
         for budget in (24 << 20, 40 << 20, 100 << 20, 1 << 30):
+            executor = executor_for(ReferenceProvider(takes_out=False), heads, budget)
             try:
-                plan = executor.plan(num_tokens, budget)
+                plan = executor.plan(num_tokens)
             except ValueError:
                 continue  # below the minimum for one token
-            predicted = executor.predicted_peak_bytes(plan)
-            assert predicted <= budget - ALLOCATOR_RESERVE_BYTES
-            lengths = plan.distinct_lengths
-            if max(lengths) - min(lengths) <= 1 and min(lengths) >= 133:
-                assert predicted == plan.peak_bytes
+            assert plan.peak_bytes <= budget - ALLOCATOR_RESERVE_BYTES
+            longest = plan.longest_launch("sparse_decode")
+            held_q = mla_planner.decode_scratch(1, longest, heads).buffers.get("q_padded", 0)
+            for length, launch_bytes in zip(lengths_of(plan), plan.launch_bytes.tolist()):
+                own = mla_planner.decode_scratch(1, length, heads)
+                assert launch_bytes == own.total_bytes - own.buffers.get("q_padded", 0) + held_q
 
 
 def test_an_empty_batch_is_a_no_op() -> None:
-    executor = MixedBatchExecutor(ReferenceProvider(), 16)
-    plan = executor.plan(0, 1 << 30)
-    assert len(plan) == 0 and executor.predicted_peak_bytes(plan) == 0
+    executor = executor_for(ReferenceProvider(), 16, 1 << 30, topk=128)
+    plan = executor.plan(0)
+    assert len(plan) == 0 and plan.peak_bytes == 0
     empty = torch.empty((0, 16, 576))
     executor.run(plan, empty, torch.empty((1, 64, 1, 656), dtype=torch.uint8), torch.empty((0, 128), dtype=torch.int32),
                  torch.empty((0, 16, 512)))
@@ -152,8 +172,8 @@ def test_an_empty_batch_is_a_no_op() -> None:
 
 def test_translating_executor_takes_a_function_and_only_a_function(gen: torch.Generator) -> None:
     case = mixed_case(40, 16, 64, 128, gen)
-    translated = MixedBatchExecutor(ReferenceProvider(), 16, translates_indices=True)
-    plan = translated.plan(40, UNBOUNDED, topk=64)
+    translated = executor_for(ReferenceProvider(), 16, topk=64, translated=True)
+    plan = translated.plan(40)
     assert "slot_indices" in mla_planner.decode_scratch(1, 40, 16, topk=64, translated_indices=True).buffers
     out = torch.full((40, 16, 512), float("nan"))
     asked: list[tuple[int, int]] = []
@@ -163,10 +183,10 @@ def test_translating_executor_takes_a_function_and_only_a_function(gen: torch.Ge
         return case.indices[rows]
 
     translated.run(plan, case.q, case.kv_cache, slots, out)
-    assert asked == [tuple(c) for c in plan.chunks.tolist()]
+    assert asked == [tuple(c) for c in plan.launches[:, :2].tolist()]
     expected = sparse_attention(case.q, as_slots(case.kv_cache), case.indices, SCALE)[0]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="function"):
         translated.run(plan, case.q, case.kv_cache, case.indices, out)
     with pytest.raises(ValueError, match="function"):
-        MixedBatchExecutor(ReferenceProvider(), 16).run(plan, case.q, case.kv_cache, slots, out)
+        executor_for(ReferenceProvider(), 16, topk=64).run(plan, case.q, case.kv_cache, slots, out)

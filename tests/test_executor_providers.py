@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+import mla_planner
+
 from mla_planner.executor import (
     FlashMLAProvider,
     MixedBatchExecutor,
@@ -87,9 +89,11 @@ def test_flash_mla_provider_calls_the_legacy_kernels_without_out(gen: torch.Gene
     provider = FlashMLAProvider()
 
     case = mixed_case(150, 64, 128, 256, gen)
-    executor = MixedBatchExecutor(provider, 64)
+    config = mla_planner.StepConfig(64, topk=128, scratch_budget_bytes=40 << 20, max_model_len=4096,
+                                    decode_takes_out=provider.decode_takes_out)
+    executor = MixedBatchExecutor(provider, config)
     assert not executor.writes_in_place, "sgl-flash-mla takes no out=: the plan must count the kernel's out"
-    plan = executor.plan(150, 40 << 20, topk=128)
+    plan = executor.plan(150)
     out = torch.full((150, 64, 512), float("nan"))
     executor.run(plan, case.q, case.kv_cache, case.indices, out)
     expected, _ = sparse_attention(case.q, as_slots(case.kv_cache), case.indices, SCALE)

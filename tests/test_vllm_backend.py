@@ -14,7 +14,6 @@ import torch
 pytest.importorskip("vllm", reason="the backend tests need vLLM 0.26.0 (pip install '.[test]')")
 
 import mla_planner  # noqa: E402
-from mla_planner.executor.mixed_batch import ALLOCATOR_RESERVE_BYTES, MixedBatchExecutor  # noqa: E402
 from mla_planner.executor.quant import quantize_fp8_ds_mla  # noqa: E402
 from mla_planner.executor.synthetic import random_kv_rows  # noqa: E402
 from mla_planner.vllm_backend import reservation  # noqa: E402
@@ -232,38 +231,43 @@ CONTEXT_LENS = [70, 200, 5, 0, 130]
 def test_builder_attaches_the_planned_mixed_batch(mixed: Backend, gen: torch.Generator) -> None:
     metadata = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)["metadata"]
     assert metadata.fp8_use_mixed_batch
-    step = metadata.mixed_batch
-    assert step is not None
-    expected = MixedBatchExecutor(RecordingProvider(), 16, num_sms=NUM_SMS, translates_indices=True, align_waves=True).plan(
-        sum(QUERY_LENS), SCRATCH_MB << 20, topk=TOPK
-    )
-    plan = step.plan(sum(QUERY_LENS))
-    assert plan.chunks.tolist() == expected.chunks.tolist()
-    assert len(plan) > 1, "the test budget must cut the step"
-    assert plan.peak_bytes <= (SCRATCH_MB << 20) - ALLOCATOR_RESERVE_BYTES
-    assert step.plan(sum(QUERY_LENS)) is plan, "one plan per step, shared by the layers"
+    step = metadata.planned
+    assert step is not None and step.mixed is not None
+    config = mixed.builder.step_config
+    assert (config.translated_indices, config.align_waves, config.scratch_budget_bytes) == (True, True, SCRATCH_MB << 20)
+    expected = mla_planner.plan_step(QUERY_LENS, CONTEXT_LENS, 3, config)
+    assert step.plan.mode == "mixed_batch"
+    assert step.plan.launches.tolist() == expected.launches.tolist()
+    assert len(step.plan) > 1, "the test budget must cut the step"
+    assert step.plan.peak_bytes <= config.launch_budget_bytes
 
 
 def test_decode_only_steps_carry_no_plan(mixed: Backend, gen: torch.Generator) -> None:
     metadata = mixed.step([1, 1, 1], [40, 9, 300], gen)["metadata"]
-    assert metadata.num_prefills == 0 and metadata.mixed_batch is None
+    assert metadata.num_prefills == 0 and metadata.planned is None
+    # Stock's one call for them is the planner's plan of such a step too.
+    plan = mla_planner.plan_step([1, 1, 1], [40, 9, 300], 3, mixed.builder.step_config)
+    assert plan.launches[:, :2].tolist() == [[0, 3]]
 
 
 def test_mixed_batch_impl_runs_the_planned_launches(mixed: Backend, gen: torch.Generator) -> None:
     case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
     md, q = case["metadata"], case["q"]
     mixed.topk_buffer[: q.shape[0]] = case["positions"]
-    plan = md.mixed_batch.plan(q.shape[0])
+    plan = md.planned.plan
     for layer in range(2):  # two layers share the step's plan and schedules
         out = mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md)
         torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
     launches = mixed.provider.launch_q
     assert len(launches) == 2 * len(plan)
-    for (start, end), launch_q in zip(plan.chunks.tolist(), launches):
+    longest = plan.longest_launch("sparse_decode")
+    for (start, end), launch_q in zip(plan.launches[:, :2].tolist(), launches):
         assert launch_q.shape == (1, end - start, 64, 576)
         assert torch.equal(launch_q[0, :, :16], q[start:end])
         assert not launch_q[0, :, 16:].any(), "padded heads must be zero"
-    assert mixed.provider.schedules_created == len(plan.distinct_lengths)
+    assert end - start <= longest
+    lengths = {end - start for start, end in plan.launches[:, :2].tolist()}
+    assert mixed.provider.schedules_created == len(lengths)
     assert mixed.kernels.decode_calls == [], "the stock single call must not run"
 
 
@@ -276,27 +280,28 @@ def test_mixed_decode_only_runs_stock(mixed: Backend, gen: torch.Generator) -> N
     assert mixed.kernels.decode_calls == [(1, 3, 64, 576)] and mixed.provider.launch_q == []
 
 
-def test_separate_impl_cuts_prefill_launches_by_the_budget(separate: Backend, gen: torch.Generator) -> None:
+def test_separate_impl_runs_the_planned_launches(separate: Backend, gen: torch.Generator) -> None:
     case = separate.step(QUERY_LENS, CONTEXT_LENS, gen)
     md, q = case["metadata"], case["q"]
     assert not md.fp8_use_mixed_batch
-    max_tokens, _ = mla_planner.prefill_launch_tokens(
-        32, budget_bytes=(SCRATCH_MB << 20) - ALLOCATOR_RESERVE_BYTES, topk=TOPK, translated_indices=True
-    )
-    assert md.prefill_launch_tokens == max_tokens
+    plan = md.planned.plan
+    assert plan.mode == "separate_prefill_decode"
+    assert plan.launches.tolist() == mla_planner.plan_step(QUERY_LENS, CONTEXT_LENS, 3, separate.builder.step_config).launches.tolist()
     separate.topk_buffer[: q.shape[0]] = case["positions"]
     out = separate.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md)
     torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
-    # One decode call for the three decodes; prefill calls of at most max_tokens per gathered chunk.
-    assert separate.kernels.decode_calls == [(3, 1, 64, 576)]
-    sizes = [shape[0] for shape in separate.kernels.prefill_calls]
-    assert max(sizes) <= max_tokens and sum(sizes) == sum(QUERY_LENS[3:])
-    chunks = md.fp8_extra_metadata.prefill.chunks
-    assert len(sizes) == sum(-(-(c.tokens_slice.stop - c.tokens_slice.start) // max_tokens) for c in chunks)
-    assert len(sizes) > len(chunks), "the test budget must cut a chunk's prefill call"
+    kernels = plan.launch_kernels
+    decode_rows = [row for row, k in zip(plan.launches.tolist(), kernels) if k == "sparse_decode"]
+    prefill_rows = [row for row, k in zip(plan.launches.tolist(), kernels) if k == "sparse_prefill"]
+    # One decode-kernel call per planned decode launch (batch x s_q x padded heads), stock's none.
+    assert [tuple(q_.shape) for q_ in separate.provider.launch_q] == [(r[3] - r[2], 1, 64, 576) for r in decode_rows]
+    assert separate.kernels.decode_calls == []
+    # One prefill-kernel call per planned prefill launch, of exactly its tokens.
+    assert [shape[0] for shape in separate.kernels.prefill_calls] == [r[1] - r[0] for r in prefill_rows]
+    assert len(prefill_rows) > len(plan.gather_chunks), "the test budget must cut a chunk's prefill"
     assert all(shape[1] == 64 for shape in separate.kernels.prefill_calls)
     # One padded q and one kernel output for the step, reused by every call; padded heads zero.
-    assert len(set(separate.kernels.prefill_out_ptrs)) == 1 and len(separate.kernels.prefill_out_ptrs) == len(sizes)
+    assert len(set(separate.kernels.prefill_out_ptrs)) == 1 and len(separate.kernels.prefill_out_ptrs) == len(prefill_rows)
     assert all(not bool(kq[:, 32:].any()) for kq in separate.kernels.prefill_q)
 
 
@@ -331,15 +336,15 @@ def test_cost_profile_puts_a_16_head_prefill_on_the_separate_route(routed: Backe
     case = routed.step(QUERY_LENS, CONTEXT_LENS, gen)
     md, q = case["metadata"], case["q"]
     # vLLM's rule would take mixed batch at 16 heads; the profile says separate is faster here.
-    assert not md.fp8_use_mixed_batch and md.mixed_batch is None
-    assert md.prefill_launch_tokens > 0
+    assert not md.fp8_use_mixed_batch and md.planned.plan.mode == "separate_prefill_decode"
     routed.topk_buffer[: q.shape[0]] = case["positions"]
     out = routed.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], routed.topk_buffer[: q.shape[0]], md)
     torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
-    assert routed.kernels.prefill_calls and routed.provider.launch_q == []
+    assert routed.kernels.prefill_calls and routed.kernels.decode_calls == []
+    assert [tuple(x.shape) for x in routed.provider.launch_q] == [(3, 1, 64, 576)], "the three decodes: one planned launch"
     # A short prefill stays on the mixed route, where the profile prices it cheaper.
     small = routed.step([1, 1, 40], [70, 200, 0], gen)["metadata"]
-    assert small.fp8_use_mixed_batch and small.mixed_batch is not None
+    assert small.fp8_use_mixed_batch and small.planned.plan.mode == "mixed_batch"
 
 
 def test_no_usable_profile_is_vllms_rule(mixed: Backend) -> None:

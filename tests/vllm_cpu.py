@@ -179,8 +179,9 @@ def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kerne
     import vllm.v1.attention.backends.mla.flashmla_sparse as stock
 
     import mla_planner.vllm_backend.backend as backend
+    import mla_planner.vllm_backend.engine_config as engine_config
 
-    for module in (stock, backend):
+    for module in (stock, engine_config):
         monkeypatch.setattr(module, "num_compute_units", lambda device_id=None: NUM_SMS)
     monkeypatch.setattr(stock, "triton_convert_req_index_to_global_index", convert_req_index_to_global_index)
     monkeypatch.setattr(backend, "triton_convert_req_index_to_global_index", convert_req_index_to_global_index)

@@ -7,6 +7,7 @@ package re-exports it and adds the command line and the vLLM backend.
 """
 
 from mla_planner._core import (
+    ALLOCATOR_RESERVE_BYTES,
     COST_PROFILE_FORMAT,
     DEFAULT_TOPK,
     GLOBAL_TOPK_MASK_MAX_BYTES,
@@ -19,6 +20,7 @@ from mla_planner._core import (
     RoutePrediction,
     RouteTime,
     Scratch,
+    StepConfig,
     StepPlan,
     __version__,
     decode_scratch,
@@ -40,6 +42,7 @@ from mla_planner._core import (
 )
 
 __all__ = [
+    "ALLOCATOR_RESERVE_BYTES",
     "COST_PROFILE_FORMAT",
     "DEFAULT_TOPK",
     "GLOBAL_TOPK_MASK_MAX_BYTES",
@@ -52,6 +55,7 @@ __all__ = [
     "RoutePrediction",
     "RouteTime",
     "Scratch",
+    "StepConfig",
     "StepPlan",
     "__version__",
     "decode_scratch",

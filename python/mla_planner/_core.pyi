@@ -1,4 +1,4 @@
-# Type stubs for the compiled module (rust/bindings/src/lib.rs). Hand-written;
+# Type stubs for the compiled module (rust/bindings/src/). Hand-written;
 # checked by mypy against the tests and the package.
 from typing import Literal
 
@@ -8,6 +8,7 @@ import numpy.typing as npt
 __version__: str
 GLOBAL_TOPK_MASK_MAX_BYTES: int
 MIN_HEADS_FOR_BF16_PREFILL: int
+ALLOCATOR_RESERVE_BYTES: int
 DEFAULT_TOPK: int
 H200_NUM_SMS: int
 
@@ -15,6 +16,93 @@ IntArray = npt.NDArray[np.int64]
 ArrayLike = npt.ArrayLike
 Bound = Literal["none", "budget", "int32_stride", "grid"]
 Route = Literal["dense_mha", "masked_mha", "sparse_mqa"]
+Mode = Literal["mixed_batch", "separate_prefill_decode", "bf16"]
+Kernel = Literal["sparse_decode", "sparse_prefill"]
+
+class StepConfig:
+    """The model, the GPU, the budgets, the workspaces and how plans are executed: everything a
+    step plan depends on besides the step (rust/bindings/src/config.rs). Frozen."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        *,
+        arch: str = "sm90",
+        num_sms: int | None = None,
+        topk: int | None = None,
+        kv_dtype: str = "fp8",
+        scratch_budget_bytes: int | None = None,
+        max_model_len: int | None = None,
+        gather_workspace_rows: int | None = None,
+        indexer_workspace_rows: int | None = None,
+        indexer_logits_bytes: int | None = None,
+        masked_mha: bool = False,
+        force_mqa: bool = False,
+        mask_workspace_bytes: int | None = None,
+        context_chunk_rows: int | None = None,
+        mode: str | None = None,
+        execution: Literal["default", "vllm"] = "default",
+        translated_indices: bool | None = None,
+        align_waves: bool | None = None,
+        decode_takes_out: bool | None = None,
+        prefill_takes_out: bool | None = None,
+    ) -> None: ...
+    def replace(self, **changes: object) -> StepConfig: ...
+    def to_dict(self) -> dict[str, object]: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def arch(self) -> Literal["sm90", "sm100"]: ...
+    @property
+    def num_sms(self) -> int: ...
+    @property
+    def topk(self) -> int: ...
+    @property
+    def kv_dtype(self) -> Literal["fp8", "bf16"]: ...
+    @property
+    def scratch_budget_bytes(self) -> int: ...
+    @property
+    def launch_budget_bytes(self) -> int:
+        """The budget less the allocator's reserve: what one launch may allocate."""
+    @property
+    def max_model_len(self) -> int | None: ...
+    @property
+    def gather_workspace_rows(self) -> int: ...
+    @property
+    def indexer_workspace_rows(self) -> int: ...
+    @property
+    def indexer_logits_bytes(self) -> int: ...
+    @property
+    def masked_mha(self) -> bool: ...
+    @property
+    def force_mqa(self) -> bool: ...
+    @property
+    def mask_workspace_bytes(self) -> int: ...
+    @property
+    def context_chunk_rows(self) -> int: ...
+    @property
+    def mode(self) -> Mode:
+        """The mode every step takes: the one fixed, or vLLM's rule."""
+    @property
+    def mode_fixed(self) -> bool: ...
+    @property
+    def translated_indices(self) -> bool: ...
+    @property
+    def align_waves(self) -> bool: ...
+    @property
+    def decode_takes_out(self) -> bool: ...
+    @property
+    def prefill_takes_out(self) -> bool: ...
+    @property
+    def decode_heads(self) -> int:
+        """Heads the sparse decode kernel runs (64 or 128)."""
+    @property
+    def prefill_heads(self) -> int:
+        """Heads the sparse prefill kernel runs."""
+    @property
+    def decode_writes_in_place(self) -> bool: ...
+    @property
+    def prefill_writes_in_place(self) -> bool: ...
 
 class Scratch:
     """The buffers one kernel call allocates (absent buffers are not listed)."""
@@ -56,9 +144,9 @@ class StepPlan:
     def num_decodes(self) -> int: ...
     @property
     def launches(self) -> IntArray:
-        """(n, 4): token_start, token_end, req_start, req_end."""
+        """(n, 5): token_start, token_end, req_start, req_end, gather chunk (-1: none)."""
     @property
-    def launch_kernels(self) -> list[Literal["sparse_decode", "sparse_prefill"]]: ...
+    def launch_kernels(self) -> list[Kernel]: ...
     @property
     def launch_bytes(self) -> IntArray: ...
     @property
@@ -77,6 +165,8 @@ class StepPlan:
     def indexer_peak_bytes(self) -> int: ...
     @property
     def gather_workspace_bytes(self) -> int: ...
+    def longest_launch(self, kernel: Kernel) -> int: ...
+    def __len__(self) -> int: ...
 
 def decode_scratch(
     batch: int,
@@ -156,29 +246,10 @@ def plan_prefill_groups(
     stock: bool = False,
     force_mqa: bool = False,
 ) -> PrefillGroups: ...
-def step_mode(
-    num_heads: int, *, kv_dtype: str = "fp8", mixed_batch: bool | None = None
-) -> Literal["mixed_batch", "separate_prefill_decode", "bf16"]: ...
-def plan_step(
-    query_lens: ArrayLike,
-    context_lens: ArrayLike,
-    num_decodes: int,
-    *,
-    num_heads: int,
-    budget_bytes: int,
-    kv_dtype: str = "fp8",
-    arch: str = "sm90",
-    num_sms: int | None = None,
-    topk: int | None = None,
-    gather_workspace_rows: int,
-    indexer_workspace_rows: int,
-    indexer_logits_bytes: int | None = None,
-    mask_workspace_bytes: int | None = None,
-    context_chunk_rows: int | None = None,
-    masked_mha_available: bool = False,
-    mixed_batch: bool | None = None,
-    force_mqa: bool = False,
-) -> StepPlan: ...
+def step_mode(num_heads: int, *, kv_dtype: str = "fp8") -> Mode:
+    """vLLM's mode for steps of ``num_heads`` heads per rank."""
+def plan_step(query_lens: ArrayLike, context_lens: ArrayLike, num_decodes: int, config: StepConfig) -> StepPlan:
+    """Plan one step under ``config``: its launches are exactly the kernel calls the executor issues."""
 
 # --- cost model (rust/bindings/src/cost.rs) --------------------------------
 
@@ -226,7 +297,7 @@ class RouteChoice:
     def prediction(self) -> RoutePrediction: ...
     @property
     def plan(self) -> StepPlan:
-        """The chosen route's plan (as ``plan_step(..., mixed_batch=self.mixed_batch)``)."""
+        """The chosen route's plan: ``plan_step(..., config.replace(mode=self.mode))``."""
 
 class CostModel:
     """Kernel times measured on one GPU (``mla-planner calibrate``); see docs/routing.md."""
@@ -246,41 +317,7 @@ class CostModel:
     @property
     def prefill_heads(self) -> list[int]: ...
     def time_us(self, kernel: ProfileTable, size: int, *, padded_heads: int | None = None) -> float: ...
-    def check(self, num_heads: int, *, arch: str = "sm90", num_sms: int | None = None, topk: int | None = None) -> None:
-        """ValueError unless the profile prices this configuration (``num_sms`` defaults to the profile's)."""
-    def predict(
-        self,
-        query_lens: ArrayLike,
-        context_lens: ArrayLike,
-        num_decodes: int,
-        *,
-        num_heads: int,
-        budget_bytes: int,
-        arch: str = "sm90",
-        num_sms: int | None = None,
-        topk: int | None = None,
-        gather_workspace_rows: int,
-        indexer_workspace_rows: int,
-        indexer_logits_bytes: int | None = None,
-        mask_workspace_bytes: int | None = None,
-        context_chunk_rows: int | None = None,
-        force_mqa: bool = False,
-    ) -> RoutePrediction: ...
-    def choose_route(
-        self,
-        query_lens: ArrayLike,
-        context_lens: ArrayLike,
-        num_decodes: int,
-        *,
-        num_heads: int,
-        budget_bytes: int,
-        arch: str = "sm90",
-        num_sms: int | None = None,
-        topk: int | None = None,
-        gather_workspace_rows: int,
-        indexer_workspace_rows: int,
-        indexer_logits_bytes: int | None = None,
-        mask_workspace_bytes: int | None = None,
-        context_chunk_rows: int | None = None,
-        force_mqa: bool = False,
-    ) -> RouteChoice: ...
+    def check(self, config: StepConfig) -> None:
+        """ValueError unless the profile prices steps of ``config``."""
+    def predict(self, query_lens: ArrayLike, context_lens: ArrayLike, num_decodes: int, config: StepConfig) -> RoutePrediction: ...
+    def choose_route(self, query_lens: ArrayLike, context_lens: ArrayLike, num_decodes: int, config: StepConfig) -> RouteChoice: ...

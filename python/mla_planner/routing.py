@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy.typing as npt
 
-from mla_planner import CostModel, step_mode
+from mla_planner import CostModel, StepConfig, StepPlan
+from mla_planner import plan_step as mla_planner_plan_step
 from mla_planner._core import COST_PROFILE_ENVIRONMENT_KEYS
 
 logger = logging.getLogger(__name__)
@@ -43,9 +44,7 @@ def load_profile(
     *,
     arch: str = "sm90",
     environment: Mapping[str, str] | None = None,
-    num_heads: int | None = None,
-    num_sms: int | None = None,
-    topk: int | None = None,
+    config: StepConfig | None = None,
 ) -> CostModel | None:
     """The cost model in ``path`` (default: the packaged profile for ``arch``), or ``None``
     with a warning when it cannot be used here, so the caller falls back to vLLM's rule:
@@ -53,8 +52,8 @@ def load_profile(
     * the file does not exist;
     * ``environment`` (this machine, :func:`current_environment`) differs from the one the
       profile was measured in, in any of GPU, driver, CUDA, torch, kernel library or gather op;
-    * ``num_heads`` is given and the profile cannot price it (another architecture, SM count,
-      top-k, or no table at its padded head count).
+    * ``config`` is given and the profile cannot price its steps (another architecture, SM
+      count, top-k, or no table at its padded head counts).
 
     ``environment=None`` skips the machine check (planning offline for the profile's GPU). A file
     that exists but is not a valid profile raises ``ValueError``: that is a mistake to fix, not a
@@ -77,9 +76,9 @@ def load_profile(
         if stale:
             _fall_back(where, "measured elsewhere: " + "; ".join(stale))
             return None
-    if num_heads is not None:
+    if config is not None:
         try:
-            model.check(num_heads, arch=arch, num_sms=num_sms, topk=topk)
+            model.check(config)
         except ValueError as e:
             _fall_back(where, str(e))
             return None
@@ -151,57 +150,33 @@ def driver_version() -> str:
     return m.group(1) if m else "unknown"
 
 
-def choose_mixed_batch(
+def load_for_engine(path: str | None, config: StepConfig) -> CostModel | None:
+    """The profile that routes an engine's FP8 steps, or ``None`` (vLLM's rule; the reason is
+    logged). No GPU visible, as in tests: the machine check is skipped."""
+    import torch
+
+    if config.kv_dtype != "fp8":
+        return None
+    environment = current_environment("vllm", "vllm") if torch.cuda.is_available() else None
+    return load_profile(path, arch=config.arch, environment=environment, config=config)
+
+
+def plan_step(
     model: CostModel | None,
     query_lens: npt.ArrayLike,
     context_lens: npt.ArrayLike,
     num_decodes: int,
-    *,
-    num_heads: int,
-    budget_bytes: int,
-    gather_workspace_rows: int,
-    indexer_workspace_rows: int,
-    arch: str = "sm90",
-    num_sms: int | None = None,
-    topk: int | None = None,
-    indexer_logits_bytes: int | None = None,
-    force_mqa: bool = False,
-) -> bool:
-    """Whether an FP8 step runs as one mixed batch (``True``) or separately (``False``).
+    config: StepConfig,
+) -> StepPlan:
+    """The plan a step runs by: with a cost model (from :func:`load_profile`, checked once at
+    start-up), the plan of the FP8 route predicted faster among those that fit the budget --
+    decodes take the decode kernel either way, the choice is how the prefill tokens run, and a
+    decode-only step, where the routes cost the same, gets vLLM's rule; without one, the plan of
+    ``config``'s own mode (vLLM's rule unless fixed).
 
-    Contract, for the vLLM backend's metadata builder, once per scheduler step:
-
-    * the step as the builder sees it: requests ordered decodes first, ``query_lens`` and
-      ``context_lens`` per request (1-D integer arrays or lists), the first ``num_decodes``
-      requests decodes; the other arguments as :func:`mla_planner.plan_step` takes them
-      (``force_mqa``: vLLM runs every prefill as sparse MQA, short ones too);
-    * ``model`` from :func:`load_profile`, checked once at start-up; ``None`` means no usable
-      profile, and the answer is vLLM's rule (``num_heads < 32``), whatever the step;
-    * with a model: the route predicted faster for this step among those the planner fits in
-      ``budget_bytes`` (decodes take the decode kernel either way; the choice is how the
-      prefill tokens run); a decode-only step, where the routes cost the same, gets vLLM's
-      rule;
-    * pure and fast: no GPU work, no allocation on the device, tens of microseconds (both
-      routes are planned in Rust without the GIL);
-    * raises ``ValueError`` (the planner's message) only for an invalid step or when neither
-      route fits the budget, where planning the step would fail anyway.
-
-    A caller that plans the step next can call ``model.choose_route(...)`` instead: same
-    decision, and ``.plan`` is the chosen route's plan.
+    Pure and fast: no GPU work, tens of microseconds (planned in Rust without the GIL). Raises
+    ``ValueError`` (the planner's message) for an invalid step or when no route fits the budget.
     """
-    if model is None:
-        return step_mode(num_heads, kv_dtype="fp8") == "mixed_batch"
-    return model.choose_route(
-        query_lens,
-        context_lens,
-        num_decodes,
-        num_heads=num_heads,
-        budget_bytes=budget_bytes,
-        arch=arch,
-        num_sms=num_sms,
-        topk=topk,
-        gather_workspace_rows=gather_workspace_rows,
-        indexer_workspace_rows=indexer_workspace_rows,
-        indexer_logits_bytes=indexer_logits_bytes,
-        force_mqa=force_mqa,
-    ).mixed_batch
+    if model is None or config.kv_dtype != "fp8" or config.mode_fixed:
+        return mla_planner_plan_step(query_lens, context_lens, num_decodes, config)
+    return model.choose_route(query_lens, context_lens, num_decodes, config).plan

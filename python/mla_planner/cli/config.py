@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any
 
-from mla_planner import H200_NUM_SMS, step_mode
+from mla_planner import H200_NUM_SMS, StepConfig, step_mode
 
 from . import presets
 from .units import GIB, format_bytes, parse_bytes
 
 DEFAULT_MAX_MODEL_LEN = 163_840  # DeepSeek-V3.2's context length
-# vLLM sizes these workspaces from max_model_len.
-GATHER_ROWS_PER_MODEL_LEN = 5
-INDEXER_ROWS_PER_MODEL_LEN = 40
 
 
 class CliError(Exception):
@@ -116,27 +112,30 @@ class PlannerConfig:
     def vllm_path(self) -> str:
         return presets.vllm_path(self.num_heads, self.kv_dtype)
 
-    @property
-    def gather_workspace_rows(self) -> int:
-        return self.max_model_len * GATHER_ROWS_PER_MODEL_LEN
-
-    @property
-    def indexer_workspace_rows(self) -> int:
-        return self.max_model_len * INDEXER_ROWS_PER_MODEL_LEN
-
-    def plan_step_kwargs(self) -> dict[str, Any]:
-        return dict(
-            num_heads=self.num_heads,
-            budget_bytes=self.budget_bytes,
-            kv_dtype=self.kv_dtype,
+    def step_config(self) -> StepConfig:
+        """The planner's configuration: the vLLM backend's way of running plans, so that `plan`
+        and `simulate` show the launches the backend issues."""
+        mode = None if self.mixed_batch is None else ("mixed_batch" if self.mixed_batch else "separate_prefill_decode")
+        return StepConfig(
+            self.num_heads,
             arch=self.arch,
             num_sms=self.num_sms,
             topk=self.topk,
-            gather_workspace_rows=self.gather_workspace_rows,
-            indexer_workspace_rows=self.indexer_workspace_rows,
-            masked_mha_available=self.masked_mha,
-            mixed_batch=self.mixed_batch,
+            kv_dtype=self.kv_dtype,
+            scratch_budget_bytes=self.budget_bytes,
+            max_model_len=self.max_model_len,
+            masked_mha=self.masked_mha,
+            mode=mode,
+            execution="vllm",
         )
+
+    @property
+    def gather_workspace_rows(self) -> int:
+        return self.step_config().gather_workspace_rows
+
+    @property
+    def indexer_workspace_rows(self) -> int:
+        return self.step_config().indexer_workspace_rows
 
     def describe(self) -> list[str]:
         return [

@@ -49,11 +49,12 @@ class Launch:
     requests: tuple[int, int]  # [start, end) requests of the step
     batch: int
     s_q: int  # query tokens per batch entry
-    scratch: Scratch
+    scratch: Scratch  # the launch's own buffers
+    planned_bytes: int | None = None  # the plan's bytes: its own and the step's shared buffers
 
     @property
     def bytes(self) -> int:
-        return self.scratch.total_bytes
+        return self.scratch.total_bytes if self.planned_bytes is None else self.planned_bytes
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def stock(step: Step, s: Scratches) -> Outcome:
 
 
 def plan(step: Step, s: Scratches) -> StepPlan:
-    return plan_step(step.query_lens, step.context_lens, step.num_decodes, **s.cfg.plan_step_kwargs())
+    return plan_step(step.query_lens, step.context_lens, step.num_decodes, s.cfg.step_config())
 
 
 def planned(step: Step, s: Scratches, *, detail: bool = False) -> Outcome:
@@ -175,20 +176,26 @@ def planned(step: Step, s: Scratches, *, detail: bool = False) -> Outcome:
 
 
 def planned_launches(step: Step, p: StepPlan, s: Scratches) -> list[Launch]:
-    """The plan's launches with the scratch model of each one."""
+    """The plan's launches, each with its own buffers' breakdown and the plan's bytes (which add
+    the buffers the step shares across launches, sized for the longest)."""
     mixed = p.mode == "mixed_batch"
+    c = s.cfg.step_config()
     launches = []
-    for (t0, t1, r0, r1), kernel in zip(p.launches.tolist(), p.launch_kernels):
+    rows = zip(p.launches.tolist(), p.launch_kernels, p.launch_bytes.tolist())
+    for (t0, t1, r0, r1, _chunk), kernel, planned_bytes in rows:
         if kernel == "sparse_decode":
             batch = 1 if mixed else r1 - r0
             s_q = t1 - t0 if mixed else max(step.query_lens[: step.num_decodes])
-            scratch = s.decode(batch, s_q, True)
+            scratch = decode_scratch(batch, s_q, c.num_heads, arch=c.arch, num_sms=c.num_sms, topk=c.topk,
+                                     out_preallocated=c.decode_writes_in_place, translated_indices=c.translated_indices)
         else:
             batch, s_q = 1, t1 - t0
-            scratch = s.prefill(s_q, p.mode != "bf16")
-        launches.append(Launch(kernel, (t0, t1), (r0, r1), batch, s_q, scratch))
+            in_place = c.prefill_writes_in_place and p.mode != "bf16"
+            scratch = prefill_scratch(s_q, c.num_heads, arch=c.arch, topk=c.topk, out_preallocated=in_place,
+                                      translated_indices=c.translated_indices and p.mode != "bf16")
+        bytes_ = planned_bytes if p.mode != "bf16" else None
+        launches.append(Launch(kernel, (t0, t1), (r0, r1), batch, s_q, scratch, bytes_))
     return launches
-
 
 
 class CachedPolicies:

@@ -39,12 +39,7 @@ def choose(profile: Path, step: Step, cfg: PlannerConfig) -> Routes:
     if model is None:
         return Routes(profile, None, None)
     try:
-        choice = model.choose_route(
-            step.query_lens, step.context_lens, step.num_decodes,
-            num_heads=cfg.num_heads, budget_bytes=cfg.budget_bytes, arch=cfg.arch, num_sms=cfg.num_sms,
-            topk=cfg.topk, gather_workspace_rows=cfg.gather_workspace_rows,
-            indexer_workspace_rows=cfg.indexer_workspace_rows,
-        )  # fmt: skip
+        choice = model.choose_route(step.query_lens, step.context_lens, step.num_decodes, cfg.step_config())
     except ValueError as e:  # another GPU or model than the profile's, or neither route fits
         raise CliError(f"{profile}: {e}") from None
     return Routes(profile, model.environment, choice)

@@ -4,7 +4,8 @@ Importing this package needs torch, never CUDA or FlashMLA: kernels load when a 
 built (:func:`get_provider`).
 """
 
-from mla_planner.executor.mixed_batch import ALLOCATOR_RESERVE_BYTES, MixedBatchExecutor
+from mla_planner._core import ALLOCATOR_RESERVE_BYTES
+from mla_planner.executor.mixed_batch import MixedBatchExecutor
 from mla_planner.executor.prefill import SeparatePrefillExecutor
 from mla_planner.executor.providers import (
     PROVIDER_NAMES,

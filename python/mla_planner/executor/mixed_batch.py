@@ -1,25 +1,22 @@
-"""Execute a mixed-batch FP8 plan: every token of a step through the FlashMLA sparse decode
-kernel as ``b = 1, s_q = launch length``, one launch per planned chunk.
+"""Execute a mixed-batch FP8 step plan: every sparse token of a step through the FlashMLA sparse
+decode kernel as ``b = 1, s_q = launch length``, one kernel call per planned launch.
 
-Memory, launch by launch, is what ``decode_scratch(1, length, num_heads, out_preallocated=...)``
-predicts:
+The plan is :func:`mla_planner.plan_step`'s under the executor's :class:`~mla_planner.StepConfig`;
+memory, launch by launch, is what the plan's ``launch_bytes`` says:
 
-* ``q_padded`` -- when heads need padding (16 -> 64), one zeroed buffer sized for the *longest*
-  launch, allocated once per run and reused: each launch writes its real heads into a prefix
-  view, the padded heads stay zero.
+* ``q_padded`` -- when heads need padding (16 -> 64), one zeroed buffer sized for the plan's
+  longest launch, allocated once per run and reused: each launch writes its real heads into a
+  prefix view, the padded heads stay zero.
 * ``o_accum``, ``lse_accum``, ``lse`` -- the kernel's, freed when the launch returns.
-* ``out`` -- absent when the kernel writes straight into the caller's output (provider takes
-  ``out=`` and no head padding); otherwise the kernel allocates it and its real heads are copied.
+* ``out`` -- absent when the kernel writes straight into the caller's output (it takes ``out=``
+  and sees no head padding); otherwise the kernel allocates it and its real heads are copied.
+* ``slot_indices`` -- only when the configuration translates indices per launch: the caller
+  passes a function that turns a launch's rows of request-relative top-k positions into cache
+  slots in a fresh tensor (vLLM's Triton conversion), so they exist for one launch at a time.
 
-* ``slot_indices`` -- only with ``translates_indices``: the caller passes a function that turns
-  a launch's rows of request-relative top-k positions into cache slots in a fresh tensor (vLLM's
-  Triton conversion), so the translated indices exist for one launch at a time.
-
-Plus one FlashMLA schedule per distinct launch length (a plan has at most two): a schedule may
-only be reused by calls of the same shape; pass ``schedules`` to share them across calls with
-the same plan (vLLM's layers of one step). :meth:`MixedBatchExecutor.predicted_peak_bytes` adds
-it up from the planner's per-buffer bytes; :meth:`MixedBatchExecutor.plan` keeps it within the
-budget.
+Plus one FlashMLA schedule per distinct launch length: a schedule may only be reused by calls of
+the same shape; pass ``schedules`` to share them across calls with the same plan (vLLM's layers of
+one step).
 """
 
 from __future__ import annotations
@@ -27,92 +24,53 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 import mla_planner
-from mla_planner.executor.layout import D_QK, D_V, FP8_BYTES_PER_TOKEN, padded_heads
+from mla_planner.executor.layout import D_QK, D_V, FP8_BYTES_PER_TOKEN
 from mla_planner.executor.providers import KernelProvider
 
 IndexSource = torch.Tensor | Callable[[slice], torch.Tensor]
 """Top-k cache slots ``(T, topk)`` int32, or a function giving a launch's rows of them."""
 
-ALLOCATOR_RESERVE_BYTES = 64 << 10
-"""Held back from every budget for what the byte model leaves out: the caching allocator rounds
-each block up to 512 B, and each schedule holds two small int32 tensors (< 5 KiB at 132 SMs)."""
+
+def decode_launches(plan: mla_planner.StepPlan) -> npt.NDArray[np.int64]:
+    """``(n, 2)`` token ranges of a mixed-batch plan's launches, in order."""
+    if plan.mode != "mixed_batch":
+        raise ValueError(f"a mixed-batch executor runs mixed_batch plans, got a {plan.mode} plan")
+    return plan.launches[:, :2]
 
 
 class MixedBatchExecutor:
-    def __init__(
-        self,
-        provider: KernelProvider,
-        num_heads: int,
-        *,
-        softmax_scale: float = D_QK**-0.5,
-        arch: str = "sm90",
-        num_sms: int | None = None,
-        translates_indices: bool = False,
-        align_waves: bool = False,
-    ) -> None:
+    def __init__(self, provider: KernelProvider, config: mla_planner.StepConfig, *, softmax_scale: float = D_QK**-0.5) -> None:
+        if config.decode_takes_out and not provider.decode_takes_out:
+            raise ValueError("the configuration says the decode kernel takes out=, this provider's does not: "
+                             "build the StepConfig with decode_takes_out=provider.decode_takes_out")
         self.provider = provider
-        self.num_heads = num_heads
-        self.kernel_heads = padded_heads(num_heads)
+        self.config = config.replace(mode="mixed_batch") if config.kv_dtype == "fp8" else config
+        self.num_heads = config.num_heads
+        self.kernel_heads = config.decode_heads
         self.softmax_scale = softmax_scale
-        self.arch = arch
-        self.num_sms = num_sms
-        self.translates_indices = translates_indices
-        self.align_waves = align_waves
 
     @property
     def writes_in_place(self) -> bool:
-        """The kernel writes the caller's output directly: it takes ``out=`` and sees the
-        caller's own head count."""
-        return self.provider.decode_takes_out and self.num_heads == self.kernel_heads
+        """The kernel writes the caller's output directly."""
+        return self.config.decode_writes_in_place
 
-    def plan(self, num_tokens: int, budget_bytes: int, *, topk: int | None = None) -> mla_planner.MixedBatchPlan:
-        """The planner's launches for this executor: its ``out`` handling, and its budget less
-        :data:`ALLOCATOR_RESERVE_BYTES`, so that :meth:`predicted_peak_bytes` fits the budget."""
-        usable = budget_bytes - ALLOCATOR_RESERVE_BYTES
-        plan = self._plan(num_tokens, usable, topk)
-        # The shared q buffer only matters when launch lengths differ by more than one token,
-        # which happens below 133 tokens (non-monotonic scratch); there, tighten and re-plan.
-        for _ in range(8):
-            excess = self.predicted_peak_bytes(plan, topk=topk) - usable
-            if excess <= 0:
-                return plan
-            plan = self._plan(num_tokens, plan.peak_bytes - excess, topk)
-        raise ValueError(f"no plan of {num_tokens} tokens keeps the shared q buffer within {budget_bytes} bytes")
+    @property
+    def translates_indices(self) -> bool:
+        return self.config.translated_indices
 
-    def _plan(self, num_tokens: int, budget_bytes: int, topk: int | None) -> mla_planner.MixedBatchPlan:
-        return mla_planner.plan_mixed_batch(
-            num_tokens,
-            num_heads=self.num_heads,
-            budget_bytes=budget_bytes,
-            arch=self.arch,
-            num_sms=self.num_sms,
-            topk=topk,
-            out_preallocated=self.writes_in_place,
-            translated_indices=self.translates_indices,
-            align_waves=self.align_waves,
-        )
-
-    def predicted_peak_bytes(self, plan: mla_planner.MixedBatchPlan, *, topk: int | None = None) -> int:
-        """What :meth:`run` allocates at its peak, from the planner's per-buffer bytes: the
-        kernel's buffers of each launch plus the padded-q buffer of the *longest* launch, held
-        throughout. Equal to ``plan.peak_bytes`` unless the launch lengths differ by more than
-        one token below 133 tokens."""
-        if not plan.distinct_lengths:
-            return 0
-        scratch = [
-            mla_planner.decode_scratch(1, n, self.num_heads, arch=self.arch, num_sms=self.num_sms, topk=topk,
-                                       out_preallocated=self.writes_in_place, translated_indices=self.translates_indices)
-            for n in plan.distinct_lengths
-        ]
-        held_q = scratch[plan.distinct_lengths.index(max(plan.distinct_lengths))].buffers.get("q_padded", 0)
-        return held_q + max(s.total_bytes - s.buffers.get("q_padded", 0) for s in scratch)
+    def plan(self, num_tokens: int) -> mla_planner.StepPlan:
+        """The plan of ``num_tokens`` sparse tokens (one request, all through the decode kernel)."""
+        requests = [num_tokens] if num_tokens else []
+        return mla_planner.plan_step(requests, [0] * len(requests), 0, self.config.replace(force_mqa=True))
 
     def run(
         self,
-        plan: mla_planner.MixedBatchPlan,
+        plan: mla_planner.StepPlan,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         indices: IndexSource,
@@ -126,16 +84,16 @@ class MixedBatchExecutor:
         ``schedules`` (launch length -> FlashMLA schedule) is filled and reused when given."""
         if callable(indices) != self.translates_indices:
             raise ValueError("indices must be a function of a row slice exactly when the executor translates indices")
-        self._check(plan, q, kv_cache, None if callable(indices) else indices, out)
-        if len(plan) == 0:
+        launches = decode_launches(plan)
+        self._check(launches, q, kv_cache, None if callable(indices) else indices, out)
+        if len(launches) == 0:
             return
-        lengths = plan.chunks[:, 1] - plan.chunks[:, 0]
         q_padded = None
         if self.kernel_heads != self.num_heads:
-            q_padded = q.new_zeros((1, int(lengths.max()), self.kernel_heads, D_QK))
+            q_padded = q.new_zeros((1, plan.longest_launch("sparse_decode"), self.kernel_heads, D_QK))
         if schedules is None:
             schedules = {}
-        for start, end in plan.chunks.tolist():
+        for start, end in launches.tolist():
             length = end - start
             if length not in schedules:
                 schedules[length] = self.provider.new_decode_schedule()
@@ -167,7 +125,7 @@ class MixedBatchExecutor:
 
     def _check(
         self,
-        plan: mla_planner.MixedBatchPlan,
+        chunks: npt.NDArray[np.int64],
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         indices: torch.Tensor | None,
@@ -182,7 +140,6 @@ class MixedBatchExecutor:
             raise ValueError(f"indices must be contiguous ({t}, topk) int32, got {tuple(indices.shape)} {indices.dtype}")
         if kv_cache.dim() != 4 or kv_cache.shape[2:] != (1, FP8_BYTES_PER_TOKEN) or kv_cache.dtype != torch.uint8:
             raise ValueError(f"kv_cache must be (pages, page_size, 1, {FP8_BYTES_PER_TOKEN}) uint8, got {tuple(kv_cache.shape)}")
-        chunks = plan.chunks
         covered = (int(chunks[0, 0]), int(chunks[-1, 1])) if len(chunks) else (0, 0)
         if covered != (0, t):
             raise ValueError(f"the plan covers tokens [{covered[0]}, {covered[1]}), the batch has {t}")

@@ -3,14 +3,15 @@
 use std::collections::BTreeMap;
 
 use mla_planner::cost::{self, RouteTime as CoreRouteTime};
-use mla_planner::geometry::{Gpu, KvDtype};
 use mla_planner::step::{self, Kernel, StepMode};
 use mla_planner::PlanError;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
-use super::{count, count_or, heads, topk_or_default, OrValueError, StepArgs, StepPlan};
+use crate::config::StepConfig;
+use crate::convert::{count, OrValueError};
+use crate::step::{StepArgs, StepPlan};
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("COST_PROFILE_FORMAT", cost::PROFILE_FORMAT)?;
@@ -161,18 +162,9 @@ fn text_of(obj: &Bound<'_, PyAny>) -> PyResult<String> {
         return String::from_utf8(b.as_bytes().to_vec())
             .map_err(|e| PyValueError::new_err(format!("cost profile: not UTF-8 text: {e}")));
     }
-    Err(PyValueError::new_err(format!("cost profile: expected JSON text (str or bytes), got {}", super::repr(obj))))
+    Err(PyValueError::new_err(format!("cost profile: expected JSON text (str or bytes), got {}", crate::convert::repr(obj))))
 }
 
-impl CostModel {
-    fn gpu(&self, arch: &str, num_sms: Option<&Bound<'_, PyAny>>) -> PyResult<Gpu> {
-        let sms = count_or(num_sms, "num_sms", u64::from(self.inner.num_sms))?;
-        let sms = u32::try_from(sms).map_err(|_| PyValueError::new_err(format!("num_sms is far too large: {sms}")))?;
-        Gpu::new(arch.parse().py()?, sms).py()
-    }
-}
-
-/// A step and its configuration as `plan_step` takes them (FP8 KV).
 #[pymethods]
 impl CostModel {
     /// Parse and validate a profile; any fault is a ValueError naming it.
@@ -236,83 +228,42 @@ impl CostModel {
         Ok(table.micros(size))
     }
 
-    /// Raise ValueError unless this profile prices `num_heads` at `topk` on `arch`.
-    #[pyo3(signature = (num_heads, *, arch="sm90", num_sms=None, topk=None))]
-    fn check(
-        &self,
-        num_heads: &Bound<'_, PyAny>,
-        arch: &str,
-        num_sms: Option<&Bound<'_, PyAny>>,
-        topk: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        self.inner.check(self.gpu(arch, num_sms)?, heads(num_heads)?, topk_or_default(topk)?).py()
+    /// Raise ValueError unless this profile prices steps of `config`: the
+    /// same GPU, top-k, and tables at its padded head counts.
+    fn check(&self, config: &StepConfig) -> PyResult<()> {
+        let c = &config.inner;
+        self.inner.check(c.gpu, c.num_heads, c.topk).py()
     }
 
-    /// Both FP8 routes' predicted times for a step (arguments as `plan_step`).
-    #[pyo3(signature = (
-        query_lens, context_lens, num_decodes, *, num_heads, budget_bytes, arch="sm90", num_sms=None, topk=None,
-        gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes=None, mask_workspace_bytes=None,
-        context_chunk_rows=None, force_mqa=false,
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    /// Both FP8 routes' predicted times for a step, each the sum over its
+    /// planned launches (the step as `plan_step` takes it).
     fn predict(
         &self,
         py: Python<'_>,
         query_lens: &Bound<'_, PyAny>,
         context_lens: &Bound<'_, PyAny>,
         num_decodes: &Bound<'_, PyAny>,
-        num_heads: &Bound<'_, PyAny>,
-        budget_bytes: &Bound<'_, PyAny>,
-        arch: &str,
-        num_sms: Option<&Bound<'_, PyAny>>,
-        topk: Option<&Bound<'_, PyAny>>,
-        gather_workspace_rows: &Bound<'_, PyAny>,
-        indexer_workspace_rows: &Bound<'_, PyAny>,
-        indexer_logits_bytes: Option<&Bound<'_, PyAny>>,
-        mask_workspace_bytes: Option<&Bound<'_, PyAny>>,
-        context_chunk_rows: Option<&Bound<'_, PyAny>>,
-        force_mqa: bool,
+        config: &StepConfig,
     ) -> PyResult<RoutePrediction> {
-        let a = self.step_args(
-            query_lens, context_lens, num_decodes, num_heads, budget_bytes, arch, num_sms, topk,
-            gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes, mask_workspace_bytes, context_chunk_rows,
-            force_mqa,
-        )?; // fmt: skip
-        let inner = py.detach(|| self.inner.predict(a.step(), &a.cfg)).py()?;
+        let args = StepArgs::parse(query_lens, context_lens, num_decodes)?;
+        let cfg = config.inner;
+        let inner = py.detach(|| self.inner.predict(args.step(), &cfg)).py()?;
         Ok(RoutePrediction { inner })
     }
 
-    /// The faster route that fits the budget, with its plan (arguments as `plan_step`).
-    #[pyo3(signature = (
-        query_lens, context_lens, num_decodes, *, num_heads, budget_bytes, arch="sm90", num_sms=None, topk=None,
-        gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes=None, mask_workspace_bytes=None,
-        context_chunk_rows=None, force_mqa=false,
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    /// The faster FP8 route that fits the budget, and its plan: the plan to
+    /// execute (the step as `plan_step` takes it).
     fn choose_route(
         &self,
         py: Python<'_>,
         query_lens: &Bound<'_, PyAny>,
         context_lens: &Bound<'_, PyAny>,
         num_decodes: &Bound<'_, PyAny>,
-        num_heads: &Bound<'_, PyAny>,
-        budget_bytes: &Bound<'_, PyAny>,
-        arch: &str,
-        num_sms: Option<&Bound<'_, PyAny>>,
-        topk: Option<&Bound<'_, PyAny>>,
-        gather_workspace_rows: &Bound<'_, PyAny>,
-        indexer_workspace_rows: &Bound<'_, PyAny>,
-        indexer_logits_bytes: Option<&Bound<'_, PyAny>>,
-        mask_workspace_bytes: Option<&Bound<'_, PyAny>>,
-        context_chunk_rows: Option<&Bound<'_, PyAny>>,
-        force_mqa: bool,
+        config: &StepConfig,
     ) -> PyResult<RouteChoice> {
-        let a = self.step_args(
-            query_lens, context_lens, num_decodes, num_heads, budget_bytes, arch, num_sms, topk,
-            gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes, mask_workspace_bytes, context_chunk_rows,
-            force_mqa,
-        )?; // fmt: skip
-        let c = py.detach(|| self.inner.choose_route(a.step(), &a.cfg)).py()?;
+        let args = StepArgs::parse(query_lens, context_lens, num_decodes)?;
+        let cfg = config.inner;
+        let c = py.detach(|| self.inner.choose_route(args.step(), &cfg)).py()?;
         Ok(RouteChoice { mode: c.mode, prediction: c.prediction, plan: c.plan })
     }
 
@@ -326,33 +277,5 @@ impl CostModel {
             self.inner.decode_heads(),
             self.inner.prefill_heads()
         )
-    }
-}
-
-impl CostModel {
-    #[allow(clippy::too_many_arguments)]
-    fn step_args(
-        &self,
-        query_lens: &Bound<'_, PyAny>,
-        context_lens: &Bound<'_, PyAny>,
-        num_decodes: &Bound<'_, PyAny>,
-        num_heads: &Bound<'_, PyAny>,
-        budget_bytes: &Bound<'_, PyAny>,
-        arch: &str,
-        num_sms: Option<&Bound<'_, PyAny>>,
-        topk: Option<&Bound<'_, PyAny>>,
-        gather_workspace_rows: &Bound<'_, PyAny>,
-        indexer_workspace_rows: &Bound<'_, PyAny>,
-        indexer_logits_bytes: Option<&Bound<'_, PyAny>>,
-        mask_workspace_bytes: Option<&Bound<'_, PyAny>>,
-        context_chunk_rows: Option<&Bound<'_, PyAny>>,
-        force_mqa: bool,
-    ) -> PyResult<StepArgs> {
-        // Masked MHA needs a BF16 cache; the routes are FP8.
-        StepArgs::parse(
-            query_lens, context_lens, num_decodes, self.gpu(arch, num_sms)?, num_heads, budget_bytes, KvDtype::Fp8,
-            topk, gather_workspace_rows, indexer_workspace_rows, indexer_logits_bytes, mask_workspace_bytes,
-            context_chunk_rows, false, force_mqa, None,
-        ) // fmt: skip
     }
 }

@@ -3,7 +3,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use mla_planner::geometry::{Gpu, KvDtype};
-use mla_planner::plan::{plan_mixed_batch, split_prefill_chunks, MaskConfig, MixedBatchConfig};
+use mla_planner::plan::{plan_mixed_batch, split_prefill_chunks, MixedBatchConfig};
 use mla_planner::step::{plan_step, Step, StepConfig};
 use std::hint::black_box;
 
@@ -32,18 +32,7 @@ fn bench(c: &mut Criterion) {
     for n in [256usize, 4096] {
         let q = lengths(n, 64, 11);
         let ctx = lengths(n, 30_000, 13);
-        let cfg = StepConfig {
-            gpu: Gpu::h200(),
-            num_heads: 16,
-            topk: 2048,
-            kv_dtype: KvDtype::Fp8,
-            scratch_budget_bytes: 1 << 30,
-            gather_workspace_rows: 163_840 * 5,
-            indexer_workspace_rows: 163_840 * 40,
-            indexer_logits_bytes: 512 << 20,
-            mask: MaskConfig::vllm_default(2048, false),
-            mixed_batch: None,
-        };
+        let cfg = StepConfig::vllm(Gpu::h200(), 16, 2048, KvDtype::Fp8, 1 << 30, 163_840, false, false).unwrap();
         group.bench_with_input(BenchmarkId::from_parameter(n), &(q, ctx), |b, (q, ctx)| {
             b.iter(|| plan_step(Step { query_lens: black_box(q), context_lens: ctx, num_decodes: 0 }, &cfg).unwrap())
         });

@@ -24,7 +24,7 @@ pub use table::Table;
 
 use crate::error::{PlanError, Result};
 use crate::geometry::{decode_padded_heads, prefill_padded_heads, Arch, Gpu, KvDtype};
-use crate::step::{plan_step, step_mode, Kernel, Step, StepConfig, StepMode, StepPlan};
+use crate::step::{plan_step, vllm_step_mode, Kernel, Step, StepConfig, StepMode, StepPlan};
 
 /// Kernel times measured on one GPU, for every padded head count calibrated.
 #[derive(Debug, Clone, PartialEq)]
@@ -170,7 +170,7 @@ impl CostModel {
     /// neither fits, the error is that of vLLM's route.
     pub fn choose_route(&self, step: Step<'_>, cfg: &StepConfig) -> Result<RouteChoice> {
         let (mixed, separate) = self.plan_routes(step, cfg)?;
-        let vllm = step_mode(cfg.num_heads, KvDtype::Fp8, None);
+        let vllm = vllm_step_mode(cfg.num_heads, KvDtype::Fp8)?;
         let take_mixed = match (&mixed, &separate) {
             (Ok((m, _)), Ok((s, _))) if m.total_us() == s.total_us() => vllm == StepMode::MixedBatch,
             (Ok((m, _)), Ok((s, _))) => m.total_us() < s.total_us(),
@@ -204,11 +204,11 @@ impl CostModel {
             });
         }
         let tables = self.tables(cfg.gpu, cfg.num_heads, cfg.topk)?;
-        let route = |mixed_batch: bool| -> Result<(RouteTime, StepPlan)> {
-            let plan = plan_step(step, &StepConfig { mixed_batch: Some(mixed_batch), ..*cfg })?;
+        let route = |mode: StepMode| -> Result<(RouteTime, StepPlan)> {
+            let plan = plan_step(step, &cfg.with_mode(mode))?;
             Ok((price(&tables, &plan), plan))
         };
-        let (mixed, separate) = (route(true), route(false));
+        let (mixed, separate) = (route(StepMode::MixedBatch), route(StepMode::SeparatePrefillDecode));
         // A step the planner refuses outright is refused by both routes alike.
         if let (Err(e), Err(_)) = (&mixed, &separate) {
             if !matches!(e, PlanError::BudgetTooSmall { .. } | PlanError::TooManyLaunches { .. } | PlanError::WorkspaceTooSmall { .. }) {
@@ -279,7 +279,8 @@ mod tests {
             indexer_workspace_rows: 163_840 * 40,
             indexer_logits_bytes: 512 << 20,
             mask: MaskConfig::vllm_default(2048, false),
-            mixed_batch: None,
+            mode: None,
+            execution: crate::config::Execution::default(),
         }
     }
 
@@ -329,8 +330,8 @@ mod tests {
         config.scratch_budget_bytes = GIB;
         config.gather_workspace_rows = 20_000;
         let p = m.predict(step, &config).unwrap();
-        let mixed_plan = plan_step(step, &StepConfig { mixed_batch: Some(true), ..config }).unwrap();
-        let sep_plan = plan_step(step, &StepConfig { mixed_batch: Some(false), ..config }).unwrap();
+        let mixed_plan = plan_step(step, &config.with_mode(StepMode::MixedBatch)).unwrap();
+        let sep_plan = plan_step(step, &config.with_mode(StepMode::SeparatePrefillDecode)).unwrap();
         let by_launch = |plan: &StepPlan, kernel: Kernel, f: fn(f64) -> f64| -> f64 {
             plan.launches.iter().filter(|l| l.kernel == kernel).map(|l| f((l.tokens.end - l.tokens.start) as f64)).sum()
         };
@@ -358,7 +359,7 @@ mod tests {
         let choice = model().choose_route(step, &config).unwrap();
         assert!(matches!(choice.prediction.mixed, Err(PlanError::BudgetTooSmall { .. })));
         assert_eq!(choice.mode, StepMode::SeparatePrefillDecode, "mixed would be faster, but does not fit");
-        config.scratch_budget_bytes = 1 << 10;
+        config.scratch_budget_bytes = (64 << 10) + (1 << 10);
         assert!(matches!(model().choose_route(step, &config), Err(PlanError::BudgetTooSmall { .. })));
     }
 

@@ -1,44 +1,31 @@
 //! A whole scheduler step: which kernel each request's tokens go through,
-//! the launches, and the bytes each launch allocates. Pure data, so the vLLM
-//! backend and the CLI read the same plan.
+//! the launches, and the bytes each launch allocates. The plan is exactly
+//! what the executor runs: one kernel call per launch, buffers sized from it.
 
 use std::ops::Range;
 
-use crate::error::{add, PlanError, Result};
-use crate::geometry::{Gpu, KvDtype};
+pub use crate::config::{vllm_step_mode, Execution, StepConfig, StepMode, MIN_HEADS_FOR_BF16_PREFILL};
+use crate::error::{add, check_launches, PlanError, Result};
+use crate::geometry::KvDtype;
 use crate::plan::{
     plan_gather_chunks, plan_mixed_batch, plan_prefill_groups, prefill_launch_tokens, split_indexer_prefill_chunks, Bound,
-    GatherChunk, IndexerChunk, MaskConfig, MixedBatchConfig, PrefillGroup, PrefillRequest, PrefillRoute,
+    GatherChunk, IndexerChunk, MaskConfig, MixedBatchConfig, MixedBatchPlan, PrefillGroup, PrefillRequest, PrefillRoute,
 };
-use crate::scratch::{decode_scratch, gather_workspace_bytes, prefill_scratch, DecodeShape, PrefillShape};
+use crate::scratch::{decode_scratch, gather_workspace_bytes, prefill_scratch, Breakdown, DecodeShape, PrefillShape};
 
-/// vLLM runs FP8 steps in mixed-batch mode below this many heads per rank.
-pub const MIN_HEADS_FOR_BF16_PREFILL: u32 = 32;
-
-/// How a step's sparse tokens reach the kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StepMode {
-    /// FP8 KV: every sparse token through the FP8 decode kernel as one batch.
-    MixedBatch,
-    /// FP8 KV: decodes through the decode kernel, prefills gathered to BF16
-    /// and run through the prefill kernel.
-    SeparatePrefillDecode,
-    /// BF16 KV: every sparse token through the BF16 prefill kernel.
-    Bf16,
+/// A breakdown's bytes all live at once, summed with overflow checked.
+trait Total {
+    fn total(&self) -> Result<u64>;
 }
 
-impl StepMode {
-    pub fn name(self) -> &'static str {
-        match self {
-            StepMode::MixedBatch => "mixed_batch",
-            StepMode::SeparatePrefillDecode => "separate_prefill_decode",
-            StepMode::Bf16 => "bf16",
-        }
+impl Total for Breakdown {
+    fn total(&self) -> Result<u64> {
+        self.buffers.iter().try_fold(0u64, |acc, b| add("launch bytes", acc, b.bytes))
     }
 }
 
 /// The kernel a launch calls.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
     SparseDecode,
     SparsePrefill,
@@ -53,44 +40,7 @@ impl Kernel {
     }
 }
 
-/// Everything about the model, the GPU and the budgets a step plan needs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StepConfig {
-    pub gpu: Gpu,
-    /// Query heads per rank (total heads / tensor-parallel size).
-    pub num_heads: u32,
-    pub topk: u32,
-    pub kv_dtype: KvDtype,
-    /// Bytes one attention launch may allocate.
-    pub scratch_budget_bytes: u64,
-    /// Rows of the BF16 gather workspace (vLLM: `max_model_len * 5`).
-    pub gather_workspace_rows: u64,
-    /// KV rows of the indexer workspace (vLLM: `max_model_len * 40`).
-    pub indexer_workspace_rows: u64,
-    /// Bytes of indexer logits per call (vLLM: 512 MiB).
-    pub indexer_logits_bytes: u64,
-    pub mask: MaskConfig,
-    /// Force the FP8 mode; `None` follows vLLM (mixed below 32 heads).
-    pub mixed_batch: Option<bool>,
-}
-
-/// vLLM's choice of mode, unless `mixed_batch` forces the FP8 one: BF16 KV
-/// runs the prefill kernel; FP8 KV runs mixed batch below 32 heads per rank.
-pub fn step_mode(num_heads: u32, kv_dtype: KvDtype, mixed_batch: Option<bool>) -> StepMode {
-    match kv_dtype {
-        KvDtype::Bf16 => StepMode::Bf16,
-        KvDtype::Fp8 if mixed_batch.unwrap_or(num_heads < MIN_HEADS_FOR_BF16_PREFILL) => StepMode::MixedBatch,
-        KvDtype::Fp8 => StepMode::SeparatePrefillDecode,
-    }
-}
-
-impl StepConfig {
-    pub fn mode(&self) -> StepMode {
-        step_mode(self.num_heads, self.kv_dtype, self.mixed_batch)
-    }
-}
-
-/// One attention kernel launch of a step.
+/// One attention kernel call of a step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KernelLaunch {
     pub kernel: Kernel,
@@ -98,8 +48,22 @@ pub struct KernelLaunch {
     pub tokens: Range<u64>,
     /// Requests whose tokens it computes.
     pub requests: Range<usize>,
-    /// Bytes it allocates, all buffers together.
+    /// Separate path, prefill launches: the gather chunk whose workspace the
+    /// launch reads (an index into [`StepPlan::gather_chunks`]).
+    pub gather_chunk: Option<usize>,
+    /// Bytes live while it runs: its own buffers and the step's buffers
+    /// sized for the longest launch and reused by every launch.
     pub bytes: u64,
+}
+
+impl KernelLaunch {
+    pub fn len(&self) -> u64 {
+        self.tokens.end - self.tokens.start
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
 }
 
 /// A planned step.
@@ -121,10 +85,18 @@ pub struct StepPlan {
     pub indexer_chunks: Vec<IndexerChunk>,
     /// The largest launch's bytes.
     pub peak_bytes: u64,
-    /// The largest indexer call's logits.
+    /// The largest indexer call's logits (bound by the indexer's own budget).
     pub indexer_peak_bytes: u64,
     /// The gather workspace's bytes (allocated once, reserved by vLLM).
     pub gather_workspace_bytes: u64,
+}
+
+impl StepPlan {
+    /// Tokens of the longest launch of `kernel` (0 when none): the step's
+    /// shared buffers of that kernel are sized for it.
+    pub fn longest_launch(&self, kernel: Kernel) -> u64 {
+        self.launches.iter().filter(|l| l.kernel == kernel).map(KernelLaunch::len).max().unwrap_or(0)
+    }
 }
 
 /// A step as vLLM's builder sees it: decodes first, then prefills.
@@ -152,6 +124,24 @@ impl Step<'_> {
                 got: self.num_decodes.to_string(),
             });
         }
+        // vLLM's decodes share one query length: 1, or 1 + speculative tokens.
+        let decodes = &self.query_lens[..self.num_decodes];
+        if let Some(&first) = decodes.first() {
+            if first == 0 || decodes.iter().any(|&q| q != first) || first > MAX_DECODE_QUERY_LEN {
+                return Err(PlanError::InvalidArgument {
+                    what: "decode query lengths",
+                    rule: "one length for every decode, between 1 and 64 (1 + speculative tokens); longer requests are prefills",
+                    got: format!("{:?}", &decodes[..decodes.len().min(8)]),
+                });
+            }
+        }
+        if let Some(i) = self.query_lens[self.num_decodes..].iter().position(|&q| q == 0) {
+            return Err(PlanError::InvalidArgument {
+                what: "prefill query lengths",
+                rule: "at least 1 (a request with no new tokens is not part of the step)",
+                got: format!("0 at request {}", self.num_decodes + i),
+            });
+        }
         Ok(())
     }
 
@@ -169,14 +159,37 @@ impl Step<'_> {
     }
 }
 
-/// Balanced cut of `total` items into pieces of at most `max_len`.
-fn balanced(total: u64, max_len: u64) -> impl Iterator<Item = Range<u64>> {
+/// The longest decode query vLLM schedules: 1 + speculative tokens.
+pub const MAX_DECODE_QUERY_LEN: u64 = 64;
+
+/// Balanced cut of `total` items into the fewest pieces of at most `max_len`
+/// (lengths differ by at most one).
+pub fn balanced(total: u64, max_len: u64) -> impl Iterator<Item = Range<u64>> {
     let n = if total == 0 { 0 } else { total.div_ceil(max_len.max(1)) };
-    (0..n).map(move |i| (total * i / n)..(total * (i + 1) / n))
+    // u128: `total * i` may not fit u64 for huge totals.
+    (0..n).map(move |i| {
+        let cut = |k: u64| (u128::from(total) * u128::from(k) / u128::from(n)) as u64;
+        cut(i)..cut(i + 1)
+    })
 }
 
-/// Plan one step.
+/// Appends launches, refusing a plan past the launch cap as soon as it
+/// would cross it, not after allocating it.
+struct Launches {
+    list: Vec<KernelLaunch>,
+}
+
+impl Launches {
+    fn reserve(&mut self, more: u64, what: &'static str) -> Result<()> {
+        check_launches(what, (self.list.len() as u64).saturating_add(more), "give a larger budget or a shorter step")?;
+        self.list.reserve(more as usize);
+        Ok(())
+    }
+}
+
+/// Plan one step exactly as the executor runs it.
 pub fn plan_step(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
+    cfg.validate()?;
     step.validate()?;
     let starts = step.token_starts()?;
     let d = step.num_decodes;
@@ -200,66 +213,54 @@ pub fn plan_step(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
             _ => sparse_runs.push(g.requests.clone()),
         }
     }
-    let tokens_of = |r: &Range<usize>| starts[r.start]..starts[r.end];
-    let request_of = |t: u64| starts.partition_point(|&s| s <= t) - 1;
+    let tokens = Tokens { starts: &starts };
 
     let mode = cfg.mode();
-    let mut launches = Vec::new();
+    let mut launches = Launches { list: Vec::new() };
     let mut bound = Bound::Unbounded;
     let mut gather_chunks = Vec::new();
     match mode {
         StepMode::MixedBatch => {
-            let mixed = MixedBatchConfig {
-                gpu: cfg.gpu,
-                num_heads: cfg.num_heads,
-                topk: cfg.topk,
-                budget_bytes: cfg.scratch_budget_bytes,
-                out_preallocated: true,
-                translated_indices: false,
-                align_waves: false,
-            };
             for run in &sparse_runs {
-                let tokens = tokens_of(run);
-                let plan = plan_mixed_batch(tokens.end - tokens.start, &mixed)?;
-                bound = worse(bound, plan.bound);
-                for l in plan.launches {
-                    let range = tokens.start + l.start..tokens.start + l.end;
-                    let requests = request_of(range.start)..request_of(range.end - 1) + 1;
-                    launches.push(KernelLaunch { kernel: Kernel::SparseDecode, tokens: range, requests, bytes: l.bytes });
-                }
+                bound = worse(bound, plan_mixed_run(tokens.of(run), cfg, &tokens, &mut launches)?);
             }
         }
         StepMode::SeparatePrefillDecode => {
             if d > 0 {
-                bound = worse(bound, plan_decodes(&step, cfg, &starts, &mut launches)?);
+                bound = worse(bound, plan_decodes(&step, cfg, &tokens, &mut launches)?);
             }
-            for run in sparse_runs.iter().filter(|r| r.start >= d || r.end > d) {
+            for run in sparse_runs.iter().filter(|r| r.end > d) {
                 let first = run.start.max(d);
-                let reqs: Vec<_> = prefills[first - d..run.end - d].to_vec();
-                for chunk in plan_gather_chunks(&reqs, cfg.gather_workspace_rows)? {
+                for chunk in plan_gather_chunks(&prefills[first - d..run.end - d], cfg.gather_workspace_rows)? {
                     let chunk = shift(chunk, first);
-                    let (tokens, requests) = match &chunk {
-                        GatherChunk::Requests { requests, .. } => (tokens_of(requests), requests.clone()),
+                    let (chunk_tokens, requests) = match &chunk {
+                        GatherChunk::Requests { requests, .. } => (tokens.of(requests), requests.clone()),
                         GatherChunk::Split { request, query, .. } => {
                             let t0 = starts[*request];
                             (t0 + query.start..t0 + query.end, *request..*request + 1)
                         }
                     };
-                    bound = worse(bound, plan_prefill_launches(tokens, requests, cfg, &request_of, &mut launches)?);
+                    let index = gather_chunks.len();
+                    bound = worse(bound, plan_prefill_launches(chunk_tokens, requests, index, cfg, &tokens, &mut launches)?);
                     gather_chunks.push(chunk);
                 }
             }
+            hold_prefill_buffers(cfg, &mut launches.list)?;
         }
         StepMode::Bf16 => {
             // As stock: one prefill-kernel call per run of sparse tokens.
             for run in &sparse_runs {
-                let tokens = tokens_of(run);
-                let bytes = prefill_scratch(
-                    cfg.gpu.arch,
-                    PrefillShape { s_q: tokens.end - tokens.start, num_heads: cfg.num_heads, topk: cfg.topk, out_preallocated: false, translated_indices: false },
-                )?
-                .total_bytes();
-                launches.push(KernelLaunch { kernel: Kernel::SparsePrefill, tokens, requests: run.clone(), bytes });
+                let run_tokens = tokens.of(run);
+                let shape = prefill_shape(cfg, run_tokens.end - run_tokens.start, false);
+                let bytes = prefill_scratch(cfg.gpu.arch, shape)?.total()?;
+                launches.reserve(1, "the BF16 step")?;
+                launches.list.push(KernelLaunch {
+                    kernel: Kernel::SparsePrefill,
+                    tokens: run_tokens,
+                    requests: run.clone(),
+                    gather_chunk: None,
+                    bytes,
+                });
             }
         }
     }
@@ -281,6 +282,7 @@ pub fn plan_step(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
     } else {
         0
     };
+    let launches = launches.list;
     Ok(StepPlan {
         mode,
         num_tokens: starts[n],
@@ -294,6 +296,23 @@ pub fn plan_step(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
         indexer_chunks,
         gather_workspace_bytes,
     })
+}
+
+/// Token offsets of the step's requests.
+struct Tokens<'a> {
+    starts: &'a [u64],
+}
+
+impl Tokens<'_> {
+    fn of(&self, requests: &Range<usize>) -> Range<u64> {
+        self.starts[requests.start]..self.starts[requests.end]
+    }
+
+    /// The requests whose tokens `tokens` (non-empty) covers.
+    fn requests(&self, tokens: &Range<u64>) -> Range<usize> {
+        let request_of = |t: u64| self.starts.partition_point(|&s| s <= t) - 1;
+        request_of(tokens.start)..request_of(tokens.end - 1) + 1
+    }
 }
 
 fn worse(a: Bound, b: Bound) -> Bound {
@@ -311,25 +330,93 @@ fn shift(chunk: GatherChunk, by: usize) -> GatherChunk {
     }
 }
 
+fn mixed_config(cfg: &StepConfig, budget_bytes: u64) -> MixedBatchConfig {
+    MixedBatchConfig {
+        gpu: cfg.gpu,
+        num_heads: cfg.num_heads,
+        topk: cfg.topk,
+        budget_bytes,
+        out_preallocated: cfg.decode_writes_in_place(),
+        translated_indices: cfg.execution.translated_indices,
+        align_waves: cfg.execution.align_waves,
+    }
+}
+
+/// Bytes of a mixed-batch plan as the executor runs it: each launch's kernel
+/// buffers, plus the zero-padded q, allocated once for the longest launch and
+/// reused by every launch.
+fn held_mixed_bytes(plan: &MixedBatchPlan, mixed: &MixedBatchConfig) -> Result<Vec<u64>> {
+    let longest = plan.launches.iter().map(|l| l.len()).max().unwrap_or(0);
+    let held_q = mixed.launch_scratch(longest)?.get("q_padded");
+    plan.launches
+        .iter()
+        .map(|l| {
+            let own = mixed.launch_scratch(l.len())?;
+            add("mixed-batch launch bytes", own.total()? - own.get("q_padded"), held_q)
+        })
+        .collect()
+}
+
+/// One run of tokens through the decode kernel as `b = 1, s_q = launch`.
+/// Below 133 tokens scratch is not monotonic in length, so launch lengths
+/// may differ by more than one and the held q of the longest launch can push
+/// a shorter launch over the budget: then plan again, tighter.
+fn plan_mixed_run(run: Range<u64>, cfg: &StepConfig, tokens: &Tokens<'_>, out: &mut Launches) -> Result<Bound> {
+    let budget = cfg.launch_budget_bytes();
+    let mut mixed = mixed_config(cfg, budget);
+    for _ in 0..8 {
+        let plan = plan_mixed_batch(run.end - run.start, &mixed)?;
+        let bytes = held_mixed_bytes(&plan, &mixed)?;
+        let peak = bytes.iter().copied().max().unwrap_or(0);
+        if peak <= budget {
+            out.reserve(plan.launches.len() as u64, "the mixed-batch step")?;
+            for (l, bytes) in plan.launches.iter().zip(bytes) {
+                let range = run.start + l.start..run.start + l.end;
+                out.list.push(KernelLaunch {
+                    kernel: Kernel::SparseDecode,
+                    requests: tokens.requests(&range),
+                    tokens: range,
+                    gather_chunk: None,
+                    bytes,
+                });
+            }
+            return Ok(plan.bound);
+        }
+        mixed.budget_bytes = plan.peak_bytes - (peak - budget);
+    }
+    Err(PlanError::BudgetTooSmall {
+        budget: crate::Bytes(budget),
+        minimum: crate::Bytes(budget + 1),
+        tokens: run.end - run.start,
+        num_heads: cfg.num_heads,
+        arch: cfg.gpu.arch.name(),
+        detail: "mixed-batch launches with their shared padded q".into(),
+    })
+}
+
 /// Decodes in the separate mode: the decode kernel over batches of
 /// requests (scratch grows with the batch), balanced under the budget.
-fn plan_decodes(step: &Step<'_>, cfg: &StepConfig, starts: &[u64], out: &mut Vec<KernelLaunch>) -> Result<Bound> {
+fn plan_decodes(step: &Step<'_>, cfg: &StepConfig, tokens: &Tokens<'_>, out: &mut Launches) -> Result<Bound> {
     let d = step.num_decodes as u64;
-    let s_q = step.query_lens[..step.num_decodes].iter().copied().max().unwrap_or(0);
+    let s_q = step.query_lens[0];
     let bytes = |batch: u64| -> Result<u64> {
-        Ok(decode_scratch(
+        decode_scratch(
             cfg.gpu,
-            DecodeShape { batch, s_q, num_heads: cfg.num_heads, topk: cfg.topk, out_preallocated: true, translated_indices: false },
+            DecodeShape {
+                batch,
+                s_q,
+                num_heads: cfg.num_heads,
+                topk: cfg.topk,
+                out_preallocated: cfg.decode_writes_in_place(),
+                translated_indices: cfg.execution.translated_indices,
+            },
         )?
-        .total_bytes())
+        .total()
     };
-    let mut max_batch = d;
-    while max_batch > 0 && bytes(max_batch)? > cfg.scratch_budget_bytes {
-        max_batch -= 1;
-    }
-    if max_batch == 0 {
+    let budget = cfg.launch_budget_bytes();
+    if bytes(1)? > budget {
         return Err(PlanError::BudgetTooSmall {
-            budget: crate::Bytes(cfg.scratch_budget_bytes),
+            budget: crate::Bytes(budget),
             minimum: crate::Bytes(bytes(1)?),
             tokens: s_q,
             num_heads: cfg.num_heads,
@@ -337,44 +424,87 @@ fn plan_decodes(step: &Step<'_>, cfg: &StepConfig, starts: &[u64], out: &mut Vec
             detail: "one decode request, mostly its split-KV o_accum".into(),
         });
     }
-    for r in balanced(d, max_batch) {
-        let (r0, r1) = (r.start as usize, r.end as usize);
-        out.push(KernelLaunch {
+    // Bytes grow with the batch (num_sm_parts depends on s_q only): the
+    // largest batch that fits, by bisection.
+    let (mut lo, mut hi) = (1u64, d);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if bytes(mid)? <= budget {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    out.reserve(d.div_ceil(lo), "the decode launches")?;
+    for r in balanced(d, lo) {
+        let requests = r.start as usize..r.end as usize;
+        out.list.push(KernelLaunch {
             kernel: Kernel::SparseDecode,
-            tokens: starts[r0]..starts[r1],
-            requests: r0..r1,
+            tokens: tokens.of(&requests),
+            requests,
+            gather_chunk: None,
             bytes: bytes(r.end - r.start)?,
         });
     }
-    Ok(if max_batch < d { Bound::Budget } else { Bound::Unbounded })
+    Ok(if lo < d { Bound::Budget } else { Bound::Unbounded })
+}
+
+fn prefill_shape(cfg: &StepConfig, s_q: u64, in_place: bool) -> PrefillShape {
+    PrefillShape {
+        s_q,
+        num_heads: cfg.num_heads,
+        topk: cfg.topk,
+        out_preallocated: in_place,
+        translated_indices: cfg.execution.translated_indices,
+    }
+}
+
+/// Whether a prefill launch writes straight into the step's output: only
+/// when it is the one window of its query tokens (split requests merge).
+fn prefill_in_place(cfg: &StepConfig) -> bool {
+    cfg.prefill_writes_in_place()
 }
 
 /// Prefill-kernel launches over one gather chunk's tokens: as many tokens
-/// per launch as the budget and the int32 stride limit allow.
+/// per launch as the budget and the int32 stride limit allow, balanced.
 fn plan_prefill_launches(
-    tokens: Range<u64>,
+    chunk_tokens: Range<u64>,
     requests: Range<usize>,
+    gather_chunk: usize,
     cfg: &StepConfig,
-    request_of: &dyn Fn(u64) -> usize,
-    out: &mut Vec<KernelLaunch>,
+    tokens: &Tokens<'_>,
+    out: &mut Launches,
 ) -> Result<Bound> {
-    let shape = PrefillShape { s_q: 1, num_heads: cfg.num_heads, topk: cfg.topk, out_preallocated: true, translated_indices: false };
-    let bytes = |s_q: u64| -> Result<u64> { Ok(prefill_scratch(cfg.gpu.arch, PrefillShape { s_q, ..shape })?.total_bytes()) };
-    let total = tokens.end - tokens.start;
-    let (max_len, cap) = prefill_launch_tokens(cfg.gpu.arch, shape, cfg.scratch_budget_bytes)?;
-    crate::error::check_launches("the prefill launches", total.div_ceil(max_len), "give a larger budget")?;
+    let total = chunk_tokens.end - chunk_tokens.start;
+    let (max_len, cap) = prefill_launch_tokens(cfg.gpu.arch, prefill_shape(cfg, 1, prefill_in_place(cfg)), cfg.launch_budget_bytes())?;
+    out.reserve(total.div_ceil(max_len), "the prefill launches")?;
     for piece in balanced(total, max_len) {
-        let range = tokens.start + piece.start..tokens.start + piece.end;
-        let reqs = if requests.len() == 1 { requests.clone() } else { request_of(range.start)..request_of(range.end - 1) + 1 };
-        out.push(KernelLaunch { kernel: Kernel::SparsePrefill, tokens: range, requests: reqs, bytes: bytes(piece.end - piece.start)? });
+        let range = chunk_tokens.start + piece.start..chunk_tokens.start + piece.end;
+        let reqs = if requests.len() == 1 { requests.clone() } else { tokens.requests(&range) };
+        out.list.push(KernelLaunch { kernel: Kernel::SparsePrefill, tokens: range, requests: reqs, gather_chunk: Some(gather_chunk), bytes: 0 });
     }
     Ok(if total <= max_len { Bound::Unbounded } else { cap })
+}
+
+/// The separate path's prefill launches share one zero-padded q and one
+/// kernel output, sized for the longest launch: each launch's bytes are
+/// those held buffers plus its own (softmax statistics, translated indices).
+fn hold_prefill_buffers(cfg: &StepConfig, launches: &mut [KernelLaunch]) -> Result<()> {
+    let in_place = prefill_in_place(cfg);
+    let longest = launches.iter().filter(|l| l.kernel == Kernel::SparsePrefill).map(KernelLaunch::len).max().unwrap_or(0);
+    let held = |bd: &Breakdown| bd.get("q_padded") + bd.get("out");
+    let held_bytes = held(&prefill_scratch(cfg.gpu.arch, prefill_shape(cfg, longest, in_place))?);
+    for l in launches.iter_mut().filter(|l| l.kernel == Kernel::SparsePrefill) {
+        let own = prefill_scratch(cfg.gpu.arch, prefill_shape(cfg, l.len(), in_place))?;
+        l.bytes = add("prefill launch bytes", own.total()? - held(&own), held_bytes)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::geometry::Arch;
+    use crate::geometry::{Arch, Gpu};
     use proptest::prelude::*;
 
     const GIB: u64 = 1 << 30;
@@ -390,7 +520,8 @@ mod tests {
             indexer_workspace_rows: 70_000 * 40,
             indexer_logits_bytes: 512 << 20,
             mask: MaskConfig::vllm_default(2048, false),
-            mixed_batch: None,
+            mode: None,
+            execution: Execution::default(),
         }
     }
 
@@ -454,6 +585,9 @@ mod tests {
             fp8 in any::<bool>(),
             sm100 in any::<bool>(),
             budget in (256u64 << 20)..(4 * GIB),
+            translated in any::<bool>(),
+            align_waves in any::<bool>(),
+            takes_out in any::<bool>(),
         ) {
             let mut q: Vec<u64> = reqs.iter().map(|r| r.0).collect();
             let c: Vec<u64> = reqs.iter().map(|r| r.1).collect();
@@ -462,6 +596,7 @@ mod tests {
             let mut config = cfg(heads, if fp8 { KvDtype::Fp8 } else { KvDtype::Bf16 });
             config.scratch_budget_bytes = budget;
             config.gather_workspace_rows = 30_000;
+            config.execution = Execution { translated_indices: translated, align_waves, decode_takes_out: takes_out, prefill_takes_out: takes_out };
             if sm100 {
                 config.gpu = Gpu::new(Arch::Sm100, 148).unwrap();
                 config.mask.available = true;
@@ -473,8 +608,9 @@ mod tests {
             for l in &plan.launches {
                 prop_assert!(!l.tokens.is_empty());
                 if plan.mode != StepMode::Bf16 {
-                    prop_assert!(l.bytes <= budget);
+                    prop_assert!(l.bytes <= config.launch_budget_bytes());
                 }
+                prop_assert_eq!(l.gather_chunk.is_some(), plan.mode == StepMode::SeparatePrefillDecode && l.kernel == Kernel::SparsePrefill);
                 for t in l.tokens.clone() { count[t as usize] += 1; }
             }
             let starts: Vec<u64> = std::iter::once(0).chain(q.iter().scan(0, |s, &x| { *s += x; Some(*s) })).collect();

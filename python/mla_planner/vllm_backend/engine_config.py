@@ -1,0 +1,59 @@
+"""The seam between vLLM's configuration and the planner's: one :class:`~mla_planner.StepConfig`
+per engine, read from vLLM's config and builder, and the check that vLLM's own gather chunks are
+the plan's. Everything here reads vLLM internals; nothing else in the backend derives a kernel
+or workspace fact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.platforms import current_platform
+from vllm.utils.platform_utils import num_compute_units
+from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseMetadata, get_prefill_workspace_size
+
+import mla_planner
+
+
+def device_arch() -> str:
+    return "sm100" if current_platform.is_device_capability_family(100) else "sm90"
+
+
+def step_config(
+    vllm_config: VllmConfig, builder: Any, device: torch.device, scratch_budget_bytes: int, *, has_prefill_backend: bool
+) -> mla_planner.StepConfig:
+    """The engine's step configuration: this GPU, the builder's heads per rank and top-k, the KV
+    cache dtype, vLLM's workspaces (its own gather-workspace size), and vLLM's prefill routing:
+    short prefills run dense MHA unless ``sparse_mla_force_mqa`` is set or there is no dense
+    prefill backend, in which case every prefill token reaches the sparse kernels."""
+    max_model_len = vllm_config.model_config.max_model_len
+    force_mqa = bool(vllm_config.attention_config.sparse_mla_force_mqa) or not has_prefill_backend
+    return mla_planner.StepConfig(
+        builder.num_heads,
+        arch=device_arch(),
+        num_sms=num_compute_units(device.index),
+        topk=builder.topk_tokens,
+        kv_dtype="fp8" if builder.use_fp8_kv_cache else "bf16",
+        scratch_budget_bytes=scratch_budget_bytes,
+        max_model_len=max_model_len,
+        gather_workspace_rows=get_prefill_workspace_size(max_model_len),
+        force_mqa=force_mqa,
+        execution="vllm",
+    )
+
+
+def check_gather_chunks(plan: mla_planner.StepPlan, fp8: Any, num_decodes: int) -> None:
+    """vLLM's separate-route metadata gathers by its own ``split_prefill_chunks``; the plan's
+    launches name gather chunks by index, so the two must be the same chunks. They are by
+    construction (the planner implements vLLM's rule); a difference is a bug, not a step to run."""
+    assert isinstance(fp8, FlashMLASparseMetadata.FP8SeparatePrefillDecode)
+    vllm_chunks = [] if fp8.prefill is None else [
+        (num_decodes + c.req_start_idx, num_decodes + c.req_start_idx + len(c.block_table)) for c in fp8.prefill.chunks
+    ]
+    planned = [(int(row[0]), int(row[1])) for row in plan.gather_chunks]
+    if any(int(row[2]) >= 0 for row in plan.gather_chunks) or planned != vllm_chunks:
+        raise RuntimeError(
+            f"mla-planner: vLLM gathers requests in chunks {vllm_chunks}, the plan in {planned}; "
+            "please report this step (the planner must follow vLLM's split_prefill_chunks)"
+        )

@@ -1,0 +1,237 @@
+//! `StepConfig`: the one step configuration, built once per engine and passed
+//! to `plan_step` and the cost model as a single frozen object.
+
+use mla_planner::config::{self as core, Execution, StepMode};
+use mla_planner::geometry::KvDtype;
+use mla_planner::plan::MaskConfig;
+use mla_planner::scratch::GLOBAL_TOPK_MASK_MAX_BYTES;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::convert::{count, count_or, gpu, heads, topk_or_default, OrValueError};
+use crate::plan::DEFAULT_CONTEXT_CHUNK_ROWS;
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("MIN_HEADS_FOR_BF16_PREFILL", core::MIN_HEADS_FOR_BF16_PREFILL)?;
+    m.add("ALLOCATOR_RESERVE_BYTES", core::ALLOCATOR_RESERVE_BYTES)?;
+    m.add_class::<StepConfig>()?;
+    Ok(())
+}
+
+/// The model, the GPU, the budgets, the workspaces and how plans are executed:
+/// everything a step plan depends on besides the step. Frozen; `replace()`
+/// makes a changed copy.
+#[pyclass(frozen, module = "mla_planner._core")]
+pub(crate) struct StepConfig {
+    pub(crate) inner: core::StepConfig,
+    max_model_len: Option<u64>,
+}
+
+/// Read-only attributes, each a plain value of the configuration or a fact
+/// the planner derives from it.
+macro_rules! getters {
+    ($($(#[doc = $doc:literal])* $name:ident: $ty:ty = |$c:ident| $body:expr;)*) => {
+        #[pymethods]
+        impl StepConfig {
+            $(
+                $(#[doc = $doc])*
+                #[getter]
+                fn $name(&self) -> $ty {
+                    let $c = &self.inner;
+                    $body
+                }
+            )*
+        }
+    };
+}
+
+getters! {
+    /// Query heads per rank.
+    num_heads: u32 = |c| c.num_heads;
+    /// "sm90" or "sm100".
+    arch: &'static str = |c| c.gpu.arch.name();
+    num_sms: u32 = |c| c.gpu.num_sms;
+    topk: u32 = |c| c.topk;
+    /// "fp8" (fp8_ds_mla) or "bf16".
+    kv_dtype: &'static str = |c| c.kv_dtype.name();
+    /// Bytes reserved for attention scratch.
+    scratch_budget_bytes: u64 = |c| c.scratch_budget_bytes;
+    /// Bytes one launch may allocate: the budget less the allocator's reserve.
+    launch_budget_bytes: u64 = |c| c.launch_budget_bytes();
+    gather_workspace_rows: u64 = |c| c.gather_workspace_rows;
+    indexer_workspace_rows: u64 = |c| c.indexer_workspace_rows;
+    indexer_logits_bytes: u64 = |c| c.indexer_logits_bytes;
+    /// Masked-MHA prefill available (SM100, FA4, BF16 KV).
+    masked_mha: bool = |c| c.mask.available;
+    /// vLLM runs every prefill through sparse MQA, short ones too.
+    force_mqa: bool = |c| c.mask.force_mqa;
+    mask_workspace_bytes: u64 = |c| c.mask.workspace_bytes;
+    context_chunk_rows: u64 = |c| c.mask.context_chunk_rows;
+    /// The mode every step takes: the one set, or vLLM's rule.
+    mode: &'static str = |c| c.mode().name();
+    /// Whether `mode` was set rather than left to vLLM's rule.
+    mode_fixed: bool = |c| c.mode.is_some();
+    translated_indices: bool = |c| c.execution.translated_indices;
+    align_waves: bool = |c| c.execution.align_waves;
+    decode_takes_out: bool = |c| c.execution.decode_takes_out;
+    prefill_takes_out: bool = |c| c.execution.prefill_takes_out;
+    /// Heads the sparse decode kernel runs (64 or 128).
+    decode_heads: u32 = |c| c.decode_heads();
+    /// Heads the sparse prefill kernel runs.
+    prefill_heads: u32 = |c| c.prefill_heads();
+    /// The decode kernel writes straight into the step's output.
+    decode_writes_in_place: bool = |c| c.decode_writes_in_place();
+    /// The prefill kernel writes straight into the step's output.
+    prefill_writes_in_place: bool = |c| c.prefill_writes_in_place();
+}
+
+fn execution(name: &str) -> PyResult<Execution> {
+    match name {
+        "default" => Ok(Execution::default()),
+        "vllm" => Ok(Execution::VLLM),
+        _ => Err(PyValueError::new_err(format!("execution must be \"default\" or \"vllm\", got {name:?}"))),
+    }
+}
+
+#[pymethods]
+impl StepConfig {
+    /// Workspaces: give `max_model_len` and they are sized as vLLM sizes them
+    /// (gather 5x, indexer 40x), or give the rows. `execution="vllm"` is the
+    /// vLLM backend's way of running plans (indices translated per launch,
+    /// wave-aligned launches, kernels that take `out=`); each of its four
+    /// flags can be set on its own. `mode`: "mixed_batch" or
+    /// "separate_prefill_decode" fixes the FP8 route; None follows vLLM.
+    #[new]
+    #[pyo3(signature = (
+        num_heads, *, arch="sm90", num_sms=None, topk=None, kv_dtype="fp8", scratch_budget_bytes=None,
+        max_model_len=None, gather_workspace_rows=None, indexer_workspace_rows=None, indexer_logits_bytes=None,
+        masked_mha=false, force_mqa=false, mask_workspace_bytes=None, context_chunk_rows=None, mode=None,
+        execution="default", translated_indices=None, align_waves=None, decode_takes_out=None, prefill_takes_out=None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_heads: &Bound<'_, PyAny>,
+        arch: &str,
+        num_sms: Option<&Bound<'_, PyAny>>,
+        topk: Option<&Bound<'_, PyAny>>,
+        kv_dtype: &str,
+        scratch_budget_bytes: Option<&Bound<'_, PyAny>>,
+        max_model_len: Option<&Bound<'_, PyAny>>,
+        gather_workspace_rows: Option<&Bound<'_, PyAny>>,
+        indexer_workspace_rows: Option<&Bound<'_, PyAny>>,
+        indexer_logits_bytes: Option<&Bound<'_, PyAny>>,
+        masked_mha: bool,
+        force_mqa: bool,
+        mask_workspace_bytes: Option<&Bound<'_, PyAny>>,
+        context_chunk_rows: Option<&Bound<'_, PyAny>>,
+        mode: Option<&str>,
+        execution: &str,
+        translated_indices: Option<bool>,
+        align_waves: Option<bool>,
+        decode_takes_out: Option<bool>,
+        prefill_takes_out: Option<bool>,
+    ) -> PyResult<Self> {
+        let topk = topk_or_default(topk)?;
+        let kv_dtype = kv_dtype.parse::<KvDtype>().py()?;
+        let budget = count_or(scratch_budget_bytes, "scratch_budget_bytes", 1 << 30)?;
+        let model_len = max_model_len.map(|m| count(m, "max_model_len")).transpose()?;
+        if model_len == Some(0) {
+            return Err(PyValueError::new_err("max_model_len must be at least 1"));
+        }
+        let base = match model_len {
+            Some(len) => core::StepConfig::vllm(gpu(arch, num_sms)?, heads(num_heads)?, topk, kv_dtype, budget, len, masked_mha, force_mqa),
+            None => core::StepConfig::vllm(gpu(arch, num_sms)?, heads(num_heads)?, topk, kv_dtype, budget, 1, masked_mha, force_mqa),
+        }
+        .py()?;
+        let rows = |obj: Option<&Bound<'_, PyAny>>, name: &str, derived: u64| -> PyResult<u64> {
+            match (obj, model_len) {
+                (Some(o), _) => count(o, name),
+                (None, Some(_)) => Ok(derived),
+                (None, None) => Err(PyValueError::new_err(format!(
+                    "give max_model_len (vLLM sizes its workspaces from it) or {name}"
+                ))),
+            }
+        };
+        let defaults = self::execution(execution)?;
+        let inner = core::StepConfig {
+            gather_workspace_rows: rows(gather_workspace_rows, "gather_workspace_rows", base.gather_workspace_rows)?,
+            indexer_workspace_rows: rows(indexer_workspace_rows, "indexer_workspace_rows", base.indexer_workspace_rows)?,
+            indexer_logits_bytes: count_or(indexer_logits_bytes, "indexer_logits_bytes", base.indexer_logits_bytes)?,
+            mask: MaskConfig {
+                workspace_bytes: count_or(mask_workspace_bytes, "mask_workspace_bytes", GLOBAL_TOPK_MASK_MAX_BYTES)?,
+                context_chunk_rows: count_or(context_chunk_rows, "context_chunk_rows", DEFAULT_CONTEXT_CHUNK_ROWS)?,
+                ..base.mask
+            },
+            mode: mode.map(StepMode::parse).transpose().py()?,
+            execution: Execution {
+                translated_indices: translated_indices.unwrap_or(defaults.translated_indices),
+                align_waves: align_waves.unwrap_or(defaults.align_waves),
+                decode_takes_out: decode_takes_out.unwrap_or(defaults.decode_takes_out),
+                prefill_takes_out: prefill_takes_out.unwrap_or(defaults.prefill_takes_out),
+            },
+            ..base
+        };
+        inner.validate().py()?;
+        Ok(StepConfig { inner, max_model_len: model_len })
+    }
+
+    /// The `max_model_len` the workspaces were sized from, if given.
+    #[getter]
+    fn max_model_len(&self) -> Option<u64> {
+        self.max_model_len
+    }
+
+    /// The arguments that rebuild this configuration.
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.inner;
+        let d = PyDict::new(py);
+        d.set_item("num_heads", c.num_heads)?;
+        d.set_item("arch", c.gpu.arch.name())?;
+        d.set_item("num_sms", c.gpu.num_sms)?;
+        d.set_item("topk", c.topk)?;
+        d.set_item("kv_dtype", c.kv_dtype.name())?;
+        d.set_item("scratch_budget_bytes", c.scratch_budget_bytes)?;
+        d.set_item("gather_workspace_rows", c.gather_workspace_rows)?;
+        d.set_item("indexer_workspace_rows", c.indexer_workspace_rows)?;
+        d.set_item("indexer_logits_bytes", c.indexer_logits_bytes)?;
+        d.set_item("masked_mha", c.mask.available)?;
+        d.set_item("force_mqa", c.mask.force_mqa)?;
+        d.set_item("mask_workspace_bytes", c.mask.workspace_bytes)?;
+        d.set_item("context_chunk_rows", c.mask.context_chunk_rows)?;
+        d.set_item("mode", c.mode.map(StepMode::name))?;
+        d.set_item("translated_indices", c.execution.translated_indices)?;
+        d.set_item("align_waves", c.execution.align_waves)?;
+        d.set_item("decode_takes_out", c.execution.decode_takes_out)?;
+        d.set_item("prefill_takes_out", c.execution.prefill_takes_out)?;
+        Ok(d)
+    }
+
+    /// A copy with the given arguments changed (as the constructor takes
+    /// them). Workspaces keep their rows unless given again.
+    #[pyo3(signature = (**changes))]
+    fn replace<'py>(slf: &Bound<'py, Self>, changes: Option<&Bound<'py, PyDict>>) -> PyResult<Bound<'py, PyAny>> {
+        let args = slf.get().to_dict(slf.py())?;
+        if let Some(changes) = changes {
+            args.update(changes.as_mapping())?;
+        }
+        slf.get_type().call((), Some(&args))
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other.cast::<StepConfig>().map(|o| o.get().inner == self.inner).unwrap_or(false)
+    }
+
+    fn __hash__(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        format!("{:?}", self.inner).hash(&mut h);
+        h.finish()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let d = self.to_dict(py)?;
+        let parts: Vec<String> = d.iter().map(|(k, v)| format!("{k}={}", v.repr().map(|r| r.to_string()).unwrap_or_default())).collect();
+        Ok(format!("StepConfig({})", parts.join(", ")))
+    }
+}

@@ -1,0 +1,159 @@
+//! Byte models of the kernels' buffers (`mla_planner::scratch`).
+
+use mla_planner::geometry::Arch;
+use mla_planner::plan::Bound as PlanBound;
+use mla_planner::scratch::{self, Breakdown, DecodeShape, PrefillShape};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::convert::{bound_name, count, gpu, heads, topk_or_default, OrValueError};
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("GLOBAL_TOPK_MASK_MAX_BYTES", scratch::GLOBAL_TOPK_MASK_MAX_BYTES)?;
+    m.add_class::<Scratch>()?;
+    m.add_function(wrap_pyfunction!(decode_scratch, m)?)?;
+    m.add_function(wrap_pyfunction!(prefill_scratch, m)?)?;
+    m.add_function(wrap_pyfunction!(topk_mask_shape, m)?)?;
+    m.add_function(wrap_pyfunction!(topk_mask_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(gather_workspace_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(indexer_logits_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(max_tokens_per_launch, m)?)?;
+    Ok(())
+}
+
+/// The buffers one kernel call allocates.
+#[pyclass(frozen, module = "mla_planner._core")]
+pub(crate) struct Scratch {
+    buffers: Vec<(&'static str, u64)>,
+}
+
+impl From<Breakdown> for Scratch {
+    fn from(bd: Breakdown) -> Self {
+        Scratch { buffers: bd.buffers.iter().map(|b| (b.name, b.bytes)).collect() }
+    }
+}
+
+#[pymethods]
+impl Scratch {
+    /// Buffer name -> bytes, in allocation order.
+    #[getter]
+    fn buffers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (name, bytes) in &self.buffers {
+            d.set_item(name, bytes)?;
+        }
+        Ok(d)
+    }
+
+    #[getter]
+    fn total_bytes(&self) -> u64 {
+        self.buffers.iter().map(|(_, b)| b).sum()
+    }
+
+    fn __repr__(&self) -> String {
+        let parts: Vec<String> = self.buffers.iter().map(|(n, b)| format!("{n}={b}")).collect();
+        format!("Scratch(total_bytes={}, {})", self.total_bytes(), parts.join(", "))
+    }
+}
+
+#[pyfunction]
+#[pyo3(signature = (batch, s_q, num_heads, *, arch="sm90", num_sms=None, topk=None, out_preallocated=false, translated_indices=false))]
+#[allow(clippy::too_many_arguments)]
+fn decode_scratch(
+    batch: &Bound<'_, PyAny>,
+    s_q: &Bound<'_, PyAny>,
+    num_heads: &Bound<'_, PyAny>,
+    arch: &str,
+    num_sms: Option<&Bound<'_, PyAny>>,
+    topk: Option<&Bound<'_, PyAny>>,
+    out_preallocated: bool,
+    translated_indices: bool,
+) -> PyResult<Scratch> {
+    let g = gpu(arch, num_sms)?;
+    let shape = DecodeShape {
+        batch: count(batch, "batch")?,
+        s_q: count(s_q, "s_q")?,
+        num_heads: heads(num_heads)?,
+        topk: topk_or_default(topk)?,
+        out_preallocated,
+        translated_indices,
+    };
+    Ok(scratch::decode_scratch(g, shape).py()?.into())
+}
+
+#[pyfunction]
+#[pyo3(signature = (s_q, num_heads, *, arch="sm90", topk=None, out_preallocated=false, translated_indices=false))]
+fn prefill_scratch(
+    s_q: &Bound<'_, PyAny>,
+    num_heads: &Bound<'_, PyAny>,
+    arch: &str,
+    topk: Option<&Bound<'_, PyAny>>,
+    out_preallocated: bool,
+    translated_indices: bool,
+) -> PyResult<Scratch> {
+    let shape = PrefillShape {
+        s_q: count(s_q, "s_q")?,
+        num_heads: heads(num_heads)?,
+        topk: topk_or_default(topk)?,
+        out_preallocated,
+        translated_indices,
+    };
+    Ok(scratch::prefill_scratch(arch.parse::<Arch>().py()?, shape).py()?.into())
+}
+
+fn mask_shape(
+    batch_size: &Bound<'_, PyAny>,
+    max_query_len: &Bound<'_, PyAny>,
+    max_key_len: &Bound<'_, PyAny>,
+    reserve_key_starts_word: bool,
+) -> PyResult<scratch::MaskShape> {
+    scratch::topk_mask_shape(
+        count(batch_size, "batch_size")?,
+        count(max_query_len, "max_query_len")?,
+        count(max_key_len, "max_key_len")?,
+        reserve_key_starts_word,
+    )
+    .py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (batch_size, max_query_len, max_key_len, *, reserve_key_starts_word=false))]
+fn topk_mask_shape(
+    batch_size: &Bound<'_, PyAny>,
+    max_query_len: &Bound<'_, PyAny>,
+    max_key_len: &Bound<'_, PyAny>,
+    reserve_key_starts_word: bool,
+) -> PyResult<(u64, u64, u64)> {
+    let s = mask_shape(batch_size, max_query_len, max_key_len, reserve_key_starts_word)?;
+    Ok((s.batch, s.rows, s.words))
+}
+
+#[pyfunction]
+#[pyo3(signature = (batch_size, max_query_len, max_key_len, *, reserve_key_starts_word=false))]
+fn topk_mask_bytes(
+    batch_size: &Bound<'_, PyAny>,
+    max_query_len: &Bound<'_, PyAny>,
+    max_key_len: &Bound<'_, PyAny>,
+    reserve_key_starts_word: bool,
+) -> PyResult<u64> {
+    mask_shape(batch_size, max_query_len, max_key_len, reserve_key_starts_word)?.bytes().py()
+}
+
+#[pyfunction]
+fn gather_workspace_bytes(rows: &Bound<'_, PyAny>) -> PyResult<u64> {
+    scratch::gather_workspace_bytes(count(rows, "rows")?).py()
+}
+
+#[pyfunction]
+fn indexer_logits_bytes(query_rows: &Bound<'_, PyAny>, kv_rows: &Bound<'_, PyAny>) -> PyResult<u64> {
+    scratch::indexer_logits_bytes(count(query_rows, "query_rows")?, count(kv_rows, "kv_rows")?).py()
+}
+
+/// `(tokens, limit)`: the most query tokens one decode call may carry at
+/// `num_heads` and the limit that sets it.
+#[pyfunction]
+fn max_tokens_per_launch(num_heads: &Bound<'_, PyAny>) -> PyResult<(u64, &'static str)> {
+    let padded = mla_planner::geometry::decode_padded_heads(heads(num_heads)?).py()?;
+    let (n, limit) = mla_planner::limits::max_tokens_per_launch(padded);
+    Ok((n, bound_name(PlanBound::Limit(limit))))
+}

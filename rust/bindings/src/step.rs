@@ -1,0 +1,200 @@
+//! `plan_step`: a whole scheduler step under one `StepConfig`, and the
+//! `StepPlan` the executor runs launch by launch.
+
+use mla_planner::step::{self, Kernel};
+use numpy::{PyArray1, PyArray2};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::config::StepConfig;
+use mla_planner::geometry::KvDtype;
+
+use crate::convert::{bound_name, count, gather_rows, heads, indexer_rows, lengths, table, OrValueError};
+use crate::plan::PrefillGroups;
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<StepPlan>()?;
+    m.add_function(wrap_pyfunction!(plan_step, m)?)?;
+    m.add_function(wrap_pyfunction!(step_mode, m)?)?;
+    Ok(())
+}
+
+/// A scheduler step as vLLM's builder sees it: requests in order, decodes
+/// first; `query_lens` new tokens and `context_lens` cached tokens each.
+pub(crate) struct StepArgs {
+    query_lens: Vec<u64>,
+    context_lens: Vec<u64>,
+    num_decodes: usize,
+}
+
+impl StepArgs {
+    pub(crate) fn parse(
+        query_lens: &Bound<'_, PyAny>,
+        context_lens: &Bound<'_, PyAny>,
+        num_decodes: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        Ok(StepArgs {
+            query_lens: lengths(query_lens, "query_lens")?,
+            context_lens: lengths(context_lens, "context_lens")?,
+            num_decodes: usize::try_from(count(num_decodes, "num_decodes")?).unwrap_or(usize::MAX),
+        })
+    }
+
+    pub(crate) fn step(&self) -> step::Step<'_> {
+        step::Step { query_lens: &self.query_lens, context_lens: &self.context_lens, num_decodes: self.num_decodes }
+    }
+}
+
+/// vLLM's mode for steps of `num_heads` heads per rank (1..=128): "bf16" for
+/// a BF16 cache; for FP8, "mixed_batch" below 32 heads, else
+/// "separate_prefill_decode".
+#[pyfunction]
+#[pyo3(signature = (num_heads, *, kv_dtype="fp8"))]
+fn step_mode(num_heads: &Bound<'_, PyAny>, kv_dtype: &str) -> PyResult<&'static str> {
+    let kv_dtype = kv_dtype.parse::<KvDtype>().py()?;
+    Ok(step::vllm_step_mode(heads(num_heads)?, kv_dtype).py()?.name())
+}
+
+fn kernel(name: &str) -> PyResult<Kernel> {
+    match name {
+        "sparse_decode" => Ok(Kernel::SparseDecode),
+        "sparse_prefill" => Ok(Kernel::SparsePrefill),
+        _ => Err(PyValueError::new_err(format!("kernel must be \"sparse_decode\" or \"sparse_prefill\", got {name:?}"))),
+    }
+}
+
+/// Plan one step under `config`: its launches are exactly the kernel calls
+/// the executor (and the vLLM backend) issues, with the bytes each holds.
+#[pyfunction]
+#[pyo3(signature = (query_lens, context_lens, num_decodes, config))]
+pub(crate) fn plan_step(
+    py: Python<'_>,
+    query_lens: &Bound<'_, PyAny>,
+    context_lens: &Bound<'_, PyAny>,
+    num_decodes: &Bound<'_, PyAny>,
+    config: &StepConfig,
+) -> PyResult<StepPlan> {
+    let args = StepArgs::parse(query_lens, context_lens, num_decodes)?;
+    let cfg = config.inner;
+    let inner = py.detach(|| step::plan_step(args.step(), &cfg)).py()?;
+    Ok(StepPlan { inner })
+}
+
+/// A planned scheduler step.
+#[pyclass(frozen, module = "mla_planner._core")]
+pub(crate) struct StepPlan {
+    pub(crate) inner: step::StepPlan,
+}
+
+#[pymethods]
+impl StepPlan {
+    /// "mixed_batch", "separate_prefill_decode" or "bf16".
+    #[getter]
+    fn mode(&self) -> &'static str {
+        self.inner.mode.name()
+    }
+
+    #[getter]
+    fn num_tokens(&self) -> u64 {
+        self.inner.num_tokens
+    }
+
+    #[getter]
+    fn num_decodes(&self) -> usize {
+        self.inner.num_decodes
+    }
+
+    /// `(n, 5)` int64 per launch: token_start, token_end, req_start, req_end,
+    /// and the gather chunk whose workspace a separate-path prefill launch
+    /// reads (-1 for other launches).
+    #[getter]
+    fn launches<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
+        let l = &self.inner.launches;
+        let flat = l
+            .iter()
+            .flat_map(|k| {
+                [
+                    k.tokens.start as i64,
+                    k.tokens.end as i64,
+                    k.requests.start as i64,
+                    k.requests.end as i64,
+                    k.gather_chunk.map_or(-1, |g| g as i64),
+                ]
+            })
+            .collect();
+        table(py, l.len(), 5, flat)
+    }
+
+    /// Kernel per launch: "sparse_decode" or "sparse_prefill".
+    #[getter]
+    fn launch_kernels(&self) -> Vec<&'static str> {
+        self.inner.launches.iter().map(|l| l.kernel.name()).collect()
+    }
+
+    /// `(n,)` int64 bytes each launch allocates.
+    #[getter]
+    fn launch_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        PyArray1::from_vec(py, self.inner.launches.iter().map(|l| l.bytes as i64).collect())
+    }
+
+    #[getter]
+    fn bound(&self) -> &'static str {
+        bound_name(self.inner.bound)
+    }
+
+    #[getter]
+    fn peak_bytes(&self) -> u64 {
+        self.inner.peak_bytes
+    }
+
+    #[getter]
+    fn prefill_groups(&self) -> PrefillGroups {
+        PrefillGroups { groups: self.inner.prefill_groups.clone() }
+    }
+
+    /// `(n, 7)`: as `plan_gather_chunks`, request indices from the step's first request.
+    #[getter]
+    fn gather_chunks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
+        let (n, flat) = gather_rows(&self.inner.gather_chunks, 0);
+        table(py, n, 7, flat)
+    }
+
+    /// `(n, 5)`: as `split_indexer_prefill_chunks`, request indices from the step's first request.
+    #[getter]
+    fn indexer_chunks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
+        let (n, flat) = indexer_rows(&self.inner.indexer_chunks, 0);
+        table(py, n, 5, flat)
+    }
+
+    #[getter]
+    fn indexer_peak_bytes(&self) -> u64 {
+        self.inner.indexer_peak_bytes
+    }
+
+    #[getter]
+    fn gather_workspace_bytes(&self) -> u64 {
+        self.inner.gather_workspace_bytes
+    }
+
+    /// Tokens of the longest launch of `kernel` ("sparse_decode" or
+    /// "sparse_prefill"); 0 when none. The step's shared buffers of that
+    /// kernel are sized for it.
+    fn longest_launch(&self, kernel: &str) -> PyResult<u64> {
+        Ok(self.inner.longest_launch(self::kernel(kernel)?))
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.launches.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "StepPlan(mode={:?}, num_tokens={}, launches={}, peak_bytes={}, bound={:?})",
+            self.mode(),
+            self.inner.num_tokens,
+            self.inner.launches.len(),
+            self.inner.peak_bytes,
+            self.bound()
+        )
+    }
+}
