@@ -36,7 +36,7 @@ BUDGETS = {"unbounded": UNBOUNDED, "2 GiB": 2 * GiB, "1 GiB": GiB, "256 MiB": 25
 class Row:
     tokens: int
     budget: str
-    plan: mla_planner.MixedBatchPlan | None
+    plan: mla_planner.StepPlan | None
     note: str = ""
     predicted: int = 0
     measured: int = 0
@@ -57,16 +57,16 @@ def bench_tokens(
         if budget == UNBOUNDED and tokens > max_tokens:
             rows.append(Row(tokens, name, None, f"n/a: one call is over the {bound} limit ({max_tokens} tokens)"))
             continue
-        plan = executor.plan(tokens, budget, topk=args.topk)
-        rows.append(Row(tokens, name, plan, predicted=executor.predicted_peak_bytes(plan, topk=args.topk)))
+        plan = MixedBatchExecutor.for_heads(executor.provider, args.heads, budget, topk=args.topk).plan(tokens)
+        rows.append(Row(tokens, name, plan, predicted=plan.peak_bytes))
         if budget != UNBOUNDED:
-            plan = aligned.plan(tokens, budget, topk=args.topk)
-            rows.append(Row(tokens, f"{name}, waves", plan, predicted=aligned.predicted_peak_bytes(plan, topk=args.topk)))
+            plan = MixedBatchExecutor.for_heads(executor.provider, args.heads, budget, topk=args.topk, align_waves=True).plan(tokens)
+            rows.append(Row(tokens, f"{name}, waves", plan, predicted=plan.peak_bytes))
 
     case: MixedCase = mixed_case(tokens, executor.num_heads, args.topk, args.cache_slots, gen, dtype=torch.bfloat16)
     out = torch.empty((tokens, executor.num_heads, 512), dtype=torch.bfloat16, device="cuda")
 
-    def runner(plan: mla_planner.MixedBatchPlan) -> Callable[[], None]:
+    def runner(plan: mla_planner.StepPlan) -> Callable[[], None]:
         return lambda: executor.run(plan, case.q, case.kv_cache, case.indices, out)
 
     runs = [(row, runner(row.plan)) for row in rows if row.plan is not None]
@@ -97,7 +97,7 @@ def markdown(rows: list[Row], header: str) -> str:
         if row.plan is None:
             lines.append(f"| {row.tokens} | {row.budget} | {row.note} | n/a | n/a | n/a | n/a |")
             continue
-        lengths = ", ".join(str(n) for n in row.plan.distinct_lengths)
+        lengths = ", ".join(str(n) for n in sorted(set((row.plan.launches[:, 1] - row.plan.launches[:, 0]).tolist())))
         ratio = f"{row.median_ms / single[row.tokens]:.3f}x" if row.tokens in single else "n/a"
         lines.append(
             f"| {row.tokens} | {row.budget} | {len(row.plan)} ({lengths}) | {row.predicted / MiB:.1f} "
@@ -124,8 +124,8 @@ def main() -> None:
         sys.exit("kernel_bench.py needs a CUDA GPU")
 
     provider = get_provider(args.provider)
-    executor = MixedBatchExecutor(provider, args.heads)
-    aligned = MixedBatchExecutor(provider, args.heads, align_waves=True)
+    executor = MixedBatchExecutor.for_heads(provider, args.heads, 1 << 50, topk=args.topk)
+    aligned = MixedBatchExecutor.for_heads(provider, args.heads, 1 << 50, topk=args.topk, align_waves=True)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     rows: list[Row] = []
     for tokens in (int(t) for t in args.tokens.split(",")):

@@ -11,7 +11,8 @@ import sys
 import torch
 
 import mla_planner
-from mla_planner.executor import ALLOCATOR_RESERVE_BYTES, MixedBatchExecutor, SeparatePrefillExecutor, get_provider
+from mla_planner import ALLOCATOR_RESERVE_BYTES
+from mla_planner.executor import MixedBatchExecutor, SeparatePrefillExecutor, get_provider
 from mla_planner.executor.synthetic import mixed_case, prefill_case
 
 TOPK = 512
@@ -22,9 +23,9 @@ def main(provider_name: str) -> None:
     provider = get_provider(provider_name)
     gen = torch.Generator(device="cuda").manual_seed(0)
 
-    mixed = MixedBatchExecutor(provider, HEADS)
     budget = mla_planner.decode_scratch(1, 100, HEADS).total_bytes + ALLOCATOR_RESERVE_BYTES
-    plan = mixed.plan(300, budget, topk=TOPK)
+    mixed = MixedBatchExecutor.for_heads(provider, HEADS, budget, topk=TOPK)
+    plan = mixed.plan(300)
     assert len(plan) > 1, plan
     case = mixed_case(300, HEADS, TOPK, 1024, gen, dtype=torch.bfloat16)
     out = torch.empty((300, HEADS, 512), dtype=torch.bfloat16, device="cuda")

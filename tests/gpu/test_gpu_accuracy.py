@@ -45,8 +45,8 @@ SCALE = 576**-0.5
 def test_chunked_decode_matches_the_reference(provider: KernelProvider, gen: torch.Generator, heads: int) -> None:
     num_tokens = 3000
     case = mixed_case(num_tokens, heads, TOPK, 65536, gen, dtype=torch.bfloat16, spread=0.0)
-    executor = MixedBatchExecutor(provider, heads)
-    plan = executor.plan(num_tokens, 256 * MiB, topk=TOPK)
+    executor = MixedBatchExecutor.for_heads(provider, heads, 256 * MiB, topk=TOPK)
+    plan = executor.plan(num_tokens)
     assert len(plan) > 1
     out = torch.full((num_tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     executor.run(plan, case.q, case.kv_cache, case.indices, out)

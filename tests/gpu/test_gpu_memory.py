@@ -21,7 +21,7 @@ UNBOUNDED = 1 << 50
 GiB = 1 << 30
 
 
-def _measure(executor: MixedBatchExecutor, plan: mla_planner.MixedBatchPlan, num_tokens: int, gen: torch.Generator) -> int:
+def _measure(executor: MixedBatchExecutor, plan: mla_planner.StepPlan, num_tokens: int, gen: torch.Generator) -> int:
     case = mixed_case(num_tokens, executor.num_heads, TOPK, CACHE_SLOTS, gen, dtype=torch.bfloat16)
     out = torch.empty((num_tokens, executor.num_heads, 512), dtype=torch.bfloat16, device="cuda")
     executor.run(plan, case.q, case.kv_cache, case.indices, out)  # warm-up: kernel loading, lazy init
@@ -36,11 +36,11 @@ def test_one_call_peak_matches_the_prediction(provider: KernelProvider, gen: tor
     max_tokens, bound = mla_planner.max_tokens_per_launch(heads)
     if num_tokens > max_tokens:
         pytest.skip(f"{num_tokens} tokens x {heads} heads cannot run in one call ({bound}: at most {max_tokens})")
-    executor = MixedBatchExecutor(provider, heads)
-    plan = executor.plan(num_tokens, UNBOUNDED, topk=TOPK)
+    executor = MixedBatchExecutor.for_heads(provider, heads, UNBOUNDED, topk=TOPK)
+    plan = executor.plan(num_tokens)
     assert len(plan) == 1
     measured = _measure(executor, plan, num_tokens, gen)
-    predicted = executor.predicted_peak_bytes(plan, topk=TOPK)
+    predicted = plan.peak_bytes
     assert predicted == plan.peak_bytes  # one launch
     print(f"T={num_tokens} heads={heads}: measured {measured} B, predicted {predicted} B, diff {measured - predicted} B")
     assert abs(measured - predicted) <= prediction_tolerance(predicted)
@@ -49,11 +49,11 @@ def test_one_call_peak_matches_the_prediction(provider: KernelProvider, gen: tor
 @pytest.mark.parametrize("budget", [2 * GiB, 1 * GiB, 256 * MiB], ids=["2GiB", "1GiB", "256MiB"])
 @pytest.mark.parametrize("num_tokens", [32768, 65536])
 def test_budget_holds(provider: KernelProvider, gen: torch.Generator, num_tokens: int, budget: int) -> None:
-    executor = MixedBatchExecutor(provider, 16)  # DeepSeek-V3.2 at TP 8: the mixed-batch case
-    plan = executor.plan(num_tokens, budget, topk=TOPK)
-    predicted = executor.predicted_peak_bytes(plan, topk=TOPK)
+    executor = MixedBatchExecutor.for_heads(provider, 16, budget, topk=TOPK)  # DeepSeek-V3.2 at TP 8
+    plan = executor.plan(num_tokens)
+    predicted = plan.peak_bytes
     measured = _measure(executor, plan, num_tokens, gen)
-    print(f"T={num_tokens} budget={budget}: {len(plan)} launches of {plan.distinct_lengths}, "
+    print(f"T={num_tokens} budget={budget}: {len(plan)} launches of {sorted(set((plan.launches[:, 1] - plan.launches[:, 0]).tolist()))}, "
           f"measured {measured} B, predicted {predicted} B, headroom {budget - measured} B")
     assert measured <= budget
     assert abs(measured - predicted) <= prediction_tolerance(predicted)

@@ -54,6 +54,16 @@ class MixedBatchExecutor:
         self.kernel_heads = config.decode_heads
         self.softmax_scale = softmax_scale
 
+    @classmethod
+    def for_heads(cls, provider: KernelProvider, num_heads: int, budget_bytes: int, *, topk: int = 2048,
+                  align_waves: bool = False, translated_indices: bool = False) -> MixedBatchExecutor:
+        """An executor outside vLLM (tests, benchmarks): a configuration of these heads, budget and
+        top-k on an H200, with the provider's ``out=`` handling."""
+        config = mla_planner.StepConfig(num_heads, scratch_budget_bytes=budget_bytes, topk=topk, max_model_len=1 << 17,
+                                        decode_takes_out=provider.decode_takes_out, align_waves=align_waves,
+                                        translated_indices=translated_indices)
+        return cls(provider, config)
+
     @property
     def writes_in_place(self) -> bool:
         """The kernel writes the caller's output directly."""
