@@ -5,8 +5,9 @@
 
 use std::ops::Range;
 
+use super::gather::check_requests;
 use super::PrefillRequest;
-use crate::error::Result;
+use crate::error::{check_launches, PlanError, Result};
 use crate::scratch::{topk_mask_shape, MaskShape, GLOBAL_TOPK_MASK_MAX_BYTES};
 
 /// How one group of prefills is attended.
@@ -82,8 +83,8 @@ impl MaskSet {
     /// Bytes of the largest mask built at once (masks reuse the workspace
     /// one after another).
     pub fn peak_bytes(&self) -> Result<u64> {
-        if self.global_fits {
-            return self.global.expect("global_fits implies a global mask").bytes();
+        if let (true, Some(global)) = (self.global_fits, self.global) {
+            return global.bytes();
         }
         let suffix = self.suffix.bytes()?;
         Ok(match self.context_chunk {
@@ -94,9 +95,14 @@ impl MaskSet {
 }
 
 /// Whether a mask of `shape` fits a workspace of `workspace_bytes`, counted
-/// in int32 words as vLLM counts them.
+/// in int32 words as vLLM counts them. A mask too large to count fits no
+/// workspace.
 fn fits_workspace(shape: &MaskShape, workspace_bytes: u64) -> Result<bool> {
-    Ok(shape.bytes()? / 4 <= workspace_bytes / 4)
+    match shape.bytes() {
+        Ok(bytes) => Ok(bytes / 4 <= workspace_bytes / 4),
+        Err(PlanError::Overflow { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// vLLM's `_masked_mha_workspace_fits`: one shape bounds the suffix mask and
@@ -118,6 +124,7 @@ fn fit_test_shape(batch_size: u64, max_query_len: u64, max_context_chunk_seq_len
 
 /// The masks of `requests` taken as one prefill set.
 pub fn prefill_masks(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<MaskSet> {
+    check_requests(requests)?;
     let batch = requests.len() as u64;
     let max_q = requests.iter().map(|r| r.query_len).max().unwrap_or(0);
     let max_seq = requests.iter().map(PrefillRequest::seq_len).max().unwrap_or(0);
@@ -189,6 +196,7 @@ pub fn plan_prefill_groups(requests: &[PrefillRequest], cfg: &MaskConfig) -> Res
     if !cfg.available {
         return route_prefills_stock(requests, cfg);
     }
+    check_requests(requests)?;
     let runs_as_mha = |range: Range<usize>| -> Result<bool> {
         Ok(route_of(&requests[range], cfg)?.0 != PrefillRoute::SparseMqa)
     };
@@ -205,6 +213,8 @@ pub fn plan_prefill_groups(requests: &[PrefillRequest], cfg: &MaskConfig) -> Res
                 end += 1;
             }
         }
+        // Every group is at least one attention call of the step.
+        check_launches("the prefill groups", groups.len() as u64 + 1, "pass fewer prefill requests at once")?;
         groups.push(group(start..end, requests, cfg)?);
         start = end;
     }
