@@ -356,6 +356,30 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Budgets where the lengths that fit are irregular (tens of MiB), so
+    /// the partition search runs, on steps up to the launch cap. Fewer
+    /// cases: a plan near the cap is a million launches.
+    #[test]
+    fn plan_mixed_batch_irregular_budgets(
+        num_tokens in prop_oneof![1u64..1_000_000, 1u64..=(MAX_LAUNCHES * 200)],
+        gpu in gpu(),
+        num_heads in 1u32..=128,
+        budget_mib in 1u64..200,
+        flags in any::<(bool, bool, bool)>(),
+    ) {
+        let (out_preallocated, translated_indices, align_waves) = flags;
+        let cfg = MixedBatchConfig { gpu, num_heads, topk: 2048, budget_bytes: budget_mib << 20, out_preallocated, translated_indices, align_waves };
+        if let Ok(plan) = timed("plan_mixed_batch", || plan_mixed_batch(num_tokens, &cfg)) {
+            prop_assert!(plan.launches.len() as u64 <= MAX_LAUNCHES);
+            prop_assert_eq!(plan.launches.last().map(|l| l.end), Some(num_tokens));
+            prop_assert!(plan.launches.iter().all(|l| l.bytes <= cfg.budget_bytes));
+        }
+    }
+}
+
 // The cases the hardening issue found, each once by name.
 
 fn too_many_launches(e: PlanError) -> bool {
