@@ -482,3 +482,14 @@ fn huge_prefills_route_to_sparse_mqa_or_are_refused() {
     let reqs = [PrefillRequest { query_len: u64::MAX, context_len: u64::MAX }];
     assert!(plan_prefill_groups(&reqs, &cfg).is_err());
 }
+
+#[test]
+fn prefill_groups_take_linear_time_in_the_requests() {
+    // 200,000 requests that all fit one masked-MHA group: the group grows
+    // one request at a time without rescanning what it holds.
+    let cfg = MaskConfig { workspace_bytes: 1 << 40, ..MaskConfig::vllm_default(2048, true) };
+    let reqs = vec![PrefillRequest { query_len: 3000, context_len: 0 }; 200_000];
+    let groups = timed("plan_prefill_groups", || plan_prefill_groups(&reqs, &cfg)).unwrap();
+    assert_eq!(groups.len(), 1);
+    assert_eq!(groups[0].route, PrefillRoute::MaskedMha);
+}
