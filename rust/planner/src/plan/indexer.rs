@@ -58,7 +58,7 @@ pub fn split_indexer_prefill_chunks(
     let max_elems = max_logits_bytes.min(MAX_COUNT) / 4;
     let runs = greedy_runs(seq_lens, query_lens, workspace_rows, max_elems);
     // Query rows one call of a run takes.
-    let rows_per_call = |m: u64, kv: u64| if kv > 0 { (max_elems / kv).max(1) } else { m.max(1) };
+    let rows_per_call = |m: u64, kv: u64| max_elems.checked_div(kv).unwrap_or(m).max(1);
     let launches = runs.iter().fold(0u64, |acc, &(_, m, kv)| acc.saturating_add(m.div_ceil(rows_per_call(m, kv))));
     check_launches(
         "the indexer plan",

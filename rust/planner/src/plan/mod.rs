@@ -30,9 +30,9 @@ pub(crate) fn check_rows(what: &'static str, lens: impl IntoIterator<Item = u64>
             _ => {
                 return Err(PlanError::InvalidArgument {
                     what,
-                    rule: "at most 2^40 (1,099,511,627,776) rows all together, more than any GPU holds; \
+                    rule: "at most 2^40 (1,099,511,627,776) rows in all, already more than any GPU holds; \
                            check the lengths passed in, or plan the step in parts",
-                    got: format!("a total above 2^40 (past {total} with one more of {len})"),
+                    got: format!("{total} rows, then {len} more"),
                 })
             }
         };
