@@ -28,7 +28,10 @@ pub enum PlanError {
         expected: usize,
     },
 
-    #[error("{what} overflows 64-bit byte arithmetic; the sizes asked for are not physical")]
+    #[error(
+        "{what} overflows 64-bit byte arithmetic (counts must stay below 2^63); the sizes asked for are \
+         not physical: check the lengths and shapes passed in"
+    )]
     Overflow { what: &'static str },
 
     #[error(
@@ -79,6 +82,39 @@ pub(crate) fn check_launches(what: &'static str, launches: u64, hint: &'static s
     Ok(())
 }
 
+/// The launches of a whole plan, counted as its parts are planned. Each
+/// planner keeps its own output under [`MAX_LAUNCHES`]; a plan assembled
+/// from several planners' outputs adds each part here before keeping it, so
+/// the whole plan stays under the same cap and never holds more than twice
+/// the cap in memory on the way to refusing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LaunchCount(u64);
+
+impl LaunchCount {
+    pub fn new() -> Self {
+        LaunchCount(0)
+    }
+
+    /// Count `launches` more, planned for `what`; past [`MAX_LAUNCHES`] in
+    /// total, an error naming `what` and `hint` (what to change).
+    pub fn add(&mut self, what: &'static str, launches: u64, hint: &'static str) -> Result<()> {
+        let total = self.0.saturating_add(launches);
+        check_launches(what, total, hint)?;
+        self.0 = total;
+        Ok(())
+    }
+
+    /// Launches counted so far.
+    pub fn total(self) -> u64 {
+        self.0
+    }
+
+    /// Launches the plan may still take.
+    pub fn remaining(self) -> u64 {
+        MAX_LAUNCHES - self.0
+    }
+}
+
 pub type Result<T> = std::result::Result<T, PlanError>;
 
 /// A byte count that prints itself in the unit a reader wants (MiB, GiB).
@@ -111,4 +147,21 @@ pub(crate) fn mul(what: &'static str, factors: &[u64]) -> Result<u64> {
 
 pub(crate) fn add(what: &'static str, a: u64, b: u64) -> Result<u64> {
     a.checked_add(b).ok_or(PlanError::Overflow { what })
+}
+
+/// The largest count (rows, tokens, bytes) a plan may return: callers keep
+/// them in signed 64-bit integers (numpy int64, torch sizes).
+pub const MAX_COUNT: u64 = i64::MAX as u64;
+
+/// `value` when it fits [`MAX_COUNT`]; [`PlanError::Overflow`] otherwise.
+pub(crate) fn count(what: &'static str, value: u64) -> Result<u64> {
+    if value > MAX_COUNT {
+        return Err(PlanError::Overflow { what });
+    }
+    Ok(value)
+}
+
+/// A product of byte or row factors that must fit [`MAX_COUNT`].
+pub(crate) fn mul_count(what: &'static str, factors: &[u64]) -> Result<u64> {
+    count(what, mul(what, factors)?)
 }

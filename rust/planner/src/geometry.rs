@@ -103,11 +103,13 @@ impl FromStr for KvDtype {
     }
 }
 
-pub(crate) fn check_heads(num_heads: u32) -> Result<()> {
+/// Query heads per rank must be 1 to 128: the kernels run 64 or 128 padded
+/// heads. Every planner taking a head count checks it with this.
+pub fn check_heads(num_heads: u32) -> Result<()> {
     if num_heads == 0 || num_heads > 128 {
         return Err(PlanError::InvalidArgument {
             what: "num_heads (query heads per rank)",
-            rule: "between 1 and 128",
+            rule: "between 1 and 128 (the kernels run 64 or 128 padded heads); pass the heads of one tensor-parallel rank",
             got: num_heads.to_string(),
         });
     }

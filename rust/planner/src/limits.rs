@@ -9,6 +9,14 @@ pub const INT32_STRIDE_LIMIT: u64 = i32::MAX as u64;
 /// Query tokens go on a CUDA grid dimension of at most 65,535 blocks.
 pub const GRID_LIMIT: u64 = 65_535;
 
+/// The most KV rows (context + new tokens, all requests together) one call
+/// of a planner takes. 2^40 rows of the smallest KV cache (656 bytes a row)
+/// would be 721 TB, far past any GPU's memory, so larger sizes are mistakes;
+/// refusing them keeps every row, token and offset of a plan exact in the
+/// signed 64-bit integers callers store them in, with room for the
+/// products the planners form.
+pub const MAX_ROWS: u64 = 1 << 40;
+
 /// Which limit caps the tokens of one kernel call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HardLimit {

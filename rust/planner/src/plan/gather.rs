@@ -4,7 +4,8 @@
 
 use std::ops::Range;
 
-use crate::error::{PlanError, Result};
+use super::check_rows;
+use crate::error::{add, check_launches, PlanError, Result};
 
 /// One prefill request of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,10 +17,24 @@ pub struct PrefillRequest {
 }
 
 impl PrefillRequest {
-    /// KV rows the request's last query token can attend to.
+    /// KV rows the request's last query token can attend to. Saturates
+    /// where the sum does not fit; the planners refuse such requests first
+    /// (see [`checked_seq_len`](Self::checked_seq_len)).
     pub fn seq_len(&self) -> u64 {
-        self.context_len + self.query_len
+        self.context_len.saturating_add(self.query_len)
     }
+
+    /// [`seq_len`](Self::seq_len), or [`PlanError::Overflow`] where it does not fit.
+    pub fn checked_seq_len(&self) -> Result<u64> {
+        add("seq_len (context_len + query_len)", self.context_len, self.query_len)
+    }
+}
+
+/// The requests' KV rows all together, refused past
+/// [`MAX_ROWS`](crate::limits::MAX_ROWS): within it, no row, key or token
+/// count of a plan over them can wrap or pass `i64::MAX`.
+pub(crate) fn check_requests(requests: &[PrefillRequest]) -> Result<u64> {
+    check_rows("the requests' KV rows (context_lens + query_lens, summed)", requests.iter().map(PrefillRequest::seq_len))
 }
 
 /// One gather into the workspace and the prefill launch(es) that read it.
@@ -39,7 +54,7 @@ impl GatherChunk {
     pub fn rows(&self) -> u64 {
         match self {
             GatherChunk::Requests { rows, .. } => *rows,
-            GatherChunk::Split { keys, .. } => keys.end - keys.start,
+            GatherChunk::Split { keys, .. } => keys.end.saturating_sub(keys.start),
         }
     }
 }
@@ -57,14 +72,18 @@ fn check_workspace(workspace_rows: u64) -> Result<()> {
 
 /// Greedy runs of contiguous requests whose rows fit the workspace, one
 /// request at least per run: vLLM's `split_prefill_chunks` contract. A
-/// request longer than the workspace ends up alone in its run.
-fn greedy_runs(seq_lens: &[u64], workspace_rows: u64) -> Vec<(Range<usize>, u64)> {
-    let mut runs = Vec::new();
+/// request longer than the workspace ends up alone in its run. An iterator,
+/// so the runs can be counted before any is stored.
+fn greedy_runs(seq_lens: &[u64], workspace_rows: u64) -> impl Iterator<Item = (Range<usize>, u64)> + '_ {
     let mut i = 0;
-    while i < seq_lens.len() {
+    std::iter::from_fn(move || {
+        if i >= seq_lens.len() {
+            return None;
+        }
         let (start, mut rows) = (i, 0u64);
-        while i < seq_lens.len() && rows.saturating_add(seq_lens[i]) <= workspace_rows {
-            rows += seq_lens[i];
+        // `rows` never passes `workspace_rows`, so the sum cannot wrap.
+        while let Some(next) = seq_lens.get(i).and_then(|&s| rows.checked_add(s)).filter(|&r| r <= workspace_rows) {
+            rows = next;
             i += 1;
         }
         if i == start {
@@ -72,9 +91,21 @@ fn greedy_runs(seq_lens: &[u64], workspace_rows: u64) -> Vec<(Range<usize>, u64)
             rows = seq_lens[i];
             i += 1;
         }
-        runs.push((start..i, rows));
+        Some((start..i, rows))
+    })
+}
+
+/// Gathers (and prefill launches) one oversize request takes when split
+/// by [`split_request`]: a piece in key window `j` reads windows `0..=j`,
+/// and the pieces run over the windows holding the request's new tokens.
+fn split_launches(req: PrefillRequest, w: u64) -> u64 {
+    if req.query_len == 0 {
+        return 0;
     }
-    runs
+    let (first, last) = (req.context_len / w, (req.seq_len() - 1) / w);
+    // Sum of (j + 1) for j in first..=last; u128 because it is quadratic.
+    let triangle = |n: u64| u128::from(n) * (u128::from(n) + 1) / 2;
+    u64::try_from(triangle(last + 1) - triangle(first)).unwrap_or(u64::MAX)
 }
 
 /// vLLM's `split_prefill_chunks`: the same request ranges wherever vLLM's
@@ -91,7 +122,9 @@ pub fn split_prefill_chunks(seq_lens: &[u64], workspace_rows: u64) -> Result<Vec
             hint: "pass the query lengths (plan_gather_chunks) so the request is split instead".into(),
         });
     }
-    Ok(greedy_runs(seq_lens, workspace_rows).into_iter().map(|(r, _)| r).collect())
+    let launches = greedy_runs(seq_lens, workspace_rows).count() as u64;
+    check_launches("the gather chunks", launches, "give a larger gather workspace, or pass fewer requests at once")?;
+    Ok(greedy_runs(seq_lens, workspace_rows).map(|(r, _)| r).collect())
 }
 
 /// Gather chunks for a prefill set: [`split_prefill_chunks`] where every
@@ -101,20 +134,20 @@ pub fn split_prefill_chunks(seq_lens: &[u64], workspace_rows: u64) -> Result<Vec
 /// new tokens needs no launch and gets none.
 pub fn plan_gather_chunks(requests: &[PrefillRequest], workspace_rows: u64) -> Result<Vec<GatherChunk>> {
     check_workspace(workspace_rows)?;
-    let seq_lens = requests
-        .iter()
-        .map(|r| r.context_len.checked_add(r.query_len).ok_or(PlanError::Overflow { what: "seq_len" }))
-        .collect::<Result<Vec<u64>>>()?;
-    let runs = greedy_runs(&seq_lens, workspace_rows);
-    let launches = runs.iter().fold(0u64, |acc, (run, rows)| {
-        // A split request of k windows takes up to k(k+1)/2 launches.
-        let k = rows.div_ceil(workspace_rows);
-        let split = if k > 1 { k.saturating_mul(k + 1) / 2 } else { 1 };
-        acc.saturating_add(if run.len() == 1 { split } else { 1 })
+    check_requests(requests)?;
+    let seq_lens: Vec<u64> = requests.iter().map(PrefillRequest::seq_len).collect();
+    let launches = greedy_runs(&seq_lens, workspace_rows).fold(0u64, |acc, (run, rows)| {
+        let n = if rows <= workspace_rows { 1 } else { split_launches(requests[run.start], workspace_rows) };
+        acc.saturating_add(n)
     });
-    crate::error::check_launches("the gather plan", launches, "give a larger gather workspace")?;
-    let mut chunks = Vec::new();
-    for (run, rows) in runs {
+    check_launches(
+        "the gather plan",
+        launches,
+        "give a larger gather workspace (a request n workspaces long takes up to n(n+1)/2 gathers)",
+    )?;
+    // Counted exactly above, so this is the only allocation of chunks.
+    let mut chunks = Vec::with_capacity(launches as usize);
+    for (run, rows) in greedy_runs(&seq_lens, workspace_rows) {
         if rows <= workspace_rows {
             chunks.push(GatherChunk::Requests { requests: run, rows });
         } else {
@@ -128,13 +161,15 @@ fn split_request(request: usize, req: PrefillRequest, w: u64, out: &mut Vec<Gath
     let (first, end) = (req.context_len, req.seq_len());
     let mut piece_start = first;
     while piece_start < end {
-        let window = piece_start / w;
-        let piece_end = end.min((window + 1) * w);
+        // The end of the key window holding `piece_start`; saturating, it
+        // still lies past `piece_start`, so every turn makes progress.
+        let window_end = (piece_start - piece_start % w).saturating_add(w);
+        let piece_end = end.min(window_end);
         let query = piece_start - first..piece_end - first;
         // Keys [0, piece_end) in windows of w rows.
         let mut k = 0;
         while k < piece_end {
-            let keys = k..piece_end.min(k + w);
+            let keys = k..piece_end.min(k.saturating_add(w));
             k = keys.end;
             out.push(GatherChunk::Split { request, query: query.clone(), keys });
         }

@@ -4,7 +4,8 @@
 
 use std::ops::Range;
 
-use crate::error::{PlanError, Result};
+use super::check_rows;
+use crate::error::{check_launches, PlanError, Result, MAX_COUNT};
 
 /// One `fp8_mqa_logits` call: requests `[start, end)` and the rows `query`
 /// of their concatenated queries (starting at 0 for each request range).
@@ -17,9 +18,10 @@ pub struct IndexerChunk {
 }
 
 impl IndexerChunk {
-    /// Bytes of this call's logits matrix.
+    /// Bytes of this call's logits matrix. A chunk the planner returns never
+    /// passes `i64::MAX`; one built by hand saturates rather than wraps.
     pub fn logits_bytes(&self) -> u64 {
-        (self.query.end - self.query.start) * self.kv_rows * 4
+        self.query.end.saturating_sub(self.query.start).saturating_mul(self.kv_rows).saturating_mul(4)
     }
 }
 
@@ -27,7 +29,8 @@ impl IndexerChunk {
 /// input: greedy while `N <= workspace_rows` and `M * N <= budget / 4`; one
 /// request that fits neither alone is taken alone and split into query
 /// pieces of `max(1, budget / 4 / N)` rows. A request with no query rows
-/// gets no chunk.
+/// gets no chunk. A budget past `i64::MAX` bytes counts as `i64::MAX`
+/// (no logits matrix is that large), so every chunk's logits fit an `i64`.
 pub fn split_indexer_prefill_chunks(
     seq_lens: &[u64],
     query_lens: &[u64],
@@ -42,15 +45,52 @@ pub fn split_indexer_prefill_chunks(
             expected: seq_lens.len(),
         });
     }
-    let max_elems = u128::from(max_logits_bytes / 4);
+    if let Some(i) = (0..seq_lens.len()).find(|&i| query_lens[i] > seq_lens[i]) {
+        return Err(PlanError::InvalidArgument {
+            what: "query_lens",
+            rule: "at most seq_lens at the same index (a request's new tokens are part of its sequence)",
+            got: format!("query_lens[{i}] = {} with seq_lens[{i}] = {}", query_lens[i], seq_lens[i]),
+        });
+    }
+    // Within this bound, and with every query length at most its sequence
+    // length, the sums below cannot wrap.
+    check_rows("the indexer's KV rows (seq_lens, summed)", seq_lens.iter().copied())?;
+    let max_elems = max_logits_bytes.min(MAX_COUNT) / 4;
+    let runs = greedy_runs(seq_lens, query_lens, workspace_rows, max_elems);
+    // Query rows one call of a run takes.
+    let rows_per_call = |m: u64, kv: u64| max_elems.checked_div(kv).unwrap_or(m).max(1);
+    let launches = runs.iter().fold(0u64, |acc, &(_, m, kv)| acc.saturating_add(m.div_ceil(rows_per_call(m, kv))));
+    check_launches(
+        "the indexer plan",
+        launches,
+        "give a larger max_logits_bytes: one call takes max_logits_bytes / 4 / kv_rows query rows",
+    )?;
+    // Counted exactly above, so this is the only allocation of chunks.
+    let mut chunks = Vec::with_capacity(launches as usize);
+    for (requests, m, kv) in runs {
+        let max_q = rows_per_call(m, kv);
+        let mut q = 0;
+        while q < m {
+            let piece = max_q.min(m - q);
+            chunks.push(IndexerChunk { requests: requests.clone(), query: q..q + piece, kv_rows: kv });
+            q += piece;
+        }
+    }
+    Ok(chunks)
+}
+
+/// vLLM's greedy runs: `(requests, query rows M, KV rows N)` of each, the
+/// next request joining while `N <= workspace_rows` and `M * N <= max_elems`,
+/// one request at least per run. At most one run per request.
+fn greedy_runs(seq_lens: &[u64], query_lens: &[u64], workspace_rows: u64, max_elems: u64) -> Vec<(Range<usize>, u64, u64)> {
     let n = seq_lens.len();
-    let mut chunks = Vec::new();
+    let mut runs = Vec::new();
     let mut end = 0;
     while end < n {
         let (start, mut m, mut kv) = (end, 0u64, 0u64);
         while end < n {
             let (new_m, new_kv) = (m + query_lens[end], kv + seq_lens[end]);
-            if new_kv <= workspace_rows && u128::from(new_m) * u128::from(new_kv) <= max_elems {
+            if new_kv <= workspace_rows && u128::from(new_m) * u128::from(new_kv) <= u128::from(max_elems) {
                 (m, kv) = (new_m, new_kv);
                 end += 1;
             } else {
@@ -61,15 +101,9 @@ pub fn split_indexer_prefill_chunks(
             (m, kv) = (query_lens[end], seq_lens[end]);
             end += 1;
         }
-        let max_q = if kv > 0 { (max_elems / u128::from(kv)).max(1) as u64 } else { m.max(1) };
-        let mut q = 0;
-        while q < m {
-            let piece = max_q.min(m - q);
-            chunks.push(IndexerChunk { requests: start..end, query: q..q + piece, kv_rows: kv });
-            q += piece;
-        }
+        runs.push((start..end, m, kv));
     }
-    Ok(chunks)
+    runs
 }
 
 #[cfg(test)]

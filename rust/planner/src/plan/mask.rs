@@ -5,8 +5,9 @@
 
 use std::ops::Range;
 
+use super::gather::check_requests;
 use super::PrefillRequest;
-use crate::error::Result;
+use crate::error::{check_launches, PlanError, Result};
 use crate::scratch::{topk_mask_shape, MaskShape, GLOBAL_TOPK_MASK_MAX_BYTES};
 
 /// How one group of prefills is attended.
@@ -82,8 +83,8 @@ impl MaskSet {
     /// Bytes of the largest mask built at once (masks reuse the workspace
     /// one after another).
     pub fn peak_bytes(&self) -> Result<u64> {
-        if self.global_fits {
-            return self.global.expect("global_fits implies a global mask").bytes();
+        if let (true, Some(global)) = (self.global_fits, self.global) {
+            return global.bytes();
         }
         let suffix = self.suffix.bytes()?;
         Ok(match self.context_chunk {
@@ -94,9 +95,14 @@ impl MaskSet {
 }
 
 /// Whether a mask of `shape` fits a workspace of `workspace_bytes`, counted
-/// in int32 words as vLLM counts them.
+/// in int32 words as vLLM counts them. A mask too large to count fits no
+/// workspace.
 fn fits_workspace(shape: &MaskShape, workspace_bytes: u64) -> Result<bool> {
-    Ok(shape.bytes()? / 4 <= workspace_bytes / 4)
+    match shape.bytes() {
+        Ok(bytes) => Ok(bytes / 4 <= workspace_bytes / 4),
+        Err(PlanError::Overflow { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// vLLM's `_masked_mha_workspace_fits`: one shape bounds the suffix mask and
@@ -118,29 +124,86 @@ fn fit_test_shape(batch_size: u64, max_query_len: u64, max_context_chunk_seq_len
 
 /// The masks of `requests` taken as one prefill set.
 pub fn prefill_masks(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<MaskSet> {
-    let batch = requests.len() as u64;
-    let max_q = requests.iter().map(|r| r.query_len).max().unwrap_or(0);
-    let max_seq = requests.iter().map(PrefillRequest::seq_len).max().unwrap_or(0);
-    let with_context: Vec<_> = requests.iter().filter(|r| r.context_len > 0).collect();
-    let chunk_keys = with_context.iter().map(|r| r.context_len.min(cfg.context_chunk_rows)).max().unwrap_or(0);
+    check_requests(requests)?;
+    SetSummary::of(requests, cfg).masks(cfg)
+}
 
-    let suffix = topk_mask_shape(batch, max_q, max_q, false)?;
-    let (context_chunk, global) = if with_context.is_empty() {
-        (None, None)
-    } else {
-        let chunk_q = with_context.iter().map(|r| r.query_len).max().unwrap_or(0);
-        (
-            Some(topk_mask_shape(with_context.len() as u64, chunk_q, chunk_keys, false)?),
-            Some(topk_mask_shape(batch, max_q, max_seq, true)?),
-        )
-    };
-    let fit_test = fit_test_shape(batch, max_q, chunk_keys)?;
-    let fits = fits_workspace(&fit_test, cfg.workspace_bytes)?;
-    let global_fits = match &global {
-        Some(g) => fits_workspace(g, cfg.workspace_bytes)?,
-        None => false,
-    };
-    Ok(MaskSet { suffix, context_chunk, global, fit_test, fits, global_fits })
+/// Everything the masks and the route of a prefill set depend on: counts
+/// and maxima, so a group grows one request at a time without rescanning
+/// it.
+#[derive(Debug, Clone, Copy, Default)]
+struct SetSummary {
+    batch: u64,
+    max_q: u64,
+    max_seq: u64,
+    /// Requests with context, and the longest query among them.
+    with_context: u64,
+    context_max_q: u64,
+    /// The longest per-request context slice one context chunk holds.
+    chunk_keys: u64,
+}
+
+impl SetSummary {
+    fn of(requests: &[PrefillRequest], cfg: &MaskConfig) -> Self {
+        requests.iter().fold(SetSummary::default(), |set, r| set.with(r, cfg))
+    }
+
+    /// The set with `r` added. Counts are at most the requests' number and
+    /// maxima at most one request's size, so nothing here can wrap.
+    fn with(self, r: &PrefillRequest, cfg: &MaskConfig) -> Self {
+        let mut set = SetSummary {
+            batch: self.batch + 1,
+            max_q: self.max_q.max(r.query_len),
+            max_seq: self.max_seq.max(r.seq_len()),
+            ..self
+        };
+        if r.context_len > 0 {
+            set.with_context += 1;
+            set.context_max_q = set.context_max_q.max(r.query_len);
+            set.chunk_keys = set.chunk_keys.max(r.context_len.min(cfg.context_chunk_rows));
+        }
+        set
+    }
+
+    fn masks(&self, cfg: &MaskConfig) -> Result<MaskSet> {
+        let SetSummary { batch, max_q, max_seq, with_context, context_max_q, chunk_keys } = *self;
+        let suffix = topk_mask_shape(batch, max_q, max_q, false)?;
+        let (context_chunk, global) = if with_context == 0 {
+            (None, None)
+        } else {
+            (
+                Some(topk_mask_shape(with_context, context_max_q, chunk_keys, false)?),
+                Some(topk_mask_shape(batch, max_q, max_seq, true)?),
+            )
+        };
+        let fit_test = fit_test_shape(batch, max_q, chunk_keys)?;
+        let fits = fits_workspace(&fit_test, cfg.workspace_bytes)?;
+        let global_fits = match &global {
+            Some(g) => fits_workspace(g, cfg.workspace_bytes)?,
+            None => false,
+        };
+        Ok(MaskSet { suffix, context_chunk, global, fit_test, fits, global_fits })
+    }
+
+    fn route(&self, cfg: &MaskConfig) -> Result<(PrefillRoute, MaskSet)> {
+        let masks = self.masks(cfg)?;
+        let route = if cfg.force_mqa {
+            PrefillRoute::SparseMqa
+        } else if self.max_seq <= u64::from(cfg.topk) {
+            PrefillRoute::DenseMha
+        } else if cfg.available && masks.fits {
+            PrefillRoute::MaskedMha
+        } else {
+            PrefillRoute::SparseMqa
+        };
+        Ok((route, masks))
+    }
+
+    fn group(&self, requests: Range<usize>, cfg: &MaskConfig) -> Result<PrefillGroup> {
+        let (route, masks) = self.route(cfg)?;
+        let mask_bytes = if route == PrefillRoute::MaskedMha { masks.peak_bytes()? } else { 0 };
+        Ok(PrefillGroup { requests, route, mask_bytes })
+    }
 }
 
 /// A contiguous group of prefills and how it is attended.
@@ -152,33 +215,13 @@ pub struct PrefillGroup {
     pub mask_bytes: u64,
 }
 
-fn route_of(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<(PrefillRoute, MaskSet)> {
-    let masks = prefill_masks(requests, cfg)?;
-    let max_seq = requests.iter().map(PrefillRequest::seq_len).max().unwrap_or(0);
-    let route = if cfg.force_mqa {
-        PrefillRoute::SparseMqa
-    } else if max_seq <= u64::from(cfg.topk) {
-        PrefillRoute::DenseMha
-    } else if cfg.available && masks.fits {
-        PrefillRoute::MaskedMha
-    } else {
-        PrefillRoute::SparseMqa
-    };
-    Ok((route, masks))
-}
-
-fn group(range: Range<usize>, requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<PrefillGroup> {
-    let (route, masks) = route_of(&requests[range.clone()], cfg)?;
-    let mask_bytes = if route == PrefillRoute::MaskedMha { masks.peak_bytes()? } else { 0 };
-    Ok(PrefillGroup { requests: range, route, mask_bytes })
-}
-
 /// vLLM's decision: one route for the whole prefill set.
 pub fn route_prefills_stock(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<Vec<PrefillGroup>> {
     if requests.is_empty() {
         return Ok(vec![]);
     }
-    Ok(vec![group(0..requests.len(), requests, cfg)?])
+    check_requests(requests)?;
+    Ok(vec![SetSummary::of(requests, cfg).group(0..requests.len(), cfg)?])
 }
 
 /// The fewest contiguous groups that each run as MHA (dense or masked); a
@@ -189,23 +232,30 @@ pub fn plan_prefill_groups(requests: &[PrefillRequest], cfg: &MaskConfig) -> Res
     if !cfg.available {
         return route_prefills_stock(requests, cfg);
     }
-    let runs_as_mha = |range: Range<usize>| -> Result<bool> {
-        Ok(route_of(&requests[range], cfg)?.0 != PrefillRoute::SparseMqa)
-    };
+    check_requests(requests)?;
+    let runs_as_mha = |set: &SetSummary| -> Result<bool> { Ok(set.route(cfg)?.0 != PrefillRoute::SparseMqa) };
+    let alone = |i: usize| SetSummary::default().with(&requests[i], cfg);
     let mut groups: Vec<PrefillGroup> = Vec::new();
     let mut start = 0;
     while start < requests.len() {
+        let mut set = alone(start);
         let mut end = start + 1;
-        if runs_as_mha(start..end)? {
-            while end < requests.len() && runs_as_mha(start..end + 1)? {
-                end += 1;
+        if runs_as_mha(&set)? {
+            while end < requests.len() {
+                let grown = set.with(&requests[end], cfg);
+                if !runs_as_mha(&grown)? {
+                    break;
+                }
+                (set, end) = (grown, end + 1);
             }
         } else {
-            while end < requests.len() && !runs_as_mha(end..end + 1)? {
-                end += 1;
+            while end < requests.len() && !runs_as_mha(&alone(end))? {
+                (set, end) = (set.with(&requests[end], cfg), end + 1);
             }
         }
-        groups.push(group(start..end, requests, cfg)?);
+        // Every group is at least one attention call of the step.
+        check_launches("the prefill groups", groups.len() as u64 + 1, "pass fewer prefill requests at once")?;
+        groups.push(set.group(start..end, cfg)?);
         start = end;
     }
     Ok(groups)
@@ -282,9 +332,14 @@ mod tests {
         assert_eq!(groups[0].route, PrefillRoute::SparseMqa);
     }
 
+    /// The route of a set taken whole, as vLLM decides it.
+    fn route_of(requests: &[PrefillRequest], cfg: &MaskConfig) -> PrefillRoute {
+        route_prefills_stock(requests, cfg).unwrap()[0].route
+    }
+
     /// Fewest contiguous groups, by dynamic programming over every cut.
     fn brute_force(reqs: &[PrefillRequest], cfg: &MaskConfig) -> usize {
-        let ok = |a: usize, b: usize| route_of(&reqs[a..b], cfg).unwrap().0 != PrefillRoute::SparseMqa;
+        let ok = |a: usize, b: usize| route_of(&reqs[a..b], cfg) != PrefillRoute::SparseMqa;
         let mut best = vec![usize::MAX; reqs.len() + 1];
         best[0] = 0;
         for end in 1..=reqs.len() {

@@ -3,7 +3,7 @@
 //! launches whose whole transient fits the budget and no hard limit.
 
 use super::{Bound, Launch};
-use crate::error::{Bytes, PlanError, Result};
+use crate::error::{check_launches, Bytes, PlanError, Result, MAX_LAUNCHES};
 use crate::geometry::{decode_padded_heads, Gpu};
 use crate::limits::max_tokens_per_launch;
 use crate::scratch::{decode_scratch, Breakdown, DecodeShape};
@@ -188,22 +188,30 @@ pub fn plan_mixed_batch(num_tokens: u64, cfg: &MixedBatchConfig) -> Result<Mixed
     } else {
         Bound::Budget
     };
+    // No budget helps once the hard limit alone needs too many launches.
+    let hint = if num_tokens.div_ceil(max_tokens) > MAX_LAUNCHES {
+        "plan fewer tokens at once: even launches at the kernel's hard limit are too many"
+    } else {
+        "give a larger budget"
+    };
     let first = num_tokens.div_ceil(feasible.max);
-    crate::error::check_launches("the mixed-batch step", first, "give a larger budget")?;
-    let mut groups = (first..=num_tokens)
+    check_launches("the mixed-batch step", first, hint)?;
+    let mut groups = (first..=num_tokens.min(MAX_LAUNCHES))
         .find_map(|n| split_into(num_tokens, n, &feasible))
-        // Unreachable: n = num_tokens needs length 1, the cheapest length.
-        .ok_or(PlanError::Overflow { what: "mixed-batch partition" })?;
+        .ok_or(PlanError::TooManyLaunches { what: "the mixed-batch step", launches: MAX_LAUNCHES + 1, hint })?;
+    let count = |groups: &[(u64, u64)]| groups.iter().fold(0u64, |acc, &(_, c)| acc.saturating_add(c));
     if cfg.align_waves && bound != Bound::Unbounded {
-        let launches: u64 = groups.iter().map(|&(_, c)| c).sum();
+        let launches = count(&groups);
         if let Some(aligned) = wave_aligned(num_tokens, feasible.max, wave_tokens(cfg.gpu, padded)) {
-            if aligned.iter().map(|&(_, c)| c).sum::<u64>() <= launches + 1 {
+            let aligned_launches = count(&aligned);
+            if aligned_launches <= launches.saturating_add(1) && aligned_launches <= MAX_LAUNCHES {
                 groups = aligned;
             }
         }
     }
 
-    let mut launches = Vec::new();
+    // At most MAX_LAUNCHES, checked above, so this is the only allocation.
+    let mut launches = Vec::with_capacity(count(&groups) as usize);
     let mut start = 0;
     let mut peak_bytes = 0;
     for (len, count) in groups {

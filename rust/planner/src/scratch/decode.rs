@@ -50,20 +50,20 @@ pub fn decode_scratch(gpu: Gpu, shape: DecodeShape) -> Result<Breakdown> {
     let rows = mul("decode rows (batch x s_q x heads)", &[batch, s_q, h])?;
     let mut bd = Breakdown::default();
     if u64::from(num_heads) < h {
-        bd.push("q_padded", mul("q_padded", &[rows, D_QK, 2])?);
+        bd.push("q_padded", mul("q_padded", &[rows, D_QK, 2])?)?;
     }
     if split_kv_enabled(gpu.arch, topk) {
         let parts = num_sm_parts(gpu, s_q, h as u32);
         let accum_rows = mul("o_accum", &[add("o_accum", batch, parts)?, s_q, h])?;
-        bd.push("o_accum", mul("o_accum", &[accum_rows, D_V, 4])?);
-        bd.push("lse_accum", mul("lse_accum", &[accum_rows, 4])?);
+        bd.push("o_accum", mul("o_accum", &[accum_rows, D_V, 4])?)?;
+        bd.push("lse_accum", mul("lse_accum", &[accum_rows, 4])?)?;
     }
     if !out_preallocated {
-        bd.push("out", mul("out", &[rows, D_V, 2])?);
+        bd.push("out", mul("out", &[rows, D_V, 2])?)?;
     }
-    bd.push("lse", mul("lse", &[rows, 4])?);
+    bd.push("lse", mul("lse", &[rows, 4])?)?;
     if translated_indices {
-        bd.push("slot_indices", mul("slot_indices", &[batch, s_q, u64::from(topk), 4])?);
+        bd.push("slot_indices", mul("slot_indices", &[batch, s_q, u64::from(topk), 4])?)?;
     }
     Ok(bd)
 }

@@ -1,7 +1,7 @@
 //! The bit-packed top-k mask of the masked-MHA prefill path (SM100, FA4,
 //! BF16 KV): one bit per (query row, key), 32 keys per int32 word.
 
-use crate::error::{add, mul, Result};
+use crate::error::{add, count, mul_count, Result};
 
 /// vLLM's fixed workspace for the mask (`GLOBAL_TOPK_MASK_MAX_BYTES`).
 pub const GLOBAL_TOPK_MASK_MAX_BYTES: u64 = 128 << 20;
@@ -18,7 +18,7 @@ pub struct MaskShape {
 
 impl MaskShape {
     pub fn bytes(&self) -> Result<u64> {
-        mul("top-k mask", &[self.batch, self.rows, self.words, 4])
+        mul_count("top-k mask", &[self.batch, self.rows, self.words, 4])
     }
 }
 
@@ -32,9 +32,10 @@ pub fn topk_mask_shape(
     reserve_key_starts_word: bool,
 ) -> Result<MaskShape> {
     let tile_m = if max_query_len <= 128 { 128 } else { 256 };
-    let rows = mul("top-k mask rows", &[max_query_len.div_ceil(tile_m), tile_m])?;
+    let rows = mul_count("top-k mask rows", &[max_query_len.div_ceil(tile_m), tile_m])?;
     let words = add("top-k mask words", max_key_len.div_ceil(32), u64::from(reserve_key_starts_word))?;
-    let words = mul("top-k mask words", &[words.div_ceil(4), 4])?;
+    let words = mul_count("top-k mask words", &[words.div_ceil(4), 4])?;
+    count("top-k mask batch", batch_size)?;
     Ok(MaskShape { batch: batch_size, rows, words })
 }
 

@@ -14,6 +14,8 @@ pub use indexer::indexer_logits_bytes;
 pub use mask::{topk_mask_bytes, topk_mask_shape, MaskShape, GLOBAL_TOPK_MASK_MAX_BYTES};
 pub use prefill::{gather_workspace_bytes, prefill_scratch, PrefillShape};
 
+use crate::error::{add, count, Result};
+
 /// One buffer of a kernel call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Buffer {
@@ -30,8 +32,13 @@ pub struct Breakdown {
 }
 
 impl Breakdown {
-    pub(crate) fn push(&mut self, name: &'static str, bytes: u64) {
+    /// Add a buffer, refusing it when the buffers together would pass
+    /// `i64::MAX` bytes: each buffer may fit while their sum does not.
+    pub(crate) fn push(&mut self, name: &'static str, bytes: u64) -> Result<()> {
+        const WHAT: &str = "the scratch total (all buffers of the call)";
+        count(WHAT, add(WHAT, self.total_bytes(), bytes)?)?;
         self.buffers.push(Buffer { name, bytes });
+        Ok(())
     }
 
     /// Bytes of one named buffer; 0 when the call does not allocate it.
@@ -41,8 +48,8 @@ impl Breakdown {
 
     /// All buffers live at once: the call's transient peak.
     pub fn total_bytes(&self) -> u64 {
-        // Each buffer was built with checked arithmetic and the largest
-        // shapes accepted keep the sum far below u64::MAX.
-        self.buffers.iter().map(|b| b.bytes).sum()
+        // A breakdown the crate builds never passes i64::MAX (see `push`);
+        // one built by hand saturates rather than wraps.
+        self.buffers.iter().fold(0u64, |acc, b| acc.saturating_add(b.bytes))
     }
 }

@@ -2,7 +2,7 @@
 //! workspace the FP8 "separate" path gathers the cache into first.
 
 use super::Breakdown;
-use crate::error::{mul, Result};
+use crate::error::{mul, mul_count, Result};
 use crate::geometry::{check_topk, prefill_padded_heads, Arch, D_QK, D_V};
 
 /// One call of the sparse prefill kernel.
@@ -26,16 +26,16 @@ pub fn prefill_scratch(arch: Arch, shape: PrefillShape) -> Result<Breakdown> {
     let rows = mul("prefill rows (s_q x heads)", &[s_q, h])?;
     let mut bd = Breakdown::default();
     if u64::from(num_heads) < h {
-        bd.push("q_padded", mul("q_padded", &[rows, D_QK, 2])?);
+        bd.push("q_padded", mul("q_padded", &[rows, D_QK, 2])?)?;
     }
     if !out_preallocated {
-        bd.push("out", mul("out", &[rows, D_V, 2])?);
+        bd.push("out", mul("out", &[rows, D_V, 2])?)?;
     }
-    bd.push("max_logits", mul("max_logits", &[rows, 4])?);
-    bd.push("lse", mul("lse", &[rows, 4])?);
+    bd.push("max_logits", mul("max_logits", &[rows, 4])?)?;
+    bd.push("lse", mul("lse", &[rows, 4])?)?;
     if translated_indices {
-        bd.push("workspace_indices", mul("workspace_indices", &[s_q, u64::from(topk), 4])?);
-        bd.push("topk_length", mul("topk_length", &[s_q, 4])?);
+        bd.push("workspace_indices", mul("workspace_indices", &[s_q, u64::from(topk), 4])?)?;
+        bd.push("topk_length", mul("topk_length", &[s_q, 4])?)?;
     }
     Ok(bd)
 }
@@ -43,7 +43,7 @@ pub fn prefill_scratch(arch: Arch, shape: PrefillShape) -> Result<Breakdown> {
 /// Bytes of the BF16 workspace holding `rows` gathered and up-converted KV
 /// rows (576 x bf16 each).
 pub fn gather_workspace_bytes(rows: u64) -> Result<u64> {
-    mul("gather workspace", &[rows, D_QK, 2])
+    mul_count("gather workspace", &[rows, D_QK, 2])
 }
 
 #[cfg(test)]
