@@ -96,8 +96,14 @@ def test_65536_tokens_in_one_call_is_impossible() -> None:
         (lambda: mp.split_prefill_chunks([1, 9], 5), "request 1 needs 9 rows"),
         (lambda: mp.plan_gather_chunks([1, 2], [0], 5), "must match"),
         (lambda: mp.split_indexer_prefill_chunks([1, 2], [1], 5, 100), "must match"),
-        (lambda: mp.plan_step([1], [0], 2, num_heads=16, budget_bytes=GIB, gather_workspace_rows=10, indexer_workspace_rows=10), "num_decodes"),
-        (lambda: mp.plan_step([1], [0], 0, num_heads=16, budget_bytes=GIB, kv_dtype="int4", gather_workspace_rows=10, indexer_workspace_rows=10), "KV-cache dtype"),
+        (lambda: mp.plan_step([1], [0], 2, mp.StepConfig(16, gather_workspace_rows=10, indexer_workspace_rows=10)), "num_decodes"),
+        (lambda: mp.plan_step([1], [0], 0, mp.StepConfig(16, kv_dtype="int4", gather_workspace_rows=10, indexer_workspace_rows=10)), "KV-cache dtype"),
+        (lambda: mp.plan_step([1, 2], [0, 0], 2, mp.StepConfig(16, max_model_len=1000)), "decode query lengths"),
+        (lambda: mp.plan_step([65], [0], 1, mp.StepConfig(16, max_model_len=1000)), "between 1 and 64"),
+        (lambda: mp.plan_step([0], [0], 1, mp.StepConfig(16, max_model_len=1000)), "between 1 and 64"),
+        (lambda: mp.plan_step([1, 0], [0, 0], 1, mp.StepConfig(16, max_model_len=1000)), "prefill query lengths must be at least 1"),
+        (lambda: mp.step_mode(0), "between 1 and 128"),
+        (lambda: mp.step_mode(10**9), "between 1 and 128"),
     ],
 )
 def test_bad_input_raises_value_error(call: Callable[[], object], fragment: str) -> None:
@@ -129,7 +135,10 @@ def test_fuzzed_arguments_raise_only_value_error(a: object, b: object, c: object
         lambda: mp.plan_gather_chunks(a, b, c),  # type: ignore[arg-type]
         lambda: mp.split_indexer_prefill_chunks(a, b, c, d),  # type: ignore[arg-type]
         lambda: mp.plan_prefill_groups(a, b, topk=c),  # type: ignore[arg-type]
-        lambda: mp.plan_step(a, b, c, num_heads=d, budget_bytes=GIB, gather_workspace_rows=1000, indexer_workspace_rows=1000),  # type: ignore[arg-type]
+        lambda: mp.plan_step(a, b, c, mp.StepConfig(d, gather_workspace_rows=1000, indexer_workspace_rows=1000)),  # type: ignore[arg-type]
+        lambda: mp.StepConfig(16, scratch_budget_bytes=a, max_model_len=b, topk=c, num_sms=d),  # type: ignore[arg-type]
+        lambda: mp.StepConfig(16, max_model_len=1000).replace(gather_workspace_rows=a, indexer_logits_bytes=b, num_heads=c),
+        lambda: mp.step_mode(a),  # type: ignore[arg-type]
     ]
     for call in calls:
         try:
@@ -202,25 +211,39 @@ def test_prefill_groups_keep_masked_mha() -> None:
 
 
 def test_plan_step_mixed_batch() -> None:
-    plan = mp.plan_step(
-        [1, 1, 32768], [100, 5000, 0], 2, num_heads=16, budget_bytes=GIB,
-        gather_workspace_rows=70_000 * 5, indexer_workspace_rows=70_000 * 40,
-    )
+    config = mp.StepConfig(16, scratch_budget_bytes=GIB, max_model_len=70_000)
+    plan = mp.plan_step([1, 1, 32768], [100, 5000, 0], 2, config)
     assert plan.mode == "mixed_batch"
     launches = plan.launches
+    assert launches.shape == (len(plan), 5) and len(plan) > 1
     assert launches[0, 0] == 0 and launches[-1, 1] == 32770
+    assert (launches[1:, 0] == launches[:-1, 1]).all()
+    assert launches[0, 2] == 0 and launches[-1, 3] == 3
+    assert (launches[:, 4] == -1).all()  # no gather: every launch is the decode kernel's
     assert set(plan.launch_kernels) == {"sparse_decode"}
-    assert plan.peak_bytes == int(plan.launch_bytes.max()) <= GIB
+    # Launches are held to the budget less the allocator's reserve, not the whole budget.
+    assert config.launch_budget_bytes == GIB - mp.ALLOCATOR_RESERVE_BYTES
+    assert plan.peak_bytes == int(plan.launch_bytes.max()) <= config.launch_budget_bytes
+    assert plan.longest_launch("sparse_decode") == int((launches[:, 1] - launches[:, 0]).max())
+    assert plan.longest_launch("sparse_prefill") == 0
     assert plan.prefill_groups.routes == ["sparse_mqa"]
     assert plan.indexer_chunks[0, 0] == 2
 
 
 def test_plan_step_separate() -> None:
-    plan = mp.plan_step(
-        [1, 65536], [10, 0], 1, num_heads=64, budget_bytes=GIB, gather_workspace_rows=40_000, indexer_workspace_rows=10**7,
-    )
+    config = mp.StepConfig(64, scratch_budget_bytes=GIB, gather_workspace_rows=40_000, indexer_workspace_rows=10**7)
+    plan = mp.plan_step([1, 65536], [10, 0], 1, config)
     assert plan.mode == "separate_prefill_decode"
     assert plan.launch_kernels[0] == "sparse_decode"
+    launches = plan.launches
+    assert launches.shape == (len(plan), 5)
+    assert launches[0].tolist() == [0, 1, 0, 1, -1]  # the decode: no gather chunk
+    prefill = [i for i, k in enumerate(plan.launch_kernels) if k == "sparse_prefill"]
+    assert prefill and all(launches[i, 4] >= 0 for i in prefill)
+    assert {int(launches[i, 4]) for i in prefill} == set(range(len(plan.gather_chunks)))
+    assert plan.peak_bytes <= config.launch_budget_bytes
+    assert plan.longest_launch("sparse_decode") == 1
+    assert plan.longest_launch("sparse_prefill") == max(int(launches[i, 1] - launches[i, 0]) for i in prefill)
     assert (plan.gather_chunks[:, 6] <= 40_000).all()
     assert plan.gather_workspace_bytes == mp.gather_workspace_bytes(40_000)
 
@@ -229,8 +252,114 @@ def test_step_mode_is_the_plans_mode() -> None:
     assert mp.step_mode(16) == "mixed_batch"
     assert mp.step_mode(31) == "mixed_batch"
     assert mp.step_mode(32) == "separate_prefill_decode"
-    assert mp.step_mode(16, mixed_batch=False) == "separate_prefill_decode"
+    assert mp.step_mode(1) == "mixed_batch" and mp.step_mode(128) == "separate_prefill_decode"
     assert mp.step_mode(128, kv_dtype="bf16") == "bf16"
     for heads in (16, 64):
-        plan = mp.plan_step([4096], [0], 0, num_heads=heads, budget_bytes=GIB, gather_workspace_rows=10**6, indexer_workspace_rows=10**7)
+        config = mp.StepConfig(heads, scratch_budget_bytes=GIB, gather_workspace_rows=10**6, indexer_workspace_rows=10**7)
+        assert config.mode == mp.step_mode(heads) and not config.mode_fixed
+        plan = mp.plan_step([4096], [0], 0, config)
         assert plan.mode == mp.step_mode(heads)
+    # The route fixed by the configuration (what mixed_batch=False did).
+    fixed = mp.StepConfig(16, scratch_budget_bytes=GIB, max_model_len=70_000, mode="separate_prefill_decode")
+    assert fixed.mode_fixed and fixed.mode == "separate_prefill_decode"
+    assert mp.plan_step([4096], [0], 0, fixed).mode == "separate_prefill_decode"
+    assert mp.plan_step([4096], [0], 0, fixed.replace(mode="mixed_batch")).mode == "mixed_batch"
+    bf16 = mp.StepConfig(16, kv_dtype="bf16", max_model_len=70_000)
+    assert bf16.mode == "bf16" and mp.plan_step([4096], [0], 0, bf16).mode == "bf16"
+
+
+@pytest.mark.parametrize("heads", [0, 129, 10**9])
+def test_step_mode_refuses_impossible_head_counts(heads: int) -> None:
+    with pytest.raises(ValueError, match="between 1 and 128"):
+        mp.step_mode(heads)
+
+
+
+# --- StepConfig -------------------------------------------------------------------------
+
+
+def test_step_config_defaults_and_vllm_workspaces() -> None:
+    c = mp.StepConfig(16, max_model_len=70_000)
+    assert (c.num_heads, c.arch, c.num_sms, c.topk, c.kv_dtype) == (16, "sm90", mp.H200_NUM_SMS, mp.DEFAULT_TOPK, "fp8")
+    assert c.scratch_budget_bytes == GIB
+    assert c.launch_budget_bytes == GIB - mp.ALLOCATOR_RESERVE_BYTES
+    assert mp.ALLOCATOR_RESERVE_BYTES == 64 << 10
+    assert c.max_model_len == 70_000
+    # vLLM sizes its workspaces from max_model_len: gather 5x, indexer 40x.
+    assert c.gather_workspace_rows == 5 * 70_000
+    assert c.indexer_workspace_rows == 40 * 70_000
+    assert (c.masked_mha, c.force_mqa) == (False, False)
+    # Explicit rows win over the derivation.
+    explicit = mp.StepConfig(16, max_model_len=70_000, gather_workspace_rows=1234)
+    assert explicit.gather_workspace_rows == 1234 and explicit.indexer_workspace_rows == 40 * 70_000
+    rows = mp.StepConfig(16, gather_workspace_rows=10, indexer_workspace_rows=20)
+    assert rows.max_model_len is None and (rows.gather_workspace_rows, rows.indexer_workspace_rows) == (10, 20)
+
+
+def test_step_config_execution_flags() -> None:
+    default = mp.StepConfig(128, max_model_len=1000)
+    assert (default.translated_indices, default.align_waves) == (False, False)
+    assert (default.decode_takes_out, default.prefill_takes_out) == (True, True)
+    vllm = mp.StepConfig(128, max_model_len=1000, execution="vllm")
+    assert (vllm.translated_indices, vllm.align_waves) == (True, True)
+    assert (vllm.decode_takes_out, vllm.prefill_takes_out) == (True, True)
+    assert vllm != default
+    # Each flag can be set on its own over the execution's defaults.
+    own = mp.StepConfig(128, max_model_len=1000, execution="vllm", align_waves=False, decode_takes_out=False)
+    assert (own.translated_indices, own.align_waves, own.decode_takes_out, own.prefill_takes_out) == (True, False, False, True)
+    # Kernels write in place only when they take out= and run the model's own head count.
+    assert (vllm.decode_heads, vllm.prefill_heads) == (128, 128)
+    assert vllm.decode_writes_in_place and vllm.prefill_writes_in_place
+    assert not own.decode_writes_in_place and own.prefill_writes_in_place
+    padded = mp.StepConfig(16, max_model_len=1000, execution="vllm")
+    assert padded.decode_heads == 64 and not padded.decode_writes_in_place
+
+
+def test_step_config_replace_is_a_changed_copy() -> None:
+    c = mp.StepConfig(16, max_model_len=70_000)
+    d = c.replace(num_heads=64, mode="separate_prefill_decode", scratch_budget_bytes=2 * GIB)
+    assert (c.num_heads, c.mode, c.mode_fixed, c.scratch_budget_bytes) == (16, "mixed_batch", False, GIB)
+    assert (d.num_heads, d.mode, d.mode_fixed, d.scratch_budget_bytes) == (64, "separate_prefill_decode", True, 2 * GIB)
+    assert d.launch_budget_bytes == 2 * GIB - mp.ALLOCATOR_RESERVE_BYTES
+    assert d.gather_workspace_rows == c.gather_workspace_rows  # workspaces keep their rows
+    assert c.replace() == c and hash(c.replace()) == hash(c)
+    assert c.replace(topk=512) != c
+    with pytest.raises(AttributeError):
+        c.num_heads = 32  # type: ignore[misc]
+    with pytest.raises(ValueError, match="num_heads"):
+        c.replace(num_heads=0)
+    with pytest.raises(TypeError):
+        c.replace(no_such_field=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"num_heads": 0, "max_model_len": 1000}, "num_heads"),
+        ({"num_heads": 129, "max_model_len": 1000}, "num_heads"),
+        ({"num_heads": 16}, "max_model_len"),
+        ({"num_heads": 16, "gather_workspace_rows": 10}, "indexer_workspace_rows"),
+        ({"num_heads": 16, "indexer_workspace_rows": 10}, "gather_workspace_rows"),
+        ({"num_heads": 16, "max_model_len": 0}, "max_model_len"),
+        ({"num_heads": 16, "max_model_len": 1000, "scratch_budget_bytes": -1}, "scratch_budget_bytes"),
+        ({"num_heads": 16, "max_model_len": 1000, "scratch_budget_bytes": 64 << 10}, "budget"),
+        ({"num_heads": 16, "max_model_len": 1000, "kv_dtype": "bf16", "mode": "mixed_batch"}, "mode"),
+        ({"num_heads": 16, "max_model_len": 1000, "mode": "fastest"}, "mode"),
+        ({"num_heads": 16, "max_model_len": 1000, "execution": "eager"}, "execution"),
+        ({"num_heads": 16, "max_model_len": 1000, "topk": 100}, "topk"),
+        ({"num_heads": 16, "max_model_len": 1000, "arch": "sm80"}, "architecture"),
+        ({"num_heads": 16, "max_model_len": 1000, "kv_dtype": "int4"}, "KV-cache dtype"),
+        ({"num_heads": 16, "max_model_len": 1000, "gather_workspace_rows": -5}, "gather_workspace_rows"),
+    ],
+)
+def test_step_config_validation_names_the_argument(kwargs: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ValueError) as info:
+        mp.StepConfig(**kwargs)  # type: ignore[arg-type]
+    assert fragment in str(info.value)
+
+
+def test_step_config_budget_just_above_the_reserve_is_accepted() -> None:
+    c = mp.StepConfig(16, max_model_len=1000, scratch_budget_bytes=(64 << 10) + 1)
+    assert c.launch_budget_bytes == 1
+    with pytest.raises(ValueError, match="give at least"):
+        mp.plan_step([1], [10], 1, c)

@@ -21,11 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mla_planner
-from mla_planner import COST_PROFILE_FORMAT, CostModel
+from mla_planner import COST_PROFILE_FORMAT, CostModel, StepConfig
 from mla_planner.cli import kernel_timing
 from mla_planner.cli.calibrate import build_profile, default_tokens, non_decreasing
 from mla_planner.executor.providers import ReferenceProvider
-from mla_planner.routing import choose_mixed_batch, load_profile, stale_keys
+from mla_planner import routing
+from mla_planner.routing import load_for_engine, load_profile, stale_keys
 
 GIB = 1 << 30
 ENV = {
@@ -48,8 +49,8 @@ SYNTHETIC: dict[str, Any] = {
     "sparse_prefill": {"64": [[2, 201], [65536, 32968]], "128": [[1, 204], [65536, 262344]]},
     "gather_upconvert": [[1000, 6], [1000000, 1005]],
 }
-STEP_CONFIG: dict[str, Any] = dict(
-    num_heads=16, budget_bytes=64 * GIB, gather_workspace_rows=163_840 * 5, indexer_workspace_rows=163_840 * 40
+CONFIG = StepConfig(
+    16, scratch_budget_bytes=64 * GIB, gather_workspace_rows=163_840 * 5, indexer_workspace_rows=163_840 * 40
 )
 
 
@@ -88,44 +89,107 @@ def test_tables_interpolate_and_extrapolate(model: CostModel) -> None:
 def test_route_flips_where_the_tables_cross(model: CostModel, tokens: int, mixed: bool) -> None:
     # One prefill after 10,000 tokens of context. Mixed: 10 + T; separate: gather 5 + (T +
     # 10,000)/1000 plus prefill 200 + T/2 = 215 + 0.501 T. They cross at T = 410.8.
-    choice = model.choose_route([tokens], [10_000], 0, **STEP_CONFIG)
+    choice = model.choose_route([tokens], [10_000], 0, CONFIG)
     p = choice.prediction
     assert p.mixed is not None and p.separate is not None
     assert p.mixed.total_us == pytest.approx(10 + tokens)
     assert p.separate.total_us == pytest.approx(215 + 0.501 * tokens)
     assert choice.mixed_batch is mixed
     assert choice.mode == ("mixed_batch" if mixed else "separate_prefill_decode")
-    assert choose_mixed_batch(model, [tokens], [10_000], 0, **STEP_CONFIG) is mixed
+    assert routing.plan_step(model, [tokens], [10_000], 0, CONFIG).mode == choice.mode
     # The plan handed back is the planner's plan of the chosen route.
-    again = mla_planner.plan_step([tokens], [10_000], 0, mixed_batch=mixed, **STEP_CONFIG)
+    again = mla_planner.plan_step([tokens], [10_000], 0, CONFIG.replace(mode=choice.mode))
     assert choice.plan.mode == again.mode
     assert choice.plan.launches.tolist() == again.launches.tolist()
 
 
 def test_a_route_that_does_not_fit_is_not_taken(model: CostModel) -> None:
-    config = {**STEP_CONFIG, "budget_bytes": 8 << 20}  # below one decode launch, enough for prefill pieces
-    p = model.predict([300], [10_000], 0, **config)
+    config = CONFIG.replace(scratch_budget_bytes=8 << 20)  # below one decode launch, enough for prefill pieces
+    p = model.predict([300], [10_000], 0, config)
     assert p.mixed is None and p.mixed_error is not None and "give at least" in p.mixed_error
     assert p.separate is not None and p.separate_error is None
-    assert not choose_mixed_batch(model, [300], [10_000], 0, **config)
+    plan = routing.plan_step(model, [300], [10_000], 0, config)
+    assert plan.mode == "separate_prefill_decode"
+    assert plan.peak_bytes <= config.launch_budget_bytes
+    # Neither route fits: the planner's error, not a guess.
     with pytest.raises(ValueError, match="give at least"):
-        choose_mixed_batch(model, [300], [10_000], 0, **{**config, "budget_bytes": 1024})
+        routing.plan_step(model, [300], [10_000], 0, config.replace(scratch_budget_bytes=128 << 10))
+    # A budget no launch could use is refused by the configuration itself.
+    with pytest.raises(ValueError, match="reserve"):
+        config.replace(scratch_budget_bytes=1024)
+
+
+def test_launches_are_held_to_the_budget_less_the_reserve(model: CostModel) -> None:
+    # A budget that holds a mixed-batch launch only with the allocator's reserve counted in:
+    # the largest single-token launch needs exactly this many bytes.
+    need = int(mla_planner.plan_step([1], [10], 1, CONFIG).launch_bytes.max())
+    tight = CONFIG.replace(scratch_budget_bytes=need)
+    assert tight.launch_budget_bytes == need - mla_planner.ALLOCATOR_RESERVE_BYTES
+    with pytest.raises(ValueError, match="give at least"):
+        routing.plan_step(model, [1], [10], 1, tight)
+    roomy = CONFIG.replace(scratch_budget_bytes=need + mla_planner.ALLOCATOR_RESERVE_BYTES)
+    assert routing.plan_step(model, [1], [10], 1, roomy).peak_bytes == need
 
 
 def test_no_model_is_vllms_rule() -> None:
-    config = {k: v for k, v in STEP_CONFIG.items() if k != "num_heads"}
-    assert choose_mixed_batch(None, [32_768], [0], 0, num_heads=16, **config)
-    assert not choose_mixed_batch(None, [32_768], [0], 0, num_heads=32, **config)
+    assert routing.plan_step(None, [32_768], [0], 0, CONFIG).mode == "mixed_batch"
+    assert routing.plan_step(None, [32_768], [0], 0, CONFIG.replace(num_heads=32)).mode == "separate_prefill_decode"
+
+
+def test_fixed_mode_and_bf16_plan_without_the_model(model: CostModel) -> None:
+    # The model would take the decode kernel for this short prefill (see above) ...
+    assert routing.plan_step(model, [16], [10_000], 0, CONFIG).mode == "mixed_batch"
+    # ... but a fixed mode is kept, and a BF16 cache has no FP8 route to choose.
+    fixed = CONFIG.replace(mode="separate_prefill_decode")
+    plan = routing.plan_step(model, [16], [10_000], 0, fixed)
+    assert plan.mode == "separate_prefill_decode"
+    assert plan.launches.tolist() == mla_planner.plan_step([16], [10_000], 0, fixed).launches.tolist()
+    bf16 = CONFIG.replace(kv_dtype="bf16")
+    assert routing.plan_step(model, [16], [10_000], 0, bf16).mode == "bf16"
+
+
+def test_chosen_plan_is_the_planners_plan_of_its_mode(model: CostModel) -> None:
+    """For random steps and budgets, the cost model's plan equals ``plan_step`` under the chosen
+    mode, launch for launch."""
+    rng = np.random.default_rng(0)
+    modes: set[str] = set()
+    checked = 0
+    for _ in range(60):
+        decodes = int(rng.integers(0, 9))
+        s_q = int(rng.integers(1, 5))
+        prefills = int(rng.integers(0 if decodes else 1, 4))
+        q = [s_q] * decodes + [int(x) for x in rng.integers(1, 20_000, prefills)]
+        c = [int(x) for x in rng.integers(0, 30_000, decodes + prefills)]
+        budget = int(rng.choice([64 << 20, 256 << 20, GIB, 8 * GIB]))
+        config = CONFIG.replace(scratch_budget_bytes=budget, num_heads=int(rng.choice([16, 64, 128])))
+        try:
+            choice = model.choose_route(q, c, decodes, config)
+        except ValueError:
+            continue  # no route fits this budget
+        expected = mla_planner.plan_step(q, c, decodes, config.replace(mode=choice.mode))
+        got = choice.plan
+        assert got.mode == expected.mode == choice.mode
+        np.testing.assert_array_equal(got.launches, expected.launches)
+        np.testing.assert_array_equal(got.launch_bytes, expected.launch_bytes)
+        np.testing.assert_array_equal(got.gather_chunks, expected.gather_chunks)
+        assert got.launch_kernels == expected.launch_kernels
+        assert got.peak_bytes == expected.peak_bytes <= config.launch_budget_bytes
+        routed = routing.plan_step(model, q, c, decodes, config)
+        np.testing.assert_array_equal(routed.launches, expected.launches)
+        modes.add(choice.mode)
+        checked += 1
+    assert checked >= 30
+    assert modes == {"mixed_batch", "separate_prefill_decode"}  # both routes were exercised
 
 
 def test_choice_is_fast(model: CostModel) -> None:
     q = np.array([1] * 64 + [8192])
     c = np.array([5000] * 64 + [3000])
-    choose_mixed_batch(model, q, c, 64, **STEP_CONFIG)
+    routing.plan_step(model, q, c, 64, CONFIG)
     n = 200
     start = time.perf_counter()
     for _ in range(n):
-        choose_mixed_batch(model, q, c, 64, **STEP_CONFIG)
+        routing.plan_step(model, q, c, 64, CONFIG)
     per_call = (time.perf_counter() - start) / n
     assert per_call < 1e-3, f"{per_call * 1e6:.0f} us per step"  # tens of us expected; generous for CI
 
@@ -164,31 +228,49 @@ def test_bytes_are_accepted_and_other_types_refused() -> None:
         ({"arch": "sm100"}, "measured on sm90 with 132 SMs, asked about sm100"),
         ({"num_sms": 114}, "asked about sm90 with 114 SMs"),
         ({"topk": 512}, "topk 512"),
-        ({"num_heads": 200}, "between 1 and 128"),
-        ({"budget_bytes": -1}, "budget_bytes must be a non-negative integer"),
     ],
 )
 def test_other_configurations_are_refused(model: CostModel, changes: dict[str, Any], message: str) -> None:
+    config = CONFIG.replace(**changes)
     with pytest.raises(ValueError, match=message):
-        model.predict([4096], [0], 0, **{**STEP_CONFIG, **changes})
-    if "budget_bytes" not in changes:
-        check = {k: v for k, v in changes.items() if k != "num_heads"}
-        with pytest.raises(ValueError, match=message):
-            model.check(changes.get("num_heads", 16), **check)
+        model.predict([4096], [0], 0, config)
+    with pytest.raises(ValueError, match=message):
+        model.choose_route([4096], [0], 0, config)
+    with pytest.raises(ValueError, match=message):
+        model.check(config)
+    model.check(CONFIG)  # the profile's own configuration is priced
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"num_heads": 200}, "between 1 and 128"),
+        ({"scratch_budget_bytes": -1}, "scratch_budget_bytes must be a non-negative integer"),
+    ],
+)
+def test_invalid_configurations_never_reach_the_model(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CONFIG.replace(**changes)
 
 
 def test_missing_head_table_is_refused() -> None:
     only64 = CostModel.from_json(profile_text(sparse_prefill={"64": SYNTHETIC["sparse_prefill"]["64"]}))
-    only64.check(64)
+    only64.check(CONFIG.replace(num_heads=64))
     with pytest.raises(ValueError, match="no sparse_prefill table at 128 padded heads"):
-        only64.choose_route([4096], [0], 0, **{**STEP_CONFIG, "num_heads": 100})
+        only64.choose_route([4096], [0], 0, CONFIG.replace(num_heads=100))
+    with pytest.raises(ValueError, match="no sparse_prefill table at 128 padded heads"):
+        only64.check(CONFIG.replace(num_heads=100))
 
 
 def test_bad_steps_and_lookups_are_value_errors(model: CostModel) -> None:
     with pytest.raises(ValueError, match="context_lens"):
-        model.predict([1, 2], [0], 0, **STEP_CONFIG)
+        model.predict([1, 2], [0], 0, CONFIG)
     with pytest.raises(ValueError, match="non-negative"):
-        model.predict([-1], [0], 0, **STEP_CONFIG)
+        model.predict([-1], [0], 0, CONFIG)
+    with pytest.raises(ValueError, match="decode query lengths"):
+        model.predict([1, 2], [0, 0], 2, CONFIG)
+    with pytest.raises(ValueError, match="prefill query lengths must be at least 1"):
+        model.choose_route([1, 0], [0, 0], 1, CONFIG)
     with pytest.raises(ValueError, match="needs padded_heads"):
         model.time_us("sparse_decode", 10)
     with pytest.raises(ValueError, match="kernel must be"):
@@ -218,7 +300,7 @@ def test_any_corrupted_profile_is_a_value_error_never_a_panic(edits: dict[str, A
 
 
 def test_load_profile_applies_where_measured(profile_path: Path) -> None:
-    model = load_profile(profile_path, environment=ENV, num_heads=16)
+    model = load_profile(profile_path, environment=ENV, config=CONFIG)
     assert model is not None and model.environment == ENV
     assert load_profile(profile_path) is not None  # no machine check: offline planning
 
@@ -244,8 +326,18 @@ def test_missing_profile_falls_back_with_a_warning(tmp_path: Path, caplog: pytes
 
 def test_uncovered_configuration_falls_back(profile_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="mla_planner.routing"):
-        assert load_profile(profile_path, environment=ENV, num_heads=16, topk=512) is None
+        assert load_profile(profile_path, environment=ENV, config=CONFIG.replace(topk=512)) is None
+        assert load_profile(profile_path, environment=ENV, config=CONFIG.replace(num_sms=114)) is None
     assert "topk 512" in caplog.records[0].message
+    assert "114 SMs" in caplog.records[1].message
+
+
+def test_load_for_engine(profile_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no machine check, as offline
+    model = load_for_engine(str(profile_path), CONFIG)
+    assert model is not None and model.environment == ENV
+    assert load_for_engine(str(profile_path), CONFIG.replace(kv_dtype="bf16")) is None  # no FP8 route to choose
+    assert load_for_engine(str(profile_path), CONFIG.replace(topk=512)) is None  # not priced: vLLM's rule
 
 
 def test_malformed_profile_file_is_an_error(tmp_path: Path) -> None:
@@ -381,11 +473,18 @@ def test_calibrate_bad_options(args: list[str], message: str) -> None:
 def test_plan_with_a_profile_takes_the_faster_route(profile_path: Path) -> None:
     text = cli("plan", "--profile", str(profile_path)).stdout
     assert "routes   cost model measured on Test GPU" in text
-    assert "taken: separate prefill/decode, predicted 1.93x faster" in text
+    # Mixed: 14 decode launches of at most 2,508 tokens (1 GiB less the allocator's reserve), 10 + T
+    # each: 32,908 us. Separate: one gather of 32,768 rows (37.768 us) and 5 prefill launches of at
+    # most 7,681 tokens (16 heads run padded to 64, so the kernel allocates its own out), 200 + T/2
+    # each: 17,421.768 us. 32,908 / 17,421.768 = 1.89.
+    assert "taken: separate prefill/decode, predicted 1.89x faster" in text
     doc = json.loads(cli("plan", "--json", "--profile", str(profile_path)).stdout)
     routing = doc["routing"]
     assert routing["rule"] == "cost_model" and routing["route"] == doc["mode"] == "separate_prefill_decode"
     assert routing["mixed"]["total_us"] > routing["separate"]["total_us"]
+    assert routing["mixed"]["total_us"] == pytest.approx(32_908.0)
+    assert routing["separate"]["total_us"] == pytest.approx(17_421.768)
+    assert (routing["mixed"]["decode_launches"], routing["separate"]["prefill_launches"]) == (14, 5)
     assert {x["kernel"] for x in doc["planned"]["launches"]} == {"sparse_prefill"}
     assert doc["stock"]["launches"][0]["kernel"] == "sparse_decode"  # stock stays vLLM's
     # A short prefill is faster through the decode kernel.
