@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_planner import CostModel
+from mla_planner import CostModel, StepConfig
 from mla_planner.cli import main
 
 from gpu_helpers import PROVIDER
@@ -39,6 +39,7 @@ def test_small_calibration_writes_a_valid_profile(tmp_path: Path) -> None:
         assert 0 < times[0] <= times[1] <= times[2]
     assert [size for size, _ in profile["gather_upconvert"]] == [1024, 65536]
     assert profile["environment"]["kernels"].startswith("vllm" if PROVIDER == "vllm" else "sgl-flash-mla")
-    prediction = model.predict([4096], [0], 0, num_heads=16, budget_bytes=1 << 30, gather_workspace_rows=1 << 20,
-                               indexer_workspace_rows=1 << 22, arch=model.arch)  # fmt: skip
+    config = StepConfig(16, arch=model.arch, num_sms=model.num_sms, scratch_budget_bytes=1 << 30,
+                        gather_workspace_rows=1 << 20, indexer_workspace_rows=1 << 22, force_mqa=True)
+    prediction = model.predict([4096], [0], 0, config)
     assert prediction.mixed is not None and prediction.separate is not None
