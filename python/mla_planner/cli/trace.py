@@ -74,5 +74,5 @@ def run_gen(args: argparse.Namespace) -> int:
 
     with atomic_files() as files:
         files.write(args.output, fill)
-    print(f"wrote {args.steps:,} steps to {args.output.absolute()}", file=sys.stderr)
+    print(f"wrote {args.steps:,} step{'' if args.steps == 1 else 's'} to {args.output.absolute()}", file=sys.stderr)
     return 0
