@@ -121,6 +121,14 @@ def test_a_failed_rename_puts_every_file_back(tmp_path: Path) -> None:
     assert listing(tmp_path) == ["a.txt", "b.txt"]
 
 
+def test_a_failed_set_removes_the_folders_it_made(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError):
+        with atomic_files() as files:
+            files.write_bytes(tmp_path / "new" / "deeper" / "a.txt", b"a")
+            raise RuntimeError("the plot failed")
+    assert listing(tmp_path) == []
+
+
 def test_a_new_set_replaces_the_old_one(tmp_path: Path) -> None:
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("old a")
@@ -251,6 +259,33 @@ def test_simulate_ends_with_a_verdict_and_the_report_path(tmp_path: Path) -> Non
     assert f"trace: {one}, 1 step\n" in out and "of 1 step," in out
     assert (tmp_path / "one" / "simulate.png").read_bytes().startswith(b"\x89PNG")
     assert trace.exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_progress_bar_on_a_terminal_has_the_total(tmp_path: Path) -> None:
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    trace = trace_file(tmp_path / "t.jsonl", [DECODE], [DECODE], [DECODE])
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 0-column terminal draws no bar
+    p = subprocess.Popen([*PYTHON_CLI, "simulate", str(trace), "--no-plot", "--out", str(tmp_path / "o")],
+                         stdout=subprocess.DEVNULL, stderr=terminal)  # fmt: skip
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the command closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(controller)
+    assert p.wait(timeout=120) == 0
+    assert b"simulating: 100%" in shown and b"3/3 [" in shown
 
 
 def test_progress_total_counts_lines(tmp_path: Path) -> None:

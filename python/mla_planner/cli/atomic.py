@@ -79,11 +79,21 @@ def check_file(path: Path, option: str) -> None:
 class AtomicFiles:
     def __init__(self) -> None:
         self._pending: list[tuple[Path, Path]] = []  # (temporary, destination)
+        self._created: list[Path] = []  # folders made for the files, parents first
+
+    def _make_folder(self, folder: Path) -> None:
+        missing = []
+        here = folder.absolute()
+        while not os.path.lexists(here) and here != here.parent:
+            missing.append(here)
+            here = here.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        self._created += reversed(missing)
 
     def write(self, dest: Path, fill: Callable[[BinaryIO], None]) -> None:
         """Create a temporary file next to `dest` and let `fill` write it."""
         try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            self._make_folder(dest.parent)
             tmp = _temp_beside(dest, ".tmp")
         except OSError as e:
             raise CliError(f"{dest}: cannot write ({_reason(e)})") from None
@@ -130,6 +140,7 @@ class AtomicFiles:
             if backup is not None:
                 backup.unlink(missing_ok=True)
         self._pending.clear()
+        self._created.clear()
 
     @staticmethod
     def _undo(placed: list[tuple[Path, Path | None]]) -> None:
@@ -142,9 +153,17 @@ class AtomicFiles:
                 dest.unlink()
 
     def discard(self) -> None:
+        """Remove the temporary files, and the folders made for them: a
+        failed run leaves no empty report folder either."""
         for tmp, _ in self._pending:
             tmp.unlink(missing_ok=True)
         self._pending.clear()
+        for folder in reversed(self._created):
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: something else is in it now
+                pass
+        self._created.clear()
 
 
 @contextmanager
