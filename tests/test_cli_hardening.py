@@ -87,6 +87,13 @@ def test_trace_gen_output_is_a_folder_leaves_no_temp_file(tmp_path: Path) -> Non
     assert listing(tmp_path) == ["d"] and listing(tmp_path / "d") == []
 
 
+def test_trace_gen_output_under_a_file(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("")
+    line = refused("trace", "gen", "--steps", "3", "-o", str(tmp_path / "f" / "t.jsonl"))
+    assert f"cannot be created: {tmp_path / 'f'} is a file" in line and "--output" in line
+    assert listing(tmp_path) == ["f"]
+
+
 def test_trace_gen_output_in_proc() -> None:
     assert "cannot write in /proc" in refused("trace", "gen", "--steps", "3", "-o", "/proc/t.jsonl")
 
