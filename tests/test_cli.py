@@ -60,10 +60,10 @@ def test_plan_default_step() -> None:
     assert "16 query heads per rank (deepseek-v3.2 at TP 8)" in out
     assert "mixed batch" in out
     assert "planned (mla-planner): 14 launches" in out
-    assert "peak   981.5 MiB (1,029,202,944 B)" in out
-    assert "bound  budget" in out
+    assert "peak     981.5 MiB, launch 0 = q_padded 176.3 + o_accum 627.0 + lse_accum 1.2 + out 156.8 + lse" in out
+    assert "bound    budget" in out
     # Stock: one call of 32,768 tokens, 12.27 GiB (docs/kernels.md, "Sparse decode").
-    assert "peak   12.27 GiB (13,178,503,168 B)" in out
+    assert "peak     12.27 GiB = q_padded 2.25 + o_accum 8.00 + lse_accum 0.02 + out 2.00 + lse 0.01 GiB" in out
 
 
 def _check_shape(value: Any, shape: Any, where: str = "$") -> None:

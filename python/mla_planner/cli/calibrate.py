@@ -24,7 +24,8 @@ from typing import Any
 
 from mla_planner import COST_PROFILE_FORMAT, CostModel, decode_scratch, max_tokens_per_launch, prefill_scratch
 
-from .atomic import atomic_files
+from .atomic import atomic_files, check_file
+from .checks import MAX_TOPK
 from .config import CliError
 from .units import format_bytes, parse_bytes
 
@@ -143,8 +144,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise CliError("--warmup must be at least 1 (the first call fills each decode schedule)")
     if bad := [h for h in args.heads if h not in KERNEL_HEADS]:
         raise CliError(f"--heads: the kernels run 64 or 128 heads (fewer are zero-padded up), got {bad[0]}")
-    if args.topk < 128 or args.topk % 128:
-        raise CliError(f"--topk must be a positive multiple of 128, got {args.topk}")
+    if args.topk < 128 or args.topk % 128 or args.topk > MAX_TOPK:
+        raise CliError(f"--topk must be a multiple of 128 from 128 to {MAX_TOPK:,}, got {args.topk}")
 
 
 def _grids(args: argparse.Namespace) -> tuple[dict[int, list[int]], list[int]]:
@@ -215,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"calibrate needs torch and a CUDA GPU: {e}") from None
     if not torch.cuda.is_available():
         raise CliError("calibrate needs a CUDA GPU and torch sees none; --dry-run shows the grid without one")
+    check_file(args.output, "--output")  # before the measurements, not after minutes of them
     return measure(args, grids, rows)
 
 

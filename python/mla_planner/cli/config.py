@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from mla_planner import H200_NUM_SMS, StepConfig, step_mode
 
-from . import presets
+from . import checks, presets
 from .units import GIB, format_bytes, parse_bytes
 
 DEFAULT_MAX_MODEL_LEN = 163_840  # DeepSeek-V3.2's context length
@@ -39,17 +39,17 @@ def add_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and GPU")
     g.add_argument("--preset", help=f"model preset: {', '.join(presets.PRESETS)} (default {presets.DEFAULT_PRESET})")
     g.add_argument("--tp", type=_positive_int, help=f"tensor-parallel size for the preset (default {presets.DEFAULT_TP})")
-    g.add_argument("--heads", type=_positive_int, help="query heads per rank, instead of --preset/--tp")
-    g.add_argument("--topk", type=_positive_int, default=2048, help="KV tokens each query attends to (default 2048)")
+    g.add_argument("--heads", type=checks.int_in(1, checks.MAX_HEADS), help="query heads per rank, instead of --preset/--tp")
+    g.add_argument("--topk", type=checks.int_in(1, checks.MAX_TOPK), default=2048, help="KV tokens each query attends to (default 2048)")
     g.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8", help="KV cache dtype (default fp8)")
     g.add_argument("--arch", choices=("sm90", "sm100"), default="sm90", help="GPU architecture (default sm90)")
-    g.add_argument("--num-sms", type=_positive_int, default=H200_NUM_SMS, help=f"SM count (default {H200_NUM_SMS}, H200)")
+    g.add_argument("--num-sms", type=checks.int_in(1, checks.MAX_NUM_SMS), default=H200_NUM_SMS, help=f"SM count (default {H200_NUM_SMS}, H200)")
     g.add_argument("--masked-mha", action="store_true", help="masked-MHA prefill available (vLLM >= 0.27: sm100 + bf16 KV only)")
     b = p.add_argument_group("budgets")
     b.add_argument("--budget", type=_size, default=GIB, help="bytes one attention launch may allocate, e.g. 1GiB, 512MiB (default 1GiB)")
     b.add_argument(
         "--max-model-len",
-        type=_positive_int,
+        type=checks.int_in(1, checks.MAX_MODEL_LEN),
         default=DEFAULT_MAX_MODEL_LEN,
         help=f"sizes vLLM's gather (5x) and indexer (40x) workspaces (default {DEFAULT_MAX_MODEL_LEN})",
     )

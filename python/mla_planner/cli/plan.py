@@ -5,18 +5,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
-from . import config, policies, routes
+from . import checks, config, policies, routes
 from .config import CliError, PlannerConfig
 from .policies import Launch, Outcome, Scratches
 from .steps import Step
-from .units import format_bytes
+from .units import UNITS, format_bytes
 
 DEFAULT_TOKENS = 32_768
 SCHEMA = "mla-planner.plan/1"
 # Column order of per-buffer tables: inputs, split-KV scratch, outputs.
+LINE_WIDTH = 100
 BUFFER_ORDER = ("q_padded", "o_accum", "lse_accum", "out", "max_logits", "lse")
 
 
@@ -34,6 +37,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     s.add_argument("--query-lens", help="query tokens per request, comma-separated, e.g. 1,1,8192")
     s.add_argument("--context-lens", help="tokens already in the KV cache per request (default all 0)")
     s.add_argument("--num-decodes", type=int, default=0, help="the first N requests are decodes (default 0)")
+    checks.add_spec_tokens(s)
     config.add_options(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON (schema in docs/cli.md)")
     p.add_argument(
@@ -49,7 +53,29 @@ def _int_list(text: str, option: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:
-        raise CliError(f"{option}: {text!r} is not a comma-separated list of integers") from None
+        raise CliError(f"{option}: {checks.shorten(text)!r} is not a comma-separated list of integers") from None
+
+
+def _check_against_model(q: list[int], c: list[int], args: argparse.Namespace) -> None:
+    """Decodes of 1 token (1 + --spec-tokens), requests within --max-model-len."""
+    decode_len = 1 + args.spec_tokens
+    for i, qi in enumerate(q[: args.num_decodes]):
+        if qi > decode_len:
+            raise CliError(
+                f"--num-decodes {args.num_decodes}: request {i} has {checks.shorten(f'{qi:,}')} query tokens, but a decode has "
+                + ("1; list prefills after the decodes, or pass --spec-tokens" if decode_len == 1
+                   else f"at most {decode_len} (1 + --spec-tokens)")
+            )  # fmt: skip
+    for i, (qi, ci) in enumerate(zip(q, c)):
+        if qi + ci > args.max_model_len:
+            qs, cs = checks.shorten(f"{qi:,}"), checks.shorten(f"{ci:,}")
+            where = f"--tokens {qs}" if args.tokens is not None else (
+                f"request {i}: --query-lens {qs}" + (f" + --context-lens {cs}" if ci else "")
+            )  # fmt: skip
+            raise CliError(
+                f"{where} is more than --max-model-len {args.max_model_len:,} tokens; "
+                "pass the model's own --max-model-len if it is longer"
+            )
 
 
 def step_from_args(args: argparse.Namespace) -> Step:
@@ -68,6 +94,7 @@ def step_from_args(args: argparse.Namespace) -> Step:
         raise CliError("context lengths must be >= 0")
     if not 0 <= args.num_decodes <= len(q):
         raise CliError(f"--num-decodes must be between 0 and the number of requests ({len(q)})")
+    _check_against_model(q, c, args)
     return Step(q, c, args.num_decodes)
 
 
@@ -97,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if chosen is not None:
         at = text.index("")  # after the step and config lines
         text[at + 1 : at + 1] = routes.to_text(chosen)
-    print("\n".join(text))
+    print("\n".join(wrap(text)))
     return 0
 
 
@@ -172,12 +199,9 @@ def to_json(step: Step, cfg: PlannerConfig, planned: Outcome, stock: Outcome) ->
 
 
 def _table(launches: list[Launch]) -> list[str]:
-    names = [b for b in BUFFER_ORDER if any(b in x.scratch.buffers for x in launches)]
-    names += sorted({b for x in launches for b in x.scratch.buffers} - set(names))
-    header = ["#", "kernel", "tokens [a,b)", "requests [a,b)", "b x s_q", *names, "total"]
+    header = ["#", "kernel", "tokens [a,b)", "requests [a,b)", "b x s_q", "scratch"]
     rows = [header]
     for i, x in enumerate(launches):
-        buf = x.scratch.buffers
         rows.append(
             [
                 str(i),
@@ -185,12 +209,30 @@ def _table(launches: list[Launch]) -> list[str]:
                 f"{x.tokens[0]:,}-{x.tokens[1]:,}",
                 f"{x.requests[0]}-{x.requests[1]}",
                 f"{x.batch} x {x.s_q:,}",
-                *(format_bytes(buf[n]) if n in buf else "-" for n in names),
                 format_bytes(x.bytes),
             ]
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return ["  " + "  ".join(cell.rjust(w) if i > 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths))) for r in rows]
+
+
+def _in_unit(n: int, unit: str) -> str:
+    """`n` bytes as a number in `unit`, with format_bytes' precision."""
+    if unit == "B":
+        return f"{n:,}"
+    digits = 2 if unit == "GiB" else 1
+    value = n / UNITS[unit]
+    smallest = 10.0**-digits
+    return f"<{smallest:g}" if 0 < value < smallest / 2 else f"{value:.{digits}f}"
+
+
+def _breakdown(launch: Launch) -> str:
+    """A launch's bytes buffer by buffer, all in the unit of its total, so
+    the numbers on the line add up at a glance."""
+    unit = format_bytes(launch.bytes).split()[-1]
+    buf = launch.scratch.buffers
+    names = [b for b in BUFFER_ORDER if b in buf] + sorted(set(buf) - set(BUFFER_ORDER))
+    return " + ".join(f"{n} {_in_unit(buf[n], unit)}" for n in names) + f" {unit}"
 
 
 def _bound_text(bound: str, cfg: PlannerConfig, one_launch_bytes: int | None) -> str:
@@ -203,12 +245,38 @@ def _bound_text(bound: str, cfg: PlannerConfig, one_launch_bytes: int | None) ->
     }[bound]
 
 
-def _launch_word(n: int) -> str:
-    return f"{n} launch" + ("" if n == 1 else "es")
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"
 
 
 def _launches_text(launches: list[Launch]) -> list[str]:
     return _table(launches) if launches else ["  none: no token of this step goes through the sparse kernels"]
+
+
+def _peak_text(outcome: Outcome) -> str:
+    if not outcome.launches:
+        return "  peak     0 B"
+    at = next(i for i, x in enumerate(outcome.launches) if x.bytes == outcome.peak_bytes)
+    where = f", launch {at}" if len(outcome.launches) > 1 else ""
+    return f"  peak     {format_bytes(outcome.peak_bytes)}{where} = {_breakdown(outcome.launches[at])}"
+
+
+def _requests_text(r0: int, r1: int) -> str:
+    return f"request {r0}" if r1 - r0 == 1 else f"requests [{r0},{r1})"
+
+
+def wrap(lines: list[str], width: int = LINE_WIDTH) -> list[str]:
+    """Lines longer than `width`, folded at spaces; a continuation starts
+    under the text after the line's label (`budget   `, `  peak     `)."""
+    out = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        label = re.match(r"\s*\S+\s{2,}", line)
+        indent = " " * (len(label.group(0)) if label else 4)
+        out += textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False)
+    return out
 
 
 def to_text(step: Step, cfg: PlannerConfig, planned: Outcome, stock: Outcome, one_launch_bytes: int | None = None) -> list[str]:
@@ -218,8 +286,8 @@ def to_text(step: Step, cfg: PlannerConfig, planned: Outcome, stock: Outcome, on
     assert p is not None
     n, d = len(step.query_lens), step.num_decodes
     out = [
-        f"step     {n} request{'s' if n != 1 else ''}, {step.num_tokens:,} query tokens: "
-        f"{d} decode{'s' if d != 1 else ''}, {n - d} prefill{'s' if n - d != 1 else ''}",
+        f"step     {_plural(n, 'request')}, {_plural(step.num_tokens, 'query token')}: "
+        f"{_plural(d, 'decode')}, {_plural(n - d, 'prefill')}",
         *cfg.describe(),
         "",
     ]
@@ -229,25 +297,31 @@ def to_text(step: Step, cfg: PlannerConfig, planned: Outcome, stock: Outcome, on
         starts = [0]
         for q in step.query_lens:
             starts.append(starts[-1] + q)
-        for (r0, r1), route, mask in zip(groups.requests.tolist(), groups.routes, groups.mask_bytes.tolist()):
+        ranges = groups.requests.tolist()
+        width = max(len(_requests_text(r0, r1)) for r0, r1 in ranges)
+        for (r0, r1), route, mask in zip(ranges, groups.routes, groups.mask_bytes.tolist()):
             mask_text = f", top-k mask {format_bytes(mask)}" if mask else ""
-            out.append(f"  requests {r0}-{r1}  {route:<10}  {starts[r1] - starts[r0]:,} tokens{mask_text}")
+            tokens = _plural(starts[r1] - starts[r0], "token")
+            out.append(f"  {_requests_text(r0, r1):<{width}}  {route:<10}  {tokens}{mask_text}")
         out.append("")
-    peak_at = next((i for i, x in enumerate(planned.launches) if x.bytes == planned.peak_bytes), 0)
-    out.append(f"planned (mla-planner): {_launch_word(planned.num_launches)}")
+    out.append(f"planned (mla-planner): {_plural(planned.num_launches, 'launch', 'launches')}")
     out += _launches_text(planned.launches)
-    at = f", launch {peak_at}" if planned.launches else ""
-    out.append(f"  peak   {format_bytes(planned.peak_bytes)} ({planned.peak_bytes:,} B){at}")
-    out.append(f"  bound  {p.bound}: {_bound_text(p.bound, cfg, one_launch_bytes)}")
-    if p.indexer_peak_bytes:
-        out.append(f"  indexer  {len(p.indexer_chunks)} call(s), peak logits {format_bytes(p.indexer_peak_bytes)}")
-    if p.gather_workspace_bytes:
-        out.append(f"  gather workspace  {format_bytes(p.gather_workspace_bytes)} in {len(p.gather_chunks)} chunk(s)")
+    out.append(_peak_text(planned))
+    out.append(f"  bound    {p.bound}: {_bound_text(p.bound, cfg, one_launch_bytes)}")
     if planned.failure:
         out.append(f"  FAILS: {planned.failure}")
-    out += ["", f"stock vLLM: {_launch_word(stock.num_launches)}"]
+    if p.indexer_peak_bytes or p.gather_workspace_bytes:
+        # Reserved by vLLM at start-up: the budget does not bound them.
+        out += ["", "vLLM's own workspaces (reserved at start-up, outside the budget)"]
+        if p.indexer_peak_bytes:
+            calls = _plural(len(p.indexer_chunks), "call")
+            out.append(f"  indexer  peak logits {format_bytes(p.indexer_peak_bytes)}, {calls}")
+        if p.gather_workspace_bytes:
+            chunks = _plural(len(p.gather_chunks), "chunk")
+            out.append(f"  gather   {format_bytes(p.gather_workspace_bytes)} BF16 workspace, {chunks}")
+    out += ["", f"stock vLLM: {_plural(stock.num_launches, 'launch', 'launches')}"]
     out += _launches_text(stock.launches)
-    out.append(f"  peak   {format_bytes(stock.peak_bytes)} ({stock.peak_bytes:,} B)")
+    out.append(_peak_text(stock))
     if stock.failure:
         out.append(f"  FAILS: {stock.failure} (the step raises instead of running)")
     return out

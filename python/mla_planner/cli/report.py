@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from .records import PERCENTILES, POLICIES, Records
 from .units import format_bytes
 
 FILES = {"report": "simulate.md", "plot": "simulate.png", "steps": "simulate_steps.csv", "summary": "simulate_summary.json"}
+LINE_WIDTH = 100
 ROUTE_NAMES = {"dense_mha": "dense MHA", "masked_mha": "masked MHA", "sparse_mqa": "sparse MQA"}
 
 
@@ -43,10 +45,14 @@ def _rows(s: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _steps(n: int) -> str:
+    return f"{n:,} step" + ("" if n == 1 else "s")
+
+
 def _header(s: dict[str, Any]) -> list[str]:
     c = s["config"]
     return [
-        f"trace: {s['trace']}, {s['steps']:,} steps",
+        f"trace: {s['trace']}, {_steps(s['steps'])}",
         f"model: {c['num_heads']} heads per rank ({c['heads_from']}), {c['kv_dtype']} KV, {c['arch']} with {c['num_sms']} SMs",
         f"path:  {c['vllm_path']}",
     ]
@@ -55,8 +61,26 @@ def _header(s: dict[str, Any]) -> list[str]:
 def terminal_summary(s: dict[str, Any]) -> str:
     rows = [("", "stock vLLM", "mla-planner"), *_rows(s)]
     w0, w1, w2 = (max(len(r[i]) for r in rows) for i in range(3))
-    lines = _header(s) + [""] + [f"  {a:<{w0}}  {b:>{w1}}  {c:>{w2}}" for a, b, c in rows]
+    header = [wrapped for h in _header(s) for wrapped in textwrap.wrap(h, LINE_WIDTH, subsequent_indent=" " * 7)]
+    lines = header + [""] + [f"  {a:<{w0}}  {b:>{w1}}  {c:>{w2}}" for a, b, c in rows]
     return "\n".join(lines)
+
+
+def verdict(s: dict[str, Any]) -> str:
+    """The outcome in one line, for the end of the terminal output."""
+    stock, planned = s["stock"], s["planned"]
+    return (
+        f"stock fails {stock['failed_steps']:,} of {_steps(s['steps'])}, worst {format_bytes(stock['peak_bytes']['max'])}; "
+        f"planned {planned['failed_steps']:,}, worst {format_bytes(planned['peak_bytes']['max'])}"
+    )
+
+
+def where_written(paths: list[Path]) -> str:
+    """Where the report went, as an absolute path: the terminal may be far
+    from the folder (`--out ../x`, a script's cwd)."""
+    report_path = next(p for p in paths if p.name == FILES["report"])
+    others = ", ".join(p.name for p in paths if p != report_path)
+    return f"report: {report_path.absolute()} (beside it: {others})"
 
 
 def markdown(s: dict[str, Any], cfg: PlannerConfig) -> str:
@@ -91,14 +115,19 @@ def steps_csv(rec: Records) -> str:
     return buf.getvalue()
 
 
-def write_all(files: AtomicFiles, out: Path, rec: Records, s: dict[str, Any], cfg: PlannerConfig, *, plot: bool) -> list[Path]:
+def write_all(
+    files: AtomicFiles, out: Path, rec: Records, s: dict[str, Any], cfg: PlannerConfig, *, plot: bool, trace_name: str
+) -> list[Path]:
+    """Every file, the Markdown report last. `trace_name`: the trace as the
+    plot's title names it."""
     paths = {k: out / v for k, v in FILES.items()}
     files.write_bytes(paths["summary"], (json.dumps(s, indent=2) + "\n").encode())
     files.write_bytes(paths["steps"], steps_csv(rec).encode())
     if plot:
         from .plot import render_png  # matplotlib takes a while to import; only here
 
-        title = f"{s['trace']}: {s['config']['num_heads']} heads per rank, {s['config']['mode']}"
+        c = s["config"]
+        title = f"{trace_name}, {_steps(s['steps'])}: {c['num_heads']} heads per rank ({c['heads_from']}), {c['kv_dtype']} KV"
         files.write_bytes(paths["plot"], render_png(rec, budget_bytes=cfg.budget_bytes, headroom_bytes=s["headroom_bytes"], title=title))
     else:
         del paths["plot"]

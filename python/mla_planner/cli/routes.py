@@ -4,6 +4,7 @@ not checked against this machine; a missing one falls back to vLLM's rule with a
 
 from __future__ import annotations
 
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,36 @@ class Routes:
         return None if self.choice is None else self.choice.mixed_batch
 
 
+# A measured profile is tens of kilobytes; a bigger file is not one, and
+# reading a device such as /dev/zero whole would never end.
+MAX_PROFILE_BYTES = 16 << 20
+
+
+def _check_profile_file(profile: Path) -> None:
+    """Refuse what is not a regular file of a profile's size (a missing file
+    is left to load_profile, which falls back to vLLM's rule)."""
+    try:
+        st = profile.stat()
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise CliError(f"--profile {profile}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CliError(f"--profile {profile} is not a regular file; give the JSON file mla-planner calibrate wrote")
+    if st.st_size > MAX_PROFILE_BYTES:
+        raise CliError(f"--profile {profile} is {st.st_size:,} bytes, too large for a cost profile")
+
+
 def choose(profile: Path, step: Step, cfg: PlannerConfig) -> Routes:
     if cfg.kv_dtype != "fp8":
         raise CliError("--profile chooses between the FP8 routes; a BF16 KV cache has one (drop --profile)")
+    _check_profile_file(profile)
     try:
         model = load_profile(profile)
     except ValueError as e:
         raise CliError(str(e)) from None
+    except RecursionError:
+        raise CliError(f"--profile {profile}: JSON nested too deeply: not a cost profile") from None
     if model is None:
         return Routes(profile, None, None)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import sys
 from collections.abc import Iterable
 from contextlib import ExitStack
@@ -14,17 +15,19 @@ from tqdm import tqdm
 
 from mla_planner import data
 
-from . import config, policies, report
-from .atomic import atomic_files
+from . import checks, config, policies, report
+from .atomic import atomic_files, check_folder
 from .config import CliError, PlannerConfig
 from .records import POLICIES, Records, summarise
-from .steps import Step, read_trace
+from .steps import STDIN, Step, read_trace
 from .units import GIB
 
 DEFAULT_OUT = Path("mla-planner-report")
 # An assumption, not a measurement: what a deployment leaves free after
 # weights, KV cache and activations. Pass your own.
 DEFAULT_HEADROOM_GIB = 4.0
+MAX_HEADROOM_GIB = 1 << 20  # 1 PiB: beyond any GPU
+MAX_COUNTED_BYTES = 4 << 30  # counting lines for the progress bar stops here
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,11 +39,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "vLLM 0.26 and under mla-planner. With no TRACE: the built-in default workload."
         ),
     )
-    p.add_argument("trace", nargs="?", type=Path, help="trace file (.jsonl, or .jsonl.gz); default: built-in workload")
+    p.add_argument(
+        "trace", nargs="?", type=Path, help="trace file (.jsonl, or .jsonl.gz; - reads stdin); default: built-in workload"
+    )
     config.add_options(p)
+    checks.add_spec_tokens(p)
     p.add_argument(
         "--headroom-gib",
-        type=float,
+        type=checks.number_in(0, MAX_HEADROOM_GIB, low_open=True),
         default=DEFAULT_HEADROOM_GIB,
         help="GPU memory free for attention scratch; steps needing more are OOMs (default %(default)s)",
     )
@@ -51,14 +57,23 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def replay(
-    steps: Iterable[tuple[int, Step]], cfg: PlannerConfig, label: str, progress: tqdm[Any] | None = None
+    steps: Iterable[tuple[int, Step]],
+    cfg: PlannerConfig,
+    label: str,
+    progress: tqdm[Any] | None = None,
+    *,
+    max_decode_len: int = 1,
 ) -> Records:
-    """Both policies over every (line number, step). The planner's errors
-    (e.g. a budget below one token's launch) name the trace line."""
+    """Both policies over every (line number, step). A step the model could
+    not run, and the planner's errors (e.g. a budget below one token's
+    launch), name the trace line."""
     both = policies.CachedPolicies(policies.Scratches(cfg))
     rec = Records()
     stock_rec, planned_rec = rec.policies["stock"], rec.policies["planned"]
     for line, step in steps:
+        problem = checks.step_problem(step, cfg.max_model_len, max_decode_len)
+        if problem is not None:
+            raise CliError(f"{label}:{line}: {problem}")
         try:
             stock, planned = both(step)
             stock_rec.add(stock)
@@ -72,21 +87,44 @@ def replay(
     return rec
 
 
+def _count_lines(path: Path) -> int | None:
+    """Lines of a trace file, for the progress bar's total and ETA; None
+    for stdin, pipes and devices, or a file too big to count quickly."""
+    if str(path) == STDIN or not path.is_file():
+        return None
+    opener = gzip.open if path.suffix == ".gz" else open
+    count, seen = 0, 0
+    try:
+        with opener(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                count += chunk.count(b"\n")
+                seen += len(chunk)
+                if seen > MAX_COUNTED_BYTES:
+                    return None
+    except (OSError, EOFError):
+        return None  # the replay reports it, with the line
+    return count
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = PlannerConfig.from_args(args)
-    if args.headroom_gib <= 0:
-        raise CliError("--headroom-gib must be > 0")
     headroom = int(args.headroom_gib * GIB)
+    names = [name for key, name in report.FILES.items() if key != "plot" or not args.no_plot]
+    check_folder(args.out, names, "--out")  # before the replay: a bad --out fails in a second, not a minute
     with ExitStack() as stack:
         if args.trace is None:
             path = stack.enter_context(resources.as_file(resources.files(data) / data.DEFAULT_TRACE))
             label = f"built-in default workload (mla_planner/data/{data.DEFAULT_TRACE})"
+            trace_name = "built-in default workload"
         else:
-            path, label = args.trace, str(args.trace)
+            path = args.trace
+            label = trace_name = "stdin" if str(path) == STDIN else str(path)
+        show_bar = not args.quiet and sys.stderr.isatty()
         bar = stack.enter_context(
-            tqdm(desc="simulating", unit=" steps", file=sys.stderr, disable=args.quiet or not sys.stderr.isatty())
-        )
-        rec = replay(read_trace(path, label), cfg, label, bar)
+            tqdm(desc="simulating", unit=" steps", total=_count_lines(path) if show_bar else None, file=sys.stderr,
+                 disable=not show_bar, dynamic_ncols=True)
+        )  # fmt: skip
+        rec = replay(read_trace(path, label), cfg, label, bar, max_decode_len=1 + args.spec_tokens)
     if not len(rec):
         raise CliError(f"{label}: no steps")
     summary = {
@@ -100,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
         **{p: summarise(rec.policies[p], budget_bytes=cfg.budget_bytes, headroom_bytes=headroom) for p in POLICIES},
     }
     with atomic_files() as files:
-        written = report.write_all(files, args.out, rec, summary, cfg, plot=not args.no_plot)
+        written = report.write_all(files, args.out, rec, summary, cfg, plot=not args.no_plot, trace_name=trace_name)
     print(report.terminal_summary(summary))
-    print("wrote " + ", ".join(str(p) for p in written))
+    print()
+    print(report.where_written(written))
+    print(report.verdict(summary))
     return 0

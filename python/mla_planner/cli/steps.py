@@ -6,8 +6,10 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from itertools import repeat
 from operator import itemgetter
 from pathlib import Path
@@ -121,14 +123,24 @@ def parse_step(line: str) -> Step:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"malformed JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:  # e.g. a line of 100,000 "["
+        raise ValueError("JSON nested too deeply: a step is an object holding a list of objects") from None
     step = _parse_fast(obj)
     if step is None:
         raise ValueError(_diagnose(obj))
     return step
 
 
+STDIN = "-"
+# Far longer than any real step (a 1,000-request step is ~60 KB) and small
+# enough to read: a line past it is not a trace (e.g. /dev/zero).
+MAX_LINE_CHARS = 16 << 20
+
+
 def open_text(path: Path) -> IO[str]:
-    """Read a trace, gzip-compressed when its name ends in .gz."""
+    """Read a trace: `-` is stdin; a name ending in .gz is gzip-compressed."""
+    if str(path) == STDIN:
+        return io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8")
     if path.suffix == ".gz":
         return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
     return open(path, encoding="utf-8")
@@ -137,14 +149,17 @@ def open_text(path: Path) -> IO[str]:
 def read_trace(path: Path, label: str | None = None) -> Iterator[tuple[int, Step]]:
     """(line number, step) of a trace file, blank lines skipped. Errors
     name the file and line."""
-    name = label or str(path)
+    name = label or ("stdin" if str(path) == STDIN else str(path))
     try:
         f = open_text(path)
     except OSError as e:
         raise CliError(f"{name}: cannot read trace: {e.strerror or e}") from None
     with f:
         try:
-            for number, line in enumerate(f, 1):
+            # readline with a limit: an endless line stops at the limit instead of filling memory.
+            for number, line in enumerate(iter(partial(f.readline, MAX_LINE_CHARS + 1), ""), 1):
+                if len(line) > MAX_LINE_CHARS:
+                    raise CliError(f"{name}:{number}: line longer than {MAX_LINE_CHARS >> 20} MiB: not a trace")
                 if not line.strip():
                     continue
                 try:

@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 from typing import BinaryIO
 
-from . import tracegen
-from .atomic import atomic_files
+from . import checks, tracegen
+from .atomic import atomic_files, check_file
 from .config import CliError
+
+# The generator draws arrivals by Knuth's method, which needs exp(-rate) > 0;
+# a queue of 64 waiting requests makes higher rates pointless anyway.
+MAX_ARRIVALS_PER_STEP = 100.0
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -21,7 +25,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="generate a trace: chat turns, long documents, steady decodes",
         description="Generate a JSON Lines trace (one scheduler step per line; format in docs/cli.md).",
     )
-    gen.add_argument("-o", "--output", type=Path, help="file to write (.gz: gzip-compressed); default stdout")
+    gen.add_argument("-o", "--output", type=Path, help="file to write (.gz: gzip-compressed); default or -: stdout")
     gen.add_argument("--steps", type=int, default=3000, help="scheduler steps (default 3000)")
     gen.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     gen.add_argument(
@@ -30,8 +34,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="token budget per step; a list runs the values as equal phases in order (default %(default)s)",
     )
     gen.add_argument("--max-num-seqs", type=int, default=tracegen.Mix.max_num_seqs, help="most running requests (default %(default)s)")
-    gen.add_argument("--chat-per-step", type=float, default=tracegen.Mix.chat_per_step, help="mean chat turns arriving per step (default %(default)s)")
-    gen.add_argument("--docs-per-step", type=float, default=tracegen.Mix.doc_per_step, help="mean long documents arriving per step (default %(default)s)")
+    gen.add_argument("--chat-per-step", type=checks.number_in(0, MAX_ARRIVALS_PER_STEP), default=tracegen.Mix.chat_per_step, help="mean chat turns arriving per step (default %(default)s)")
+    gen.add_argument("--docs-per-step", type=checks.number_in(0, MAX_ARRIVALS_PER_STEP), default=tracegen.Mix.doc_per_step, help="mean long documents arriving per step (default %(default)s)")
     gen.set_defaults(run=run_gen)
 
 
@@ -39,7 +43,7 @@ def _batched_tokens(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise CliError(f"--max-num-batched-tokens: {text!r} is not a comma-separated list of integers") from None
+        raise CliError(f"--max-num-batched-tokens: {checks.shorten(text)!r} is not a comma-separated list of integers") from None
     if not values or min(values) < 1:
         raise CliError("--max-num-batched-tokens values must be >= 1")
     return values
@@ -48,12 +52,15 @@ def _batched_tokens(text: str) -> tuple[int, ...]:
 def run_gen(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise CliError("--steps must be >= 1")
-    if args.max_num_seqs < 1 or args.chat_per_step < 0 or args.docs_per_step < 0:
-        raise CliError("--max-num-seqs must be >= 1 and arrival rates >= 0")
+    if args.max_num_seqs < 1:
+        raise CliError("--max-num-seqs must be >= 1")
+    to_stdout = args.output is None or str(args.output) == "-"
+    if not to_stdout:
+        check_file(args.output, "--output")
     mix = tracegen.Mix(chat_per_step=args.chat_per_step, doc_per_step=args.docs_per_step, max_num_seqs=args.max_num_seqs)
     steps = tracegen.generate(args.steps, args.seed, _batched_tokens(args.max_num_batched_tokens), mix)
     lines = (step.to_json() + "\n" for step in steps)
-    if args.output is None:
+    if to_stdout:
         sys.stdout.writelines(lines)
         return 0
 
@@ -67,5 +74,5 @@ def run_gen(args: argparse.Namespace) -> int:
 
     with atomic_files() as files:
         files.write(args.output, fill)
-    print(f"wrote {args.steps:,} steps to {args.output}", file=sys.stderr)
+    print(f"wrote {args.steps:,} step{'' if args.steps == 1 else 's'} to {args.output.absolute()}", file=sys.stderr)
     return 0

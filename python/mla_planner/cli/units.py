@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 GIB = UNITS["GiB"]
+# Larger than any GPU; keeps sizes inside the planner core's 64-bit integers.
+MAX_BYTES = 1 << 50
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB)?\s*$")
 
 
@@ -15,10 +18,15 @@ def parse_bytes(text: str) -> int:
     Only binary units: ``GB`` is ambiguous (10**9 or 2**30), so it is refused
     rather than guessed.
     """
+    shown = text if len(text) <= 24 else text[:21] + "..."
     m = _SIZE.match(text)
     if m is None:
-        raise ValueError(f"{text!r} is not a size: use a number with B, KiB, MiB or GiB, e.g. 1GiB or 512MiB")
-    return int(float(m.group(1)) * UNITS[m.group(2) or "B"])
+        raise ValueError(f"{shown!r} is not a size: use a number with B, KiB, MiB or GiB, e.g. 1GiB or 512MiB")
+    # Fraction, not float: exact, and a 400-digit number is "too large", not inf.
+    value = int(Fraction(m.group(1)) * UNITS[m.group(2) or "B"])
+    if value > MAX_BYTES:
+        raise ValueError(f"{shown!r} is larger than {MAX_BYTES >> 50} PiB")
+    return value
 
 
 def format_bytes(n: int) -> str:
