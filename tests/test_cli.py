@@ -360,7 +360,7 @@ def test_simulate_other_bad_input_writes_nothing(tmp_path: Path) -> None:
     assert "cannot read trace" in bad_input("simulate", str(tmp_path / "missing.jsonl"), "--out", str(out))
     trace = write_trace(tmp_path / "t.jsonl", [[(1, 3, True)], [(9000, 0, False)]])
     # A budget below one launch's minimum: the planner's message, with the step.
-    assert f"{trace}:1: a budget of 960.0 KiB is below" in bad_input("simulate", str(trace), "--budget", "1MiB", "--out", str(out))
+    assert f"{trace}:1: a budget of 1.0 MiB is below" in bad_input("simulate", str(trace), "--budget", "1MiB", "--out", str(out))
     assert "unknown preset" in bad_input("simulate", str(trace), "--preset", "nope", "--out", str(out))
     assert not out.exists()
 

@@ -97,7 +97,7 @@ def test_65536_tokens_in_one_call_is_impossible() -> None:
         (lambda: mp.plan_gather_chunks([1, 2], [0], 5), "must match"),
         (lambda: mp.split_indexer_prefill_chunks([1, 2], [1], 5, 100), "must match"),
         (lambda: mp.plan_step([1], [0], 2, mp.StepConfig(16, gather_workspace_rows=10, indexer_workspace_rows=10)), "num_decodes"),
-        (lambda: mp.plan_step([1], [0], 0, mp.StepConfig(16, kv_dtype="int4", gather_workspace_rows=10, indexer_workspace_rows=10)), "KV-cache dtype"),
+        (lambda: mp.plan_step([1], [0], 0, mp.StepConfig(16, kv_dtype="int4", gather_workspace_rows=10, indexer_workspace_rows=10)), "kv_dtype"),
         (lambda: mp.plan_step([1, 2], [0, 0], 2, mp.StepConfig(16, max_model_len=1000)), "decode query lengths"),
         (lambda: mp.plan_step([65], [0], 1, mp.StepConfig(16, max_model_len=1000)), "between 1 and 64"),
         (lambda: mp.plan_step([0], [0], 1, mp.StepConfig(16, max_model_len=1000)), "between 1 and 64"),
@@ -348,7 +348,7 @@ def test_step_config_replace_is_a_changed_copy() -> None:
         ({"num_heads": 16, "max_model_len": 1000, "execution": "eager"}, "execution"),
         ({"num_heads": 16, "max_model_len": 1000, "topk": 100}, "topk"),
         ({"num_heads": 16, "max_model_len": 1000, "arch": "sm80"}, "architecture"),
-        ({"num_heads": 16, "max_model_len": 1000, "kv_dtype": "int4"}, "KV-cache dtype"),
+        ({"num_heads": 16, "max_model_len": 1000, "kv_dtype": "int4"}, "kv_dtype"),
         ({"num_heads": 16, "max_model_len": 1000, "gather_workspace_rows": -5}, "gather_workspace_rows"),
     ],
 )
@@ -363,3 +363,12 @@ def test_step_config_budget_just_above_the_reserve_is_accepted() -> None:
     assert c.launch_budget_bytes == 1
     with pytest.raises(ValueError, match="give at least"):
         mp.plan_step([1], [10], 1, c)
+
+
+def test_replace_keeps_max_model_len_and_sizes_workspaces_from_a_new_one() -> None:
+    config = mp.StepConfig(16, max_model_len=70_000)
+    assert config.replace(mode="mixed_batch").max_model_len == 70_000
+    shorter = config.replace(max_model_len=1_000)
+    assert (shorter.max_model_len, shorter.gather_workspace_rows, shorter.indexer_workspace_rows) == (1_000, 5_000, 40_000)
+    pinned = config.replace(max_model_len=1_000, gather_workspace_rows=123)
+    assert (pinned.gather_workspace_rows, pinned.indexer_workspace_rows) == (123, 40_000)

@@ -192,6 +192,7 @@ impl StepConfig {
         d.set_item("topk", c.topk)?;
         d.set_item("kv_dtype", c.kv_dtype.name())?;
         d.set_item("scratch_budget_bytes", c.scratch_budget_bytes)?;
+        d.set_item("max_model_len", self.max_model_len)?;
         d.set_item("gather_workspace_rows", c.gather_workspace_rows)?;
         d.set_item("indexer_workspace_rows", c.indexer_workspace_rows)?;
         d.set_item("indexer_logits_bytes", c.indexer_logits_bytes)?;
@@ -208,11 +209,19 @@ impl StepConfig {
     }
 
     /// A copy with the given arguments changed (as the constructor takes
-    /// them). Workspaces keep their rows unless given again.
+    /// them). A new `max_model_len` sizes the workspaces anew unless their
+    /// rows are given too; otherwise they keep their rows.
     #[pyo3(signature = (**changes))]
     fn replace<'py>(slf: &Bound<'py, Self>, changes: Option<&Bound<'py, PyDict>>) -> PyResult<Bound<'py, PyAny>> {
         let args = slf.get().to_dict(slf.py())?;
         if let Some(changes) = changes {
+            if changes.contains("max_model_len")? {
+                for rows in ["gather_workspace_rows", "indexer_workspace_rows"] {
+                    if !changes.contains(rows)? {
+                        args.del_item(rows)?;
+                    }
+                }
+            }
             args.update(changes.as_mapping())?;
         }
         slf.get_type().call((), Some(&args))

@@ -143,8 +143,8 @@ fn split_prefill_chunks<'py>(
     workspace_rows: &Bound<'py, PyAny>,
     request_offset: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray2<i64>>> {
-    let request_offset = count_or(request_offset, "request_offset", 0)? as i64;
     let seq = lengths(seq_lens, "seq_lens")?;
+    let request_offset = plan::request_offset(count_or(request_offset, "request_offset", 0)?, seq.len()).py()?;
     let w = count(workspace_rows, "workspace_rows")?;
     let chunks = py.detach(|| plan::split_prefill_chunks(&seq, w)).py()?;
     let flat = chunks.iter().flat_map(|r| [r.start as i64 + request_offset, r.end as i64 + request_offset]).collect();
@@ -177,8 +177,8 @@ fn split_indexer_prefill_chunks<'py>(
     max_logits_bytes: &Bound<'py, PyAny>,
     request_offset: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray2<i64>>> {
-    let request_offset = count_or(request_offset, "request_offset", 0)? as i64;
     let seq = lengths(seq_lens, "seq_lens")?;
+    let request_offset = plan::request_offset(count_or(request_offset, "request_offset", 0)?, seq.len()).py()?;
     let q = lengths(query_lens, "query_lens")?;
     let w = count(workspace_rows, "workspace_rows")?;
     let budget = count(max_logits_bytes, "max_logits_bytes")?;

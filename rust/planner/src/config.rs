@@ -178,7 +178,7 @@ impl StepConfig {
         }
         if self.scratch_budget_bytes <= ALLOCATOR_RESERVE_BYTES {
             return Err(PlanError::InvalidArgument {
-                what: "scratch budget",
+                what: "scratch_budget_bytes",
                 rule: "more than the allocator's 64 KiB reserve (give at least a few MiB)",
                 got: format!("{} bytes", self.scratch_budget_bytes),
             });

@@ -402,7 +402,7 @@ mod tests {
             f(&mut v);
             CostModel::from_json(&v.to_string()).unwrap_err().to_string()
         };
-        let cases: [(String, &str); 9] = [
+        let cases = [
             (CostModel::from_json("{not json").unwrap_err().to_string(), "not valid JSON"),
             (CostModel::from_json("[]").unwrap_err().to_string(), "not a cost profile"),
             (edit(|v| v["format"] = json!("mla-planner.cost-profile/0")), "re-run"),
@@ -412,6 +412,8 @@ mod tests {
             (edit(|v| v["sparse_decode"] = json!({"32": [[1, 1], [2, 2]]})), "64 or 128"),
             (edit(|v| v["gather_upconvert"] = json!([[1, 1]])), "gather_upconvert: needs at least 2"),
             (edit(|v| v["extra"] = json!(1)), "unknown field"),
+            (edit(|v| v["topk"] = json!(100)), "topk must be a positive multiple of 128"),
+            (edit(|v| v["sparse_decode"]["64"] = json!([[1, 11], [65536, 1e308]])), "between 0 and 3.6e9"),
         ];
         for (err, needle) in cases {
             assert!(err.starts_with("cost profile: ") && err.contains(needle), "{err:?} lacks {needle:?}");

@@ -10,7 +10,7 @@ pub enum PlanError {
     #[error("unknown architecture {0:?}: expected \"sm90\" (Hopper) or \"sm100\" (Blackwell)")]
     UnknownArch(String),
 
-    #[error("unknown KV-cache dtype {0:?}: expected \"fp8\" (fp8_ds_mla) or \"bf16\"")]
+    #[error("unknown kv_dtype {0:?}: expected \"fp8\" (fp8_ds_mla) or \"bf16\"")]
     UnknownKvDtype(String),
 
     #[error("{what} must be {rule}, got {got}")]

@@ -189,6 +189,27 @@ impl Launches {
 
 /// Plan one step exactly as the executor runs it.
 pub fn plan_step(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
+    plan_launches(step, cfg).map_err(|e| match e {
+        // The planners see the launch budget; the operator gave the scratch budget, which also
+        // holds the allocator's reserve: speak of that one.
+        PlanError::BudgetTooSmall { budget, minimum, tokens, num_heads, arch, detail } => PlanError::BudgetTooSmall {
+            budget: crate::Bytes(cfg.scratch_budget_bytes),
+            minimum: crate::Bytes(minimum.0.saturating_add(budget_reserve(cfg, budget.0))),
+            tokens,
+            num_heads,
+            arch,
+            detail,
+        },
+        other => other,
+    })
+}
+
+/// What separates the scratch budget from the launch budget a planner saw.
+fn budget_reserve(cfg: &StepConfig, launch_budget: u64) -> u64 {
+    cfg.scratch_budget_bytes.saturating_sub(launch_budget.min(cfg.launch_budget_bytes()))
+}
+
+fn plan_launches(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
     cfg.validate()?;
     step.validate()?;
     let starts = step.token_starts()?;
@@ -563,6 +584,18 @@ mod tests {
         assert_eq!(plan.launches.len(), 1);
         assert_eq!(plan.launches[0].tokens, 0..1);
         assert!(plan.indexer_chunks.is_empty());
+    }
+
+    #[test]
+    fn a_small_budget_is_reported_as_the_operator_gave_it() {
+        let mut config = cfg(16, KvDtype::Fp8);
+        config.scratch_budget_bytes = 1 << 20;
+        let err = plan_step(Step { query_lens: &[100], context_lens: &[5000], num_decodes: 0 }, &config).unwrap_err();
+        let PlanError::BudgetTooSmall { budget, minimum, .. } = err.clone() else { panic!("{err}") };
+        assert_eq!(budget.0, 1 << 20, "{err}");
+        // The minimum named is enough: that budget plans the step.
+        config.scratch_budget_bytes = minimum.0;
+        plan_step(Step { query_lens: &[100], context_lens: &[5000], num_decodes: 0 }, &config).unwrap();
     }
 
     #[test]

@@ -86,9 +86,11 @@ pub(super) fn parse(text: &str) -> Result<Parsed> {
     let p: ProfileJson = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
     debug_assert_eq!(p.format, PROFILE_FORMAT);
     let arch = p.arch.parse::<Arch>().map_err(|e| bad(e.to_string()))?;
-    if p.num_sms == 0 || p.topk == 0 {
-        return Err(bad("num_sms and topk must be at least 1"));
+    if p.num_sms == 0 {
+        return Err(bad("num_sms must be at least 1"));
     }
+    // The kernels it was timed on take a top-k in blocks of 64 (decode) and 128 (prefill).
+    crate::geometry::check_topk(p.topk, 128, "topk").map_err(|e| bad(e.to_string()))?;
     for key in ENVIRONMENT_KEYS {
         if p.environment.get(key).map_or(true, |v| v.trim().is_empty()) {
             return Err(bad(format!("environment.{key} is missing; a profile must name where it was measured")));

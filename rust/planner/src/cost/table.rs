@@ -10,6 +10,9 @@ pub struct Table {
     micros: Vec<f64>,
 }
 
+/// The longest time a table may hold: one hour, in microseconds.
+pub const MAX_MICROS: f64 = 3.6e9;
+
 impl Table {
     /// `[size, microseconds]` points; the message says which point is wrong.
     pub fn new(points: &[[f64; 2]]) -> Result<Table, String> {
@@ -20,8 +23,10 @@ impl Table {
             if !(size.is_finite() && size > 0.0) {
                 return Err(format!("point {i}: size must be a positive number, got {size}"));
             }
-            if !(us.is_finite() && us >= 0.0) {
-                return Err(format!("point {i}: time must be a non-negative number of microseconds, got {us}"));
+            // An hour per kernel call is no measurement: a larger time is a unit or typing mistake,
+            // and would make route sums overflow to infinity.
+            if !(us.is_finite() && (0.0..=MAX_MICROS).contains(&us)) {
+                return Err(format!("point {i}: time must be between 0 and {MAX_MICROS:e} microseconds, got {us}"));
             }
             if i > 0 {
                 let [prev_size, prev_us] = points[i - 1];
