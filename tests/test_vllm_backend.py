@@ -82,6 +82,80 @@ def test_bad_settings_say_what_is_wrong(env: dict[str, str], words: list[str]) -
         assert word in str(err.value)
 
 
+def write_profile(path: pathlib.Path, content: bytes | None = None) -> pathlib.Path:
+    """``path`` holding ``content`` (default: a valid profile)."""
+    import json
+
+    path.write_bytes(json.dumps(ROUTING_PROFILE).encode() if content is None else content)
+    return path
+
+
+def test_cost_profile_unset_means_the_packaged_one_and_none_means_vllms_rule() -> None:
+    for env in ({}, {"MLA_PLANNER_COST_PROFILE": "  "}):
+        settings = read_settings(env)
+        assert (settings.cost_profile, settings.vllm_rule) == (None, False)
+    for value in ("none", "None"):
+        settings = read_settings({"MLA_PLANNER_COST_PROFILE": value})
+        assert (settings.cost_profile, settings.vllm_rule) == (None, True)
+
+
+def test_cost_profile_that_parses_is_taken(tmp_path: pathlib.Path) -> None:
+    path = write_profile(tmp_path / "profile.json")
+    assert read_settings({"MLA_PLANNER_COST_PROFILE": str(path)}).cost_profile == str(path)
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda tmp: tmp / "missing.json", "no such file"),
+        (lambda tmp: tmp, "a directory, not a file"),
+        (lambda tmp: write_profile(tmp / "latin1.json", b'{"format": "caf\xe9"}'), "not UTF-8 text (byte 0xe9 at offset 15)"),
+        (lambda tmp: write_profile(tmp / "truncated.json", b'{"format": '), "JSON"),
+        (lambda tmp: write_profile(tmp / "other.json", b'{"model": "x"}'), "format"),
+        (lambda tmp: write_profile(tmp / "empty.json", b""), "JSON"),
+    ],
+    ids=["missing", "directory", "not-utf8", "malformed-json", "not-a-profile", "empty"],
+)
+def test_unusable_cost_profile_fails_naming_variable_path_and_reason(
+    tmp_path: pathlib.Path, make: Any, reason: str
+) -> None:
+    path = make(tmp_path)
+    with pytest.raises(SettingsError) as err:
+        read_settings({"MLA_PLANNER_COST_PROFILE": str(path)})
+    message = str(err.value)
+    assert message.startswith(f"MLA_PLANNER_COST_PROFILE={path}: "), message
+    assert reason in message
+    assert "mla-planner calibrate" in message and "unset it" in message and "to none" in message, "what to do"
+    assert "\n" not in message
+
+
+def test_cost_profile_that_is_not_a_regular_file_fails_without_reading_it(tmp_path: pathlib.Path) -> None:
+    import os
+
+    fifo = tmp_path / "profile.fifo"
+    os.mkfifo(fifo)  # reading it would block start-up forever
+    with pytest.raises(SettingsError, match="not a regular file"):
+        read_settings({"MLA_PLANNER_COST_PROFILE": str(fifo)})
+
+
+def test_unreadable_cost_profile_fails(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_profile(tmp_path / "profile.json")
+
+    def denied(self: pathlib.Path) -> bytes:  # as for a file mode 000, even when the tests run as root
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", denied)
+    with pytest.raises(SettingsError, match=r"cannot read it \(Permission denied\)"):
+        read_settings({"MLA_PLANNER_COST_PROFILE": str(path)})
+
+
+def test_relative_cost_profile_shows_where_it_was_looked_for(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SettingsError) as err:
+        read_settings({"MLA_PLANNER_COST_PROFILE": "profiles/h200.json"})
+    assert str(err.value).startswith(f"MLA_PLANNER_COST_PROFILE=profiles/h200.json ({tmp_path / 'profiles/h200.json'}): no such file")
+
+
 # -- plugin -------------------------------------------------------------------------------------
 
 
@@ -118,6 +192,19 @@ def test_bad_settings_fail_registration(registry: dict[Any, str], monkeypatch: p
     monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", "nope")
     with pytest.raises(ValueError, match="MLA_PLANNER_SCRATCH_MB"):
         register()
+
+
+def test_missing_cost_profile_fails_vllm_start_up(
+    registry: dict[Any, str], monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """Through vLLM's own plugin loading, which lets a plugin's error out of start-up."""
+    import vllm.plugins
+
+    missing = tmp_path / "h200.json"
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    monkeypatch.setenv("MLA_PLANNER_COST_PROFILE", str(missing))
+    with pytest.raises(SettingsError, match=f"MLA_PLANNER_COST_PROFILE={missing}: no such file"):
+        vllm.plugins.load_general_plugins()  # type: ignore[no-untyped-call]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "auto"])
@@ -172,8 +259,9 @@ class Backend:
         from mla_planner.vllm_backend.backend import PlannedFlashMLASparseImpl, PlannedFlashMLASparseMetadataBuilder
 
         monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", str(SCRATCH_MB))
-        # No profile unless the test gives one (the packaged H200 profile must not leak in).
-        monkeypatch.setenv("MLA_PLANNER_COST_PROFILE", str(cost_profile or tmp / "no-profile.json"))
+        # No profile unless the test gives one: the packaged H200 profile must not leak in (it
+        # would, with no GPU to say the machine differs).
+        monkeypatch.setenv("MLA_PLANNER_COST_PROFILE", str(cost_profile or "none"))
         monkeypatch.setattr(reservation, "reserve", lambda num_bytes, device: False)
         self.num_heads = num_heads
         self.provider = RecordingProvider()
@@ -347,5 +435,25 @@ def test_cost_profile_puts_a_16_head_prefill_on_the_separate_route(routed: Backe
     assert small.fp8_use_mixed_batch and small.planned.plan.mode == "mixed_batch"
 
 
-def test_no_usable_profile_is_vllms_rule(mixed: Backend) -> None:
+def test_no_profile_is_vllms_rule(mixed: Backend) -> None:
     assert mixed.builder.cost_model is None
+
+
+def test_packaged_profile_for_another_machine_is_vllms_rule_with_one_warning(
+    mixed: Backend, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unset: the packaged profile, which on a machine it was not measured on routes nothing."""
+    import json
+
+    from mla_planner import routing
+
+    measured_on = {"gpu": "NVIDIA H200", "driver": "570", "cuda": "12.8", "torch": "2.11", "kernels": "vllm 0.26.0", "gather": "-"}
+    packaged = write_profile(tmp_path / "sm90.json", json.dumps(dict(ROUTING_PROFILE, environment=measured_on)).encode())
+    monkeypatch.setattr(routing, "default_profile_path", lambda arch="sm90": packaged)
+    monkeypatch.setattr(routing, "current_environment", lambda kernels, gather: dict(measured_on, gpu="NVIDIA H100"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the machine check runs on a GPU only
+    monkeypatch.delenv("MLA_PLANNER_COST_PROFILE")
+    with caplog.at_level("WARNING", logger="mla_planner.routing"):
+        assert routing.load_for_engine(read_settings().cost_profile, mixed.builder.step_config) is None
+    warnings = [r.getMessage() for r in caplog.records if r.name == "mla_planner.routing"]
+    assert len(warnings) == 1 and str(packaged) in warnings[0] and "'NVIDIA H100' here" in warnings[0]

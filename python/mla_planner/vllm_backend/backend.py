@@ -13,6 +13,10 @@ Subclasses vLLM's ``FlashMLASparse*`` classes and changes only what the plan cha
 * BF16-KV steps and decode-only steps run stock code (a decode-only step's plan is stock's one
   call, as the CPU tests check).
 
+Overrides call stock's method by its class, never through zero-argument ``super()``, and fall
+back to stock's behaviour when ``self`` lacks this backend's state: vLLM's own tests call these
+methods on the class with a stand-in ``self`` (tests/test_vllm_own_tests.py runs them).
+
 The budget is reserved from vLLM's KV-cache sizing by :mod:`.reservation`.
 """
 
@@ -83,16 +87,17 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         vllm_config: VllmConfig,
         device: torch.device,
     ) -> None:
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.scratch_budget_bytes = read_settings().scratch_bytes
-        self.cost_profile = read_settings().cost_profile
+        FlashMLASparseMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
+        settings = read_settings()
+        self.scratch_budget_bytes = settings.scratch_bytes
+        self.cost_profile = settings.cost_profile
         self.step_config = engine_config.step_config(
             vllm_config, self, device, self.scratch_budget_bytes, has_prefill_backend=self._prefill_backend is not None
         )
         self.force_mqa = self.step_config.force_mqa
         self.provider = kernel_provider()
         self.mixed_executor = MixedBatchExecutor(self.provider, self.step_config) if self.use_fp8_kv_cache else None
-        self.cost_model = routing.load_for_engine(self.cost_profile, self.step_config)
+        self.cost_model = None if settings.vllm_rule else routing.load_for_engine(self.cost_profile, self.step_config)
         # Once per process, like the budget: which rule routes FP8 steps.
         logger.info_once("mla-planner: FP8 steps routed by %s",
                          "the cost profile" if self.cost_model is not None
@@ -103,7 +108,12 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         common_prefix_len: int,
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
-    ) -> PlannedFlashMLASparseMetadata:
+    ) -> FlashMLASparseMetadata:
+        # vLLM's tests call builder methods on the class with a stand-in `self` (a stock builder,
+        # a namespace of the attributes stock reads): without this builder's state that is
+        # stock's build, with no plan and no process-wide effect.
+        if getattr(self, "step_config", None) is None:
+            return FlashMLASparseMetadataBuilder.build(self, common_prefix_len, common_attn_metadata, fast_build)
         # The first step comes after vLLM has sized and allocated the KV cache.
         if reservation.release():
             logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels", self.scratch_budget_bytes >> 20)
@@ -168,7 +178,7 @@ def translate_indices(
 
 class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        FlashMLASparseImpl.__init__(self, *args, **kwargs)
         if self.kv_cache_dtype != FP8_KV:
             return
         settings = read_settings()

@@ -14,7 +14,9 @@ logger = logging.getLogger(__name__)
 
 def register() -> None:
     """Register the backend as ``CUSTOM`` (and as ``FLASHMLA_SPARSE`` when
-    ``MLA_PLANNER_REPLACE_FLASHMLA_SPARSE=1``). Bad settings fail here, at start-up."""
+    ``MLA_PLANNER_REPLACE_FLASHMLA_SPARSE=1``). Bad settings, a cost profile that cannot be read
+    among them, fail here, at start-up: vLLM's ``load_general_plugins`` lets the error out of the
+    process's start (it catches errors only in importing a plugin, not in running it)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     settings = read_settings()

@@ -6,15 +6,22 @@
 * ``MLA_PLANNER_REPLACE_FLASHMLA_SPARSE`` -- ``1`` registers the backend in place of
   ``FLASHMLA_SPARSE`` as well as ``CUSTOM``, so existing command lines pick it up unchanged.
 * ``MLA_PLANNER_COST_PROFILE`` -- the cost profile that routes FP8 steps (``mla-planner
-  calibrate``); default: the one packaged for the GPU's architecture. A profile that does not
-  match this machine means vLLM's rule, with a warning (docs/routing.md).
+  calibrate``); default: the one packaged for the GPU's architecture; ``none``: no profile,
+  vLLM's rule. When set to a path it must name a readable UTF-8 file that parses as a cost
+  profile, or start-up fails; a valid profile that was measured on another machine means vLLM's
+  rule, with a warning (docs/routing.md), as does the packaged one on a GPU it was not measured
+  on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from collections.abc import Mapping
+from pathlib import Path
+
+from mla_planner import CostModel
 
 DEFAULT_SCRATCH_MB = 1024
 """1 GiB: 3,641-token launches at 64 padded heads (the mixed-batch path of a 16-head rank), a
@@ -30,6 +37,8 @@ MAX_SCRATCH_MB = 1 << 20
 SCRATCH_VARS = ("MLA_PLANNER_SCRATCH_MB", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB")
 REPLACE_VAR = "MLA_PLANNER_REPLACE_FLASHMLA_SPARSE"
 PROFILE_VAR = "MLA_PLANNER_COST_PROFILE"
+NO_PROFILE = "none"
+"""``MLA_PLANNER_COST_PROFILE=none``: route by vLLM's rule on purpose, with no warning."""
 
 
 class SettingsError(ValueError):
@@ -43,7 +52,10 @@ class Settings:
     source: str
     """Where ``scratch_mb`` came from: an environment variable's name, or ``"default"``."""
     cost_profile: str | None = None
-    """A cost profile's path; ``None``: the packaged one."""
+    """A cost profile's path, checked to parse; ``None``: the packaged one, or none at all when
+    ``vllm_rule``."""
+    vllm_rule: bool = False
+    """``MLA_PLANNER_COST_PROFILE=none``: no cost profile; FP8 steps take vLLM's rule."""
 
     @property
     def scratch_bytes(self) -> int:
@@ -57,8 +69,10 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         shown = ", ".join(f"{name}={mb}" for name, mb in values.items())
         raise SettingsError(f"{shown} disagree: set one of them (MLA_PLANNER_SCRATCH_MB is the project's name)")
     source, scratch_mb = next(iter(values.items()), ("default", DEFAULT_SCRATCH_MB))
-    profile = env.get(PROFILE_VAR, "").strip() or None
-    return Settings(scratch_mb, _flag(REPLACE_VAR, env.get(REPLACE_VAR, "")), source, profile)
+    profile = env.get(PROFILE_VAR, "").strip()
+    vllm_rule = profile.lower() == NO_PROFILE
+    return Settings(scratch_mb, _flag(REPLACE_VAR, env.get(REPLACE_VAR, "")), source,
+                    None if vllm_rule else _cost_profile(profile), vllm_rule)
 
 
 def _scratch_mb(name: str, raw: str) -> int:
@@ -72,6 +86,45 @@ def _scratch_mb(name: str, raw: str) -> int:
             f"the default is {DEFAULT_SCRATCH_MB} (unset {name} to use it)"
         )
     return mb
+
+
+def _cost_profile(value: str) -> str | None:
+    """``value`` if it names a cost profile this process can read, ``None`` if unset. A profile
+    someone set on purpose and that cannot be used is a mistake to fix now, not a silent switch
+    to vLLM's rule found in a log after the model has loaded."""
+    if not value:
+        return None
+    path = Path(value)
+
+    def unusable(reason: str) -> SettingsError:
+        shown = value if path.is_absolute() else f"{value} ({Path.cwd() / path})"
+        return SettingsError(
+            f"{PROFILE_VAR}={shown}: {reason}; point it at a profile written by `mla-planner calibrate`, "
+            f"unset it to use the packaged one, or set it to {NO_PROFILE} for vLLM's rule"
+        )
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise unusable("no such file") from None
+    except OSError as e:
+        raise unusable(f"cannot read it ({e.strerror or e})") from None
+    if not stat.S_ISREG(mode):
+        # Reading a FIFO or a device would block or never end; a directory is a slip of the path.
+        raise unusable("a directory, not a file" if stat.S_ISDIR(mode) else "not a regular file")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise unusable(f"cannot read it ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise unusable(f"not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+    try:
+        CostModel.from_json(text)
+    except ValueError as e:
+        raise unusable(" ".join(str(e).split())) from None  # one line, whatever the parser says
+    return value
 
 
 def _flag(name: str, raw: str) -> bool:

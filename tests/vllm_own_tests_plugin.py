@@ -1,0 +1,70 @@
+"""A pytest plugin (``-p vllm_own_tests_plugin``) for running vLLM 0.26.0's own
+``tests/v1/attention/test_sparse_mla_backends.py`` on the CPU, in a pytest of its own started by
+tests/test_vllm_own_tests.py.
+
+``MLA_PLANNER_CLASSES=planned`` puts the backend's classes in place of stock's in vLLM's
+``flashmla_sparse`` module before vLLM's test module imports them, so every
+``FlashMLASparse*`` name the tests use (and stock's own global lookups) is ours; ``stock``
+leaves them, as the control that the harness itself passes.
+
+vLLM's file skips itself unless the platform is CUDA and evaluates
+``torch.cuda.get_device_capability()`` in its decorators; the tests that need a GPU (Triton
+index translation, FlashMLA, FA4) are skipped by name below, so only those checks and the
+device type are answered for the CPU, and nothing a CPU test runs is faked except pinned
+memory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+CLASS_NAMES = ("FlashMLASparseBackend", "FlashMLASparseImpl", "FlashMLASparseMetadata", "FlashMLASparseMetadataBuilder")
+
+GPU_ONLY = {
+    "test_sparse_backend_decode_correctness": "FlashMLA kernels on a CUDA GPU",
+    "test_sparse_backend_prefill_correctness": "FA4 on an SM100 GPU",
+    "test_triton_convert_req_index_to_global_index_decode_only": "vLLM's Triton kernel on a CUDA GPU",
+    "test_triton_convert_req_index_to_global_index_with_prefill_workspace": "vLLM's Triton kernel on a CUDA GPU",
+    "test_triton_convert_rejects_req_id_longer_than_token_indices": "vLLM's Triton kernel on a CUDA GPU",
+    "test_triton_convert_returns_valid_counts": "vLLM's Triton kernel on a CUDA GPU",
+    "test_flashmla_forward_bf16_kv_slices_req_id_to_mqa_tokens": "vLLM's Triton kernel on a CUDA GPU",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import vllm.v1.attention.backends.mla.flashmla_sparse as stock
+    from vllm.platforms import current_platform
+
+    # Let the module import; the GPU tests are skipped below, not by their capability checks.
+    # Without a GPU vLLM's platform is "unspecified", whose device type is "": the tests'
+    # tensors go to the CPU instead.
+    current_platform.is_cuda = lambda: True  # type: ignore[method-assign]
+    current_platform.device_type = "cpu"
+    torch.cuda.get_device_capability = lambda device=None: (0, 0)
+    # Stock builds pinned CPU tensors, which need a CUDA driver.
+    zeros = torch.zeros
+    torch.zeros = lambda *a, pin_memory=False, **k: zeros(*a, **k)
+
+    classes = os.environ.get("MLA_PLANNER_CLASSES", "stock")
+    if classes == "planned":
+        from mla_planner.vllm_backend import backend
+
+        for name in CLASS_NAMES:
+            setattr(stock, name, getattr(backend, "Planned" + name))
+    elif classes != "stock":
+        raise pytest.UsageError(f"MLA_PLANNER_CLASSES={classes!r}: use stock or planned")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[Any]) -> None:
+    planned = os.environ.get("MLA_PLANNER_CLASSES") == "planned"
+    for item in items:
+        if planned and not all(getattr(item.module, name).__name__ == "Planned" + name for name in CLASS_NAMES):
+            # The test module bound stock's classes before the swap: it would test stock, quietly.
+            raise pytest.UsageError(f"{item.module.__name__} imported stock's classes, not the backend's")
+        reason = GPU_ONLY.get(item.originalname)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=f"needs {reason}"))
