@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from mla_planner import H200_NUM_SMS, StepConfig, step_mode
+from mla_planner import H200_NUM_SMS, StepConfig
 
 from . import checks, presets
 from .units import GIB, format_bytes, parse_bytes
@@ -57,22 +57,15 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    """Everything a step plan depends on besides the step itself."""
+    """The step configuration the flags describe, and how its heads were chosen (for people reading
+    the output). `step` follows vLLM's rule for the FP8 route; `route` is a cost model's choice for
+    the planned policy, when one was made."""
 
-    num_heads: int
-    heads_from: str  # how num_heads was chosen, for people reading the output
+    step: StepConfig
+    heads_from: str
     preset: str | None
     tp: int | None
-    topk: int
-    kv_dtype: str
-    arch: str
-    num_sms: int
-    masked_mha: bool
-    budget_bytes: int
-    max_model_len: int
-    # The FP8 route the planned policy takes (a cost model's choice); None: vLLM's
-    # rule. `mode` stays vLLM's: the stock policy follows it.
-    mixed_batch: bool | None = None
+    route: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlannerConfig:
@@ -89,60 +82,50 @@ class PlannerConfig:
             heads_from = f"{preset} at TP {tp}"
         if args.masked_mha and (args.arch, args.kv_dtype) != ("sm100", "bf16"):
             raise CliError("--masked-mha needs --arch sm100 and --kv-dtype bf16 (vLLM's masked MHA runs on FA4 only)")
-        return cls(
-            num_heads=heads,
-            heads_from=heads_from,
-            preset=preset,
-            tp=tp,
-            topk=args.topk,
-            kv_dtype=args.kv_dtype,
-            arch=args.arch,
-            num_sms=args.num_sms,
-            masked_mha=args.masked_mha,
-            budget_bytes=args.budget,
-            max_model_len=args.max_model_len,
-        )
+        try:
+            step = StepConfig(
+                heads,
+                arch=args.arch,
+                num_sms=args.num_sms,
+                topk=args.topk,
+                kv_dtype=args.kv_dtype,
+                scratch_budget_bytes=args.budget,
+                max_model_len=args.max_model_len,
+                masked_mha=args.masked_mha,
+                # The backend's way of running plans, so that `plan` and `simulate` show its launches.
+                execution="vllm",
+            )
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        return cls(step, heads_from, preset, tp)
+
+    @property
+    def planned(self) -> StepConfig:
+        """The configuration the planned policy plans with: the cost model's route, if chosen."""
+        return self.step if self.route is None else self.step.replace(mode=self.route)
 
     @property
     def mode(self) -> str:
-        """vLLM's step mode name (as ``StepPlan.mode``)."""
-        return step_mode(self.num_heads, kv_dtype=self.kv_dtype)
+        """vLLM's step mode name (as ``StepPlan.mode``): the stock policy follows it."""
+        return self.step.mode
+
+    @property
+    def max_model_len(self) -> int:
+        """The flag's value (the CLI always sizes the workspaces from it)."""
+        assert self.step.max_model_len is not None
+        return self.step.max_model_len
 
     @property
     def vllm_path(self) -> str:
-        return presets.vllm_path(self.num_heads, self.kv_dtype)
-
-    def step_config(self) -> StepConfig:
-        """The planner's configuration: the vLLM backend's way of running plans, so that `plan`
-        and `simulate` show the launches the backend issues."""
-        mode = None if self.mixed_batch is None else ("mixed_batch" if self.mixed_batch else "separate_prefill_decode")
-        return StepConfig(
-            self.num_heads,
-            arch=self.arch,
-            num_sms=self.num_sms,
-            topk=self.topk,
-            kv_dtype=self.kv_dtype,
-            scratch_budget_bytes=self.budget_bytes,
-            max_model_len=self.max_model_len,
-            masked_mha=self.masked_mha,
-            mode=mode,
-            execution="vllm",
-        )
-
-    @property
-    def gather_workspace_rows(self) -> int:
-        return self.step_config().gather_workspace_rows
-
-    @property
-    def indexer_workspace_rows(self) -> int:
-        return self.step_config().indexer_workspace_rows
+        return presets.vllm_path(self.step.num_heads, self.step.kv_dtype)
 
     def describe(self) -> list[str]:
+        c = self.step
         return [
-            f"model    {self.num_heads} query heads per rank ({self.heads_from}), topk {self.topk}, "
-            f"{self.kv_dtype} KV, {self.arch} with {self.num_sms} SMs"
-            + (", masked MHA available" if self.masked_mha else ""),
+            f"model    {c.num_heads} query heads per rank ({self.heads_from}), topk {c.topk}, "
+            f"{c.kv_dtype} KV, {c.arch} with {c.num_sms} SMs"
+            + (", masked MHA available" if c.masked_mha else ""),
             f"path     {self.vllm_path}",
-            f"budget   {format_bytes(self.budget_bytes)} per launch; max_model_len {self.max_model_len:,} "
-            f"(gather workspace {self.gather_workspace_rows:,} rows, indexer {self.indexer_workspace_rows:,} rows)",
+            f"budget   {format_bytes(c.scratch_budget_bytes)} per launch; max_model_len {self.max_model_len:,} "
+            f"(gather workspace {c.gather_workspace_rows:,} rows, indexer {c.indexer_workspace_rows:,} rows)",
         ]

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     step = step_from_args(args)
     chosen = routes.choose(args.profile, step, cfg) if args.profile is not None else None
     if chosen is not None:
-        cfg = dataclasses.replace(cfg, mixed_batch=chosen.mixed_batch)
+        cfg = dataclasses.replace(cfg, route=chosen.mode)
     scratches = Scratches(cfg)  # refuses a config the planner core refuses
     try:
         planned = policies.planned(step, scratches, detail=True)
@@ -152,16 +152,16 @@ def to_json(step: Step, cfg: PlannerConfig, planned: Outcome, stock: Outcome) ->
         "config": {
             "preset": cfg.preset,
             "tp": cfg.tp,
-            "num_heads": cfg.num_heads,
-            "topk": cfg.topk,
-            "kv_dtype": cfg.kv_dtype,
-            "arch": cfg.arch,
-            "num_sms": cfg.num_sms,
-            "masked_mha": cfg.masked_mha,
-            "budget_bytes": cfg.budget_bytes,
+            "num_heads": cfg.step.num_heads,
+            "topk": cfg.step.topk,
+            "kv_dtype": cfg.step.kv_dtype,
+            "arch": cfg.step.arch,
+            "num_sms": cfg.step.num_sms,
+            "masked_mha": cfg.step.masked_mha,
+            "budget_bytes": cfg.step.scratch_budget_bytes,
             "max_model_len": cfg.max_model_len,
-            "gather_workspace_rows": cfg.gather_workspace_rows,
-            "indexer_workspace_rows": cfg.indexer_workspace_rows,
+            "gather_workspace_rows": cfg.step.gather_workspace_rows,
+            "indexer_workspace_rows": cfg.step.indexer_workspace_rows,
         },
         "step": {
             "query_lens": step.query_lens,
@@ -239,7 +239,7 @@ def _bound_text(bound: str, cfg: PlannerConfig, one_launch_bytes: int | None) ->
     would_need = f" (one launch of every sparse token would need {format_bytes(one_launch_bytes)})" if one_launch_bytes else ""
     return {
         "none": "every run of sparse tokens fits one launch",
-        "budget": f"the {format_bytes(cfg.budget_bytes)} budget{would_need}",
+        "budget": f"the {format_bytes(cfg.step.scratch_budget_bytes)} budget{would_need}",
         "int32_stride": "FlashMLA's int32 stride check (s_q x padded heads x 576 <= 2^31 - 1)",
         "grid": "the CUDA grid limit (s_q <= 65,535)",
     }[bound]

@@ -83,20 +83,20 @@ class Scratches:
         self.cfg = cfg
         self.decode = lru_cache(maxsize=8192)(self._decode)
         self.prefill = lru_cache(maxsize=8192)(self._prefill)
-        self.decode_limit = max_tokens_per_launch(cfg.num_heads)
+        self.decode_limit = max_tokens_per_launch(cfg.step.num_heads)
         # The prefill kernel pads heads its own way (64 on sm90, 128 on
         # sm100); its lse buffer (s_q * padded heads * 4 bytes) says how many.
         padded = self._prefill(1, False).buffers["lse"] // 4
         self.prefill_limit = max_tokens_per_launch(padded)
 
     def _decode(self, batch: int, s_q: int, out_preallocated: bool) -> Scratch:
-        c = self.cfg
+        c = self.cfg.step
         return decode_scratch(
             batch, s_q, c.num_heads, arch=c.arch, num_sms=c.num_sms, topk=c.topk, out_preallocated=out_preallocated
         )
 
     def _prefill(self, s_q: int, out_preallocated: bool) -> Scratch:
-        c = self.cfg
+        c = self.cfg.step
         return prefill_scratch(s_q, c.num_heads, arch=c.arch, topk=c.topk, out_preallocated=out_preallocated)
 
     def failure(self, launch: Launch) -> str | None:
@@ -123,7 +123,7 @@ def stock(step: Step, s: Scratches) -> Outcome:
     sparse = [(0, d)] if d else []  # request ranges through the sparse kernels
     route_tokens = dict.fromkeys(ROUTES, 0)
     if len(q) > d:
-        groups = plan_prefill_groups(q[d:], c[d:], topk=cfg.topk, available=cfg.masked_mha, stock=True)
+        groups = plan_prefill_groups(q[d:], c[d:], topk=cfg.step.topk, available=cfg.step.masked_mha, stock=True)
         route_tokens = _route_tokens(step, groups.requests, groups.routes, d)
         for (r0, r1), route in zip(groups.requests.tolist(), groups.routes):
             if route == "sparse_mqa":
@@ -144,7 +144,7 @@ def stock(step: Step, s: Scratches) -> Outcome:
         if d:
             s_q = max(q[:d])
             launches.append(Launch("sparse_decode", (0, starts[d]), (0, d), d, s_q, s.decode(d, s_q, False)))
-        rows = cfg.gather_workspace_rows
+        rows = cfg.step.gather_workspace_rows
         for r0, r1 in (r for r in sparse if r[0] >= d):
             seq_lens = [q[i] + c[i] for i in range(r0, r1)]
             if max(seq_lens) > rows:  # vLLM asserts every request fits the gather workspace
@@ -159,7 +159,7 @@ def stock(step: Step, s: Scratches) -> Outcome:
 
 
 def plan(step: Step, s: Scratches) -> StepPlan:
-    return plan_step(step.query_lens, step.context_lens, step.num_decodes, s.cfg.step_config())
+    return plan_step(step.query_lens, step.context_lens, step.num_decodes, s.cfg.planned)
 
 
 def planned(step: Step, s: Scratches, *, detail: bool = False) -> Outcome:
@@ -179,7 +179,7 @@ def planned_launches(step: Step, p: StepPlan, s: Scratches) -> list[Launch]:
     """The plan's launches, each with its own buffers' breakdown and the plan's bytes (which add
     the buffers the step shares across launches, sized for the longest)."""
     mixed = p.mode == "mixed_batch"
-    c = s.cfg.step_config()
+    c = s.cfg.planned
     launches = []
     rows = zip(p.launches.tolist(), p.launch_kernels, p.launch_bytes.tolist())
     for (t0, t1, r0, r1, _chunk), kernel, planned_bytes in rows:

@@ -89,7 +89,7 @@ def markdown(s: dict[str, Any], cfg: PlannerConfig) -> str:
         "Scratch = the bytes of the step's largest sparse-attention kernel launch (split-KV accumulators,",
         "padded q, outputs the kernel allocates). Stock = vLLM as shipped: 0.26's FLASHMLA_SPARSE backend,",
         "and 0.33's all-or-nothing masked-MHA fallback where masked MHA is on. Planned = mla-planner under",
-        f"a {format_bytes(cfg.budget_bytes)} budget per launch. A step over the headroom is an OOM in production;",
+        f"a {format_bytes(cfg.step.scratch_budget_bytes)} budget per launch. A step over the headroom is an OOM in production;",
         "a step over a hard limit raises in the kernel whatever the memory. Details: docs/cli.md.",
         "",
         "| | stock vLLM | mla-planner |",
@@ -128,7 +128,7 @@ def write_all(
 
         c = s["config"]
         title = f"{trace_name}, {_steps(s['steps'])}: {c['num_heads']} heads per rank ({c['heads_from']}), {c['kv_dtype']} KV"
-        files.write_bytes(paths["plot"], render_png(rec, budget_bytes=cfg.budget_bytes, headroom_bytes=s["headroom_bytes"], title=title))
+        files.write_bytes(paths["plot"], render_png(rec, budget_bytes=cfg.step.scratch_budget_bytes, headroom_bytes=s["headroom_bytes"], title=title))
     else:
         del paths["plot"]
     files.write_bytes(paths["report"], markdown(s, cfg).encode())

@@ -25,9 +25,9 @@ class Routes:
     choice: RouteChoice | None
 
     @property
-    def mixed_batch(self) -> bool | None:
+    def mode(self) -> str | None:
         """The route for the planned policy; None leaves it to vLLM's rule."""
-        return None if self.choice is None else self.choice.mixed_batch
+        return None if self.choice is None else self.choice.mode
 
 
 # A measured profile is tens of kilobytes; a bigger file is not one, and
@@ -51,7 +51,7 @@ def _check_profile_file(profile: Path) -> None:
 
 
 def choose(profile: Path, step: Step, cfg: PlannerConfig) -> Routes:
-    if cfg.kv_dtype != "fp8":
+    if cfg.step.kv_dtype != "fp8":
         raise CliError("--profile chooses between the FP8 routes; a BF16 KV cache has one (drop --profile)")
     _check_profile_file(profile)
     try:
@@ -63,7 +63,7 @@ def choose(profile: Path, step: Step, cfg: PlannerConfig) -> Routes:
     if model is None:
         return Routes(profile, None, None)
     try:
-        choice = model.choose_route(step.query_lens, step.context_lens, step.num_decodes, cfg.step_config())
+        choice = model.choose_route(step.query_lens, step.context_lens, step.num_decodes, cfg.planned)
     except ValueError as e:  # another GPU or model than the profile's, or neither route fits
         raise CliError(f"{profile}: {e}") from None
     return Routes(profile, model.environment, choice)

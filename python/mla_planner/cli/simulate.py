@@ -131,11 +131,11 @@ def run(args: argparse.Namespace) -> int:
         "trace": label,
         "steps": len(rec),
         "headroom_bytes": headroom,
-        "budget_bytes": cfg.budget_bytes,
-        "config": {"num_heads": cfg.num_heads, "heads_from": cfg.heads_from, "mode": cfg.mode, "vllm_path": cfg.vllm_path,
-                   "kv_dtype": cfg.kv_dtype, "arch": cfg.arch, "num_sms": cfg.num_sms, "topk": cfg.topk,
-                   "masked_mha": cfg.masked_mha, "max_model_len": cfg.max_model_len},
-        **{p: summarise(rec.policies[p], budget_bytes=cfg.budget_bytes, headroom_bytes=headroom) for p in POLICIES},
+        "budget_bytes": cfg.step.scratch_budget_bytes,
+        "config": {"num_heads": cfg.step.num_heads, "heads_from": cfg.heads_from, "mode": cfg.mode, "vllm_path": cfg.vllm_path,
+                   "kv_dtype": cfg.step.kv_dtype, "arch": cfg.step.arch, "num_sms": cfg.step.num_sms, "topk": cfg.step.topk,
+                   "masked_mha": cfg.step.masked_mha, "max_model_len": cfg.max_model_len},
+        **{p: summarise(rec.policies[p], budget_bytes=cfg.step.scratch_budget_bytes, headroom_bytes=headroom) for p in POLICIES},
     }
     with atomic_files() as files:
         written = report.write_all(files, args.out, rec, summary, cfg, plot=not args.no_plot, trace_name=trace_name)
