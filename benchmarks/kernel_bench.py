@@ -24,8 +24,8 @@ import torch
 
 import mla_planner
 from mla_planner.executor import MixedBatchExecutor, get_provider
-from mla_planner.executor.measure import peak_delta_bytes
-from mla_planner.executor.synthetic import MixedCase, mixed_case
+from mla_planner.testing.measure import peak_delta_bytes
+from mla_planner.testing.synthetic import MixedCase, mixed_case
 
 MiB, GiB = 1 << 20, 1 << 30
 UNBOUNDED = 1 << 50

@@ -39,7 +39,7 @@ from mla_planner.executor import get_provider
 from mla_planner.executor.layout import D_QK, D_V, PAGE_SIZE, as_slots, padded_heads
 from mla_planner.executor.providers import KernelProvider
 from mla_planner.executor.reference import sparse_attention
-from mla_planner.executor.synthetic import PrefillCase, prefill_case
+from mla_planner.testing.synthetic import PrefillCase, prefill_case
 from mla_planner.routing import default_profile_path
 
 MiB = 1 << 20

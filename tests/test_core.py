@@ -52,7 +52,7 @@ def test_hard_limits() -> None:
 
 def test_plan_mixed_batch_default_step() -> None:
     plan = mp.plan_mixed_batch(32768, num_heads=16, budget_bytes=GIB)
-    chunks = plan.chunks
+    chunks = plan.launches
     assert chunks.dtype == np.int64 and chunks.shape == (len(plan), 2)
     assert chunks[0, 0] == 0 and chunks[-1, 1] == 32768
     assert (chunks[1:, 0] == chunks[:-1, 1]).all()
@@ -66,8 +66,8 @@ def test_plan_mixed_batch_default_step() -> None:
 
 def test_results_are_immutable() -> None:
     plan = mp.plan_mixed_batch(10_000, num_heads=16, budget_bytes=GIB)
-    plan.chunks[0, 0] = 99  # a fresh copy: the plan is unchanged
-    assert plan.chunks[0, 0] == 0
+    plan.launches[0, 0] = 99  # a fresh copy: the plan is unchanged
+    assert plan.launches[0, 0] == 0
     with pytest.raises(AttributeError):
         plan.peak_bytes = 0  # type: ignore[misc]
 
@@ -372,3 +372,15 @@ def test_replace_keeps_max_model_len_and_sizes_workspaces_from_a_new_one() -> No
     assert (shorter.max_model_len, shorter.gather_workspace_rows, shorter.indexer_workspace_rows) == (1_000, 5_000, 40_000)
     pinned = config.replace(max_model_len=1_000, gather_workspace_rows=123)
     assert (pinned.gather_workspace_rows, pinned.indexer_workspace_rows) == (123, 40_000)
+
+
+def test_padded_heads_is_the_planners_rule() -> None:
+    assert [mp.padded_heads(h) for h in (1, 16, 64, 65, 128)] == [64, 64, 64, 128, 128]
+    assert [mp.padded_heads(h, kernel="sparse_prefill") for h in (16, 64, 96)] == [64, 64, 128]
+    assert mp.padded_heads(16, kernel="sparse_prefill", arch="sm100") == 128
+    assert mp.padded_heads(16) == mp.StepConfig(16, max_model_len=1024).decode_heads
+    for bad in (0, 129):
+        with pytest.raises(ValueError, match="num_heads"):
+            mp.padded_heads(bad)
+    with pytest.raises(ValueError, match="kernel"):
+        mp.padded_heads(16, kernel="sparse_mqa")  # type: ignore[arg-type]

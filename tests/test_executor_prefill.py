@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from mla_planner.executor import ReferenceProvider, SeparatePrefillExecutor
+from mla_planner.executor import ReferenceProvider
+from mla_planner.testing.separate_prefill import SeparatePrefillExecutor
 from mla_planner.executor.layout import as_slots
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
-from mla_planner.executor.synthetic import PrefillCase, prefill_case
+from mla_planner.testing.synthetic import PrefillCase, prefill_case
 from fixtures import gen  # noqa: F401  (a pytest fixture)
 
 SCALE = 576**-0.5

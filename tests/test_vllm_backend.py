@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="the backend tests need vLLM 0.26.0 (pip inst
 
 import mla_planner  # noqa: E402
 from mla_planner.executor.quant import quantize_fp8_ds_mla  # noqa: E402
-from mla_planner.executor.synthetic import random_kv_rows  # noqa: E402
+from mla_planner.testing.synthetic import random_kv_rows  # noqa: E402
 from mla_planner.vllm_backend import reservation  # noqa: E402
 from mla_planner.vllm_backend.settings import DEFAULT_SCRATCH_MB, SettingsError, read_settings  # noqa: E402
 from fixtures import gen  # noqa: E402, F401  (a pytest fixture)

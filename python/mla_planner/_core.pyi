@@ -114,7 +114,7 @@ class Scratch:
 
 class MixedBatchPlan:
     @property
-    def chunks(self) -> IntArray:
+    def launches(self) -> IntArray:
         """(n, 2) ``[start, end)`` token ranges in launch order."""
     @property
     def launch_bytes(self) -> IntArray: ...
@@ -208,6 +208,8 @@ def topk_mask_bytes(
 def gather_workspace_bytes(rows: int) -> int: ...
 def indexer_logits_bytes(query_rows: int, kv_rows: int) -> int: ...
 def max_tokens_per_launch(num_heads: int) -> tuple[int, Bound]: ...
+def padded_heads(num_heads: int, *, kernel: Kernel = "sparse_decode", arch: str = "sm90") -> int:
+    """Heads ``kernel`` runs for ``num_heads`` query heads per rank (q is zero-padded up to it)."""
 def plan_mixed_batch(
     num_tokens: int,
     *,

@@ -29,7 +29,7 @@ PROFILE_DIR = "profiles"  # under mla_planner/data: one profile per architecture
 VLLM_RULE = "vLLM's rule (mixed batch below 32 heads per rank)"
 GATHER_OPS = {
     "vllm": "cp_gather_and_upconvert_fp8_kv_cache",
-    "torch": "mla_planner.executor.gather.gather_upconvert",
+    "torch": "mla_planner.testing.gather.gather_upconvert",
 }
 KERNEL_PACKAGES = {"vllm": "vllm", "flash_mla": "sgl-flash-mla"}
 

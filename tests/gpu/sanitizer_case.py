@@ -12,8 +12,9 @@ import torch
 
 import mla_planner
 from mla_planner import ALLOCATOR_RESERVE_BYTES
-from mla_planner.executor import MixedBatchExecutor, SeparatePrefillExecutor, get_provider
-from mla_planner.executor.synthetic import mixed_case, prefill_case
+from mla_planner.executor import MixedBatchExecutor, get_provider
+from mla_planner.testing.separate_prefill import SeparatePrefillExecutor
+from mla_planner.testing.synthetic import mixed_case, prefill_case
 
 TOPK = 512
 HEADS = 16

@@ -20,11 +20,12 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from mla_planner.executor import KernelProvider, MixedBatchExecutor, SeparatePrefillExecutor
+from mla_planner.executor import KernelProvider, MixedBatchExecutor
+from mla_planner.testing.separate_prefill import SeparatePrefillExecutor
 from mla_planner.executor.layout import as_slots
-from mla_planner.executor.lse_merge import merge_error_bound
+from mla_planner.testing.lse_merge import merge_error_bound
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
-from mla_planner.executor.synthetic import mixed_case, prefill_case
+from mla_planner.testing.synthetic import mixed_case, prefill_case
 
 from gpu_helpers import (
     MiB,

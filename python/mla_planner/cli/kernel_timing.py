@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mla_planner.executor.gather import gather_upconvert
+from mla_planner.testing.gather import gather_upconvert
 from mla_planner.executor.layout import D_QK, PAGE_SIZE
 from mla_planner.executor.providers import KernelProvider
-from mla_planner.executor.synthetic import PrefillCase, prefill_case
+from mla_planner.testing.synthetic import PrefillCase, prefill_case
 
 if TYPE_CHECKING:
     import torch

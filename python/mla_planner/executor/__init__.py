@@ -6,7 +6,6 @@ built (:func:`get_provider`).
 
 from mla_planner._core import ALLOCATOR_RESERVE_BYTES
 from mla_planner.executor.mixed_batch import MixedBatchExecutor
-from mla_planner.executor.prefill import SeparatePrefillExecutor
 from mla_planner.executor.providers import (
     PROVIDER_NAMES,
     FlashMLAProvider,
@@ -27,7 +26,6 @@ __all__ = [
     "MixedBatchExecutor",
     "ProviderUnavailable",
     "ReferenceProvider",
-    "SeparatePrefillExecutor",
     "VllmProvider",
     "dequantize_fp8_ds_mla",
     "get_provider",

@@ -29,14 +29,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 assert FP8_BYTES_PER_TOKEN == 656
 
 
-def padded_heads(num_heads: int) -> int:
-    """Heads as the SM90 kernels see them: both the sparse decode and the legacy sparse prefill
-    kernel take 64 or 128 query heads, so fewer heads are zero-padded up to one of those."""
-    if not 1 <= num_heads <= 128:
-        raise ValueError(f"num_heads must be in [1, 128] for the FlashMLA sparse kernels, got {num_heads}")
-    return 64 if num_heads <= 64 else 128
-
-
 def as_pages(rows: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:
     """View ``(num_slots, 656)`` uint8 rows as the kernels' ``(num_pages, page_size, 1, 656)``."""
     if rows.dim() != 2 or rows.shape[1] != FP8_BYTES_PER_TOKEN or rows.dtype != torch.uint8:

@@ -63,7 +63,7 @@ struct MixedBatchPlan {
 impl MixedBatchPlan {
     /// `(n, 2)` int64 `[start, end)` token ranges, in launch order.
     #[getter]
-    fn chunks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
+    fn launches<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
         let rs: Vec<Range<u64>> = self.inner.launches.iter().map(|l| l.start..l.end).collect();
         ranges(py, &rs)
     }

@@ -18,6 +18,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gather_workspace_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(indexer_logits_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(max_tokens_per_launch, m)?)?;
+    m.add_function(wrap_pyfunction!(padded_heads, m)?)?;
     Ok(())
 }
 
@@ -156,4 +157,19 @@ fn max_tokens_per_launch(num_heads: &Bound<'_, PyAny>) -> PyResult<(u64, &'stati
     let padded = mla_planner::geometry::decode_padded_heads(heads(num_heads)?).py()?;
     let (n, limit) = mla_planner::limits::max_tokens_per_launch(padded);
     Ok((n, bound_name(PlanBound::Limit(limit))))
+}
+
+/// Heads `kernel` ("sparse_decode" or "sparse_prefill") runs for `num_heads`
+/// query heads per rank: the caller zero-pads q up to it.
+#[pyfunction]
+#[pyo3(signature = (num_heads, *, kernel="sparse_decode", arch="sm90"))]
+fn padded_heads(num_heads: &Bound<'_, PyAny>, kernel: &str, arch: &str) -> PyResult<u32> {
+    let n = heads(num_heads)?;
+    match kernel {
+        "sparse_decode" => mla_planner::geometry::decode_padded_heads(n).py(),
+        "sparse_prefill" => mla_planner::geometry::prefill_padded_heads(n, arch.parse::<Arch>().py()?).py(),
+        _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "kernel must be \"sparse_decode\" or \"sparse_prefill\", got {kernel:?}"
+        ))),
+    }
 }

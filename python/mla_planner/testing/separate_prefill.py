@@ -29,9 +29,9 @@ import numpy.typing as npt
 import torch
 
 import mla_planner
-from mla_planner.executor.gather import gather_upconvert, to_workspace_indices
-from mla_planner.executor.layout import D_QK, D_V, padded_heads
-from mla_planner.executor.lse_merge import merge_window, start_merge
+from mla_planner.testing.gather import gather_upconvert, to_workspace_indices
+from mla_planner.executor.layout import D_QK, D_V
+from mla_planner.testing.lse_merge import merge_window, start_merge
 from mla_planner.executor.providers import KernelProvider
 
 IntArray = npt.NDArray[np.int64]
@@ -90,7 +90,7 @@ class SeparatePrefillExecutor:
     ) -> None:
         self.provider = provider
         self.num_heads = num_heads
-        self.kernel_heads = padded_heads(num_heads)
+        self.kernel_heads = mla_planner.padded_heads(num_heads, kernel="sparse_prefill", arch=arch)
         self.softmax_scale = softmax_scale
         self.arch = arch
 
