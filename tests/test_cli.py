@@ -108,14 +108,14 @@ PLAN_SCHEMA = {
         "peak_bytes": int,
         "bound": str,
         "failure": (str, type(None)),
-        "prefill_groups": [{"requests": PAIR, "route": str, "mask_bytes": int}],
-        "prefill_tokens_by_route": ROUTE_TOKENS,
+        "prefill_groups": [{"requests": PAIR, "path": str, "mask_bytes": int}],
+        "prefill_tokens_by_path": ROUTE_TOKENS,
         "gather_chunks": [[int]],
         "gather_workspace_bytes": int,
         "indexer_chunks": [[int]],
         "indexer_peak_bytes": int,
     },
-    "stock": {"launches": [LAUNCH], "peak_bytes": int, "failure": (str, type(None)), "prefill_tokens_by_route": ROUTE_TOKENS},
+    "stock": {"launches": [LAUNCH], "peak_bytes": int, "failure": (str, type(None)), "prefill_tokens_by_path": ROUTE_TOKENS},
 }
 
 
@@ -131,7 +131,7 @@ PLAN_SCHEMA = {
 def test_plan_json_schema_and_consistency(args: list[str]) -> None:
     plan = json.loads(cli("plan", "--json", *args).stdout)
     _check_shape(plan, PLAN_SCHEMA)
-    assert plan["schema"] == "mla-planner.plan/1"
+    assert plan["schema"] == "mla-planner.plan/2"
     assert plan["mode"] in ("mixed_batch", "separate_prefill_decode", "bf16")
     assert plan["planned"]["bound"] in ("none", "budget", "int32_stride", "grid")
     step, cfg = plan["step"], plan["config"]
@@ -315,8 +315,8 @@ def test_simulate_golden_tiny_trace(tmp_path: Path) -> None:
     assert s["planned"]["over_headroom_steps"] == 0
     prefill = 32768 + 60000 + 1000
     for policy in ("stock", "planned"):
-        assert s[policy]["prefill_tokens_by_route"] == {"dense_mha": 1000, "masked_mha": 0, "sparse_mqa": 92768}
-        assert s[policy]["prefill_share_by_route"]["dense_mha"] == pytest.approx(1000 / prefill)
+        assert s[policy]["prefill_tokens_by_path"] == {"dense_mha": 1000, "masked_mha": 0, "sparse_mqa": 92768}
+        assert s[policy]["prefill_share_by_path"]["dense_mha"] == pytest.approx(1000 / prefill)
 
 
 def test_simulate_reads_gzip_and_orders_decodes_first(tmp_path: Path) -> None:

@@ -203,9 +203,9 @@ def test_gather_chunks_split_oversize_request() -> None:
 
 def test_prefill_groups_keep_masked_mha() -> None:
     stock = mp.plan_prefill_groups([24576, 24576], [0, 0], stock=True)
-    assert stock.routes == ["sparse_mqa"]
+    assert stock.paths == ["sparse_mqa"]
     planned = mp.plan_prefill_groups([24576, 24576], [0, 0])
-    assert planned.routes == ["masked_mha", "masked_mha"]
+    assert planned.paths == ["masked_mha", "masked_mha"]
     assert planned.requests.tolist() == [[0, 1], [1, 2]]
     assert planned.mask_bytes.tolist() == [72 * MIB, 72 * MIB]
 
@@ -226,7 +226,7 @@ def test_plan_step_mixed_batch() -> None:
     assert plan.peak_bytes == int(plan.launch_bytes.max()) <= config.launch_budget_bytes
     assert plan.longest_launch("sparse_decode") == int((launches[:, 1] - launches[:, 0]).max())
     assert plan.longest_launch("sparse_prefill") == 0
-    assert plan.prefill_groups.routes == ["sparse_mqa"]
+    assert plan.prefill_groups.paths == ["sparse_mqa"]
     assert plan.indexer_chunks[0, 0] == 2
 
 

@@ -15,7 +15,7 @@ H200_NUM_SMS: int
 IntArray = npt.NDArray[np.int64]
 ArrayLike = npt.ArrayLike
 Bound = Literal["none", "budget", "int32_stride", "grid"]
-Route = Literal["dense_mha", "masked_mha", "sparse_mqa"]
+PrefillPath = Literal["dense_mha", "masked_mha", "sparse_mqa"]
 Mode = Literal["mixed_batch", "separate_prefill_decode", "bf16"]
 Kernel = Literal["sparse_decode", "sparse_prefill"]
 
@@ -130,7 +130,7 @@ class PrefillGroups:
     @property
     def requests(self) -> IntArray: ...
     @property
-    def routes(self) -> list[Route]: ...
+    def paths(self) -> list[PrefillPath]: ...
     @property
     def mask_bytes(self) -> IntArray: ...
     def __len__(self) -> int: ...

@@ -17,7 +17,7 @@ from .steps import Step
 from .units import UNITS, format_bytes
 
 DEFAULT_TOKENS = 32_768
-SCHEMA = "mla-planner.plan/1"
+SCHEMA = "mla-planner.plan/2"
 # Column order of per-buffer tables: inputs, split-KV scratch, outputs.
 LINE_WIDTH = 100
 BUFFER_ORDER = ("q_padded", "o_accum", "lse_accum", "out", "max_logits", "lse")
@@ -177,10 +177,10 @@ def to_json(step: Step, cfg: PlannerConfig, planned: Outcome, stock: Outcome) ->
             "bound": p.bound,
             "failure": planned.failure,
             "prefill_groups": [
-                {"requests": r, "route": route, "mask_bytes": m}
-                for r, route, m in zip(groups.requests.tolist(), groups.routes, groups.mask_bytes.tolist())
+                {"requests": r, "path": path, "mask_bytes": m}
+                for r, path, m in zip(groups.requests.tolist(), groups.paths, groups.mask_bytes.tolist())
             ],
-            "prefill_tokens_by_route": planned.route_tokens,
+            "prefill_tokens_by_path": planned.path_tokens,
             "gather_chunks": p.gather_chunks.tolist(),
             "gather_workspace_bytes": p.gather_workspace_bytes,
             "indexer_chunks": p.indexer_chunks.tolist(),
@@ -190,7 +190,7 @@ def to_json(step: Step, cfg: PlannerConfig, planned: Outcome, stock: Outcome) ->
             "launches": [_launch_json(x) for x in stock.launches],
             "peak_bytes": stock.peak_bytes,
             "failure": stock.failure,
-            "prefill_tokens_by_route": stock.route_tokens,
+            "prefill_tokens_by_path": stock.path_tokens,
         },
     }
 
@@ -293,16 +293,16 @@ def to_text(step: Step, cfg: PlannerConfig, planned: Outcome, stock: Outcome, on
     ]
     groups = p.prefill_groups
     if len(groups):
-        out.append("prefill routes")
+        out.append("prefill paths")
         starts = [0]
         for q in step.query_lens:
             starts.append(starts[-1] + q)
         ranges = groups.requests.tolist()
         width = max(len(_requests_text(r0, r1)) for r0, r1 in ranges)
-        for (r0, r1), route, mask in zip(ranges, groups.routes, groups.mask_bytes.tolist()):
+        for (r0, r1), path, mask in zip(ranges, groups.paths, groups.mask_bytes.tolist()):
             mask_text = f", top-k mask {format_bytes(mask)}" if mask else ""
             tokens = _plural(starts[r1] - starts[r0], "token")
-            out.append(f"  {_requests_text(r0, r1):<{width}}  {route:<10}  {tokens}{mask_text}")
+            out.append(f"  {_requests_text(r0, r1):<{width}}  {path:<10}  {tokens}{mask_text}")
         out.append("")
     out.append(f"planned (mla-planner): {_plural(planned.num_launches, 'launch', 'launches')}")
     out += _launches_text(planned.launches)

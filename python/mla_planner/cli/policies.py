@@ -36,7 +36,7 @@ from mla_planner import (
 from .config import CliError, PlannerConfig
 from .steps import Step
 
-ROUTES = ("dense_mha", "masked_mha", "sparse_mqa")
+PATHS = ("dense_mha", "masked_mha", "sparse_mqa")
 FAILURES = ("int32_stride", "grid", "workspace_assert")
 
 
@@ -65,7 +65,7 @@ class Outcome:
     num_launches: int
     peak_bytes: int
     failure: str | None  # a hard failure of the step (see FAILURES), None if it runs
-    route_tokens: dict[str, int] = field(default_factory=dict)  # prefill tokens per route
+    path_tokens: dict[str, int] = field(default_factory=dict)  # prefill tokens per path
     plan: StepPlan | None = None  # the planned policy's full plan
 
 
@@ -107,11 +107,11 @@ class Scratches:
         return None
 
 
-def _route_tokens(step: Step, groups_req: npt.NDArray[np.int64], routes: Sequence[str], offset: int) -> dict[str, int]:
+def _path_tokens(step: Step, groups_req: npt.NDArray[np.int64], paths: Sequence[str], offset: int) -> dict[str, int]:
     starts = [0, *accumulate(step.query_lens)]
-    tokens = dict.fromkeys(ROUTES, 0)
-    for (r0, r1), route in zip(groups_req.tolist(), routes):
-        tokens[route] += starts[r1 + offset] - starts[r0 + offset]
+    tokens = dict.fromkeys(PATHS, 0)
+    for (r0, r1), path in zip(groups_req.tolist(), paths):
+        tokens[path] += starts[r1 + offset] - starts[r0 + offset]
     return tokens
 
 
@@ -121,12 +121,12 @@ def stock(step: Step, s: Scratches) -> Outcome:
     q, c = step.query_lens, step.context_lens
     starts = [0, *accumulate(q)]
     sparse = [(0, d)] if d else []  # request ranges through the sparse kernels
-    route_tokens = dict.fromkeys(ROUTES, 0)
+    path_tokens = dict.fromkeys(PATHS, 0)
     if len(q) > d:
         groups = plan_prefill_groups(q[d:], c[d:], topk=cfg.step.topk, available=cfg.step.masked_mha, stock=True)
-        route_tokens = _route_tokens(step, groups.requests, groups.routes, d)
-        for (r0, r1), route in zip(groups.requests.tolist(), groups.routes):
-            if route == "sparse_mqa":
+        path_tokens = _path_tokens(step, groups.requests, groups.paths, d)
+        for (r0, r1), path in zip(groups.requests.tolist(), groups.paths):
+            if path == "sparse_mqa":
                 sparse.append((r0 + d, r1 + d))
     launches: list[Launch] = []
     failure = None
@@ -155,7 +155,7 @@ def stock(step: Step, s: Scratches) -> Outcome:
                 launches.append(Launch("sparse_prefill", (t0, t1), (a, b), 1, t1 - t0, s.prefill(t1 - t0, False)))
     failure = failure or next((f for f in map(s.failure, launches) if f), None)
     peak = max((launch.bytes for launch in launches), default=0)
-    return Outcome(launches, len(launches), peak, failure, route_tokens)
+    return Outcome(launches, len(launches), peak, failure, path_tokens)
 
 
 def plan(step: Step, s: Scratches) -> StepPlan:
@@ -167,12 +167,12 @@ def planned(step: Step, s: Scratches, *, detail: bool = False) -> Outcome:
     `simulate` reads only the totals."""
     p = plan(step, s)
     groups = p.prefill_groups
-    route_tokens = _route_tokens(step, groups.requests, groups.routes, 0) if len(groups) else dict.fromkeys(ROUTES, 0)
+    path_tokens = _path_tokens(step, groups.requests, groups.paths, 0) if len(groups) else dict.fromkeys(PATHS, 0)
     launches = planned_launches(step, p, s) if detail or s.cfg.mode == "bf16" else []
     # The planner cuts mixed and separate steps under the hard limits; its
     # bf16 mode runs each run of sparse tokens in one call, as stock does.
     failure = next((f for f in map(s.failure, launches) if f), None)
-    return Outcome(launches, len(p.launch_kernels), p.peak_bytes, failure, route_tokens, p)
+    return Outcome(launches, len(p.launch_kernels), p.peak_bytes, failure, path_tokens, p)
 
 
 def planned_launches(step: Step, p: StepPlan, s: Scratches) -> list[Launch]:
@@ -203,7 +203,7 @@ class CachedPolicies:
 
     Neither policy reads a decode's context length (the decode kernel
     attends to top-k slots, whatever the context; gathers, the indexer and
-    prefill routes see prefills only), so steps that differ only there cost
+    prefill paths see prefills only), so steps that differ only there cost
     the same, and decode-only steps repeat a handful of shapes.
     """
 

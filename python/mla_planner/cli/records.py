@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .policies import FAILURES, ROUTES, Outcome
+from .policies import FAILURES, PATHS, Outcome
 
 POLICIES = ("stock", "planned")
 PERCENTILES = (50, 90, 99, 99.9)
@@ -22,14 +22,14 @@ class PolicyRecords:
     peak_bytes: array[int] = field(default_factory=lambda: array("q"))
     launches: array[int] = field(default_factory=lambda: array("q"))
     failures: list[str] = field(default_factory=list)
-    route_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROUTES, 0))
+    path_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
 
     def add(self, o: Outcome) -> None:
         self.peak_bytes.append(o.peak_bytes)
         self.launches.append(o.num_launches)
         self.failures.append(o.failure or NO_FAILURE)
-        for route, n in o.route_tokens.items():
-            self.route_tokens[route] += n
+        for route, n in o.path_tokens.items():
+            self.path_tokens[route] += n
 
 
 @dataclass
@@ -48,7 +48,7 @@ def summarise(r: PolicyRecords, *, budget_bytes: int, headroom_bytes: int) -> di
     launches = np.frombuffer(r.launches, dtype=np.int64) if len(r.launches) else np.zeros(1, np.int64)
     failed = np.array([f != NO_FAILURE for f in r.failures], dtype=bool)
     over_headroom = peaks > headroom_bytes
-    prefill_total = sum(r.route_tokens.values())
+    prefill_total = sum(r.path_tokens.values())
     return {
         "steps": len(r.peak_bytes),
         "peak_bytes": {
@@ -61,6 +61,6 @@ def summarise(r: PolicyRecords, *, budget_bytes: int, headroom_bytes: int) -> di
         "hard_failure_steps": {f: r.failures.count(f) for f in FAILURES},
         "failed_steps": int((over_headroom | failed).sum()),
         "launches_per_step": {"mean": float(launches.mean()), "max": int(launches.max()), "total": int(launches.sum())},
-        "prefill_tokens_by_route": dict(r.route_tokens),
-        "prefill_share_by_route": {k: (v / prefill_total if prefill_total else 0.0) for k, v in r.route_tokens.items()},
+        "prefill_tokens_by_path": dict(r.path_tokens),
+        "prefill_share_by_path": {k: (v / prefill_total if prefill_total else 0.0) for k, v in r.path_tokens.items()},
     }

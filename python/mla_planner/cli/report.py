@@ -17,7 +17,7 @@ from .units import format_bytes
 
 FILES = {"report": "simulate.md", "plot": "simulate.png", "steps": "simulate_steps.csv", "summary": "simulate_summary.json"}
 LINE_WIDTH = 100
-ROUTE_NAMES = {"dense_mha": "dense MHA", "masked_mha": "masked MHA", "sparse_mqa": "sparse MQA"}
+PATH_NAMES = {"dense_mha": "dense MHA", "masked_mha": "masked MHA", "sparse_mqa": "sparse MQA"}
 
 
 def _rows(s: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -40,8 +40,8 @@ def _rows(s: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("kernel launches per step, mean", *both(lambda p: f"{p['launches_per_step']['mean']:.2f}")),
         ("kernel launches per step, max", *both(lambda p: f"{p['launches_per_step']['max']:,}")),
     ]
-    for route, name in ROUTE_NAMES.items():
-        rows.append((f"prefill tokens via {name}", *both(lambda p, r=route: f"{p['prefill_share_by_route'][r]:.1%}")))
+    for path, name in PATH_NAMES.items():
+        rows.append((f"prefill tokens via {name}", *both(lambda p, r=path: f"{p['prefill_share_by_path'][r]:.1%}")))
     return rows
 
 

@@ -205,7 +205,7 @@ fn masked_mha_workspace_fits(
     .py()
 }
 
-/// Prefill groups and their routes.
+/// Prefill groups and the attention path each takes.
 #[pyclass(frozen, module = "mla_planner._core")]
 pub(crate) struct PrefillGroups {
     pub(crate) groups: Vec<plan::PrefillGroup>,
@@ -220,10 +220,10 @@ impl PrefillGroups {
         ranges(py, &rs)
     }
 
-    /// Route per group: "dense_mha", "masked_mha" or "sparse_mqa".
+    /// Path per group: "dense_mha", "masked_mha" or "sparse_mqa".
     #[getter]
-    fn routes(&self) -> Vec<&'static str> {
-        self.groups.iter().map(|g| g.route.name()).collect()
+    fn paths(&self) -> Vec<&'static str> {
+        self.groups.iter().map(|g| g.path.name()).collect()
     }
 
     /// `(n,)` bytes of each group's largest mask (0 unless masked MHA).
@@ -238,7 +238,7 @@ impl PrefillGroups {
 
     fn __repr__(&self) -> String {
         let parts: Vec<String> =
-            self.groups.iter().map(|g| format!("{}..{}:{}", g.requests.start, g.requests.end, g.route.name())).collect();
+            self.groups.iter().map(|g| format!("{}..{}:{}", g.requests.start, g.requests.end, g.path.name())).collect();
         format!("PrefillGroups([{}])", parts.join(", "))
     }
 }
@@ -266,7 +266,7 @@ fn plan_prefill_groups(
         force_mqa,
     };
     let groups = py
-        .detach(|| if stock { plan::route_prefills_stock(&reqs, &cfg) } else { plan::plan_prefill_groups(&reqs, &cfg) })
+        .detach(|| if stock { plan::stock_prefill_groups(&reqs, &cfg) } else { plan::plan_prefill_groups(&reqs, &cfg) })
         .py()?;
     Ok(PrefillGroups { groups })
 }

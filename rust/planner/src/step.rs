@@ -9,7 +9,7 @@ use crate::error::{add, check_launches, PlanError, Result};
 use crate::geometry::KvDtype;
 use crate::plan::{
     plan_gather_chunks, plan_mixed_batch, plan_prefill_groups, prefill_launch_tokens, split_indexer_prefill_chunks, Bound,
-    GatherChunk, IndexerChunk, MaskConfig, MixedBatchConfig, MixedBatchPlan, PrefillGroup, PrefillRequest, PrefillRoute,
+    GatherChunk, IndexerChunk, MaskConfig, MixedBatchConfig, MixedBatchPlan, PrefillGroup, PrefillRequest, PrefillPath,
 };
 use crate::scratch::{decode_scratch, gather_workspace_bytes, prefill_scratch, Breakdown, DecodeShape, PrefillShape};
 
@@ -228,7 +228,7 @@ fn plan_launches(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
     if d > 0 {
         sparse_runs.push(0..d);
     }
-    for g in prefill_groups.iter().filter(|g| g.route == PrefillRoute::SparseMqa) {
+    for g in prefill_groups.iter().filter(|g| g.path == PrefillPath::SparseMqa) {
         match sparse_runs.last_mut() {
             Some(last) if last.end == g.requests.start => last.end = g.requests.end,
             _ => sparse_runs.push(g.requests.clone()),
@@ -287,7 +287,7 @@ fn plan_launches(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
     }
 
     // The indexer scores every prefill unless all of them run dense MHA.
-    let all_dense = prefill_groups.iter().all(|g| g.route == PrefillRoute::DenseMha);
+    let all_dense = prefill_groups.iter().all(|g| g.path == PrefillPath::DenseMha);
     let indexer_chunks = if all_dense {
         vec![]
     } else {
@@ -580,7 +580,7 @@ mod tests {
     #[test]
     fn dense_prefills_leave_only_decodes_sparse() {
         let plan = plan_step(Step { query_lens: &[1, 500], context_lens: &[9, 0], num_decodes: 1 }, &cfg(16, KvDtype::Fp8)).unwrap();
-        assert_eq!(plan.prefill_groups[0].route, PrefillRoute::DenseMha);
+        assert_eq!(plan.prefill_groups[0].path, PrefillPath::DenseMha);
         assert_eq!(plan.launches.len(), 1);
         assert_eq!(plan.launches[0].tokens, 0..1);
         assert!(plan.indexer_chunks.is_empty());
@@ -647,7 +647,7 @@ mod tests {
                 for t in l.tokens.clone() { count[t as usize] += 1; }
             }
             let starts: Vec<u64> = std::iter::once(0).chain(q.iter().scan(0, |s, &x| { *s += x; Some(*s) })).collect();
-            let sparse = |r: usize| r < d || plan.prefill_groups.iter().any(|g| g.requests.contains(&r) && g.route == PrefillRoute::SparseMqa);
+            let sparse = |r: usize| r < d || plan.prefill_groups.iter().any(|g| g.requests.contains(&r) && g.path == PrefillPath::SparseMqa);
             for r in 0..q.len() {
                 for t in starts[r]..starts[r + 1] {
                     let n = count[t as usize];

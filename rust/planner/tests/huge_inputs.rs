@@ -14,8 +14,8 @@ use mla_planner::geometry::{decode_padded_heads, prefill_padded_heads, Arch, Gpu
 use mla_planner::limits::{max_tokens_per_launch, MAX_ROWS};
 use mla_planner::plan::{
     masked_mha_workspace_fits, plan_gather_chunks, plan_mixed_batch, plan_prefill_groups, prefill_launch_tokens, prefill_masks,
-    request_offset, route_prefills_stock, split_indexer_prefill_chunks, split_prefill_chunks, GatherChunk, MaskConfig,
-    MixedBatchConfig, PrefillRequest, PrefillRoute,
+    request_offset, stock_prefill_groups, split_indexer_prefill_chunks, split_prefill_chunks, GatherChunk, MaskConfig,
+    MixedBatchConfig, PrefillRequest, PrefillPath,
 };
 use mla_planner::scratch::{
     decode_scratch, gather_workspace_bytes, indexer_logits_bytes, prefill_scratch, topk_mask_bytes, topk_mask_shape, Breakdown,
@@ -259,7 +259,7 @@ proptest! {
         let (available, force_mqa, stock) = flags;
         let cfg = MaskConfig { topk, workspace_bytes, context_chunk_rows, available, force_mqa };
         let planned = timed("plan_prefill_groups", || {
-            if stock { route_prefills_stock(&reqs, &cfg) } else { plan_prefill_groups(&reqs, &cfg) }
+            if stock { stock_prefill_groups(&reqs, &cfg) } else { plan_prefill_groups(&reqs, &cfg) }
         });
         let masks = timed("prefill_masks", || prefill_masks(&reqs, &cfg));
         prop_assert_eq!(planned.is_ok(), masks.is_ok(), "both refuse the same requests");
@@ -272,7 +272,7 @@ proptest! {
         prop_assert!(groups.len() as u64 <= MAX_LAUNCHES);
         check_tiles(groups.iter().map(|g| g.requests.clone()), reqs.len())?;
         for g in &groups {
-            if g.route == PrefillRoute::MaskedMha {
+            if g.path == PrefillPath::MaskedMha {
                 prop_assert!(g.mask_bytes <= workspace_bytes && g.mask_bytes <= I64_MAX);
             } else {
                 prop_assert_eq!(g.mask_bytes, 0);
@@ -478,7 +478,7 @@ fn huge_prefills_route_to_sparse_mqa_or_are_refused() {
     let reqs = [PrefillRequest { query_len: 1 << 39, context_len: 1 << 38 }];
     let groups = plan_prefill_groups(&reqs, &cfg).unwrap();
     assert_eq!(groups.len(), 1);
-    assert_eq!(groups[0].route, PrefillRoute::SparseMqa);
+    assert_eq!(groups[0].path, PrefillPath::SparseMqa);
     let reqs = [PrefillRequest { query_len: u64::MAX, context_len: u64::MAX }];
     assert!(plan_prefill_groups(&reqs, &cfg).is_err());
 }
@@ -491,5 +491,5 @@ fn prefill_groups_take_linear_time_in_the_requests() {
     let reqs = vec![PrefillRequest { query_len: 3000, context_len: 0 }; 200_000];
     let groups = timed("plan_prefill_groups", || plan_prefill_groups(&reqs, &cfg)).unwrap();
     assert_eq!(groups.len(), 1);
-    assert_eq!(groups[0].route, PrefillRoute::MaskedMha);
+    assert_eq!(groups[0].path, PrefillPath::MaskedMha);
 }

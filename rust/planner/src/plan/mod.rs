@@ -3,15 +3,15 @@
 
 mod gather;
 mod indexer;
-mod mask;
+mod prefill_groups;
 mod mixed;
 mod prefill;
 
 pub use crate::error::{LaunchCount, MAX_LAUNCHES};
 pub use gather::{plan_gather_chunks, split_prefill_chunks, GatherChunk, PrefillRequest};
 pub use indexer::{split_indexer_prefill_chunks, IndexerChunk};
-pub use mask::{
-    masked_mha_workspace_fits, plan_prefill_groups, prefill_masks, route_prefills_stock, MaskConfig, MaskSet, PrefillGroup, PrefillRoute,
+pub use prefill_groups::{
+    masked_mha_workspace_fits, plan_prefill_groups, prefill_masks, stock_prefill_groups, MaskConfig, MaskSet, PrefillGroup, PrefillPath,
 };
 pub use mixed::{plan_mixed_batch, MixedBatchConfig, MixedBatchPlan};
 pub use prefill::prefill_launch_tokens;

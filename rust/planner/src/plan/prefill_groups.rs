@@ -12,7 +12,7 @@ use crate::scratch::{topk_mask_shape, MaskShape, GLOBAL_TOPK_MASK_MAX_BYTES};
 
 /// How one group of prefills is attended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PrefillRoute {
+pub enum PrefillPath {
     /// Every sequence is within top-k: plain causal MHA.
     DenseMha,
     /// MHA with a bit-packed top-k mask.
@@ -21,12 +21,12 @@ pub enum PrefillRoute {
     SparseMqa,
 }
 
-impl PrefillRoute {
+impl PrefillPath {
     pub fn name(self) -> &'static str {
         match self {
-            PrefillRoute::DenseMha => "dense_mha",
-            PrefillRoute::MaskedMha => "masked_mha",
-            PrefillRoute::SparseMqa => "sparse_mqa",
+            PrefillPath::DenseMha => "dense_mha",
+            PrefillPath::MaskedMha => "masked_mha",
+            PrefillPath::SparseMqa => "sparse_mqa",
         }
     }
 }
@@ -185,24 +185,24 @@ impl SetSummary {
         Ok(MaskSet { suffix, context_chunk, global, fit_test, fits, global_fits })
     }
 
-    fn route(&self, cfg: &MaskConfig) -> Result<(PrefillRoute, MaskSet)> {
+    fn route(&self, cfg: &MaskConfig) -> Result<(PrefillPath, MaskSet)> {
         let masks = self.masks(cfg)?;
         let route = if cfg.force_mqa {
-            PrefillRoute::SparseMqa
+            PrefillPath::SparseMqa
         } else if self.max_seq <= u64::from(cfg.topk) {
-            PrefillRoute::DenseMha
+            PrefillPath::DenseMha
         } else if cfg.available && masks.fits {
-            PrefillRoute::MaskedMha
+            PrefillPath::MaskedMha
         } else {
-            PrefillRoute::SparseMqa
+            PrefillPath::SparseMqa
         };
         Ok((route, masks))
     }
 
     fn group(&self, requests: Range<usize>, cfg: &MaskConfig) -> Result<PrefillGroup> {
         let (route, masks) = self.route(cfg)?;
-        let mask_bytes = if route == PrefillRoute::MaskedMha { masks.peak_bytes()? } else { 0 };
-        Ok(PrefillGroup { requests, route, mask_bytes })
+        let mask_bytes = if route == PrefillPath::MaskedMha { masks.peak_bytes()? } else { 0 };
+        Ok(PrefillGroup { requests, path: route, mask_bytes })
     }
 }
 
@@ -210,13 +210,13 @@ impl SetSummary {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefillGroup {
     pub requests: Range<usize>,
-    pub route: PrefillRoute,
+    pub path: PrefillPath,
     /// Bytes of the largest mask, for masked MHA; 0 otherwise.
     pub mask_bytes: u64,
 }
 
 /// vLLM's decision: one route for the whole prefill set.
-pub fn route_prefills_stock(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<Vec<PrefillGroup>> {
+pub fn stock_prefill_groups(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<Vec<PrefillGroup>> {
     if requests.is_empty() {
         return Ok(vec![]);
     }
@@ -230,10 +230,10 @@ pub fn route_prefills_stock(requests: &[PrefillRequest], cfg: &MaskConfig) -> Re
 /// as a group grows, so growing each group greedily is optimal.
 pub fn plan_prefill_groups(requests: &[PrefillRequest], cfg: &MaskConfig) -> Result<Vec<PrefillGroup>> {
     if !cfg.available {
-        return route_prefills_stock(requests, cfg);
+        return stock_prefill_groups(requests, cfg);
     }
     check_requests(requests)?;
-    let runs_as_mha = |set: &SetSummary| -> Result<bool> { Ok(set.route(cfg)?.0 != PrefillRoute::SparseMqa) };
+    let runs_as_mha = |set: &SetSummary| -> Result<bool> { Ok(set.route(cfg)?.0 != PrefillPath::SparseMqa) };
     let alone = |i: usize| SetSummary::default().with(&requests[i], cfg);
     let mut groups: Vec<PrefillGroup> = Vec::new();
     let mut start = 0;
@@ -278,10 +278,10 @@ mod tests {
     #[test]
     fn forced_mqa_routes_every_prefill_to_sparse_mqa() {
         let short = [PrefillRequest { query_len: 100, context_len: 0 }, PrefillRequest { query_len: 5000, context_len: 0 }];
-        assert_eq!(plan_prefill_groups(&short[..1], &cfg()).unwrap()[0].route, PrefillRoute::DenseMha);
+        assert_eq!(plan_prefill_groups(&short[..1], &cfg()).unwrap()[0].path, PrefillPath::DenseMha);
         let forced = MaskConfig { force_mqa: true, ..cfg() };
-        for groups in [plan_prefill_groups(&short, &forced).unwrap(), route_prefills_stock(&short, &forced).unwrap()] {
-            assert!(groups.iter().all(|g| g.route == PrefillRoute::SparseMqa && g.mask_bytes == 0));
+        for groups in [plan_prefill_groups(&short, &forced).unwrap(), stock_prefill_groups(&short, &forced).unwrap()] {
+            assert!(groups.iter().all(|g| g.path == PrefillPath::SparseMqa && g.mask_bytes == 0));
         }
     }
 
@@ -302,11 +302,11 @@ mod tests {
         // Two 24K prompts: 2 x 24576 x 768 words = 144 MiB > 128 MiB together, 72 MiB alone.
         let reqs = [req(24576, 0), req(24576, 0)];
         assert_eq!(topk_mask_bytes(2, 24576, 24576, false).unwrap(), 144 << 20);
-        let stock = route_prefills_stock(&reqs, &cfg()).unwrap();
+        let stock = stock_prefill_groups(&reqs, &cfg()).unwrap();
         assert_eq!(stock.len(), 1);
-        assert_eq!(stock[0].route, PrefillRoute::SparseMqa);
+        assert_eq!(stock[0].path, PrefillPath::SparseMqa);
         let planned = plan_prefill_groups(&reqs, &cfg()).unwrap();
-        assert_eq!(planned.iter().map(|g| g.route).collect::<Vec<_>>(), [PrefillRoute::MaskedMha; 2]);
+        assert_eq!(planned.iter().map(|g| g.path).collect::<Vec<_>>(), [PrefillPath::MaskedMha; 2]);
         assert_eq!(planned[0].mask_bytes, 72 << 20);
     }
 
@@ -314,10 +314,10 @@ mod tests {
     fn too_large_alone_goes_to_mqa_with_its_neighbours() {
         let reqs = [req(4096, 0), req(40000, 0), req(50000, 0), req(3000, 0)];
         let groups = plan_prefill_groups(&reqs, &cfg()).unwrap();
-        let routes: Vec<_> = groups.iter().map(|g| (g.requests.clone(), g.route)).collect();
+        let routes: Vec<_> = groups.iter().map(|g| (g.requests.clone(), g.path)).collect();
         assert_eq!(
             routes,
-            [(0..1, PrefillRoute::MaskedMha), (1..3, PrefillRoute::SparseMqa), (3..4, PrefillRoute::MaskedMha)]
+            [(0..1, PrefillPath::MaskedMha), (1..3, PrefillPath::SparseMqa), (3..4, PrefillPath::MaskedMha)]
         );
     }
 
@@ -325,21 +325,21 @@ mod tests {
     fn short_sequences_are_dense() {
         let groups = plan_prefill_groups(&[req(1000, 1000), req(5, 0)], &cfg()).unwrap();
         assert_eq!(groups.len(), 1);
-        assert_eq!(groups[0].route, PrefillRoute::DenseMha);
+        assert_eq!(groups[0].path, PrefillPath::DenseMha);
         let unavailable = MaskConfig::vllm_default(2048, false);
         let groups = plan_prefill_groups(&[req(24576, 0), req(24576, 0)], &unavailable).unwrap();
         assert_eq!(groups.len(), 1);
-        assert_eq!(groups[0].route, PrefillRoute::SparseMqa);
+        assert_eq!(groups[0].path, PrefillPath::SparseMqa);
     }
 
     /// The route of a set taken whole, as vLLM decides it.
-    fn route_of(requests: &[PrefillRequest], cfg: &MaskConfig) -> PrefillRoute {
-        route_prefills_stock(requests, cfg).unwrap()[0].route
+    fn route_of(requests: &[PrefillRequest], cfg: &MaskConfig) -> PrefillPath {
+        stock_prefill_groups(requests, cfg).unwrap()[0].path
     }
 
     /// Fewest contiguous groups, by dynamic programming over every cut.
     fn brute_force(reqs: &[PrefillRequest], cfg: &MaskConfig) -> usize {
-        let ok = |a: usize, b: usize| route_of(&reqs[a..b], cfg) != PrefillRoute::SparseMqa;
+        let ok = |a: usize, b: usize| route_of(&reqs[a..b], cfg) != PrefillPath::SparseMqa;
         let mut best = vec![usize::MAX; reqs.len() + 1];
         best[0] = 0;
         for end in 1..=reqs.len() {
@@ -368,7 +368,7 @@ mod tests {
             for g in &groups {
                 prop_assert_eq!(g.requests.start, next);
                 next = g.requests.end;
-                if g.route == PrefillRoute::MaskedMha {
+                if g.path == PrefillPath::MaskedMha {
                     prop_assert!(g.mask_bytes <= c.workspace_bytes);
                 }
             }
