@@ -26,6 +26,7 @@ from vllm_cpu import (  # noqa: E402
     causal_positions,
     common_metadata,
     cpu_vllm,
+    custom_backend_in_this_process,
     model_dir,
     reference_output,
     request_slots,
@@ -173,6 +174,23 @@ def test_vllm_loads_the_entry_point_and_custom_is_ours(registry: dict[Any, str],
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     vllm.plugins.load_general_plugins()  # type: ignore[no-untyped-call]
     assert AttentionBackendEnum.CUSTOM.get_path() == BACKEND
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_workers_vllm_starts_register_the_backend(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensor parallelism runs the model in worker processes that vLLM starts itself (its
+    multiprocessing context, spawn or fork): each must find the entry point on its own."""
+    from vllm.utils.system_utils import get_mp_context
+
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", method)
+    monkeypatch.delenv("MLA_PLANNER_REPLACE_FLASHMLA_SPARSE", raising=False)
+    context = get_mp_context()  # type: ignore[no-untyped-call]
+    results = context.Queue()
+    worker = context.Process(target=custom_backend_in_this_process, args=(results,))
+    worker.start()
+    worker.join(timeout=240)
+    assert worker.exitcode == 0, f"the {method} worker failed (exit code {worker.exitcode})"
+    assert results.get(timeout=5) == BACKEND
 
 
 def test_replace_takes_the_place_of_flashmla_sparse(registry: dict[Any, str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -232,3 +232,13 @@ def shuffled_block_table(seq_lens: list[int], gen: torch.Generator) -> tuple[tor
 
 def numpy_lengths(values: list[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
     return np.asarray(values, dtype=np.int64)
+
+
+def custom_backend_in_this_process(results: Any) -> None:
+    """What a vLLM worker does at start-up (``WorkerWrapperBase.init_worker``: load the general
+    plugins), then which class ``CUSTOM`` names here; run in a child process."""
+    import vllm.plugins
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    vllm.plugins.load_general_plugins()  # type: ignore[no-untyped-call]
+    results.put(AttentionBackendEnum.CUSTOM.get_path())

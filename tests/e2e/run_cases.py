@@ -74,9 +74,10 @@ def case_seed(case: str) -> int:
 
 
 def engine_kwargs(backend: str, util: float, mnbt: int, *, model: Path = MODEL_DIR, max_model_len: int = 70000,
-                  max_num_seqs: int = 16, seed: int = 0) -> dict[str, Any]:
+                  max_num_seqs: int = 16, seed: int = 0, tp: int = 1) -> dict[str, Any]:
     return {
         "model": str(model),
+        "tensor_parallel_size": tp,
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "kv_cache_dtype": "fp8_ds_mla",
@@ -92,6 +93,19 @@ def engine_kwargs(backend: str, util: float, mnbt: int, *, model: Path = MODEL_D
         "enable_prefix_caching": False,
         "seed": seed,
     }
+
+
+def model_with_heads(model: Path, heads: int | None, where: Path) -> Path:
+    """``model`` as is, or a copy of its config with ``heads`` attention heads under ``where``: the
+    tiny model scaled so that tensor parallelism leaves 16 heads per rank (32 at TP 2, 64 at TP 4)."""
+    config = json.loads((model / "config.json").read_text())
+    if heads is None or heads == config["num_attention_heads"]:
+        return model
+    config["num_attention_heads"] = heads
+    scaled = where / f"{model.name}-{heads}h"
+    scaled.mkdir(parents=True, exist_ok=True)
+    (scaled / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return scaled
 
 
 def check_engine_kwargs(kwargs: dict[str, Any]) -> list[str]:
@@ -124,6 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--scratch-mb", type=int, help="planned backend's scratch budget (MLA_PLANNER_SCRATCH_MB)")
     ap.add_argument("--repeats", type=int, default=5, help="throughput repeats per workload")
     ap.add_argument("--model", type=Path, default=MODEL_DIR)
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (workers in their own processes)")
+    ap.add_argument("--heads", type=int, help="the model's attention heads (default: its config's)")
     ap.add_argument("--case-timeout-s", type=float, default=90,
                     help="limit on one generate call (default 90 s; a 2-layer model prefills 64K tokens in seconds)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, check engine arguments, run nothing")
@@ -137,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--util must be in (0, 1]")
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if args.tp < 1 or (args.heads is not None and args.heads < 1):
+        ap.error("--tp and --heads must be at least 1")
     if "4" in args.cases and args.mnbt < max(CASE_PROMPTS["4"]):
         print(f"note: case 4 with --mnbt {args.mnbt} < 65536 is prefilled in chunks", file=sys.stderr)
     return args
@@ -174,6 +192,9 @@ class Bench:
     def __init__(self, kwargs: dict[str, Any], modules: tuple[Any, Any, Any] | None = None,
                  case_timeout_s: float = 90) -> None:
         self.case_timeout_s = case_timeout_s
+        # With tensor parallelism the model lives in vLLM's worker processes: this process must not
+        # touch the GPU (a CUDA context here would take memory from rank 0), so no peaks are read.
+        self.local_gpu = kwargs.get("tensor_parallel_size", 1) == 1
         if modules is None:
             import torch
             from vllm import LLM, SamplingParams
@@ -211,6 +232,8 @@ class Bench:
         return len(ids)
 
     def memory(self) -> dict[str, int]:
+        if not self.local_gpu:
+            return {}
         cuda = self.torch.cuda
         free, total = cuda.mem_get_info()
         return {"allocated": cuda.memory_allocated(), "reserved": cuda.memory_reserved(), "free": free,
@@ -274,6 +297,8 @@ def top_logprobs(completion: Any) -> list[list[list[float]]]:
 
 def measured(bench: Bench, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Runs ``body`` between peak-memory resets; an exception becomes the result."""
+    if not bench.local_gpu:
+        return unmeasured(body)
     cuda = bench.torch.cuda
     try:
         cuda.synchronize()
@@ -303,6 +328,18 @@ def measured(bench: Bench, body: Callable[[], dict[str, Any]]) -> dict[str, Any]
     except Exception as exc:
         result["memory_after"] = None
         result.setdefault("sync_error", error_text(exc))
+    return result
+
+
+def unmeasured(body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``measured`` without the GPU's peaks (tensor parallel: the workers hold the memory)."""
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"status": "ok", "error": None, "oom": False}
+    try:
+        result.update(body())
+    except Exception as exc:
+        result.update(status="error", error=error_text(exc), oom=is_oom(exc), traceback=traceback.format_exc()[-3000:])
+    result["elapsed_s"] = time.perf_counter() - t0
     return result
 
 
@@ -451,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["MLA_PLANNER_SCRATCH_MB"] = str(args.scratch_mb)
     if args.backend == "stock":  # with it set, our backend would stand in for FLASHMLA_SPARSE
         os.environ.pop(REPLACE_VAR, None)
-    kwargs = engine_kwargs(args.backend, args.util, args.mnbt, model=args.model)
+    model = model_with_heads(args.model, args.heads, args.out.parent)
+    kwargs = engine_kwargs(args.backend, args.util, args.mnbt, model=model, tp=args.tp)
     data: dict[str, Any] = {
         "schema": 1,
         "run": {"backend": args.backend, "util": args.util, "mnbt": args.mnbt, "cases": args.cases,
@@ -479,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bench = Bench(kwargs, fake_modules() if args.fake_engine else None, args.case_timeout_s)
         data["startup"] = {"status": "ok", "elapsed_s": time.perf_counter() - t0, **bench.engine_info(),
-                           "memory": bench.memory(), "device": bench.torch.cuda.get_device_name()}
+                           "memory": bench.memory(),
+                           "device": bench.torch.cuda.get_device_name() if bench.local_gpu else f"{args.tp} GPUs"}
     except Exception as exc:
         data["startup"] = {"status": "error", "elapsed_s": time.perf_counter() - t0, "error": error_text(exc),
                            "oom": is_oom(exc), "traceback": traceback.format_exc()[-3000:]}

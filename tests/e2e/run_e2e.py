@@ -42,6 +42,9 @@ class Run:
     cases: tuple[str, ...]
     group: str
     timeout_s: int = 300
+    tp: int = 1
+    heads: int | None = None  # the model's attention heads (TP runs keep 16 per rank)
+    debug_log: bool = False  # VLLM_LOGGING_LEVEL=DEBUG: every rank logs each step's plan
 
 
 RUNS = (  # planned first in group A: finishing every case at 0.95 is the goal
@@ -51,6 +54,13 @@ RUNS = (  # planned first in group A: finishing every case at 0.95 is the goal
     Run("stock-0.95-64k", "stock", 0.95, 65536, ("4", "5"), "A"),
     Run("stock-0.90-32k", "stock", 0.90, 32768, ("1", "same_function", "throughput"), "B"),
     Run("planned-0.90-32k", "planned", 0.90, 32768, ("1", "same_function", "throughput"), "B"),
+    # Tensor parallel 2 (two GPUs), the model scaled to 32 heads: 16 per rank, as DeepSeek-V3.2 at TP 8.
+    Run("planned-tp2-0.95-32k", "planned", 0.95, 32768, ("1", "2", "3", "5"), "T", tp=2, heads=32, debug_log=True),
+    Run("planned-tp2-0.95-64k", "planned", 0.95, 65536, ("4", "5"), "T", tp=2, heads=32, debug_log=True),
+    Run("stock-tp2-0.95-32k", "stock", 0.95, 32768, ("1", "2", "3", "5"), "T", tp=2, heads=32),
+    Run("stock-tp2-0.95-64k", "stock", 0.95, 65536, ("4", "5"), "T", tp=2, heads=32),
+    Run("stock-tp2-0.90-32k", "stock", 0.90, 32768, ("1", "throughput"), "U", tp=2, heads=32),
+    Run("planned-tp2-0.90-32k", "planned", 0.90, 32768, ("1", "throughput"), "U", tp=2, heads=32),
 )
 RUNS_BY_NAME = {r.name: r for r in RUNS}
 
@@ -62,13 +72,18 @@ def select_runs(group: str | None, names: str | None) -> list[Run]:
         if unknown:
             raise SystemExit(f"unknown run(s) {unknown}; known: {', '.join(RUNS_BY_NAME)}")
         return [RUNS_BY_NAME[n] for n in wanted]
-    return [r for r in RUNS if group in ("all", r.group)]
+    # "all" is every single-GPU run; the tensor-parallel groups are asked for by name.
+    return [r for r in RUNS if r.group == group or (group == "all" and r.tp == 1)]
 
 
 def command(run: Run, out: Path, args: argparse.Namespace) -> list[str]:
     cmd = [args.python, str(HERE / "run_cases.py"), "--backend", run.backend, "--util", str(run.util),
            "--mnbt", str(run.mnbt), "--cases", *run.cases, "--out", str(out / f"{run.name}.json"),
            "--repeats", str(args.repeats)]
+    if run.tp != 1:
+        cmd += ["--tp", str(run.tp)]
+    if run.heads is not None:
+        cmd += ["--heads", str(run.heads)]
     if run.backend == "planned" and args.scratch_mb is not None:
         cmd += ["--scratch-mb", str(args.scratch_mb)]
     if args.fake_engine:
@@ -76,9 +91,9 @@ def command(run: Run, out: Path, args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def run_one(cmd: list[str], log: Path, timeout_s: float) -> dict[str, Any]:
+def run_one(cmd: list[str], log: Path, timeout_s: float, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Runs ``cmd`` in its own process group, output to ``log``; kills the group at the timeout."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
     for key, value in ENV_DEFAULTS.items():
         env.setdefault(key, value)
     t0 = time.monotonic()
@@ -124,7 +139,8 @@ def write_report(out: Path) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--group", choices=("A", "B", "all"), help="A: 0.95, cases 1-5; B: 0.90, throughput + same function")
+    ap.add_argument("--group", choices=("A", "B", "T", "U", "all"),
+                    help="A: 0.95, cases 1-5; B: 0.90, throughput + same function; T, U: the same at tensor parallel 2")
     ap.add_argument("--runs", help="comma-separated run names instead of a group (see --list)")
     ap.add_argument("--out", type=Path, help="results folder (kept: later groups add to it)")
     ap.add_argument("--scratch-mb", type=int, help="MLA_PLANNER_SCRATCH_MB for planned runs (default: unset)")
@@ -144,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list:
         for r in RUNS:
-            print(f"{r.group}  {r.name:18} {r.backend:8} util {r.util}  mnbt {r.mnbt:5}  cases {' '.join(r.cases)}")
+            tp = f"  tp {r.tp}, {r.heads} heads" if r.tp != 1 else ""
+            print(f"{r.group}  {r.name:20} {r.backend:8} util {r.util}  mnbt {r.mnbt:5}  cases {' '.join(r.cases)}{tp}")
         return 0
     if args.report_only:
         print(write_report(args.report_only))
@@ -162,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         timeout = min(run.timeout_s, left - 5)
         print(f"{run.name}: running (timeout {timeout:.0f} s) ...", flush=True)
-        result = run_one(command(run, out, args), out / f"{run.name}.log", timeout)
+        extra_env = {"VLLM_LOGGING_LEVEL": "DEBUG"} if run.debug_log else None
+        result = run_one(command(run, out, args), out / f"{run.name}.log", timeout, extra_env)
         driver["runs"][run.name] = {"status": "ran", **result}
         state = "TIMED OUT" if result["timed_out"] else f"rc {result['rc']}"
         print(f"{run.name}: {state} after {result['wall_s']:.0f} s", flush=True)

@@ -230,6 +230,63 @@ def test_run_cases_arguments() -> None:
     assert run_cases.engine_kwargs("planned", 0.9, 32768)["attention_backend"] == "CUSTOM"
 
 
+def test_tensor_parallel_runs_scale_the_model_to_16_heads_per_rank(tmp_path: Path) -> None:
+    tp_runs = [r for r in run_e2e.RUNS if r.tp != 1]
+    assert {r.group for r in tp_runs} == {"T", "U"} and all(r.heads == 16 * r.tp for r in tp_runs)
+    assert run_e2e.select_runs("all", None) == [r for r in run_e2e.RUNS if r.tp == 1]
+    args = run_e2e.parse_args(["--group", "T", "--out", str(tmp_path)])
+    cmd = run_e2e.command(run_e2e.RUNS_BY_NAME["planned-tp2-0.95-32k"], tmp_path, args)
+    assert cmd[cmd.index("--tp") + 1] == "2" and cmd[cmd.index("--heads") + 1] == "32"
+    scaled = run_cases.model_with_heads(run_cases.MODEL_DIR, 32, tmp_path)
+    config = json.loads((scaled / "config.json").read_text())
+    original = json.loads((run_cases.MODEL_DIR / "config.json").read_text())
+    assert config["num_attention_heads"] == 32 and config == {**original, "num_attention_heads": 32}
+    assert run_cases.model_with_heads(run_cases.MODEL_DIR, None, tmp_path) == run_cases.MODEL_DIR
+    assert run_cases.engine_kwargs("planned", 0.95, 32768, tp=2)["tensor_parallel_size"] == 2
+
+
+def test_a_tensor_parallel_bench_never_touches_the_gpu_here() -> None:
+    import e2e_fakes
+
+    torch, llm, params = e2e_fakes.modules()
+
+    class NoCuda:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"torch.cuda.{name} called in the driver of a tensor-parallel run")
+
+    torch.cuda = NoCuda()
+    bench = run_cases.Bench(run_cases.engine_kwargs("planned", 0.95, 32768, tp=2), (torch, llm, params))
+    assert bench.memory() == {}
+    result = run_cases.run_case(bench, "5", 1)
+    assert result["status"] == "ok" and "peak_allocated_bytes" not in result
+
+
+def test_rank_log_compares_the_ranks(tmp_path: Path) -> None:
+    import rank_log
+
+    def log(steps1: list[str], reserve1: bool = True) -> Path:
+        lines = ["INFO engine line without a rank"]
+        for rank, steps in ((0, ["32768 tokens, separate_prefill_decode, 5 launches"]), (1, steps1)):
+            p = f"\x1b[36m(Worker_TP{rank} pid={100 + rank})\x1b[0m "
+            lines += [p + "INFO 12-01 [gpu_worker.py:561] Available KV cache memory: 60.50 GiB"]
+            if rank == 0 or reserve1:
+                lines += [p + "INFO [backend.py:178] mla-planner: sparse MLA scratch budget 1024 MiB (default), reserved"]
+            lines += [p + f"DEBUG [backend.py:120] mla-planner step: {s}" for s in steps]
+        path = tmp_path / "run.log"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    same = log(["32768 tokens, separate_prefill_decode, 5 launches"])
+    lines, found = rank_log.report(same)
+    assert found == [] and "every rank logged the same 1 step plans" in lines[-1]
+    assert "  rank 1: KV cache 60.50 GiB, reserved 1024 MiB, 1 step plans logged" in lines
+    _, found = rank_log.report(log(["32768 tokens, mixed_batch, 14 launches"]))
+    assert found == ["rank 1: 1 step plans differ from rank 0's 1"]
+    _, found = rank_log.report(log(["32768 tokens, separate_prefill_decode, 5 launches"], reserve1=False))
+    assert found == ["rank 1: no scratch reservation"]
+    assert rank_log.main([str(same)]) == 0
+
+
 def test_engine_arguments_are_known_to_the_installed_vllm() -> None:
     pytest.importorskip("vllm")
     r = subprocess.run([sys.executable, str(HERE / "run_cases.py"), "--backend", "planned", "--util", "0.95",
@@ -269,7 +326,7 @@ def test_driver_and_report_on_stand_ins(tmp_path: Path) -> None:
     assert "attention implementation**" not in md  # each run ran the implementation its backend names
     assert "same function at 0.9: same first tokens" in md
     assert "planned/stock" in md and "## Throughput" in md
-    for run in run_e2e.RUNS:
+    for run in (r for r in run_e2e.RUNS if r.tp == 1):  # "all" is the single-GPU runs
         data = json.loads((out / f"{run.name}.json").read_text())
         assert data["finished"] and list(data["cases"]) == list(run.cases)
     r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--report-only", str(out)], capture_output=True,
