@@ -280,11 +280,11 @@ def test_rank_log_compares_the_ranks(tmp_path: Path) -> None:
     lines, found = rank_log.report(same)
     assert found == [] and "every rank logged the same 1 step plans" in lines[-1]
     assert "  rank 1: KV cache 60.50 GiB, reserved 1024 MiB, 1 step plans logged" in lines
+    assert rank_log.main([str(same)]) == 0
     _, found = rank_log.report(log(["32768 tokens, mixed_batch, 14 launches"]))
     assert found == ["rank 1: 1 step plans differ from rank 0's 1"]
     _, found = rank_log.report(log(["32768 tokens, separate_prefill_decode, 5 launches"], reserve1=False))
     assert found == ["rank 1: no scratch reservation"]
-    assert rank_log.main([str(same)]) == 0
 
 
 def test_engine_arguments_are_known_to_the_installed_vllm() -> None:
