@@ -1,6 +1,6 @@
 """Per-rank facts from the log of a tensor-parallel vLLM run, so the ranks can be compared:
 
-* the KV cache each worker got (vLLM's "Available KV cache memory: X GiB", one line per worker);
+* the KV cache each worker got (vLLM's "Current kv cache memory in use is X GiB", one line per worker);
 * the scratch reservation mla-planner made in each worker ("scratch budget N MiB ... reserved");
 * the plan each worker logged for every step (``mla-planner step: ...`` at VLLM_LOGGING_LEVEL=DEBUG).
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 RANK = re.compile(r"\(Worker(?:_[A-Z]+\d+)*_TP(\d+) pid=\d+\)")
-KV = re.compile(r"Available KV cache memory: ([0-9.]+) GiB")
+# vLLM 0.26 logs "Available KV cache memory" on rank 0 only; every rank logs the KV cache it holds.
+KV = re.compile(r"(?:Current kv cache memory in use is|Available KV cache memory:) ([0-9.]+) ?GiB")
 RESERVED = re.compile(r"mla-planner: sparse MLA scratch budget (\d+) MiB")
 STEP = re.compile(r"mla-planner step: (.*)$")
 

@@ -268,7 +268,9 @@ def test_rank_log_compares_the_ranks(tmp_path: Path) -> None:
         lines = ["INFO engine line without a rank"]
         for rank, steps in ((0, ["32768 tokens, separate_prefill_decode, 5 launches"]), (1, steps1)):
             p = f"\x1b[36m(Worker_TP{rank} pid={100 + rank})\x1b[0m "
-            lines += [p + "INFO 12-01 [gpu_worker.py:561] Available KV cache memory: 60.50 GiB"]
+            if rank == 0:  # vLLM logs this on rank 0 only; the line below on every rank
+                lines += [p + "INFO 12-01 [gpu_worker.py:561] Available KV cache memory: 60.5 GiB"]
+            lines += [p + "INFO 12-01 [gpu_worker.py:857] Free memory on device ... Current kv cache memory in use is 60.5 GiB."]
             if rank == 0 or reserve1:
                 lines += [p + "INFO [backend.py:178] mla-planner: sparse MLA scratch budget 1024 MiB (default), reserved"]
             lines += [p + f"DEBUG [backend.py:120] mla-planner step: {s}" for s in steps]
