@@ -384,3 +384,12 @@ def test_padded_heads_is_the_planners_rule() -> None:
             mp.padded_heads(bad)
     with pytest.raises(ValueError, match="kernel"):
         mp.padded_heads(16, kernel="sparse_mqa")  # type: ignore[arg-type]
+
+
+def test_help_shows_every_compiled_function_and_attribute() -> None:
+    """``help()`` and IDEs read ``__doc__``: the extension carries one for everything it exports."""
+    undocumented = [name for name in mp.__all__ if callable(getattr(mp, name)) and not (getattr(mp, name).__doc__ or "").strip()]
+    for cls in (mp.StepConfig, mp.StepPlan, mp.CostModel, mp.Scratch, mp.MixedBatchPlan, mp.RouteChoice):
+        undocumented += [f"{cls.__name__}.{k}" for k, v in vars(cls).items()
+                         if not k.startswith("_") and not (getattr(v, "__doc__", None) or "").strip()]
+    assert undocumented == []

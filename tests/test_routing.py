@@ -507,3 +507,12 @@ def test_plan_without_a_usable_profile(tmp_path: Path, profile_path: Path) -> No
     bad.write_text("{")
     r = cli("plan", "--profile", str(bad))
     assert r.returncode == 2 and "not valid JSON" in r.stderr
+
+
+def test_a_profile_that_is_not_utf8_or_not_a_file_names_its_path(tmp_path: Path) -> None:
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(b'{"format": "caf\xe9"}')
+    with pytest.raises(ValueError, match=r"latin1\.json: cost profile is not UTF-8 text \(byte 0xe9 at offset 15\)"):
+        load_profile(latin1)
+    with pytest.raises(ValueError, match=f"{tmp_path}: cannot read cost profile"):
+        load_profile(tmp_path)

@@ -67,6 +67,8 @@ def load_profile(
         return None
     except OSError as e:
         raise ValueError(f"{where}: cannot read cost profile: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: cost profile is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
     try:
         model = CostModel.from_json(text)
     except ValueError as e:

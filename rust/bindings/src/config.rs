@@ -51,7 +51,9 @@ getters! {
     num_heads: u32 = |c| c.num_heads;
     /// "sm90" or "sm100".
     arch: &'static str = |c| c.gpu.arch.name();
+    /// Streaming multiprocessors of the GPU.
     num_sms: u32 = |c| c.gpu.num_sms;
+    /// KV tokens each query attends to.
     topk: u32 = |c| c.topk;
     /// "fp8" (fp8_ds_mla) or "bf16".
     kv_dtype: &'static str = |c| c.kv_dtype.name();
@@ -59,22 +61,31 @@ getters! {
     scratch_budget_bytes: u64 = |c| c.scratch_budget_bytes;
     /// Bytes one launch may allocate: the budget less the allocator's reserve.
     launch_budget_bytes: u64 = |c| c.launch_budget_bytes();
+    /// Rows of the separate path's BF16 gather workspace.
     gather_workspace_rows: u64 = |c| c.gather_workspace_rows;
+    /// KV rows of the indexer workspace.
     indexer_workspace_rows: u64 = |c| c.indexer_workspace_rows;
+    /// Bytes of indexer logits one call may hold.
     indexer_logits_bytes: u64 = |c| c.indexer_logits_bytes;
     /// Masked-MHA prefill available (SM100, FA4, BF16 KV).
     masked_mha: bool = |c| c.mask.available;
     /// vLLM runs every prefill through sparse MQA, short ones too.
     force_mqa: bool = |c| c.mask.force_mqa;
+    /// Bytes the masked-MHA top-k mask may take.
     mask_workspace_bytes: u64 = |c| c.mask.workspace_bytes;
+    /// Rows of one chunked-context chunk (masked MHA).
     context_chunk_rows: u64 = |c| c.mask.context_chunk_rows;
     /// The mode every step takes: the one set, or vLLM's rule.
     mode: &'static str = |c| c.mode().name();
     /// Whether `mode` was set rather than left to vLLM's rule.
     mode_fixed: bool = |c| c.mode.is_some();
+    /// Each launch translates its own rows of top-k positions in fresh tensors.
     translated_indices: bool = |c| c.execution.translated_indices;
+    /// Mixed-batch launches in whole waves of the GPU where that costs at most one launch more.
     align_waves: bool = |c| c.execution.align_waves;
+    /// The decode kernel writes into a caller's `out=`.
     decode_takes_out: bool = |c| c.execution.decode_takes_out;
+    /// The prefill kernel writes into a caller's `out=`.
     prefill_takes_out: bool = |c| c.execution.prefill_takes_out;
     /// Heads the sparse decode kernel runs (64 or 128).
     decode_heads: u32 = |c| c.decode_heads();

@@ -31,30 +31,37 @@ struct RouteTime {
 
 #[pymethods]
 impl RouteTime {
+    /// Predicted microseconds of the route, all parts.
     #[getter]
     fn total_us(&self) -> f64 {
         self.inner.total_us()
     }
+    /// Microseconds in the decode kernel.
     #[getter]
     fn decode_us(&self) -> f64 {
         self.inner.decode_us
     }
+    /// Microseconds gathering and up-converting FP8 rows to BF16.
     #[getter]
     fn gather_us(&self) -> f64 {
         self.inner.gather_us
     }
+    /// Microseconds in the prefill kernel.
     #[getter]
     fn prefill_us(&self) -> f64 {
         self.inner.prefill_us
     }
+    /// Decode-kernel launches.
     #[getter]
     fn decode_launches(&self) -> usize {
         self.inner.decode_launches
     }
+    /// Gathers.
     #[getter]
     fn gathers(&self) -> usize {
         self.inner.gathers
     }
+    /// Prefill-kernel launches.
     #[getter]
     fn prefill_launches(&self) -> usize {
         self.inner.prefill_launches
@@ -90,18 +97,22 @@ fn error_or_none(r: &Result<CoreRouteTime, PlanError>) -> Option<String> {
 
 #[pymethods]
 impl RoutePrediction {
+    /// The mixed-batch route's time, or None when it does not fit.
     #[getter]
     fn mixed(&self) -> Option<RouteTime> {
         time_or_none(&self.inner.mixed)
     }
+    /// The separate route's time, or None when it does not fit.
     #[getter]
     fn separate(&self) -> Option<RouteTime> {
         time_or_none(&self.inner.separate)
     }
+    /// Why the mixed-batch route does not fit, or None.
     #[getter]
     fn mixed_error(&self) -> Option<String> {
         error_or_none(&self.inner.mixed)
     }
+    /// Why the separate route does not fit, or None.
     #[getter]
     fn separate_error(&self) -> Option<String> {
         error_or_none(&self.inner.separate)
@@ -130,14 +141,17 @@ impl RouteChoice {
     fn mode(&self) -> &'static str {
         self.mode.name()
     }
+    /// Whether the chosen route is the mixed batch.
     #[getter]
     fn mixed_batch(&self) -> bool {
         self.mode == StepMode::MixedBatch
     }
+    /// Both routes' predicted times.
     #[getter]
     fn prediction(&self) -> RoutePrediction {
         RoutePrediction { inner: self.prediction.clone() }
     }
+    /// The chosen route's plan: the plan to execute.
     #[getter]
     fn plan(&self) -> StepPlan {
         StepPlan { inner: self.plan.clone() }
@@ -175,14 +189,17 @@ impl CostModel {
         Ok(CostModel { inner })
     }
 
+    /// Architecture the profile was measured on.
     #[getter]
     fn arch(&self) -> &'static str {
         self.inner.arch.name()
     }
+    /// SMs of the GPU it was measured on.
     #[getter]
     fn num_sms(&self) -> u32 {
         self.inner.num_sms
     }
+    /// The top-k the kernels were timed at.
     #[getter]
     fn topk(&self) -> u32 {
         self.inner.topk

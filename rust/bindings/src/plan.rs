@@ -31,6 +31,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
+/// `(tokens, bound)`: the most query tokens one sparse prefill launch may take
+/// within `budget_bytes`, and what caps it ("budget" or a hard limit).
 #[pyfunction]
 #[pyo3(signature = (num_heads, *, budget_bytes, arch="sm90", topk=None, out_preallocated=false, translated_indices=false))]
 fn prefill_launch_tokens(
@@ -74,6 +76,7 @@ impl MixedBatchPlan {
         PyArray1::from_vec(py, self.inner.launches.iter().map(|l| l.bytes as i64).collect())
     }
 
+    /// The largest launch's bytes.
     #[getter]
     fn peak_bytes(&self) -> u64 {
         self.inner.peak_bytes
@@ -106,6 +109,9 @@ impl MixedBatchPlan {
     }
 }
 
+/// The fewest contiguous launches of the FP8 decode kernel (`b = 1, s_q = launch`)
+/// covering `num_tokens` tokens, each within `budget_bytes` and the kernel's limits.
+/// A building block of `plan_step`, which adds the step's shared buffers.
 #[pyfunction]
 #[pyo3(signature = (num_tokens, *, num_heads, budget_bytes, arch="sm90", num_sms=None, topk=None, out_preallocated=true, translated_indices=false, align_waves=false))]
 #[allow(clippy::too_many_arguments)]
@@ -135,6 +141,8 @@ fn plan_mixed_batch(
     Ok(MixedBatchPlan { inner })
 }
 
+/// vLLM's `split_prefill_chunks`: `(n, 2)` request ranges whose KV rows fit
+/// `workspace_rows` (a request longer than the workspace alone in its range).
 #[pyfunction]
 #[pyo3(signature = (seq_lens, workspace_rows, *, request_offset=None))]
 fn split_prefill_chunks<'py>(
@@ -243,6 +251,9 @@ impl PrefillGroups {
     }
 }
 
+/// The prefills' attention paths (dense MHA, masked MHA, sparse MQA) in groups:
+/// vLLM's all-or-nothing rule with `stock=True`, else the fewest masked-MHA
+/// groups whose masks fit and sparse MQA for the rest.
 #[pyfunction]
 #[pyo3(signature = (query_lens, context_lens, *, topk=None, workspace_bytes=None, context_chunk_rows=None, available=true, stock=false, force_mqa=false))]
 #[allow(clippy::too_many_arguments)]

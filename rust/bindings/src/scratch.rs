@@ -46,6 +46,7 @@ impl Scratch {
         Ok(d)
     }
 
+    /// All buffers together: the call's transient peak.
     #[getter]
     fn total_bytes(&self) -> u64 {
         self.buffers.iter().map(|(_, b)| b).sum()
@@ -57,6 +58,10 @@ impl Scratch {
     }
 }
 
+/// Every buffer one FlashMLA sparse decode call allocates: `batch` x `s_q` query
+/// tokens at `num_heads` heads per rank (padded to the kernel's 64 or 128), the
+/// split-KV accumulators, out (unless `out_preallocated`), lse, and the translated
+/// indices (with `translated_indices`).
 #[pyfunction]
 #[pyo3(signature = (batch, s_q, num_heads, *, arch="sm90", num_sms=None, topk=None, out_preallocated=false, translated_indices=false))]
 #[allow(clippy::too_many_arguments)]
@@ -82,6 +87,9 @@ fn decode_scratch(
     Ok(scratch::decode_scratch(g, shape).py()?.into())
 }
 
+/// Every buffer one FlashMLA sparse prefill call allocates for `s_q` query tokens:
+/// padded q, out (unless `out_preallocated`), max_logits, lse, and with
+/// `translated_indices` the workspace indices and valid counts.
 #[pyfunction]
 #[pyo3(signature = (s_q, num_heads, *, arch="sm90", topk=None, out_preallocated=false, translated_indices=false))]
 fn prefill_scratch(
@@ -117,6 +125,7 @@ fn mask_shape(
     .py()
 }
 
+/// `(batch, rows, words)` of the masked-MHA top-k mask vLLM builds for this prefill set.
 #[pyfunction]
 #[pyo3(signature = (batch_size, max_query_len, max_key_len, *, reserve_key_starts_word=false))]
 fn topk_mask_shape(
@@ -129,6 +138,7 @@ fn topk_mask_shape(
     Ok((s.batch, s.rows, s.words))
 }
 
+/// Bytes of the masked-MHA top-k mask (int32 words, 32 keys per word).
 #[pyfunction]
 #[pyo3(signature = (batch_size, max_query_len, max_key_len, *, reserve_key_starts_word=false))]
 fn topk_mask_bytes(
@@ -140,11 +150,13 @@ fn topk_mask_bytes(
     mask_shape(batch_size, max_query_len, max_key_len, reserve_key_starts_word)?.bytes().py()
 }
 
+/// Bytes of the BF16 workspace holding `rows` gathered KV rows (576 bf16 each).
 #[pyfunction]
 fn gather_workspace_bytes(rows: &Bound<'_, PyAny>) -> PyResult<u64> {
     scratch::gather_workspace_bytes(count(rows, "rows")?).py()
 }
 
+/// Bytes of one indexer call's fp32 logits: `query_rows` x `kv_rows` x 4.
 #[pyfunction]
 fn indexer_logits_bytes(query_rows: &Bound<'_, PyAny>, kv_rows: &Bound<'_, PyAny>) -> PyResult<u64> {
     scratch::indexer_logits_bytes(count(query_rows, "query_rows")?, count(kv_rows, "kv_rows")?).py()

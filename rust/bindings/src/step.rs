@@ -94,11 +94,13 @@ impl StepPlan {
         self.inner.mode.name()
     }
 
+    /// Query tokens of the step.
     #[getter]
     fn num_tokens(&self) -> u64 {
         self.inner.num_tokens
     }
 
+    /// Decode requests (the first ones).
     #[getter]
     fn num_decodes(&self) -> usize {
         self.inner.num_decodes
@@ -137,16 +139,19 @@ impl StepPlan {
         PyArray1::from_vec(py, self.inner.launches.iter().map(|l| l.bytes as i64).collect())
     }
 
+    /// What kept the sparse tokens from fewer launches: "none", "budget", "int32_stride" or "grid".
     #[getter]
     fn bound(&self) -> &'static str {
         bound_name(self.inner.bound)
     }
 
+    /// The largest launch's bytes.
     #[getter]
     fn peak_bytes(&self) -> u64 {
         self.inner.peak_bytes
     }
 
+    /// The prefills' attention paths, request indices from the step's first request.
     #[getter]
     fn prefill_groups(&self) -> PrefillGroups {
         PrefillGroups { groups: self.inner.prefill_groups.clone() }
@@ -166,11 +171,13 @@ impl StepPlan {
         table(py, n, 5, flat)
     }
 
+    /// The largest indexer call's logits (bound by the indexer's own budget, not the scratch budget).
     #[getter]
     fn indexer_peak_bytes(&self) -> u64 {
         self.inner.indexer_peak_bytes
     }
 
+    /// The separate path's BF16 gather workspace (vLLM reserves it at start-up).
     #[getter]
     fn gather_workspace_bytes(&self) -> u64 {
         self.inner.gather_workspace_bytes
