@@ -9,7 +9,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::convert::{count, count_or, gpu, heads, topk_or_default, OrValueError};
+use crate::convert::{count, count_or, getters, gpu, heads, topk_or_default, OrValueError};
 use crate::plan::DEFAULT_CONTEXT_CHUNK_ROWS;
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -28,25 +28,7 @@ pub(crate) struct StepConfig {
     max_model_len: Option<u64>,
 }
 
-/// Read-only attributes, each a plain value of the configuration or a fact
-/// the planner derives from it.
-macro_rules! getters {
-    ($($(#[doc = $doc:literal])* $name:ident: $ty:ty = |$c:ident| $body:expr;)*) => {
-        #[pymethods]
-        impl StepConfig {
-            $(
-                $(#[doc = $doc])*
-                #[getter]
-                fn $name(&self) -> $ty {
-                    let $c = &self.inner;
-                    $body
-                }
-            )*
-        }
-    };
-}
-
-getters! {
+getters! { StepConfig {
     /// Query heads per rank.
     num_heads: u32 = |c| c.num_heads;
     /// "sm90" or "sm100".
@@ -95,7 +77,7 @@ getters! {
     decode_writes_in_place: bool = |c| c.decode_writes_in_place();
     /// The prefill kernel writes straight into the step's output.
     prefill_writes_in_place: bool = |c| c.prefill_writes_in_place();
-}
+} }
 
 fn execution(name: &str) -> PyResult<Execution> {
     match name {

@@ -176,3 +176,22 @@ pub(crate) fn indexer_rows(chunks: &[plan::IndexerChunk], offset: i64) -> (usize
         .collect();
     (chunks.len(), flat)
 }
+
+/// Read-only attributes of a frozen class wrapping a planner value in `inner`:
+/// each a doc line, a name, a type and the expression that reads it from `inner`.
+macro_rules! getters {
+    ($cls:ty { $($(#[doc = $doc:literal])* $name:ident: $ty:ty = |$c:ident| $body:expr;)* }) => {
+        #[pymethods]
+        impl $cls {
+            $(
+                $(#[doc = $doc])*
+                #[getter]
+                fn $name(&self) -> $ty {
+                    let $c = &self.inner;
+                    $body
+                }
+            )*
+        }
+    };
+}
+pub(crate) use getters;

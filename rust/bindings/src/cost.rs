@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
 use crate::config::StepConfig;
-use crate::convert::{count, OrValueError};
+use crate::convert::{count, getters, OrValueError};
 use crate::step::{StepArgs, StepPlan};
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -29,43 +29,25 @@ struct RouteTime {
     inner: CoreRouteTime,
 }
 
+getters! { RouteTime {
+    /// Predicted microseconds of the route, all parts.
+    total_us: f64 = |t| t.total_us();
+    /// Microseconds in the decode kernel.
+    decode_us: f64 = |t| t.decode_us;
+    /// Microseconds gathering and up-converting FP8 rows to BF16.
+    gather_us: f64 = |t| t.gather_us;
+    /// Microseconds in the prefill kernel.
+    prefill_us: f64 = |t| t.prefill_us;
+    /// Decode-kernel launches.
+    decode_launches: usize = |t| t.decode_launches;
+    /// Gathers.
+    gathers: usize = |t| t.gathers;
+    /// Prefill-kernel launches.
+    prefill_launches: usize = |t| t.prefill_launches;
+} }
+
 #[pymethods]
 impl RouteTime {
-    /// Predicted microseconds of the route, all parts.
-    #[getter]
-    fn total_us(&self) -> f64 {
-        self.inner.total_us()
-    }
-    /// Microseconds in the decode kernel.
-    #[getter]
-    fn decode_us(&self) -> f64 {
-        self.inner.decode_us
-    }
-    /// Microseconds gathering and up-converting FP8 rows to BF16.
-    #[getter]
-    fn gather_us(&self) -> f64 {
-        self.inner.gather_us
-    }
-    /// Microseconds in the prefill kernel.
-    #[getter]
-    fn prefill_us(&self) -> f64 {
-        self.inner.prefill_us
-    }
-    /// Decode-kernel launches.
-    #[getter]
-    fn decode_launches(&self) -> usize {
-        self.inner.decode_launches
-    }
-    /// Gathers.
-    #[getter]
-    fn gathers(&self) -> usize {
-        self.inner.gathers
-    }
-    /// Prefill-kernel launches.
-    #[getter]
-    fn prefill_launches(&self) -> usize {
-        self.inner.prefill_launches
-    }
     fn __repr__(&self) -> String {
         let t = &self.inner;
         format!(
