@@ -98,3 +98,12 @@ def test_lse_merge_of_key_windows_equals_attention_over_all_keys(gen: torch.Gene
     finite = torch.isfinite(whole_lse)
     torch.testing.assert_close(lse[finite], whole_lse[finite], rtol=1e-6, atol=1e-5)
     assert bool((lse[5] == float("-inf")).all()) and torch.equal(out[5], torch.zeros_like(out[5]))
+
+
+def test_slots_of_positions_through_a_block_table() -> None:
+    from mla_planner.executor.layout import page_of, slot_of
+
+    block_table_row = torch.tensor([7, 3, 9])
+    positions = torch.tensor([0, 63, 64, 130, -1])
+    pages = block_table_row[page_of(positions, 64)]
+    assert slot_of(pages, positions, 64).tolist() == [7 * 64, 7 * 64 + 63, 3 * 64, 9 * 64 + 2, -1]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from mla_planner.executor.layout import PAGE_SIZE, as_slots
+from mla_planner.executor.layout import PAGE_SIZE, as_slots, page_of, slot_of
 from mla_planner.executor.reference import (
     dequantize_fp8_ds_mla,
     sparse_attention,
@@ -101,8 +101,8 @@ def convert_req_index_to_global_index(
     assert req_id.shape[0] == token_indices.shape[0]
     pos = token_indices.long()
     valid = pos >= 0
-    page = block_table[req_id.long()].long().gather(1, (pos // BLOCK_SIZE).clamp(min=0, max=block_table.shape[1] - 1))
-    out = page * BLOCK_SIZE + pos % BLOCK_SIZE
+    page = block_table[req_id.long()].long().gather(1, page_of(pos, BLOCK_SIZE).clamp(max=block_table.shape[1] - 1))
+    out = slot_of(page, pos, BLOCK_SIZE)
     if HAS_PREFILL_WORKSPACE:
         assert prefill_workspace_request_ids is not None and prefill_workspace_starts is not None
         prefill = prefill_workspace_request_ids.long()
@@ -126,7 +126,7 @@ def gather_and_upconvert(
     for r in range(batch_size):
         n = starts[r + 1] - starts[r]
         pos = torch.arange(n)
-        slot = block_table[r, pos // PAGE_SIZE].long() * PAGE_SIZE + pos % PAGE_SIZE
+        slot = slot_of(block_table[r, page_of(pos)], pos)
         dst[starts[r] : starts[r + 1]] = dequantize_fp8_ds_mla(slots[slot], dst.dtype)
 
 

@@ -148,7 +148,7 @@ class KernelBench:
         """Request positions -> cache slots (what the decode kernel reads), -1 kept."""
         import torch
 
-        pos = inputs.indices.long()
-        valid = pos.clamp(min=0)
-        pages = inputs.block_table[0].long()[valid // PAGE_SIZE]
-        return torch.where(pos >= 0, pages * PAGE_SIZE + valid % PAGE_SIZE, -1).to(torch.int32)
+        from mla_planner.executor.layout import page_of, slot_of
+
+        pos = inputs.indices
+        return slot_of(inputs.block_table[0][page_of(pos, PAGE_SIZE)], pos, PAGE_SIZE).to(torch.int32)

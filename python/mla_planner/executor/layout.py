@@ -29,6 +29,19 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 assert FP8_BYTES_PER_TOKEN == 656
 
 
+def page_of(positions: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:
+    """The index into a request's block-table row of each position's page (``-1`` positions get
+    page 0, so they can be looked up; :func:`slot_of` marks them unused again)."""
+    return positions.long().clamp(min=0) // page_size
+
+
+def slot_of(pages: torch.Tensor, positions: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:
+    """Cache slots of request positions whose pages (block-table entries, looked up at
+    :func:`page_of`) are ``pages``: ``page * page_size + offset``; a ``-1`` position stays ``-1``."""
+    positions = positions.long()
+    return torch.where(positions >= 0, pages.long() * page_size + positions.clamp(min=0) % page_size, -1)
+
+
 def as_pages(rows: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:
     """View ``(num_slots, 656)`` uint8 rows as the kernels' ``(num_pages, page_size, 1, 656)``."""
     if rows.dim() != 2 or rows.shape[1] != FP8_BYTES_PER_TOKEN or rows.dtype != torch.uint8:

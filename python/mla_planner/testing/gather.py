@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_planner.executor.layout import as_slots
+from mla_planner.executor.layout import as_slots, page_of, slot_of
 from mla_planner.executor.reference import dequantize_fp8_ds_mla
 
 GATHER_BLOCK_ROWS = 4096
@@ -28,7 +28,7 @@ def gather_upconvert(
     for start in range(key_start, key_end, GATHER_BLOCK_ROWS):
         end = min(start + GATHER_BLOCK_ROWS, key_end)
         pos = torch.arange(start, end, device=kv_cache.device)
-        slot = block_table_row[pos // page_size].long() * page_size + pos % page_size
+        slot = slot_of(block_table_row[page_of(pos, page_size)], pos, page_size)
         workspace[start - key_start : end - key_start] = dequantize_fp8_ds_mla(slots[slot], torch.bfloat16)
 
 
