@@ -12,7 +12,7 @@ from typing import Any
 
 from . import checks, config, policies, routes
 from .config import CliError, PlannerConfig
-from .policies import Launch, Outcome, Scratches
+from .policies import LaunchRow, Outcome, Scratches
 from .steps import Step
 from .units import UNITS, format_bytes
 
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
 # --- JSON -----------------------------------------------------------------
 
 
-def _launch_json(launch: Launch) -> dict[str, Any]:
+def _launch_json(launch: LaunchRow) -> dict[str, Any]:
     return {
         "kernel": launch.kernel,
         "tokens": list(launch.tokens),
@@ -198,7 +198,7 @@ def to_json(step: Step, cfg: PlannerConfig, planned: Outcome, stock: Outcome) ->
 # --- text -----------------------------------------------------------------
 
 
-def _table(launches: list[Launch]) -> list[str]:
+def _table(launches: list[LaunchRow]) -> list[str]:
     header = ["#", "kernel", "tokens [a,b)", "requests [a,b)", "b x s_q", "scratch"]
     rows = [header]
     for i, x in enumerate(launches):
@@ -226,7 +226,7 @@ def _in_unit(n: int, unit: str) -> str:
     return f"<{smallest:g}" if 0 < value < smallest / 2 else f"{value:.{digits}f}"
 
 
-def _breakdown(launch: Launch) -> str:
+def _breakdown(launch: LaunchRow) -> str:
     """A launch's bytes buffer by buffer, all in the unit of its total, so
     the numbers on the line add up at a glance."""
     unit = format_bytes(launch.bytes).split()[-1]
@@ -249,7 +249,7 @@ def _plural(n: int, word: str, plural: str | None = None) -> str:
     return f"{n:,} {word if n == 1 else plural or word + 's'}"
 
 
-def _launches_text(launches: list[Launch]) -> list[str]:
+def _launches_text(launches: list[LaunchRow]) -> list[str]:
     return _table(launches) if launches else ["  none: no token of this step goes through the sparse kernels"]
 
 

@@ -41,8 +41,8 @@ FAILURES = ("int32_stride", "grid", "workspace_assert")
 
 
 @dataclass(frozen=True)
-class Launch:
-    """One sparse-attention kernel call."""
+class LaunchRow:
+    """One sparse-attention kernel call as a policy reports it (its own buffers and the bytes it holds)."""
 
     kernel: str  # "sparse_decode" or "sparse_prefill"
     tokens: tuple[int, int]  # [start, end) query tokens of the step
@@ -61,7 +61,7 @@ class Launch:
 class Outcome:
     """A policy's verdict on one step."""
 
-    launches: list[Launch]
+    launches: list[LaunchRow]
     num_launches: int
     peak_bytes: int
     failure: str | None  # a hard failure of the step (see FAILURES), None if it runs
@@ -99,7 +99,7 @@ class Scratches:
         c = self.cfg.step
         return prefill_scratch(s_q, c.num_heads, arch=c.arch, topk=c.topk, out_preallocated=out_preallocated)
 
-    def failure(self, launch: Launch) -> str | None:
+    def failure(self, launch: LaunchRow) -> str | None:
         """The hard limit a launch crosses, if any (docs/kernels.md, "Hard limits": b = 1 strides)."""
         limit, name = self.decode_limit if launch.kernel == "sparse_decode" else self.prefill_limit
         if launch.batch == 1 and launch.s_q > limit:
@@ -128,7 +128,7 @@ def stock(step: Step, s: Scratches) -> Outcome:
         for (r0, r1), path in zip(groups.requests.tolist(), groups.paths):
             if path == "sparse_mqa":
                 sparse.append((r0 + d, r1 + d))
-    launches: list[Launch] = []
+    launches: list[LaunchRow] = []
     failure = None
     if cfg.mode == "mixed_batch" or cfg.mode == "bf16":
         # One call over every sparse token (stock routing is all-or-nothing,
@@ -137,13 +137,13 @@ def stock(step: Step, s: Scratches) -> Outcome:
             r0, r1 = sparse[0][0], sparse[-1][1]
             t0, t1 = starts[r0], starts[r1]
             if cfg.mode == "mixed_batch":
-                launches.append(Launch("sparse_decode", (t0, t1), (r0, r1), 1, t1 - t0, s.decode(1, t1 - t0, False)))
+                launches.append(LaunchRow("sparse_decode", (t0, t1), (r0, r1), 1, t1 - t0, s.decode(1, t1 - t0, False)))
             else:
-                launches.append(Launch("sparse_prefill", (t0, t1), (r0, r1), 1, t1 - t0, s.prefill(t1 - t0, False)))
+                launches.append(LaunchRow("sparse_prefill", (t0, t1), (r0, r1), 1, t1 - t0, s.prefill(t1 - t0, False)))
     else:
         if d:
             s_q = max(q[:d])
-            launches.append(Launch("sparse_decode", (0, starts[d]), (0, d), d, s_q, s.decode(d, s_q, False)))
+            launches.append(LaunchRow("sparse_decode", (0, starts[d]), (0, d), d, s_q, s.decode(d, s_q, False)))
         rows = cfg.step.gather_workspace_rows
         for r0, r1 in (r for r in sparse if r[0] >= d):
             seq_lens = [q[i] + c[i] for i in range(r0, r1)]
@@ -152,7 +152,7 @@ def stock(step: Step, s: Scratches) -> Outcome:
                 continue
             for a, b in split_prefill_chunks(seq_lens, rows, request_offset=r0).tolist():
                 t0, t1 = starts[a], starts[b]
-                launches.append(Launch("sparse_prefill", (t0, t1), (a, b), 1, t1 - t0, s.prefill(t1 - t0, False)))
+                launches.append(LaunchRow("sparse_prefill", (t0, t1), (a, b), 1, t1 - t0, s.prefill(t1 - t0, False)))
     failure = failure or next((f for f in map(s.failure, launches) if f), None)
     peak = max((launch.bytes for launch in launches), default=0)
     return Outcome(launches, len(launches), peak, failure, path_tokens)
@@ -175,7 +175,7 @@ def planned(step: Step, s: Scratches, *, detail: bool = False) -> Outcome:
     return Outcome(launches, len(p.launch_kernels), p.peak_bytes, failure, path_tokens, p)
 
 
-def planned_launches(step: Step, p: StepPlan, s: Scratches) -> list[Launch]:
+def planned_launches(step: Step, p: StepPlan, s: Scratches) -> list[LaunchRow]:
     """The plan's launches, each with its own buffers' breakdown and the plan's bytes (which add
     the buffers the step shares across launches, sized for the longest)."""
     mixed = p.mode == "mixed_batch"
@@ -194,7 +194,7 @@ def planned_launches(step: Step, p: StepPlan, s: Scratches) -> list[Launch]:
             scratch = prefill_scratch(s_q, c.num_heads, arch=c.arch, topk=c.topk, out_preallocated=in_place,
                                       translated_indices=c.translated_indices and p.mode != "bf16")
         bytes_ = planned_bytes if p.mode != "bf16" else None
-        launches.append(Launch(kernel, (t0, t1), (r0, r1), batch, s_q, scratch, bytes_))
+        launches.append(LaunchRow(kernel, (t0, t1), (r0, r1), batch, s_q, scratch, bytes_))
     return launches
 
 

@@ -48,14 +48,14 @@ class Window:
 
 
 @dataclass(frozen=True)
-class Launch:
+class QueryLaunch:
     """Windows that share one query range: one window writes out directly; several merge."""
 
     tokens: slice
     windows: tuple[Window, ...]
 
 
-def launches(chunks: IntArray, query_lens: IntArray, context_lens: IntArray) -> Iterator[Launch]:
+def launches(chunks: IntArray, query_lens: IntArray, context_lens: IntArray) -> Iterator[QueryLaunch]:
     """Group a gather-chunk plan into launches over global query-token rows."""
     query_starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
     i = 0
@@ -66,7 +66,7 @@ def launches(chunks: IntArray, query_lens: IntArray, context_lens: IntArray) -> 
                 (r, 0, int(context_lens[r] + query_lens[r])) for r in range(req_start, req_end)
             )
             tokens = slice(int(query_starts[req_start]), int(query_starts[req_end]))
-            yield Launch(tokens, (Window(tokens, pieces, int(chunks[i, 6])),))
+            yield QueryLaunch(tokens, (Window(tokens, pieces, int(chunks[i, 6])),))
             i += 1
             continue
         base = int(query_starts[req_start])
@@ -76,7 +76,7 @@ def launches(chunks: IntArray, query_lens: IntArray, context_lens: IntArray) -> 
             key_start, key_end = int(chunks[i, 4]), int(chunks[i, 5])
             windows.append(Window(tokens, ((req_start, key_start, key_end),), key_end - key_start))
             i += 1
-        yield Launch(tokens, tuple(windows))
+        yield QueryLaunch(tokens, tuple(windows))
 
 
 class SeparatePrefillExecutor:
@@ -117,7 +117,7 @@ class SeparatePrefillExecutor:
                           - launch_scratch.buffers["topk_length"])
         return mla_planner.gather_workspace_bytes(int(chunks[:, 6].max())) + held_indices + scratch
 
-    def _writes_in_place(self, launch: Launch) -> bool:
+    def _writes_in_place(self, launch: QueryLaunch) -> bool:
         return self.provider.prefill_takes_out and self.num_heads == self.kernel_heads and len(launch.windows) == 1
 
     def run(

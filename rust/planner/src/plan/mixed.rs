@@ -2,7 +2,7 @@
 //! decode kernel as `b = 1, s_q = T`. Cut them into the fewest contiguous
 //! launches whose whole transient fits the budget and no hard limit.
 
-use super::{Bound, Launch};
+use super::{Bound, MixedLaunch};
 use crate::error::{check_launches, Bytes, PlanError, Result, MAX_LAUNCHES};
 use crate::geometry::{decode_padded_heads, Gpu};
 use crate::limits::max_tokens_per_launch;
@@ -52,7 +52,7 @@ impl MixedBatchConfig {
 /// Contiguous launches covering `[0, T)` in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MixedBatchPlan {
-    pub launches: Vec<Launch>,
+    pub launches: Vec<MixedLaunch>,
     /// The largest launch's transient.
     pub peak_bytes: u64,
     /// What stopped the step from running as one launch.
@@ -63,7 +63,7 @@ impl MixedBatchPlan {
     /// Distinct launch lengths; at most two, so one FlashMLA scheduler
     /// metadata object per length serves every launch.
     pub fn distinct_lengths(&self) -> Vec<u64> {
-        let mut lens: Vec<u64> = self.launches.iter().map(Launch::len).collect();
+        let mut lens: Vec<u64> = self.launches.iter().map(MixedLaunch::len).collect();
         lens.sort_unstable();
         lens.dedup();
         lens
@@ -218,7 +218,7 @@ pub fn plan_mixed_batch(num_tokens: u64, cfg: &MixedBatchConfig) -> Result<Mixed
         let bytes = cfg.launch_bytes(len)?;
         peak_bytes = peak_bytes.max(bytes);
         for _ in 0..count {
-            launches.push(Launch { start, end: start + len, bytes });
+            launches.push(MixedLaunch { start, end: start + len, bytes });
             start += len;
         }
     }
@@ -267,7 +267,7 @@ mod tests {
     #[test]
     fn one_launch_when_it_fits() {
         let plan = plan_mixed_batch(2048, &cfg(16, GIB)).unwrap();
-        assert_eq!(plan.launches, vec![Launch { start: 0, end: 2048, bytes: plan.peak_bytes }]);
+        assert_eq!(plan.launches, vec![MixedLaunch { start: 0, end: 2048, bytes: plan.peak_bytes }]);
         assert_eq!(plan.bound, Bound::Unbounded);
     }
 

@@ -57,16 +57,16 @@ pub fn request_offset(request_offset: u64, num_requests: usize) -> Result<i64> {
     }
 }
 
-/// One kernel launch over the token range `[start, end)` of a step.
+/// One mixed-batch launch of the decode kernel over the token range `[start, end)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Launch {
+pub struct MixedLaunch {
     pub start: u64,
     pub end: u64,
     /// Bytes the launch allocates, all buffers together.
     pub bytes: u64,
 }
 
-impl Launch {
+impl MixedLaunch {
     pub fn len(&self) -> u64 {
         self.end - self.start
     }
