@@ -1,5 +1,5 @@
 """The `mla-planner` command line: `plan`, `simulate`, `trace gen`, `presets`,
-`calibrate`.
+`calibrate`, `doctor`.
 
 Errors in what the user gave (files, options) print one line and exit 2;
 Ctrl-C exits 130 with nothing half-written. Anything else is a bug: one
@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from mla_planner import __version__
 
-from . import calibrate, plan, presets, simulate, trace
+from . import calibrate, doctor, plan, presets, simulate, trace
 from .config import CliError
 
 EXIT_BUG = 1
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mla-planner {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (plan, simulate, trace, presets, calibrate):
+    for module in (plan, simulate, trace, presets, calibrate, doctor):
         module.add_parser(commands)
     return parser
 

@@ -1,0 +1,437 @@
+"""Will a vLLM 0.26 deployment of a sparse-MLA model survive its worst step? A pure model.
+
+What vLLM does, per GPU (docs/kernels.md, "Two vLLM facts about reservation"): it gives the KV cache
+``util x total - (weights + profiled activation peak + non-PyTorch memory)``. The profile run never
+calls the sparse-MLA kernels, so stock vLLM's attention scratch must come out of what lies outside
+``util x total``, less what a step holds that the profile did not set aside (``step_reserve``,
+measured on the H200). The plugin reserves its budget inside the model memory instead, so its KV
+cache is exactly the budget smaller and its scratch never exceeds the budget.
+
+Every byte of scratch comes from the planner core (`policies.stock`, `plan_step`); this module only
+adds the memory model around it, and labels each figure as measured or assumed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mla_planner import (
+    StepConfig,
+    decode_scratch,
+    indexer_logits_bytes,
+    max_tokens_per_launch,
+    plan_step,
+    prefill_scratch,
+    topk_mask_bytes,
+)
+
+from . import policies, presets
+from .config import CliError, PlannerConfig
+from .steps import Step
+from .units import GIB
+
+MIB = 1 << 20
+
+
+# --- GPUs ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    arch: str
+    num_sms: int
+    total_bytes: int  # what torch.cuda.mem_get_info reports as total
+    source: str  # "measured: ..." or "assumed: ..."
+
+    @property
+    def measured(self) -> bool:
+        return self.source.startswith("measured")
+
+
+H200_TOTAL_BYTES = 150_109_880_320
+"""torch.cuda.mem_get_info()[1] on the H200 of docs/e2e.md (139.80 GiB)."""
+H200_DATASHEET_GIB = 141
+# The H200 exposes this fraction of its datasheet capacity to torch; the other GPUs are assumed to
+# expose the same fraction of theirs.
+USABLE_FRACTION = H200_TOTAL_BYTES / (H200_DATASHEET_GIB * GIB)
+
+
+def _datasheet(name: str, arch: str, num_sms: int, gib: int) -> Gpu:
+    total = int(gib * GIB * USABLE_FRACTION)
+    return Gpu(name, arch, num_sms, total, f"assumed: datasheet {gib} GB x the H200's usable fraction {USABLE_FRACTION:.4f}")
+
+
+GPUS: dict[str, Gpu] = {
+    "H200": Gpu("H200", "sm90", 132, H200_TOTAL_BYTES, "measured: torch.cuda.mem_get_info total on an H200 (docs/e2e.md)"),
+    "H100": _datasheet("H100", "sm90", 132, 80),
+    "B200": _datasheet("B200", "sm100", 148, 180),
+}
+
+
+def gpu_present() -> Gpu:
+    """The first CUDA GPU of this machine, as torch sees it."""
+    try:
+        import torch
+    except ImportError:
+        raise CliError("--gpu present needs torch with CUDA; name a GPU instead: " + ", ".join(GPUS)) from None
+    if not torch.cuda.is_available():
+        raise CliError("--gpu present: no CUDA GPU here; name one instead: " + ", ".join(GPUS))
+    props = torch.cuda.get_device_properties(0)
+    _free, total = torch.cuda.mem_get_info(0)
+    arch = "sm100" if props.major >= 10 else "sm90"
+    return Gpu(props.name, arch, props.multi_processor_count, int(total), "measured: this machine's GPU 0")
+
+
+def lookup_gpu(name: str) -> Gpu:
+    if name == "present":
+        return gpu_present()
+    for key, gpu in GPUS.items():
+        if key.lower() == name.lower():
+            return gpu
+    raise CliError(f"--gpu {name!r}: known GPUs are {', '.join(GPUS)}, or 'present' for this machine's")
+
+
+# --- the model ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Model:
+    """The config.json facts the doctor needs (DeepSeek-V3.2-style sparse MLA)."""
+
+    name: str
+    num_heads: int
+    topk: int
+    kv_lora_rank: int
+    rope_dim: int
+    num_layers: int
+    hidden_size: int
+    max_position_embeddings: int
+    index_head_dim: int
+    weight_bytes: int  # all ranks together
+    weight_source: str
+
+    def kv_bytes_per_token(self, fp8: bool) -> int:
+        """One token's KV-cache bytes on one rank (MLA caches the latent whole on every rank):
+        the MLA entry (fp8_ds_mla: fp8 latent, one fp32 scale per 128 values, bf16 RoPE; else
+        bf16) and the indexer's key (fp8 plus one fp32 scale per 128 values) in every layer."""
+        mla = self.kv_lora_rank + self.kv_lora_rank // 128 * 4 + self.rope_dim * 2 if fp8 else (self.kv_lora_rank + self.rope_dim) * 2
+        indexer = self.index_head_dim + self.index_head_dim // 128 * 4
+        return self.num_layers * (mla + indexer)
+
+
+REQUIRED_KEYS = ("num_attention_heads", "index_topk", "kv_lora_rank", "qk_rope_head_dim", "num_hidden_layers", "hidden_size")
+
+
+def _estimate_params(c: dict[str, Any]) -> int:
+    """Parameters of a DeepSeek-V3-style model from its config.json: embeddings and head,
+    MLA and indexer projections, dense and MoE MLPs (norms and biases are negligible)."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    q_lora = c.get("q_lora_rank") or h
+    nope, rope, v = c.get("qk_nope_head_dim", 128), c["qk_rope_head_dim"], c.get("v_head_dim", 128)
+    kv_lora = c["kv_lora_rank"]
+    attn = h * q_lora + q_lora * heads * (nope + rope) + h * (kv_lora + rope) + kv_lora * heads * (nope + v) + heads * v * h
+    ih, idim = c.get("index_n_heads", 64), c.get("index_head_dim", 128)
+    indexer = q_lora * ih * idim + h * idim + h * ih
+    layers, dense_layers = c["num_hidden_layers"], min(c.get("first_k_dense_replace", 0), c["num_hidden_layers"])
+    experts = c.get("n_routed_experts") or 0
+    dense_mlp = 3 * h * c.get("intermediate_size", 4 * h)
+    moe_mlp = (experts + (c.get("n_shared_experts") or 0)) * 3 * h * c.get("moe_intermediate_size", 0) + h * experts
+    mlp = dense_layers * dense_mlp + (layers - dense_layers) * (moe_mlp if experts else dense_mlp)
+    return int(2 * c.get("vocab_size", 0) * h + layers * (attn + indexer) + mlp)
+
+
+def model_from_config(path: Path) -> Model:
+    try:
+        c = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CliError(f"--config {path}: cannot read a config.json ({e})") from None
+    if not isinstance(c, dict):
+        raise CliError(f"--config {path}: not a JSON object")
+    missing = [k for k in REQUIRED_KEYS if not isinstance(c.get(k), int)]
+    if missing:
+        raise CliError(f"--config {path}: no integer {', '.join(missing)}: is it a sparse-MLA (DeepSeek-V3.2-style) model?")
+    quant = c.get("quantization_config") or {}
+    fp8 = isinstance(quant, dict) and "fp8" in str(quant.get("quant_method", "")).lower()
+    width = 1 if fp8 else 2
+    params = _estimate_params(c)
+    return Model(
+        name=str(path),
+        num_heads=c["num_attention_heads"],
+        topk=c["index_topk"],
+        kv_lora_rank=c["kv_lora_rank"],
+        rope_dim=c["qk_rope_head_dim"],
+        num_layers=c["num_hidden_layers"],
+        hidden_size=c["hidden_size"],
+        max_position_embeddings=int(c.get("max_position_embeddings", 163_840)),
+        index_head_dim=int(c.get("index_head_dim", 128)),
+        weight_bytes=params * width,
+        weight_source=f"assumed: {params / 1e9:,.2f}B parameters counted from config.json x {width} B ({'fp8' if fp8 else 'bf16'})",
+    )
+
+
+# The presets' architecture facts; weights are the published parameter counts in FP8.
+PRESET_MODELS: dict[str, Model] = {
+    "deepseek-v3.2": Model("deepseek-v3.2", 128, 2048, 512, 64, 61, 7168, 163_840, 128, 671 * 10**9,
+                           "assumed: 671B parameters (published) x 1 B (FP8 checkpoint)"),
+    "glm-5": Model("glm-5", 64, 2048, 512, 64, 78, 6144, 202_752, 128, 744 * 10**9,
+                   "assumed: 744B parameters (published) x 1 B (FP8 checkpoint)"),
+}  # fmt: skip
+
+
+def lookup_model(name_or_path: str) -> Model:
+    if name_or_path in PRESET_MODELS:
+        return PRESET_MODELS[name_or_path]
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.exists():
+        return model_from_config(path)
+    raise CliError(f"--config {name_or_path!r}: neither a config.json (or a folder with one) nor a preset ({', '.join(PRESET_MODELS)})")
+
+
+def model_for_serve_model(model: str | None) -> Model | None:
+    """The model a serve line names, when the doctor can tell: a local folder with config.json,
+    or a Hugging Face name of a preset."""
+    if model is None:
+        return None
+    if (Path(model) / "config.json").exists():
+        return model_from_config(Path(model) / "config.json")
+    low = model.lower()
+    if "deepseek-v3.2" in low:
+        return PRESET_MODELS["deepseek-v3.2"]
+    if "glm-5" in low:
+        return PRESET_MODELS["glm-5"]
+    return None
+
+
+# --- what the H200 runs measured (docs/e2e.md), and what follows from them -----------------------
+
+# The tiny e2e model (tests/e2e/tiny-deepseek-v32, 16 heads, TP 1) at 0.95: the KV cache vLLM granted,
+# in blocks of 64 tokens (num_gpu_blocks), at max_num_batched_tokens 32,768 and 65,536.
+E2E_BLOCKS = {32_768: 1_373_153, 65_536: 1_351_280}
+E2E_ACTIVATION_32K = int(1.77 * GIB)  # the activation peak vLLM logged for the 32K engine
+E2E_HIDDEN = 1024
+# Its weights as model_from_config counts them (bf16); tests/test_doctor.py checks the figure.
+E2E_WEIGHTS = 601_374_720
+
+
+def _e2e_page_bytes() -> int:
+    return 64 * (2 * (656 + 132))  # block size 64, 2 layers of fp8_ds_mla + indexer key
+
+
+def _e2e_non_kv(mnbt: int) -> int:
+    return int(0.95 * H200_TOTAL_BYTES) - E2E_BLOCKS[mnbt] * _e2e_page_bytes()
+
+
+# Activation peak per token, from the two engines' difference (only max_num_batched_tokens changed).
+ACTIVATION_PER_TOKEN = (_e2e_non_kv(65_536) - _e2e_non_kv(32_768)) / (65_536 - 32_768)
+ACTIVATION_AT_ZERO = E2E_ACTIVATION_32K - ACTIVATION_PER_TOKEN * 32_768
+# What is neither weights nor activations: CUDA context, libraries' workspaces, vLLM's own buffers.
+NON_TORCH_BYTES = _e2e_non_kv(32_768) - E2E_ACTIVATION_32K - E2E_WEIGHTS
+
+
+def activation_bytes(model: Model, tokens: int) -> int:
+    """vLLM's profiled activation peak for a step of `tokens`: the tiny model's, per token, scaled
+    by hidden size (an assumption for any other model)."""
+    return max(0, int((ACTIVATION_AT_ZERO + ACTIVATION_PER_TOKEN * tokens) * model.hidden_size / E2E_HIDDEN))
+
+
+# A stock 32K step of the tiny model (16 heads): one decode call, out allocated by the kernel.
+_STOCK_32K = decode_scratch(1, 32_768, 16)
+_BEFORE_O_ACCUM = sum(v for k, v in _STOCK_32K.buffers.items() if k in ("q_padded", "out", "lse"))
+# step_reserve: what a step holds outside the attention scratch and outside what vLLM set aside.
+# TP 1: at 0.90 the 32K step ran with 0.87 GiB left free (scratch + reserve = 10% - 0.87 GiB).
+# Cross-check at 0.95: it failed asking for o_accum with 1.89 GiB free, q_padded, out and lse held.
+STEP_RESERVE_TP1 = int(0.10 * H200_TOTAL_BYTES - 0.87 * GIB) - _STOCK_32K.total_bytes
+# TP 2 (each rank 16 heads): at 0.95 o_accum failed with 429 MiB free; at 0.90 with 7.41 GiB free
+# (where TP 1 ran): the multi-GPU engine holds more. Assumed the same at larger TP.
+STEP_RESERVE_TP2 = int(0.05 * H200_TOTAL_BYTES) - (_BEFORE_O_ACCUM + 429 * MIB)
+
+
+def step_reserve(tp: int) -> int:
+    return STEP_RESERVE_TP1 if tp == 1 else STEP_RESERVE_TP2
+
+
+# --- the deployment and its diagnosis ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Deployment:
+    model: Model
+    gpu: Gpu
+    tp: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+    max_model_len: int
+    kv_fp8: bool
+    plugin: bool  # --attention-backend CUSTOM
+    budget_bytes: int
+    max_num_seqs: int
+    weights_override: int | None = None
+    activation_override: int | None = None
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.model.num_heads // self.tp
+
+    @property
+    def weights_per_rank(self) -> int:
+        return self.weights_override if self.weights_override is not None else math.ceil(self.model.weight_bytes / self.tp)
+
+    @property
+    def activation(self) -> int:
+        return self.activation_override if self.activation_override is not None else activation_bytes(self.model, self.max_num_batched_tokens)
+
+    def non_kv_bytes(self) -> int:
+        return self.weights_per_rank + self.activation + NON_TORCH_BYTES
+
+    def stock_kv_bytes(self, util: float | None = None) -> int:
+        u = self.gpu_memory_utilization if util is None else util
+        return int(u * self.gpu.total_bytes) - self.non_kv_bytes()
+
+    def headroom(self, util: float | None = None) -> int:
+        """Memory a step's unreserved scratch can take: what lies outside util x total, less the
+        step's own unreserved memory."""
+        u = self.gpu_memory_utilization if util is None else util
+        return self.gpu.total_bytes - int(u * self.gpu.total_bytes) - step_reserve(self.tp)
+
+    def planner_config(self, *, fp8: bool) -> PlannerConfig:
+        try:
+            step = StepConfig(
+                self.heads_per_rank, arch=self.gpu.arch, num_sms=self.gpu.num_sms, topk=self.model.topk,
+                kv_dtype="fp8" if fp8 else "bf16", scratch_budget_bytes=self.budget_bytes,
+                max_model_len=self.max_model_len, execution="vllm",
+            )  # fmt: skip
+        except ValueError as e:
+            raise CliError(f"the planner refuses this deployment: {e}") from None
+        return PlannerConfig(step, f"{self.model.name} at TP {self.tp}", None, self.tp)
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """One step under one policy."""
+
+    peak_bytes: int
+    launches: int
+    limit: str | None  # a hard kernel limit the step crosses (int32_stride, grid, workspace_assert)
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    deployment: Deployment
+    worst_step: Step
+    paths: dict[str, dict[str, Any]]
+    stock: StepVerdict
+    plugin: StepVerdict
+    headroom: int
+    stock_kv_bytes: int
+    plugin_kv_bytes: int
+    stock_kv_tokens: int
+    plugin_kv_tokens: int
+    max_stock_util: float | None
+    budget_kv_tokens: int  # the KV tokens the plugin's budget would hold (fp8_ds_mla)
+    stock_path: str  # the path vLLM 0.26 takes for this cache and heads per rank
+    stride_tokens: int  # the longest single mixed-batch / prefill call the kernels accept
+    assumptions: dict[str, str] = field(default_factory=dict)
+
+
+def kv_tokens(d: Deployment, kv_bytes: int, fp8: bool) -> int:
+    per_token = d.model.kv_bytes_per_token(fp8)
+    return max(0, kv_bytes) // per_token
+
+
+def stock_step(d: Deployment, step: Step) -> StepVerdict:
+    """Stock vLLM's worst kernel call for `step`, from the CLI's stock policy (vLLM's calls)."""
+    cfg = d.planner_config(fp8=d.kv_fp8)
+    outcome = policies.stock(step, policies.Scratches(cfg))
+    fits = outcome.failure is None and outcome.peak_bytes <= d.headroom()
+    return StepVerdict(outcome.peak_bytes, outcome.num_launches, outcome.failure, fits)
+
+
+def plugin_step(d: Deployment, step: Step) -> StepVerdict:
+    """The plugin's plan for `step` (FP8 KV, the budget held back from the KV cache)."""
+    cfg = d.planner_config(fp8=True)
+    try:
+        plan = plan_step(step.query_lens, step.context_lens, step.num_decodes, cfg.step)
+    except ValueError as e:
+        raise CliError(f"the planner cannot plan the worst step: {e}") from None
+    fits = plan.peak_bytes <= d.budget_bytes + max(0, d.headroom())
+    return StepVerdict(plan.peak_bytes, len(plan), None, fits)
+
+
+def worst_steps(d: Deployment) -> list[Step]:
+    """Steps of max_num_batched_tokens: one prefill, and the same tokens shared with decodes."""
+    t = d.max_num_batched_tokens
+    steps = [Step([t], [0], 0)]
+    decodes = min(d.max_num_seqs - 1, t - 1, 1024)
+    if decodes > 0:
+        steps.append(Step([1] * decodes + [t - decodes], [min(d.max_model_len - 1, 4096)] * decodes + [0], decodes))
+    return steps
+
+
+def max_stock_util(d: Deployment, stock_peak: int) -> float | None:
+    """The highest util (two decimals) at which `stock_peak` fits the headroom, if any."""
+    util = math.floor((1 - (stock_peak + step_reserve(d.tp)) / d.gpu.total_bytes) * 100) / 100
+    return util if util > 0 else None
+
+
+def _paths(d: Deployment, t: int) -> dict[str, dict[str, Any]]:
+    """Each sparse-MLA path's transient scratch for one call of `t` tokens as vLLM 0.26 makes it."""
+    h, arch, topk = d.heads_per_rank, d.gpu.arch, d.model.topk
+    mixed = decode_scratch(1, t, h, arch=arch, num_sms=d.gpu.num_sms, topk=topk)
+    separate = prefill_scratch(t, h, arch=arch, topk=topk)
+    taken = presets.vllm_path(h, "fp8" if d.kv_fp8 else "bf16", short=True)
+    # A bf16 cache sends every token through one prefill-kernel call: the separate path's bytes.
+    mask = topk_mask_bytes(1, t, t)
+    return {
+        "mixed_batch": {"bytes": mixed.total_bytes, "buffers": mixed.buffers, "stock_takes_it": taken == "mixed batch",
+                        "limit": "int32_stride" if t > max_tokens_per_launch(h)[0] else None},
+        "separate": {"bytes": separate.total_bytes, "buffers": separate.buffers, "stock_takes_it": taken != "mixed batch",
+                     "limit": None},
+        "indexer": {"bytes": min(indexer_logits_bytes(t, t), 512 * MIB), "reserved_by_vllm": True},
+        "masked_mha_mask": {"bytes": mask, "applies": arch == "sm100" and not d.kv_fp8, "vllm_version": ">= 0.27",
+                            "fits_128_mib": mask <= 128 * MIB},
+    }  # fmt: skip
+
+
+def diagnose(d: Deployment) -> Diagnosis:
+    if d.heads_per_rank < 1 or d.model.num_heads % d.tp:
+        raise CliError(f"{d.model.num_heads} attention heads do not split over tensor parallel {d.tp}")
+    steps = worst_steps(d)
+    stock = max((stock_step(d, s) for s in steps), key=lambda v: (v.limit is not None, v.peak_bytes))
+    plugin = max((plugin_step(d, s) for s in steps), key=lambda v: v.peak_bytes)
+    stock_kv = d.stock_kv_bytes()
+    plugin_kv = stock_kv - d.budget_bytes
+    stride = max_tokens_per_launch(d.heads_per_rank)[0]
+    return Diagnosis(
+        deployment=d,
+        worst_step=steps[0],
+        paths=_paths(d, d.max_num_batched_tokens),
+        stock=stock,
+        plugin=plugin,
+        headroom=d.headroom(),
+        stock_kv_bytes=stock_kv,
+        plugin_kv_bytes=plugin_kv,
+        stock_kv_tokens=kv_tokens(d, stock_kv, d.kv_fp8),
+        plugin_kv_tokens=kv_tokens(d, plugin_kv, True),
+        max_stock_util=None if stock.limit else max_stock_util(d, stock.peak_bytes),
+        stride_tokens=stride,
+        budget_kv_tokens=d.budget_bytes // d.model.kv_bytes_per_token(True),
+        stock_path=presets.vllm_path(d.heads_per_rank, "fp8" if d.kv_fp8 else "bf16", short=True),
+        assumptions={
+            "gpu_total": d.gpu.source,
+            "weights": "given" if d.weights_override is not None else d.model.weight_source + f", / TP {d.tp}",
+            "activation": "given" if d.activation_override is not None else
+                "assumed: the tiny e2e model's profiled peak per token (H200), scaled by hidden size",
+            "non_torch": "measured on the H200 (tiny e2e model, TP 1): 0.95 x total - KV - activation - weights",
+            "step_reserve": "measured on the H200 (tiny e2e model): TP 1 at 0.90 and 0.95; TP 2 at 0.95 and 0.90;"
+                " assumed the same for other models and TP > 2",
+            "scratch": "the planner's byte models (docs/kernels.md, checked against the H200's allocator)",
+        },
+    )  # fmt: skip

@@ -1,0 +1,234 @@
+"""`mla-planner doctor`: will this `vllm serve` line survive its worst step, and what fixes it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from . import deployment, serve_line
+from .config import CliError
+from .deployment import Deployment, Diagnosis, StepVerdict
+from .units import GIB, format_bytes, parse_bytes
+
+SCHEMA = "mla-planner.doctor/1"
+DEFAULT_SCRATCH_MB = 1024  # the plugin's default (vllm_backend.settings, which needs torch to import)
+PLUGIN_FLAGS = {"--attention-backend": "CUSTOM", "--kv-cache-dtype": "fp8_ds_mla", "--block-size": "64"}
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser(
+        "doctor",
+        help="will a `vllm serve` line run out of memory on its worst step, and what fixes it",
+        description=(
+            "Read a `vllm serve` command line (after --) and say whether stock vLLM 0.26 and the mla-planner "
+            "plugin survive its worst step, what each leaves for the KV cache, and which flags to change."
+        ),
+    )
+    p.add_argument("serve", nargs=argparse.REMAINDER, help="the serve line after --: vllm serve MODEL [flags]")
+    p.add_argument("--config", metavar="PATH|PRESET", help="the model's config.json (or its folder), or a preset: "
+                   + ", ".join(deployment.PRESET_MODELS) + " (default: from the serve line's model)")  # fmt: skip
+    p.add_argument("--gpu", default="H200", help="H200 (measured), H100, B200 (datasheet), or 'present' (default H200)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: the serve line's --tensor-parallel-size)")
+    p.add_argument("--weights", type=_size, metavar="SIZE", help="model memory per GPU, e.g. 80GiB (default: estimated)")
+    p.add_argument("--activation", type=_size, metavar="SIZE", help="vLLM's profiled activation peak (default: estimated)")
+    p.add_argument("--builtin-parser", action="store_true", help="read the serve line with the built-in subset even where vLLM is installed")
+    p.add_argument("--json", action="store_true", help=f"print JSON ({SCHEMA}, docs/cli.md)")
+    p.set_defaults(run=run)
+
+
+def _budget(env: dict[str, str]) -> tuple[int, str]:
+    for name in ("MLA_PLANNER_SCRATCH_MB", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB"):
+        if name in env:
+            try:
+                mb = int(env[name])
+            except ValueError:
+                raise CliError(f"the serve line: {name}={env[name]!r} is not a whole number of MiB") from None
+            if mb < 64:
+                raise CliError(f"the serve line: {name}={mb} is below the plugin's minimum of 64 MiB")
+            return mb << 20, name
+    return DEFAULT_SCRATCH_MB << 20, "default"
+
+
+def build(args: argparse.Namespace) -> tuple[Deployment, serve_line.ServeArgs]:
+    serve = serve_line.parse([w for w in args.serve if w != "--"], use_vllm=not args.builtin_parser)
+    if args.config is not None:
+        model = deployment.lookup_model(args.config)
+    else:
+        found = deployment.model_for_serve_model(serve.model)
+        if found is None:
+            raise CliError(f"cannot tell the model of {serve.model!r}: pass --config PATH (its config.json) or a preset")
+        model = found
+    gpu = deployment.lookup_gpu(args.gpu)
+    tp = args.tp if args.tp is not None else serve.tensor_parallel_size
+    if tp < 1 or model.num_heads % tp:
+        raise CliError(f"{model.num_heads} attention heads do not split over tensor parallel {tp}")
+    mnbt = serve.max_num_batched_tokens or (
+        serve_line.DEFAULT_MAX_NUM_BATCHED_TOKENS if gpu.total_bytes >= 70 * GIB else serve_line.DEFAULT_MAX_NUM_BATCHED_TOKENS_SMALL_GPU
+    )
+    budget, _ = _budget(serve.env)
+    d = Deployment(
+        model=model,
+        gpu=gpu,
+        tp=tp,
+        max_num_batched_tokens=mnbt,
+        gpu_memory_utilization=serve.gpu_memory_utilization,
+        max_model_len=serve.max_model_len or model.max_position_embeddings,
+        kv_fp8=serve.kv_fp8,
+        plugin=(serve.attention_backend or "").upper() == "CUSTOM",
+        budget_bytes=budget,
+        max_num_seqs=serve.max_num_seqs or serve_line.DEFAULT_MAX_NUM_SEQS,
+        weights_override=args.weights,
+        activation_override=args.activation,
+    )
+    return d, serve
+
+
+def run(args: argparse.Namespace) -> int:
+    d, serve = build(args)
+    diag = deployment.diagnose(d)
+    if diag.stock_kv_bytes <= 0:
+        raise CliError(
+            f"the model does not load: weights {format_bytes(d.weights_per_rank)} + activation "
+            f"{format_bytes(d.activation)} + non-PyTorch {format_bytes(deployment.NON_TORCH_BYTES)} exceed "
+            f"{serve.gpu_memory_utilization} x {format_bytes(d.gpu.total_bytes)}: raise --tp or pass --weights if the estimate is off"
+        )
+    if args.json:
+        print(json.dumps(to_json(diag, serve), indent=2))
+    else:
+        print("\n".join(to_text(diag, serve)))
+    return 0
+
+
+# --- verdict and fixes ------------------------------------------------------------
+
+
+def flags_to_add(serve: serve_line.ServeArgs) -> list[str]:
+    have = {"--attention-backend": (serve.attention_backend or "").upper(), "--kv-cache-dtype": serve.kv_cache_dtype,
+            "--block-size": str(serve.block_size or "")}  # fmt: skip
+    return [f"{flag} {value}" for flag, value in PLUGIN_FLAGS.items() if have[flag] != value]
+
+
+def _stock_problem(diag: Diagnosis) -> str:
+    s, t = diag.stock, diag.worst_step.num_tokens
+    if s.limit == "int32_stride":
+        return f"fails at a {t:,}-token step: one kernel call past FlashMLA's int32 stride limit ({diag.stride_tokens:,} tokens)"
+    if s.limit == "workspace_assert":
+        return f"fails at a {t:,}-token step: a request longer than vLLM's gather workspace"
+    if s.limit:
+        return f"fails at a {t:,}-token step: {s.limit}"
+    return f"OOM at the first {t:,}-token step (needs {format_bytes(s.peak_bytes)} of scratch, {format_bytes(max(0, diag.headroom))} free for it)"
+
+
+def verdict(diag: Diagnosis, serve: serve_line.ServeArgs) -> tuple[str, list[str]]:
+    """One line, and the flag changes it recommends."""
+    d, s, p = diag.deployment, diag.stock, diag.plugin
+    cost = diag.budget_kv_tokens
+    plugin_text = (
+        f"with the plugin: fits ({format_bytes(d.budget_bytes)} budget, {cost:,} KV tokens)"
+        if p.fits else f"with the plugin: does not fit ({format_bytes(p.peak_bytes)} > budget + headroom)"
+    )  # fmt: skip
+    if d.plugin:
+        return (f"plugin (as given): {'fits' if p.fits else 'does not fit'} ({format_bytes(d.budget_bytes)} budget); "
+                f"stock would: {'fit' if s.fits else _stock_problem(diag)}"), []  # fmt: skip
+    if s.fits:
+        return f"stock: fits (worst step {format_bytes(s.peak_bytes)} of scratch, {format_bytes(diag.headroom)} free for it); {plugin_text}", []
+    fixes = []
+    add = flags_to_add(serve)
+    if p.fits:
+        fixes.append("add: " + " ".join(add) + " (pip install mla-planner)")
+    if diag.max_stock_util is not None:
+        fixes.append(f"or lower --gpu-memory-utilization to {diag.max_stock_util:.2f}")
+    elif s.limit == "int32_stride":
+        fixes.append(f"or lower --max-num-batched-tokens to {diag.stride_tokens:,} (and check again)")
+    return f"stock: {_stock_problem(diag)}; {plugin_text}", fixes
+
+
+# --- output ---------------------------------------------------------------------------
+
+
+def _verdict_json(v: StepVerdict) -> dict[str, Any]:
+    return {"peak_bytes": v.peak_bytes, "launches": v.launches, "limit": v.limit, "fits": v.fits}
+
+
+def to_json(diag: Diagnosis, serve: serve_line.ServeArgs) -> dict[str, Any]:
+    d = diag.deployment
+    line, fixes = verdict(diag, serve)
+    return {
+        "schema": SCHEMA,
+        "serve": {"parser": serve.parser, "model": serve.model, "env": serve.env},
+        "deployment": {
+            "model": d.model.name, "num_heads": d.model.num_heads, "tp": d.tp, "heads_per_rank": d.heads_per_rank,
+            "topk": d.model.topk, "num_layers": d.model.num_layers, "gpu": d.gpu.name, "arch": d.gpu.arch,
+            "num_sms": d.gpu.num_sms, "gpu_total_bytes": d.gpu.total_bytes,
+            "max_num_batched_tokens": d.max_num_batched_tokens, "gpu_memory_utilization": d.gpu_memory_utilization,
+            "max_model_len": d.max_model_len, "kv_cache_fp8": d.kv_fp8, "plugin_selected": d.plugin,
+            "budget_bytes": d.budget_bytes, "max_num_seqs": d.max_num_seqs,
+        },
+        "memory": {
+            "weights_bytes": d.weights_per_rank, "activation_bytes": d.activation,
+            "non_torch_bytes": deployment.NON_TORCH_BYTES, "step_reserve_bytes": deployment.step_reserve(d.tp),
+            "headroom_bytes": diag.headroom,
+        },
+        "worst_step": {"num_tokens": diag.worst_step.num_tokens, "stock_path": diag.stock_path, "paths": diag.paths},
+        "stock": {**_verdict_json(diag.stock), "kv_bytes": diag.stock_kv_bytes, "kv_tokens": diag.stock_kv_tokens,
+                  "max_gpu_memory_utilization": diag.max_stock_util},
+        "plugin": {**_verdict_json(diag.plugin), "kv_bytes": diag.plugin_kv_bytes, "kv_tokens": diag.plugin_kv_tokens,
+                   "budget_bytes": d.budget_bytes, "budget_kv_tokens": diag.budget_kv_tokens},
+        "int32_stride_tokens": diag.stride_tokens,
+        "verdict": line,
+        "fixes": fixes,
+        "sources": diag.assumptions,
+    }  # fmt: skip
+
+
+def _tag(source: str) -> str:
+    return "measured" if source.startswith("measured") else "assumed" if source.startswith("assumed") else source
+
+
+def to_text(diag: Diagnosis, serve: serve_line.ServeArgs) -> list[str]:
+    d, a = diag.deployment, diag.assumptions
+    paths = diag.paths
+    mixed, sep = paths["mixed_batch"], paths["separate"]
+    taken = diag.stock_path
+    mask = paths["masked_mha_mask"]
+    out = [
+        f"deployment  {d.model.name}: {d.model.num_heads} heads / TP {d.tp} = {d.heads_per_rank} per rank, "
+        f"{d.model.num_layers} layers; {d.gpu.name} ({d.gpu.arch}, {d.gpu.num_sms} SMs, {format_bytes(d.gpu.total_bytes)}, "
+        f"{_tag(d.gpu.source)})",
+        f"serve line  max_num_batched_tokens {d.max_num_batched_tokens:,}, gpu_memory_utilization {d.gpu_memory_utilization:.2f}, "
+        f"max_model_len {d.max_model_len:,}, KV {'fp8' if d.kv_fp8 else 'bf16'} "
+        f"({serve.parser} parser)",
+        "",
+        f"worst step  {diag.worst_step.num_tokens:,} tokens; one call of them through each path (stock takes {taken}):",
+        f"  mixed batch  {format_bytes(mixed['bytes'])}" + (" - past the int32 stride limit" if mixed["limit"] else ""),
+        f"  separate     {format_bytes(sep['bytes'])} (padded q + out of the prefill kernel)",
+        f"  indexer      {format_bytes(paths['indexer']['bytes'])} logits (vLLM's profile reserves it)",
+        "  masked MHA   " + (f"mask {format_bytes(mask['bytes'])}" + ("" if mask["fits_128_mib"] else " > 128 MiB: falls back to sparse MQA")
+                             if mask["applies"] else "n/a (vLLM >= 0.27, sm100 with a bf16 KV cache only)"),
+        f"  int32 stride one call takes at most {diag.stride_tokens:,} tokens at {d.heads_per_rank} heads",
+        "",
+        f"memory      weights {format_bytes(d.weights_per_rank)} ({_tag(a['weights'])}), activation peak {format_bytes(d.activation)} "
+        f"({_tag(a['activation'])}), non-PyTorch {format_bytes(deployment.NON_TORCH_BYTES)} (measured, H200)",
+        f"            free for unreserved scratch: {format_bytes(diag.headroom)} = (1 - {d.gpu_memory_utilization:.2f}) x total "
+        f"- {format_bytes(deployment.step_reserve(d.tp))} the step holds (measured, H200)",
+        f"stock       worst step {format_bytes(diag.stock.peak_bytes)}: {'fits' if diag.stock.fits else 'FAILS'}"
+        + (f" ({diag.stock.limit})" if diag.stock.limit else "")
+        + f"; KV cache {format_bytes(diag.stock_kv_bytes)} = {diag.stock_kv_tokens:,} tokens"
+        + (f"; fits up to gpu_memory_utilization {diag.max_stock_util:.2f}" if diag.max_stock_util is not None else "; no utilization fits"),
+        f"plugin      budget {format_bytes(d.budget_bytes)}, worst step {format_bytes(diag.plugin.peak_bytes)} in {diag.plugin.launches} launches: "
+        f"{'fits' if diag.plugin.fits else 'FAILS'}; KV cache {format_bytes(diag.plugin_kv_bytes)} = {diag.plugin_kv_tokens:,} tokens "
+        f"(the budget is {diag.budget_kv_tokens:,} tokens)",
+        "",
+    ]
+    line, fixes = verdict(diag, serve)
+    out.append(f"verdict     {line}")
+    out += [f"            {fix}" for fix in fixes]
+    return out

@@ -1,0 +1,159 @@
+"""A `vllm serve` command line, read the way vLLM reads it.
+
+Where vLLM is importable its own serve parser reads the line, so every flag of that version is
+understood; otherwise a built-in subset: the flags that decide the worst step's memory. Leading
+`NAME=value` words are the command's environment (MLA_PLANNER_SCRATCH_MB sets the plugin's budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from .config import CliError
+
+# vLLM 0.26.0's defaults for `vllm serve` on a GPU of 70 GiB or more (EngineArgs.get_batch_defaults,
+# CacheConfig.gpu_memory_utilization).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_BATCHED_TOKENS_SMALL_GPU = 2048
+DEFAULT_MAX_NUM_SEQS = 1024
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+_ENV_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    model: str | None
+    tensor_parallel_size: int
+    max_num_batched_tokens: int | None  # None: vLLM's default for the GPU
+    gpu_memory_utilization: float
+    max_model_len: int | None
+    kv_cache_dtype: str
+    block_size: int | None
+    attention_backend: str | None
+    max_num_seqs: int | None
+    env: dict[str, str] = field(default_factory=dict)
+    parser: str = "built-in"
+
+    @property
+    def kv_fp8(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")
+
+
+def _human_int(text: str) -> int:
+    """vLLM's way of writing sizes: 32768, 32k (x1000), 32K (x1024), 1m, 1M."""
+    m = re.fullmatch(r"(\d+)([kKmMgG]?)", text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (e.g. 32768 or 32K)")
+    unit = m.group(2)
+    scale = {"": 1, "k": 10**3, "K": 1 << 10, "m": 10**6, "M": 1 << 20, "g": 10**9, "G": 1 << 30}[unit]
+    return int(m.group(1)) * scale
+
+
+class _Refusing(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"the serve line: {message}")
+
+
+def _builtin_parser() -> argparse.ArgumentParser:
+    p = _Refusing(prog="vllm serve", add_help=False, allow_abbrev=False)
+    p.add_argument("model_tag", nargs="?")
+    p.add_argument("--model")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--max-num-batched-tokens", type=_human_int)
+    p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
+    p.add_argument("--max-model-len", type=_human_int)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--attention-backend")
+    p.add_argument("--max-num-seqs", type=int)
+    return p
+
+
+def _vllm_namespace(argv: list[str]) -> argparse.Namespace | None:
+    """vLLM's own serve parser, or None where vLLM cannot be imported or cannot build its parser
+    here (vLLM 0.26 infers a device type while building it, and fails on a machine with none)."""
+    try:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    except Exception:
+        return None
+
+    def refuse(message: str) -> NoReturn:
+        raise CliError(f"the serve line (vLLM's parser): {message}")
+
+    setattr(parser, "error", refuse)  # one line, not argparse's usage block and exit
+    try:
+        namespace: argparse.Namespace = parser.parse_args(argv)
+    except SystemExit:  # --help and the like
+        raise CliError("the serve line: vLLM's parser exited (--help is not a deployment)") from None
+    except CliError:
+        raise
+    except Exception as e:  # the parser's own checks of values
+        raise CliError(f"the serve line (vLLM's parser): {e}") from None
+    return namespace
+
+
+def _backend_name(ns: argparse.Namespace) -> str | None:
+    backend: Any = getattr(ns, "attention_backend", None)
+    config: Any = getattr(ns, "attention_config", None)
+    if backend is None and config is not None:
+        backend = config.get("backend") if isinstance(config, dict) else getattr(config, "backend", None)
+    if backend is None:
+        return None
+    return str(getattr(backend, "name", backend))
+
+
+def split_line(words: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """The environment words and the arguments after `vllm serve` (one quoted string or words)."""
+    argv = shlex.split(words[0]) if len(words) == 1 else list(words)
+    env = {}
+    while argv and _ENV_WORD.match(argv[0]):
+        name, _, value = argv.pop(0).partition("=")
+        env[name] = value
+    if argv[:2] == ["vllm", "serve"]:
+        argv = argv[2:]
+    elif argv[:1] == ["serve"]:
+        argv = argv[1:]
+    elif argv and argv[0] == "vllm":
+        raise CliError(f"the serve line runs `vllm {' '.join(argv[1:2])}`, not `vllm serve`")
+    return env, argv
+
+
+def parse(words: Sequence[str], *, use_vllm: bool = True) -> ServeArgs:
+    if not words:
+        raise CliError("give the serve line after --, e.g. -- vllm serve deepseek-ai/DeepSeek-V3.2 -tp 8")
+    env, argv = split_line(words)
+    ns = _vllm_namespace(argv) if use_vllm else None
+    parser = "vllm"
+    if ns is None:
+        ns, parser = _builtin_parser().parse_args(argv), "built-in"
+    util = float(ns.gpu_memory_utilization if ns.gpu_memory_utilization is not None else DEFAULT_GPU_MEMORY_UTILIZATION)
+    if not 0 < util <= 1:
+        raise CliError(f"the serve line: --gpu-memory-utilization {util} is not in (0, 1]")
+    tp = int(ns.tensor_parallel_size or 1)
+    if tp < 1:
+        raise CliError(f"the serve line: --tensor-parallel-size {tp} must be at least 1")
+    for name in ("max_num_batched_tokens", "max_model_len", "max_num_seqs"):
+        value = getattr(ns, name, None)
+        if value is not None and value < 1:
+            raise CliError(f"the serve line: --{name.replace('_', '-')} {value} must be at least 1")
+    return ServeArgs(
+        model=ns.model_tag or getattr(ns, "model", None),
+        tensor_parallel_size=tp,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        gpu_memory_utilization=util,
+        max_model_len=ns.max_model_len,
+        kv_cache_dtype=str(ns.kv_cache_dtype or "auto"),
+        block_size=ns.block_size,
+        attention_backend=_backend_name(ns),
+        max_num_seqs=ns.max_num_seqs,
+        env=env,
+        parser=parser,
+    )

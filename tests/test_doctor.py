@@ -1,0 +1,181 @@
+"""`mla-planner doctor`: the memory model against what the H200 runs showed (docs/e2e.md), and the
+command line (one subprocess per run)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mla_planner.cli import deployment as dep
+from mla_planner.cli import serve_line
+from mla_planner.cli.steps import Step
+
+GIB = 1 << 30
+TINY = Path(__file__).resolve().parent / "e2e" / "tiny-deepseek-v32"
+
+
+def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([sys.executable, "-m", "mla_planner.cli", *args], capture_output=True, text=True, timeout=300)
+    if ok:
+        assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def tiny(util: float, mnbt: int) -> dep.Deployment:
+    """The e2e engines: tiny model, TP 1, H200, fp8_ds_mla, the plugin's default budget."""
+    return dep.Deployment(dep.model_from_config(TINY / "config.json"), dep.GPUS["H200"], 1, mnbt, util,
+                          163_840, True, False, 1 << 30, 1024)  # fmt: skip
+
+
+# Each e2e case as the step that broke stock (docs/e2e.md, "What runs"): the second step of case 3 is
+# the five queued prompts with the blocker's first decode.
+CASES = {
+    1: (32_768, Step([32_768], [0], 0)),
+    2: (32_768, Step([12_288, 8_192, 4_096, 4_096, 2_048, 1_024, 512, 508], [0] * 8, 0)),
+    3: (32_768, Step([1, 16_384, 4_096, 4_096, 4_096, 4_095], [32_768, 0, 0, 0, 0, 0], 1)),
+    4: (65_536, Step([65_536], [0], 0)),
+}
+
+
+def test_tiny_weights_estimate_is_the_calibration_figure() -> None:
+    assert dep.model_from_config(TINY / "config.json").weight_bytes == dep.E2E_WEIGHTS
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_h200_at_095_stock_fails_plugin_fits(case: int) -> None:
+    mnbt, step = CASES[case]
+    d = tiny(0.95, mnbt)
+    assert not dep.stock_step(d, step).fits
+    assert dep.plugin_step(d, step).fits
+    if case == 4:
+        assert dep.stock_step(d, step).limit == "int32_stride"
+
+
+def test_h200_at_090_stock_32k_step_fits() -> None:
+    d = tiny(0.90, 32_768)
+    assert dep.stock_step(d, CASES[1][1]).fits
+    assert dep.diagnose(d).max_stock_util == 0.90
+
+
+@pytest.mark.parametrize(("util", "mnbt", "gib"), [(0.95, 32_768, 128.99), (0.95, 65_536, 126.94), (0.90, 32_768, 122.00)])
+def test_h200_kv_cache(util: float, mnbt: int, gib: float) -> None:
+    diag = dep.diagnose(tiny(util, mnbt))
+    assert abs(diag.stock_kv_bytes / GIB - gib) < 0.006
+    assert diag.stock_kv_bytes - diag.plugin_kv_bytes == 1024 << 20
+    assert not diag.stock.fits if util == 0.95 else diag.stock.fits
+    assert diag.plugin.fits
+
+
+def test_tp2_reserve_matches_both_tp2_runs() -> None:
+    """At TP 2 (16 heads per rank) stock's 32K step failed at 0.95 and 0.90, and ran at 0.85."""
+    model = dep.model_from_config(TINY / "config.json")
+    model = dep.Model(**{**model.__dict__, "num_heads": 32})
+    for util, ok in ((0.95, False), (0.90, False), (0.85, True)):
+        d = dep.Deployment(model, dep.GPUS["H200"], 2, 32_768, util, 163_840, True, False, 1 << 30, 1024)
+        assert dep.stock_step(d, CASES[1][1]).fits is ok, util
+
+
+E2E_LINE = ["--", "vllm", "serve", str(TINY), "--gpu-memory-utilization", "0.95", "--max-num-batched-tokens", "32768",
+            "--kv-cache-dtype", "fp8_ds_mla", "--block-size", "64"]  # fmt: skip
+
+
+def doctor_json(*args: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(cli("doctor", "--json", *args).stdout)
+    return doc
+
+
+def test_cli_e2e_line_json() -> None:
+    doc = doctor_json("--builtin-parser", *E2E_LINE)
+    assert doc["schema"] == "mla-planner.doctor/1"
+    assert doc["serve"]["parser"] == "built-in"
+    assert doc["deployment"]["heads_per_rank"] == 16
+    assert doc["stock"]["fits"] is False and doc["plugin"]["fits"] is True
+    assert doc["stock"]["peak_bytes"] == 13_178_503_168
+    assert doc["stock"]["kv_bytes"] - doc["plugin"]["kv_bytes"] == 1024 << 20
+    assert doc["stock"]["max_gpu_memory_utilization"] == 0.90
+    assert doc["fixes"] == ["add: --attention-backend CUSTOM (pip install mla-planner)", "or lower --gpu-memory-utilization to 0.90"]
+    assert set(doc["sources"]) >= {"gpu_total", "weights", "activation", "non_torch", "step_reserve"}
+
+
+def test_cli_text_and_quoted_line() -> None:
+    out = cli("doctor", "--builtin-parser", "vllm serve " + " ".join(E2E_LINE[3:])).stdout
+    assert "verdict     stock: OOM at the first 32,768-token step" in out
+
+
+def test_cli_plugin_budget_from_env_word() -> None:
+    doc = doctor_json("--builtin-parser", "--", "MLA_PLANNER_SCRATCH_MB=2048", *E2E_LINE[1:])
+    assert doc["deployment"]["budget_bytes"] == 2048 << 20
+    assert doc["stock"]["kv_bytes"] - doc["plugin"]["kv_bytes"] == 2048 << 20
+
+
+@pytest.mark.parametrize("gpu", ["H200", "B200"])
+def test_cli_deepseek_v32_tp8(gpu: str) -> None:
+    doc = doctor_json("--gpu", gpu, "--builtin-parser", "--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2", "-tp", "8",
+                      "--kv-cache-dtype", "fp8_ds_mla", "--max-num-batched-tokens", "32768")  # fmt: skip
+    assert doc["deployment"]["heads_per_rank"] == 16
+    assert doc["worst_step"]["stock_path"] == "mixed batch"
+    assert doc["stock"]["peak_bytes"] == 13_178_503_168
+    assert doc["plugin"]["peak_bytes"] <= doc["plugin"]["budget_bytes"]
+    assert doc["plugin"]["kv_tokens"] < doc["stock"]["kv_tokens"]
+    assert doc["sources"]["gpu_total"].startswith("measured" if gpu == "H200" else "assumed")
+
+
+def test_cli_glm5_default_flags() -> None:
+    doc = doctor_json("--builtin-parser", "--", "vllm", "serve", "zai-org/GLM-5-FP8", "-tp", "8")
+    assert doc["deployment"]["heads_per_rank"] == 8
+    assert doc["deployment"]["max_num_batched_tokens"] == serve_line.DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert doc["deployment"]["gpu_memory_utilization"] == serve_line.DEFAULT_GPU_MEMORY_UTILIZATION
+    assert doc["deployment"]["kv_cache_fp8"] is False
+    assert doc["verdict"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--", "vllm", "serve", "some/unknown-model"], "cannot tell the model"),
+        (["--config", "/nonexistent", "--", "vllm", "serve", "x"], "--config"),
+        (["--gpu", "TPU", "--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2"], "--gpu"),
+        (["--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2", "-tp", "3"], "tensor parallel 3"),
+        (["--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2", "--max-num-batched-tokens", "lots"], "serve line"),
+        (["--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2", "--gpu-memory-utilization", "1.5"], "serve line"),
+        (["--", "vllm", "bench", "x"], "not `vllm serve`"),
+        ([], "serve line"),
+        (["--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2", "-tp", "1"], "does not load"),
+    ],
+)
+def test_cli_bad_input_one_line(args: list[str], needle: str) -> None:
+    r = cli("doctor", "--builtin-parser", *args, ok=False)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
+
+
+def _vllm_parser_works() -> bool:
+    try:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        make_arg_parser(FlexibleArgumentParser())
+    except Exception:
+        return False
+    return True
+
+
+def test_vllm_parser_reads_the_line() -> None:
+    if not _vllm_parser_works():
+        pytest.skip("vLLM's serve parser is not importable or cannot be built here (vLLM 0.26 needs a device type)")
+    args = serve_line.parse(["vllm", "serve", "m", "-tp", "8", "--max-num-batched-tokens", "32768",
+                             "--attention-backend", "CUSTOM", "--kv-cache-dtype", "fp8_ds_mla"])  # fmt: skip
+    assert args.parser == "vllm"
+    assert (args.model, args.tensor_parallel_size, args.max_num_batched_tokens) == ("m", 8, 32_768)
+    assert args.attention_backend == "CUSTOM" and args.kv_fp8
+
+
+def test_builtin_parser_reads_the_line() -> None:
+    args = serve_line.parse(["A=1", "vllm", "serve", "--model", "m", "-tp", "2", "--max-model-len", "32K"], use_vllm=False)
+    assert (args.parser, args.model, args.tensor_parallel_size, args.max_model_len, args.env) == ("built-in", "m", 2, 32_768, {"A": "1"})
