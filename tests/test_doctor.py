@@ -160,7 +160,7 @@ def _vllm_parser_works() -> bool:
         from vllm.entrypoints.openai.cli_args import make_arg_parser
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        make_arg_parser(FlexibleArgumentParser())
+        make_arg_parser(FlexibleArgumentParser())  # type: ignore[no-untyped-call]
     except Exception:
         return False
     return True

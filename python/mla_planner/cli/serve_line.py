@@ -81,7 +81,7 @@ def _vllm_namespace(argv: list[str]) -> argparse.Namespace | None:
         from vllm.entrypoints.openai.cli_args import make_arg_parser
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+        parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))  # type: ignore[no-untyped-call]
     except Exception:
         return None
 
