@@ -229,6 +229,52 @@ def test_passes_vllm_configuration_checks(kv_cache_dtype: str, capability: tuple
     assert refused
 
 
+# -- the version seam ---------------------------------------------------------------------------
+
+# vLLM internals whose shape differs between 0.26 and 0.33: only vllm_api may name them.
+VERSIONED = ("triton_convert_req_index_to_global_index", "get_prefill_workspace_size", "prefill_bf16_workspace",
+             "_build_fp8_mixed_decode_prefill", "_fp8_kv_pages", "workspace_specs", "current_workspace_manager",
+             "get_simultaneous", "QUANTIZED_DS_MLA_CACHE_FORMATS")
+
+
+def test_only_the_seam_names_what_differs_between_vllm_versions() -> None:
+    import ast
+    import inspect
+
+    from mla_planner.vllm_backend import backend, engine_config, plugin, settings
+
+    for module in (backend, engine_config, plugin, settings, reservation):
+        names = {node.attr if isinstance(node, ast.Attribute) else node.id
+                 for node in ast.walk(ast.parse(inspect.getsource(module)))
+                 if isinstance(node, (ast.Attribute, ast.Name))}
+        imported = {alias.name for node in ast.walk(ast.parse(inspect.getsource(module)))
+                    if isinstance(node, ast.ImportFrom) for alias in node.names}
+        assert not (names | imported) & set(VERSIONED), f"{module.__name__} names {(names | imported) & set(VERSIONED)}"
+
+
+def test_seam_follows_the_installed_vllm(tmp_path: pathlib.Path) -> None:
+    import importlib.metadata
+
+    from mla_planner.vllm_backend import vllm_api
+
+    installed = importlib.metadata.version("vllm")
+    assert vllm_api.VLLM_VERSION == installed and installed.startswith(vllm_api.MINOR + ".")
+    assert vllm_api.V033 == installed.startswith("0.33.")
+    assert vllm_api.FORWARD_RETURNS_LSE == vllm_api.RESERVES_THROUGH_PROFILE_RUN == vllm_api.V033
+    # vLLM's own gather-workspace rows: 5 x max_model_len by default in both versions.
+    config = vllm_config(model_dir(tmp_path, num_heads=16, topk=TOPK), max_model_len=4096)
+    assert vllm_api.prefill_workspace_rows(config) == 5 * 4096
+    out = torch.ones(2, 3)
+    result = vllm_api.forward_result(out)
+    if vllm_api.V033:
+        assert isinstance(result, tuple) and result[0] is out and result[1] is None
+    else:
+        assert result is out
+    cache = torch.zeros(3, 64, 656, dtype=torch.uint8)
+    pages, stride = vllm_api.fp8_kv_pages(cache, 64)
+    assert pages.shape == cache.shape and stride is None
+
+
 # -- reservation --------------------------------------------------------------------------------
 
 

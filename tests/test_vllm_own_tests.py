@@ -31,6 +31,7 @@ import torch
 pytest.importorskip("vllm", reason="the backend tests need vLLM 0.26.0 (pip install '.[test]')")
 
 from vllm.v1.attention.backends.mla import flashmla_sparse as stock  # noqa: E402
+from vllm.v1.attention.backends.mla import sparse_utils  # noqa: E402
 from vllm.v1.attention.backends.mla.flashmla_sparse import (  # noqa: E402
     FlashMLASparseImpl,
     FlashMLASparseMetadata,
@@ -270,7 +271,8 @@ def fp8_decode_subset_case(use_mixed_batch: bool, monkeypatch: pytest.MonkeyPatc
         return kwargs["q"][..., :1], None
 
     monkeypatch.setattr(stock, "triton_convert_req_index_to_global_index", convert_indices)
-    monkeypatch.setattr(backend, "triton_convert_req_index_to_global_index", convert_indices)
+    # The backend calls it through vllm_api, from sparse_utils.
+    monkeypatch.setattr(sparse_utils, "triton_convert_req_index_to_global_index", convert_indices)
     fp8: Any
     if use_mixed_batch:
         fp8 = FlashMLASparseMetadata.FP8KernelMetadata(

@@ -1,4 +1,4 @@
-"""Running vLLM 0.26's sparse-MLA builder and impl on the CPU, for the backend's tests.
+"""Running vLLM's (0.26 or 0.33) sparse-MLA builder and impl on the CPU, for the backend's tests.
 
 vLLM needs a GPU for three things these tests do not: the SM count, the Triton index
 translation and the CUDA gather op. Each is replaced here by a torch version of what its
@@ -96,23 +96,37 @@ def convert_req_index_to_global_index(
     prefill_workspace_request_ids: torch.Tensor | None = None,
     prefill_workspace_starts: torch.Tensor | None = None,
     return_valid_counts: bool = False,
+    BLOCK_STRIDE_ROWS: int | None = None,
+    out: torch.Tensor | None = None,
+    valid_counts_out: torch.Tensor | None = None,
+    **context_parallel: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``triton_convert_req_index_to_global_index`` as its docstring defines it."""
+    """vLLM's ``triton_convert_req_index_to_global_index`` as its docstring defines it, with
+    0.33's ``BLOCK_STRIDE_ROWS`` (physical rows per block) and preallocated outputs. 0.33's
+    context-parallel arguments are not modelled: one away from its default fails the test."""
+    defaults = dict(prefill_workspace_rank_stride=None, dcp_size=1, dcp_rank=0, cp_kv_cache_interleave_size=1,
+                    idx_mapping=None)
+    assert all(defaults[k] == v for k, v in context_parallel.items()), context_parallel
     assert req_id.shape[0] == token_indices.shape[0]
     pos = token_indices.long()
     valid = pos >= 0
     page = block_table[req_id.long()].long().gather(1, (pos // BLOCK_SIZE).clamp(min=0, max=block_table.shape[1] - 1))
-    out = page * BLOCK_SIZE + pos % BLOCK_SIZE
+    out_slots = page * (BLOCK_STRIDE_ROWS or BLOCK_SIZE) + pos % BLOCK_SIZE
     if HAS_PREFILL_WORKSPACE:
         assert prefill_workspace_request_ids is not None and prefill_workspace_starts is not None
         prefill = prefill_workspace_request_ids.long()
         is_prefill = (prefill >= 0).unsqueeze(1)
         starts = prefill_workspace_starts.long()[prefill.clamp(min=0)].unsqueeze(1)
-        out = torch.where(is_prefill, starts + pos, out)
-    out = torch.where(valid, out, -1).to(torch.int32)
+        out_slots = torch.where(is_prefill, starts + pos, out_slots)
+    slots = torch.where(valid, out_slots, -1).to(torch.int32)
+    counts = valid.sum(1).to(torch.int32)
+    if out is not None:
+        slots = out.copy_(slots)
+    if valid_counts_out is not None:
+        counts = valid_counts_out.copy_(counts)
     if return_valid_counts:
-        return out, valid.sum(1).to(torch.int32)
-    return out
+        return slots, counts
+    return slots
 
 
 def gather_and_upconvert(
@@ -176,6 +190,8 @@ class RecordingProvider(ReferenceProvider):
 @contextmanager
 def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kernels: KernelRecorder) -> Iterator[None]:
     """Swap vLLM's GPU-only pieces for the CPU versions above while the builder and impl run."""
+    import importlib
+
     import vllm.v1.attention.backends.mla.flashmla_sparse as stock
 
     import mla_planner.vllm_backend.backend as backend
@@ -183,8 +199,15 @@ def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kerne
 
     for module in (stock, engine_config):
         monkeypatch.setattr(module, "num_compute_units", lambda device_id=None: NUM_SMS)
-    monkeypatch.setattr(stock, "triton_convert_req_index_to_global_index", convert_req_index_to_global_index)
-    monkeypatch.setattr(backend, "triton_convert_req_index_to_global_index", convert_req_index_to_global_index)
+    # Every module that holds the Triton translation under its name: stock's, the one the
+    # backend calls through (vllm_api reads it from sparse_utils), and 0.33's index group.
+    for name in ("flashmla_sparse", "sparse_utils", "index_group"):
+        try:
+            module = importlib.import_module(f"vllm.v1.attention.backends.mla.{name}")
+        except ImportError:  # 0.26 has no index group
+            continue
+        if hasattr(module, "triton_convert_req_index_to_global_index"):
+            monkeypatch.setattr(module, "triton_convert_req_index_to_global_index", convert_req_index_to_global_index)
     monkeypatch.setattr(stock, "flash_mla_with_kvcache", kernels.flash_mla_with_kvcache)
     monkeypatch.setattr(stock, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
     monkeypatch.setattr(backend, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)

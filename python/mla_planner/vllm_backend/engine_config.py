@@ -1,7 +1,7 @@
 """The seam between vLLM's configuration and the planner's: one :class:`~mla_planner.StepConfig`
 per engine, read from vLLM's config and builder, and the check that vLLM's own gather chunks are
-the plan's. Everything here reads vLLM internals; nothing else in the backend derives a kernel
-or workspace fact."""
+the plan's. Nothing else in the backend derives a kernel or workspace fact; where vLLM 0.26 and
+0.33 differ, this asks :mod:`.vllm_api`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch
 from vllm.config import VllmConfig
 from vllm.platforms import current_platform
 from vllm.utils.platform_utils import num_compute_units
-from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseMetadata, get_prefill_workspace_size
+from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseMetadata
 
 import mla_planner
+from mla_planner.vllm_backend import vllm_api
 
 
 def device_arch() -> str:
@@ -37,7 +38,7 @@ def step_config(
         kv_dtype="fp8" if builder.use_fp8_kv_cache else "bf16",
         scratch_budget_bytes=scratch_budget_bytes,
         max_model_len=max_model_len,
-        gather_workspace_rows=get_prefill_workspace_size(max_model_len),
+        gather_workspace_rows=vllm_api.prefill_workspace_rows(vllm_config),
         force_mqa=force_mqa,
         execution="vllm",
     )
