@@ -26,6 +26,7 @@ from vllm_cpu import (  # noqa: E402
     causal_positions,
     common_metadata,
     cpu_vllm,
+    forward_out,
     model_dir,
     reference_output,
     request_slots,
@@ -390,7 +391,7 @@ def test_mixed_batch_impl_runs_the_planned_launches(mixed: Backend, gen: torch.G
     mixed.topk_buffer[: q.shape[0]] = case["positions"]
     plan = md.planned.plan
     for layer in range(2):  # two layers share the step's plan and schedules
-        out = mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md)
+        out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md))
         torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
     launches = mixed.provider.launch_q
     assert len(launches) == 2 * len(plan)
@@ -409,7 +410,7 @@ def test_mixed_decode_only_runs_stock(mixed: Backend, gen: torch.Generator) -> N
     case = mixed.step([1, 1, 1], [40, 9, 300], gen)
     q = case["q"]
     mixed.topk_buffer[:3] = case["positions"]
-    out = mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:3], case["metadata"])
+    out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:3], case["metadata"]))
     torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
     assert mixed.kernels.decode_calls == [(1, 3, 64, 576)] and mixed.provider.launch_q == []
 
@@ -422,7 +423,7 @@ def test_separate_impl_runs_the_planned_launches(separate: Backend, gen: torch.G
     assert plan.mode == "separate_prefill_decode"
     assert plan.launches.tolist() == mla_planner.plan_step(QUERY_LENS, CONTEXT_LENS, 3, separate.builder.step_config).launches.tolist()
     separate.topk_buffer[: q.shape[0]] = case["positions"]
-    out = separate.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md)
+    out = forward_out(separate.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md))
     torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
     kernels = plan.launch_kernels
     decode_rows = [row for row, k in zip(plan.launches.tolist(), kernels) if k == "sparse_decode"]
@@ -472,7 +473,7 @@ def test_cost_profile_puts_a_16_head_prefill_on_the_separate_route(routed: Backe
     # vLLM's rule would take mixed batch at 16 heads; the profile says separate is faster here.
     assert not md.fp8_use_mixed_batch and md.planned.plan.mode == "separate_prefill_decode"
     routed.topk_buffer[: q.shape[0]] = case["positions"]
-    out = routed.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], routed.topk_buffer[: q.shape[0]], md)
+    out = forward_out(routed.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], routed.topk_buffer[: q.shape[0]], md))
     torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
     assert routed.kernels.prefill_calls and routed.kernels.decode_calls == []
     assert [tuple(x.shape) for x in routed.provider.launch_q] == [(3, 1, 64, 576)], "the three decodes: one planned launch"

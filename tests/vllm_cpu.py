@@ -7,12 +7,13 @@ docstring specifies; the FlashMLA kernels become the float32 reference, recordin
 
 from __future__ import annotations
 
+import importlib
 import json
 import pathlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -70,6 +71,10 @@ def common_metadata(query_lens: list[int], context_lens: list[int], block_table:
     seq = q + torch.tensor(context_lens, dtype=torch.int32)
     starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     starts[1:] = torch.cumsum(q, 0)
+    import dataclasses
+
+    # 0.26 also keeps the exact CPU sequence lengths; 0.33 has the upper bound only.
+    exact: dict[str, Any] = {"_seq_lens_cpu": seq} if "_seq_lens_cpu" in {f.name for f in dataclasses.fields(CommonAttentionMetadata)} else {}
     return CommonAttentionMetadata(
         query_start_loc=starts.clone(),
         query_start_loc_cpu=starts,
@@ -81,7 +86,7 @@ def common_metadata(query_lens: list[int], context_lens: list[int], block_table:
         block_table_tensor=block_table,
         slot_mapping=torch.zeros(int(q.sum()), dtype=torch.int64),
         seq_lens_cpu_upper_bound=seq,
-        _seq_lens_cpu=seq,
+        **exact,
     )
 
 
@@ -127,6 +132,27 @@ def convert_req_index_to_global_index(
     if return_valid_counts:
         return slots, counts
     return slots
+
+
+class NullStream:
+    """A CUDA stream or event where there is one stream: every wait and record is a no-op."""
+
+    def wait_event(self, event: Any) -> None: ...
+    def wait_stream(self, stream: Any) -> None: ...
+    def record(self, stream: Any = None) -> None: ...
+    def __enter__(self) -> NullStream:
+        return self
+    def __exit__(self, *exc: object) -> None: ...
+
+
+def compute_token_to_req_indices(query_start_loc: torch.Tensor, out: torch.Tensor, num_mapped_tokens: int,
+                                 num_tokens: int) -> torch.Tensor:
+    """vLLM 0.33's ``compute_token_to_req_indices`` (a Triton kernel) as its docstring defines it:
+    each of the first ``num_tokens`` tokens' request index, 0 at or past ``num_mapped_tokens``."""
+    token = torch.arange(num_tokens)
+    req = torch.searchsorted(query_start_loc[1:].long(), token, right=True).clamp(max=query_start_loc.shape[0] - 2)
+    out[:num_tokens] = torch.where(token < num_mapped_tokens, req, 0).to(out.dtype)
+    return out[:num_tokens]
 
 
 def gather_and_upconvert(
@@ -187,11 +213,19 @@ class RecordingProvider(ReferenceProvider):
         return super().sparse_decode(q, kv_cache, indices, schedule, softmax_scale, out)
 
 
+def patch_if_present(monkeypatch: pytest.MonkeyPatch, module_name: str, attr: str, value: Any) -> None:
+    """Replace ``module_name.attr`` where this vLLM has it (the GPU-only pieces differ by version)."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return
+    if hasattr(module, attr):
+        monkeypatch.setattr(module, attr, value)
+
+
 @contextmanager
 def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kernels: KernelRecorder) -> Iterator[None]:
     """Swap vLLM's GPU-only pieces for the CPU versions above while the builder and impl run."""
-    import importlib
-
     import vllm.v1.attention.backends.mla.flashmla_sparse as stock
 
     import mla_planner.vllm_backend.backend as backend
@@ -202,25 +236,41 @@ def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kerne
     # Every module that holds the Triton translation under its name: stock's, the one the
     # backend calls through (vllm_api reads it from sparse_utils), and 0.33's index group.
     for name in ("flashmla_sparse", "sparse_utils", "index_group"):
-        try:
-            module = importlib.import_module(f"vllm.v1.attention.backends.mla.{name}")
-        except ImportError:  # 0.26 has no index group
-            continue
-        if hasattr(module, "triton_convert_req_index_to_global_index"):
-            monkeypatch.setattr(module, "triton_convert_req_index_to_global_index", convert_req_index_to_global_index)
+        patch_if_present(monkeypatch, f"vllm.v1.attention.backends.mla.{name}", "triton_convert_req_index_to_global_index",
+                         convert_req_index_to_global_index)
     monkeypatch.setattr(stock, "flash_mla_with_kvcache", kernels.flash_mla_with_kvcache)
     monkeypatch.setattr(stock, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
     monkeypatch.setattr(backend, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
     monkeypatch.setattr(stock, "get_mla_metadata", lambda *a, **k: (object(), None))
     monkeypatch.setattr(backend, "ops", SimpleNamespace(cp_gather_and_upconvert_fp8_kv_cache=gather_and_upconvert))
     monkeypatch.setattr(backend, "kernel_provider", lambda: provider)
-    # No pinned host memory without a GPU.
-    import vllm.utils.torch_utils
-
-    monkeypatch.setattr(vllm.utils.torch_utils, "PIN_MEMORY", False)
+    # 0.33's index group translates on a side stream, ordered by events: one stream here.
+    index_group = "vllm.v1.attention.backends.mla.index_group"
+    patch_if_present(monkeypatch, index_group, "current_stream", NullStream)
+    patch_if_present(monkeypatch, index_group, "_create_side_stream", lambda device: NullStream())
+    patch_if_present(monkeypatch, index_group, "_create_event", NullStream)
+    # 0.33 maps tokens to requests on the device.
+    patch_if_present(monkeypatch, "vllm.v1.attention.ops.metadata", "compute_token_to_req_indices",
+                     compute_token_to_req_indices)
+    sparse_mla = "vllm.model_executor.layers.attention.sparse_mla_attention"
+    # One rank, with no process groups: 0.33's sparse-MLA impl asks the TP group's size.
+    patch_if_present(monkeypatch, sparse_mla, "get_tensor_model_parallel_world_size", lambda: 1)
+    # No pinned host memory without a GPU (0.33's sparse-MLA builder imports the flag).
+    for name in ("vllm.utils.torch_utils", sparse_mla):
+        patch_if_present(monkeypatch, name, "PIN_MEMORY", False)
     zeros = torch.zeros
     monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: zeros(*a, **k))
     yield
+
+
+def forward_out(result: Any) -> torch.Tensor:
+    """An FP8 forward's output: 0.33's return ``(out, lse)``, with no LSE outside context
+    parallelism; 0.26's return ``out``."""
+    if isinstance(result, tuple):
+        out, lse = result
+        assert lse is None
+        return cast(torch.Tensor, out)
+    return cast(torch.Tensor, result)
 
 
 def request_slots(indices: torch.Tensor, query_lens: list[int], block_table: torch.Tensor) -> torch.Tensor:

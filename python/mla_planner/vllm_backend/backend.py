@@ -310,17 +310,17 @@ class SeparateStep:
         out.copy_(o[:, :, : out.shape[1]].reshape(out.shape))
 
 
-def fits(view: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """The first ``shape[0]`` rows of a workspace view, if it has ``shape``'s other dimensions and
-    enough rows; ``None`` otherwise."""
-    if view is None or view.shape[1:] != shape[1:] or view.shape[0] < shape[0]:
+def fits(view: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """The first ``shape[0]`` rows of a workspace view, if it has ``shape``'s other dimensions,
+    enough rows and ``dtype``; ``None`` otherwise."""
+    if view is None or view.dtype != dtype or view.shape[1:] != shape[1:] or view.shape[0] < shape[0]:
         return None
     return view[: shape[0]]
 
 
 def view_or_new(view: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """:func:`fits`'s view, or a new uninitialised tensor like ``like``."""
-    fitted = fits(view, shape)
+    fitted = fits(view, shape, like.dtype)
     return like.new_empty(shape) if fitted is None else fitted
 
 
@@ -341,7 +341,7 @@ class PaddedPrefill:
         self.q_padded = None
         if heads != self.num_heads:
             q_shape = (max_tokens, heads, q.shape[2])
-            self.q_padded = fits(views.q_padded, q_shape)
+            self.q_padded = fits(views.q_padded, q_shape, q.dtype)
             if self.q_padded is None:
                 self.q_padded = q.new_zeros(q_shape)
             else:
