@@ -504,3 +504,112 @@ def test_packaged_profile_for_another_machine_is_vllms_rule_with_one_warning(
         assert routing.load_for_engine(read_settings().cost_profile, mixed.builder.step_config) is None
     warnings = [r.getMessage() for r in caplog.records if r.name == "mla_planner.routing"]
     assert len(warnings) == 1 and str(packaged) in warnings[0] and "'NVIDIA H100' here" in warnings[0]
+
+
+# -- vLLM 0.33: the workspace manager's views and the profile run's reservation -------------------
+
+needs_033 = pytest.mark.skipif(not __import__("mla_planner.vllm_backend.vllm_api", fromlist=["V033"]).V033,
+                               reason="vLLM 0.33's workspace views and reserve_workspace; 0.26 has neither")
+
+
+def bf16_case(backend: Backend, gen: torch.Generator) -> dict[str, Any]:
+    """A step with a bf16 q, as vLLM runs it (the workspace views are bf16); the reference in
+    float32 from the same q."""
+    case = backend.step(QUERY_LENS, CONTEXT_LENS, gen)
+    case["q"] = case["q"].to(torch.bfloat16)
+    slots = request_slots(case["positions"], QUERY_LENS, case["metadata"].block_table)
+    case["expected"] = reference_output(case["q"].float(), case["kv_cache"], slots, 576**-0.5)
+    backend.topk_buffer[: case["q"].shape[0]] = case["positions"]
+    return case
+
+
+@needs_033
+def test_mixed_batch_pads_in_stocks_unused_prefill_views(mixed: Backend, gen: torch.Generator) -> None:
+    from mla_planner.vllm_backend import vllm_api
+
+    case = bf16_case(mixed, gen)
+    md, q = case["metadata"], case["q"]
+    out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md))
+    torch.testing.assert_close(out.float(), case["expected"], rtol=2e-2, atol=2e-2)
+    views = vllm_api.workspace_views(mixed.impl)
+    assert views.q_padded is not None and views.padded_out is not None
+    assert len(mixed.provider.launch_ptrs) == len(md.planned.plan) > 1
+    assert set(mixed.provider.launch_ptrs) == {(views.q_padded.data_ptr(), views.padded_out.data_ptr())}
+
+
+@needs_033
+def test_separate_route_runs_in_stocks_workspace_views(separate: Backend, gen: torch.Generator) -> None:
+    from mla_planner.vllm_backend import vllm_api
+
+    case = bf16_case(separate, gen)
+    md, q = case["metadata"], case["q"]
+    out = forward_out(separate.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md))
+    torch.testing.assert_close(out.float(), case["expected"], rtol=2e-2, atol=2e-2)
+    views = vllm_api.workspace_views(separate.impl)
+    assert views.compact_out is not None and views.q_padded is not None and views.padded_out is not None
+    assert out.data_ptr() == views.compact_out.data_ptr(), "the step's output is stock's, as stock's is"
+    assert len(separate.kernels.prefill_calls) > 1
+    assert set(separate.kernels.prefill_q_ptrs) == {views.q_padded.data_ptr()}
+    assert set(separate.kernels.prefill_out_ptrs) == {views.padded_out.data_ptr()}
+
+
+class FakeWorkspaceManager:
+    """vLLM's workspace manager as far as reserve_workspace uses it: records each request."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[tuple[tuple[int, ...], torch.dtype], ...]] = []
+
+    def get_simultaneous(self, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
+        self.requests.append(specs)
+        # Not torch.empty: the fake profiler below counts the backend's own allocations only.
+        return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
+
+
+@needs_033
+@pytest.mark.parametrize("num_heads", [16, 32])
+def test_profile_run_reserves_what_the_planner_says(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                    num_heads: int) -> None:
+    """reserve_workspace, as 0.33's profile run calls it: stock's workspace requested (its padded q
+    and output views hold the largest launch's), and the rest of the largest launch the planner
+    allows allocated at once (what the memory profiler sees)."""
+    import vllm.v1.worker.workspace as workspace
+
+    backend = Backend(tmp_path, monkeypatch, num_heads=num_heads)
+    try:
+        manager = FakeWorkspaceManager()
+        monkeypatch.setattr(workspace, "current_workspace_manager", lambda: manager)
+        allocations: list[int] = []  # the fake memory profiler: every allocation's bytes
+        empty = torch.empty
+
+        def recording_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+            tensor = empty(*args, **kwargs)
+            allocations.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        monkeypatch.setattr(torch, "empty", recording_empty)
+        backend.impl.reserve_workspace()
+        monkeypatch.setattr(torch, "empty", empty)
+    finally:
+        backend.close()
+
+    # The planner's largest launch of each route at this budget, for a step of the engine's
+    # max_num_batched_tokens (2048); padded q and output come from stock's views.
+    config = mla_planner.StepConfig(num_heads, num_sms=NUM_SMS, topk=TOPK, scratch_budget_bytes=SCRATCH_MB << 20,
+                                    max_model_len=4096, execution="vllm", force_mqa=True)
+    mixed_plan = mla_planner.plan_step([2048], [0], 0, config.replace(mode="mixed_batch"))
+    n = mixed_plan.longest_launch("sparse_decode")
+    mixed = mla_planner.decode_scratch(1, n, num_heads, num_sms=NUM_SMS, topk=TOPK, translated_indices=True).buffers
+    assert int(mixed_plan.launch_bytes.max()) == sum(mixed.values())
+    mixed_rest = mixed["o_accum"] + mixed["lse_accum"] + mixed["lse"] + mixed["slot_indices"]
+    separate_plan = mla_planner.plan_step([2048], [0], 0, config.replace(mode="separate_prefill_decode"))
+    m = separate_plan.longest_launch("sparse_prefill")
+    prefill = mla_planner.prefill_scratch(m, num_heads, topk=TOPK, translated_indices=True).buffers
+    separate_rest = int(separate_plan.launch_bytes.max()) - prefill["q_padded"] - prefill["out"]
+    assert allocations == [max(mixed_rest, separate_rest)]
+
+    specs: Any = getattr(backend.impl, "workspace_specs")  # 0.33's; mypy reads 0.26's class
+    assert manager.requests == [tuple(specs)]
+    (q_rows, q_heads, q_width), q_dtype = specs[-3]
+    (o_rows, o_heads, o_width), o_dtype = specs[-2]
+    assert (q_heads, q_width, o_heads, o_width) == (64, 576, 64, 512) and q_rows >= max(n, m) and o_rows >= max(n, m)
+    assert q_dtype == o_dtype == torch.bfloat16

@@ -178,6 +178,7 @@ class KernelRecorder:
         self.prefill_calls: list[tuple[int, ...]] = []
         self.prefill_q: list[torch.Tensor] = []
         self.prefill_out_ptrs: list[int] = []
+        self.prefill_q_ptrs: list[int] = []
 
     def flash_mla_with_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, block_table: Any, cache_seqlens: Any,
                                head_dim_v: int, tile_scheduler_metadata: Any, num_splits: None = None,
@@ -192,6 +193,7 @@ class KernelRecorder:
                              out: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.prefill_calls.append(tuple(q.shape))
         self.prefill_q.append(q.clone())
+        self.prefill_q_ptrs.append(q.data_ptr())
         result, lse = sparse_prefill_reference(q, kv, indices, sm_scale)
         if out is not None:
             assert out.shape == result.shape and out.stride(-1) == 1
@@ -206,10 +208,13 @@ class RecordingProvider(ReferenceProvider):
     def __init__(self) -> None:
         super().__init__(takes_out=True)
         self.launch_q: list[torch.Tensor] = []
+        self.launch_ptrs: list[tuple[int, int | None]] = []
+        """Each launch's q and ``out=`` (``None``: none) data pointers."""
 
     def sparse_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, schedule: Any,
                       softmax_scale: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         self.launch_q.append(q.clone())
+        self.launch_ptrs.append((q.data_ptr(), None if out is None else out.data_ptr()))
         return super().sparse_decode(q, kv_cache, indices, schedule, softmax_scale, out)
 
 

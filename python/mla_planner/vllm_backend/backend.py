@@ -188,14 +188,46 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         FlashMLASparseImpl.__init__(self, *args, **kwargs)
         if self.kv_cache_dtype != FP8_KV:
             return
-        if vllm_api.RESERVES_THROUGH_PROFILE_RUN:
-            return  # reserve_workspace() does it, in the profile run
         settings = read_settings()
+        if vllm_api.RESERVES_THROUGH_PROFILE_RUN:
+            self.profile_launches = self.largest_launches(settings.scratch_bytes)
+            return  # reserve_workspace() reserves them, in the profile run
         # Model construction: vLLM counts this as model memory, so the KV cache leaves room.
         device = get_current_vllm_config().device_config.device  # resolved from "auto" by now
         if reservation.reserve(settings.scratch_bytes, torch.device(device or "cuda")):  # once per process
             logger.info("mla-planner: sparse MLA scratch budget %d MiB (%s), reserved from the KV cache; %d heads per rank",
                         settings.scratch_mb, settings.source, self.num_heads)
+
+    profile_launches: list[reservation.LaunchReservation] | None = None
+    """vLLM 0.33, FP8 cache: the largest launch of each route, reserved in the profile run."""
+
+    def largest_launches(self, scratch_bytes: int) -> list[reservation.LaunchReservation]:
+        vllm_config = get_current_vllm_config()
+        device = torch.device(vllm_config.device_config.device or "cuda")
+        self.profile_device = device  # the profile run need not have the config current
+        config = engine_config.config_for(vllm_config, self.num_heads, vllm_config.model_config.hf_text_config.index_topk,
+                                          True, device, scratch_bytes, has_prefill_backend=False)
+        return reservation.largest_launches(config, vllm_config.scheduler_config.max_num_batched_tokens,
+                                            vllm_api.workspace_padded_heads(self))
+
+    def reserve_workspace(self) -> None:
+        """vLLM 0.33's profile run, every layer, before KV sizing: the budget's launches must fit
+        in what the KV cache leaves. The padded q and kernel output come from stock's workspace
+        (requested here; the mixed route takes views stock reserves for the BF16 prefill and never
+        uses on that route); the rest of the largest launch -- the kernel's accumulators, LSE, the
+        translated indices -- is allocated and dropped at once, so the profiler's peak holds it."""
+        vllm_api.stock_reserve_workspace(self)
+        launches = getattr(self, "profile_launches", None)
+        if not launches:
+            return
+        vllm_api.request_workspace(self)
+        transient = max(launch.transient_bytes for launch in launches)
+        held = torch.empty(transient, dtype=torch.uint8, device=self.profile_device)
+        del held
+        logger.info_once("mla-planner: profile run holds %d MiB for the largest launch beyond vLLM's workspace "
+                         "(%s); %d heads per rank", transient >> 20,
+                         ", ".join(f"{l.route}: {l.tokens} tokens, {l.transient_bytes >> 20} MiB" for l in launches),
+                         self.num_heads)
 
     def _forward_fp8_kv_mixed_batch(
         self,
@@ -220,9 +252,15 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         def slots(rows: slice) -> torch.Tensor:
             return cast(torch.Tensor, translate_indices(attn_metadata, topk_indices, rows, block_stride_rows))
 
+        # On 0.33 the padded q and kernel output go in stock's BF16-prefill workspace views, which
+        # this route never otherwise uses: reserve_workspace counted them as served.
+        views = vllm_api.workspace_views(self)
+        longest, heads = step.plan.longest_launch("sparse_decode"), step.config.decode_heads
         step.mixed.softmax_scale = self.softmax_scale
         step.mixed.run(step.plan, q, pages.view(torch.uint8).unsqueeze(-2), slots, out,
-                       schedules=step.schedules)
+                       schedules=step.schedules,
+                       q_buffer=fits(views.q_padded, (longest, heads, q.shape[2]), q.dtype),
+                       out_buffer=fits(views.padded_out, (longest, heads, self.kv_lora_rank), q.dtype))
         return vllm_api.forward_result(out)
 
     def _forward_fp8_kv_separate_prefill_decode(

@@ -28,14 +28,23 @@ def step_config(
     cache dtype, vLLM's workspaces (its own gather-workspace size), and vLLM's prefill routing:
     short prefills run dense MHA unless ``sparse_mla_force_mqa`` is set or there is no dense
     prefill backend, in which case every prefill token reaches the sparse kernels."""
+    return config_for(vllm_config, builder.num_heads, builder.topk_tokens, builder.use_fp8_kv_cache, device,
+                      scratch_budget_bytes, has_prefill_backend=has_prefill_backend)
+
+
+def config_for(
+    vllm_config: VllmConfig, num_heads: int, topk: int, fp8: bool, device: torch.device, scratch_budget_bytes: int, *,
+    has_prefill_backend: bool,
+) -> mla_planner.StepConfig:
+    """:func:`step_config` from the values themselves, for the impl, which has no builder."""
     max_model_len = vllm_config.model_config.max_model_len
     force_mqa = bool(vllm_config.attention_config.sparse_mla_force_mqa) or not has_prefill_backend
     return mla_planner.StepConfig(
-        builder.num_heads,
+        num_heads,
         arch=device_arch(),
         num_sms=num_compute_units(device.index),
-        topk=builder.topk_tokens,
-        kv_dtype="fp8" if builder.use_fp8_kv_cache else "bf16",
+        topk=topk,
+        kv_dtype="fp8" if fp8 else "bf16",
         scratch_budget_bytes=scratch_budget_bytes,
         max_model_len=max_model_len,
         gather_workspace_rows=vllm_api.prefill_workspace_rows(vllm_config),

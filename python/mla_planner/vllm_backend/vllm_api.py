@@ -153,3 +153,26 @@ def workspace_views(impl: Any) -> WorkspaceViews:
         # Positions as stock reads them: [1] gather, [-3:] padded q, padded out, compact out.
         return WorkspaceViews(views[1], views[-3], views[-2], views[-1])
     return WorkspaceViews(getattr(impl, "prefill_bf16_workspace", None))
+
+
+def workspace_padded_heads(impl: Any) -> int | None:
+    """Heads of the impl's padded q and output workspace views (0.33: its prefill padding of its
+    heads; ``None`` on 0.26, which has no such views)."""
+    if not V033 or len(impl.workspace_specs) < 5:
+        return None
+    shape, _dtype = impl.workspace_specs[-3]
+    return int(shape[1])
+
+
+def request_workspace(impl: Any) -> None:
+    """Ask the workspace manager for the impl's whole workspace now (0.33, in the profile run:
+    the buffer is then sized before the KV cache, and locked after CUDA-graph capture)."""
+    from vllm.v1.worker.workspace import current_workspace_manager
+
+    current_workspace_manager().get_simultaneous(*impl.workspace_specs)
+
+
+def stock_reserve_workspace(impl: Any) -> None:
+    """Stock's ``reserve_workspace`` (0.33; 0.26 has none), called by class as every override is."""
+    if V033:
+        stock.FlashMLASparseImpl.reserve_workspace(impl)
