@@ -265,6 +265,7 @@ def test_seam_follows_the_installed_vllm(tmp_path: pathlib.Path) -> None:
     # vLLM's own gather-workspace rows: 5 x max_model_len by default in both versions.
     config = vllm_config(model_dir(tmp_path, num_heads=16, topk=TOPK), max_model_len=4096)
     assert vllm_api.prefill_workspace_rows(config) == 5 * 4096
+    assert vllm_api.indexer_workspace_rows(config) == 40 * 4096  # 132-byte rows in the same memory
     out = torch.ones(2, 3)
     result = vllm_api.forward_result(out)
     if vllm_api.V033:
@@ -370,6 +371,7 @@ def test_builder_attaches_the_planned_mixed_batch(mixed: Backend, gen: torch.Gen
     assert step is not None and step.mixed is not None
     config = mixed.builder.step_config
     assert (config.translated_indices, config.align_waves, config.scratch_budget_bytes) == (True, True, SCRATCH_MB << 20)
+    assert (config.gather_workspace_rows, config.indexer_workspace_rows) == (5 * 4096, 40 * 4096)
     expected = mla_planner.plan_step(QUERY_LENS, CONTEXT_LENS, 3, config)
     assert step.plan.mode == "mixed_batch"
     assert step.plan.launches.tolist() == expected.launches.tolist()

@@ -53,7 +53,7 @@ def vllm_config(model: pathlib.Path, *, kv_cache_dtype: str = "fp8_ds_mla", max_
     )
     config = VllmConfig(
         model_config=model_config,
-        cache_config=CacheConfig(block_size=PAGE_SIZE, cache_dtype=kv_cache_dtype),  # type: ignore[arg-type]
+        cache_config=CacheConfig(block_size=PAGE_SIZE, cache_dtype=cast(Any, kv_cache_dtype)),  # a Literal in vLLM's types
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=max_model_len, is_encoder_decoder=False
         ),

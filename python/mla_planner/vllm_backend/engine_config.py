@@ -48,6 +48,7 @@ def config_for(
         scratch_budget_bytes=scratch_budget_bytes,
         max_model_len=max_model_len,
         gather_workspace_rows=vllm_api.prefill_workspace_rows(vllm_config),
+        indexer_workspace_rows=vllm_api.indexer_workspace_rows(vllm_config),
         force_mqa=force_mqa,
         execution="vllm",
     )

@@ -15,8 +15,9 @@ What differs (0.33.0 wheel, ``F`` = ``vllm/v1/attention/backends/mla/flashmla_sp
 * ``triton_convert_req_index_to_global_index`` takes ``BLOCK_STRIDE_ROWS`` (sparse_utils.py:493),
   the cache's rows per block from ``_fp8_kv_pages`` (F:136), which views a cache whose blocks are
   not 64 rows as the kernel's 64-row pages (0.26 only had 64-row blocks: the cache itself);
-* ``get_prefill_workspace_size`` takes the ``VllmConfig`` (F:337: a configurable factor) where 0.26
-  took ``max_model_len`` (factor 5);
+* ``get_prefill_workspace_size`` takes the ``VllmConfig`` (F:337: a configurable factor, 5 up to
+  256K tokens, else 2) where 0.26 took ``max_model_len`` (factor 5); the indexer's prefill buffer
+  (indexer.py:916) follows the same factor;
 * the builder's FP8 path (``use_fp8_kv_cache``) also covers ``nvfp4_ds_mla`` (F:391);
 * the builder keeps vLLM's route under HiSparse, PCP+DCP and DCP (F:442-486);
 * the profile run calls ``impl.reserve_workspace()`` for every layer before KV sizing
@@ -102,6 +103,25 @@ def prefill_workspace_rows(vllm_config: VllmConfig) -> int:
     if V033:
         return int(stock.get_prefill_workspace_size(vllm_config))
     return int(stock.get_prefill_workspace_size(vllm_config.model_config.max_model_len))
+
+
+def indexer_workspace_rows(vllm_config: VllmConfig) -> int:
+    """Rows of the sparse indexer's prefill K buffer (indexer.py:916): 40 x max_model_len on 0.26,
+    8 x the gather factor x max_model_len on 0.33 (the same at its default factor of 5; 16 x at the
+    factor of 2 it takes above 256K tokens)."""
+    from vllm.v1.attention.backends.mla import indexer
+
+    return int(indexer.get_max_prefill_buffer_size(vllm_config))
+
+
+def split_indexer_prefill_chunks() -> Any:
+    """vLLM's indexer prefill chunking (a module function on 0.26, a static method of the indexer's
+    metadata builder on 0.33), for the planner's equivalence tests."""
+    from vllm.v1.attention.backends.mla import indexer as indexer_module
+
+    indexer: Any = indexer_module
+    return indexer.DeepseekV32IndexerMetadataBuilder._split_indexer_prefill_chunks if V033 \
+        else indexer.split_indexer_prefill_chunks
 
 
 def fp8_kv_pages(kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int | None]:
