@@ -147,7 +147,7 @@ def test_fuzzed_arguments_raise_only_value_error(a: object, b: object, c: object
             pass
 
 
-# --- equivalence with vLLM 0.26.0 -------------------------------------------------
+# --- equivalence with vLLM (0.26.0 or 0.33.0) -------------------------------------------------
 
 
 @settings(max_examples=500, deadline=None)
@@ -179,7 +179,9 @@ def test_split_prefill_chunks_equals_vllm(seq_lens: list[int], workspace: int, o
 def test_split_indexer_prefill_chunks_equals_vllm(
     reqs: list[tuple[int, int]], workspace: int, budget: int, offset: int
 ) -> None:
-    from vllm.v1.attention.backends.mla.indexer import split_indexer_prefill_chunks
+    from mla_planner.vllm_backend import vllm_api
+
+    split_indexer_prefill_chunks = vllm_api.split_indexer_prefill_chunks()
 
     query = [q for q, _ in reqs]
     seq = [q + c for q, c in reqs]

@@ -114,6 +114,33 @@ def test_head_padding_is_zero_and_real_heads_are_copied(gen: torch.Generator) ->
         assert not bool(q_kernel[0, :, heads:].any()), "padded heads must stay zero"
 
 
+def test_caller_buffers_hold_the_padded_q_and_kernel_output(gen: torch.Generator) -> None:
+    """vLLM 0.33's workspace views: the padded q and the kernel's padded output go in the caller's
+    buffers (their old contents overwritten; padded heads zeroed), with the same result."""
+    t, heads = 200, 16
+    case = mixed_case(t, heads, 128, 256, gen)
+    expected, _ = _run(case, ReferenceProvider(True), _budget_for(80, heads, in_place=False))
+    provider = RecordingProvider(takes_out=True)
+    executor = executor_for(provider, heads, _budget_for(80, heads, in_place=False), topk=128)
+    plan = executor.plan(t)
+    longest = plan.longest_launch("sparse_decode")
+    q_buffer = torch.full((longest + 5, 64, 576), 7.0)  # poison: stale workspace contents
+    out_buffer = torch.full((longest + 5, 64, 512), float("nan"))
+    out = torch.full((t, heads, 512), float("nan"))
+    executor.run(plan, case.q, case.kv_cache, case.indices, out, q_buffer=q_buffer, out_buffer=out_buffer)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert len(plan) >= 2 and len(provider.launches) == len(plan)
+    assert {launch["q_ptr"] for launch in provider.launches} == {q_buffer.data_ptr()}
+    assert all(launch["out"] for launch in provider.launches), "the kernel writes into the out buffer"
+    assert not bool(q_buffer[:longest, heads:].any()), "padded heads zeroed"
+    for bad in (torch.zeros(longest - 1, 64, 576), torch.zeros(longest, 16, 576), torch.zeros(longest, 64, 576, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="buffer"):
+            executor.run(plan, case.q, case.kv_cache, case.indices, out, q_buffer=bad)
+    with pytest.raises(ValueError, match="takes out="):
+        executor_for(ReferenceProvider(False), heads).run(
+            plan, case.q, case.kv_cache, case.indices, out, out_buffer=out_buffer)
+
+
 def test_plan_uses_the_executors_out_handling(gen: torch.Generator) -> None:
     for takes_out, heads in [(True, 64), (False, 64), (True, 16)]:
         executor = executor_for(ReferenceProvider(takes_out), heads, 1 << 30)

@@ -27,6 +27,7 @@ from vllm_cpu import (  # noqa: E402
     common_metadata,
     cpu_vllm,
     custom_backend_in_this_process,
+    forward_out,
     model_dir,
     reference_output,
     request_slots,
@@ -247,6 +248,53 @@ def test_passes_vllm_configuration_checks(kv_cache_dtype: str, capability: tuple
     assert refused
 
 
+# -- the version seam ---------------------------------------------------------------------------
+
+# vLLM internals whose shape differs between 0.26 and 0.33: only vllm_api may name them.
+VERSIONED = ("triton_convert_req_index_to_global_index", "get_prefill_workspace_size", "prefill_bf16_workspace",
+             "_build_fp8_mixed_decode_prefill", "_fp8_kv_pages", "workspace_specs", "current_workspace_manager",
+             "get_simultaneous", "QUANTIZED_DS_MLA_CACHE_FORMATS")
+
+
+def test_only_the_seam_names_what_differs_between_vllm_versions() -> None:
+    import ast
+    import inspect
+
+    from mla_planner.vllm_backend import backend, engine_config, plugin, settings
+
+    for module in (backend, engine_config, plugin, settings, reservation):
+        names = {node.attr if isinstance(node, ast.Attribute) else node.id
+                 for node in ast.walk(ast.parse(inspect.getsource(module)))
+                 if isinstance(node, (ast.Attribute, ast.Name))}
+        imported = {alias.name for node in ast.walk(ast.parse(inspect.getsource(module)))
+                    if isinstance(node, ast.ImportFrom) for alias in node.names}
+        assert not (names | imported) & set(VERSIONED), f"{module.__name__} names {(names | imported) & set(VERSIONED)}"
+
+
+def test_seam_follows_the_installed_vllm(tmp_path: pathlib.Path) -> None:
+    import importlib.metadata
+
+    from mla_planner.vllm_backend import vllm_api
+
+    installed = importlib.metadata.version("vllm")
+    assert vllm_api.VLLM_VERSION == installed and installed.startswith(vllm_api.MINOR + ".")
+    assert vllm_api.V033 == installed.startswith("0.33.")
+    assert vllm_api.FORWARD_RETURNS_LSE == vllm_api.RESERVES_THROUGH_PROFILE_RUN == vllm_api.V033
+    # vLLM's own gather-workspace rows: 5 x max_model_len by default in both versions.
+    config = vllm_config(model_dir(tmp_path, num_heads=16, topk=TOPK), max_model_len=4096)
+    assert vllm_api.prefill_workspace_rows(config) == 5 * 4096
+    assert vllm_api.indexer_workspace_rows(config) == 40 * 4096  # 132-byte rows in the same memory
+    out = torch.ones(2, 3)
+    result = vllm_api.forward_result(out)
+    if vllm_api.V033:
+        assert isinstance(result, tuple) and result[0] is out and result[1] is None
+    else:
+        assert result is out
+    cache = torch.zeros(3, 64, 656, dtype=torch.uint8)
+    pages, stride = vllm_api.fp8_kv_pages(cache, 64)
+    assert pages.shape == cache.shape and stride is None
+
+
 # -- reservation --------------------------------------------------------------------------------
 
 
@@ -341,6 +389,7 @@ def test_builder_attaches_the_planned_mixed_batch(mixed: Backend, gen: torch.Gen
     assert step is not None and step.mixed is not None
     config = mixed.builder.step_config
     assert (config.translated_indices, config.align_waves, config.scratch_budget_bytes) == (True, True, SCRATCH_MB << 20)
+    assert (config.gather_workspace_rows, config.indexer_workspace_rows) == (5 * 4096, 40 * 4096)
     expected = mla_planner.plan_step(QUERY_LENS, CONTEXT_LENS, 3, config)
     assert step.plan.mode == "mixed_batch"
     assert step.plan.launches.tolist() == expected.launches.tolist()
@@ -362,7 +411,7 @@ def test_mixed_batch_impl_runs_the_planned_launches(mixed: Backend, gen: torch.G
     mixed.topk_buffer[: q.shape[0]] = case["positions"]
     plan = md.planned.plan
     for layer in range(2):  # two layers share the step's plan and schedules
-        out = mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md)
+        out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md))
         torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
     launches = mixed.provider.launch_q
     assert len(launches) == 2 * len(plan)
@@ -381,7 +430,7 @@ def test_mixed_decode_only_runs_stock(mixed: Backend, gen: torch.Generator) -> N
     case = mixed.step([1, 1, 1], [40, 9, 300], gen)
     q = case["q"]
     mixed.topk_buffer[:3] = case["positions"]
-    out = mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:3], case["metadata"])
+    out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:3], case["metadata"]))
     torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
     assert mixed.kernels.decode_calls == [(1, 3, 64, 576)] and mixed.provider.launch_q == []
 
@@ -394,7 +443,7 @@ def test_separate_impl_runs_the_planned_launches(separate: Backend, gen: torch.G
     assert plan.mode == "separate_prefill_decode"
     assert plan.launches.tolist() == mla_planner.plan_step(QUERY_LENS, CONTEXT_LENS, 3, separate.builder.step_config).launches.tolist()
     separate.topk_buffer[: q.shape[0]] = case["positions"]
-    out = separate.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md)
+    out = forward_out(separate.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md))
     torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
     kernels = plan.launch_kernels
     decode_rows = [row for row, k in zip(plan.launches.tolist(), kernels) if k == "sparse_decode"]
@@ -444,7 +493,7 @@ def test_cost_profile_puts_a_16_head_prefill_on_the_separate_route(routed: Backe
     # vLLM's rule would take mixed batch at 16 heads; the profile says separate is faster here.
     assert not md.fp8_use_mixed_batch and md.planned.plan.mode == "separate_prefill_decode"
     routed.topk_buffer[: q.shape[0]] = case["positions"]
-    out = routed.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], routed.topk_buffer[: q.shape[0]], md)
+    out = forward_out(routed.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], routed.topk_buffer[: q.shape[0]], md))
     torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
     assert routed.kernels.prefill_calls and routed.kernels.decode_calls == []
     assert [tuple(x.shape) for x in routed.provider.launch_q] == [(3, 1, 64, 576)], "the three decodes: one planned launch"
@@ -475,3 +524,112 @@ def test_packaged_profile_for_another_machine_is_vllms_rule_with_one_warning(
         assert routing.load_for_engine(read_settings().cost_profile, mixed.builder.step_config) is None
     warnings = [r.getMessage() for r in caplog.records if r.name == "mla_planner.routing"]
     assert len(warnings) == 1 and str(packaged) in warnings[0] and "'NVIDIA H100' here" in warnings[0]
+
+
+# -- vLLM 0.33: the workspace manager's views and the profile run's reservation -------------------
+
+needs_033 = pytest.mark.skipif(not __import__("mla_planner.vllm_backend.vllm_api", fromlist=["V033"]).V033,
+                               reason="vLLM 0.33's workspace views and reserve_workspace; 0.26 has neither")
+
+
+def bf16_case(backend: Backend, gen: torch.Generator) -> dict[str, Any]:
+    """A step with a bf16 q, as vLLM runs it (the workspace views are bf16); the reference in
+    float32 from the same q."""
+    case = backend.step(QUERY_LENS, CONTEXT_LENS, gen)
+    case["q"] = case["q"].to(torch.bfloat16)
+    slots = request_slots(case["positions"], QUERY_LENS, case["metadata"].block_table)
+    case["expected"] = reference_output(case["q"].float(), case["kv_cache"], slots, 576**-0.5)
+    backend.topk_buffer[: case["q"].shape[0]] = case["positions"]
+    return case
+
+
+@needs_033
+def test_mixed_batch_pads_in_stocks_unused_prefill_views(mixed: Backend, gen: torch.Generator) -> None:
+    from mla_planner.vllm_backend import vllm_api
+
+    case = bf16_case(mixed, gen)
+    md, q = case["metadata"], case["q"]
+    out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md))
+    torch.testing.assert_close(out.float(), case["expected"], rtol=2e-2, atol=2e-2)
+    views = vllm_api.workspace_views(mixed.impl)
+    assert views.q_padded is not None and views.padded_out is not None
+    assert len(mixed.provider.launch_ptrs) == len(md.planned.plan) > 1
+    assert set(mixed.provider.launch_ptrs) == {(views.q_padded.data_ptr(), views.padded_out.data_ptr())}
+
+
+@needs_033
+def test_separate_route_runs_in_stocks_workspace_views(separate: Backend, gen: torch.Generator) -> None:
+    from mla_planner.vllm_backend import vllm_api
+
+    case = bf16_case(separate, gen)
+    md, q = case["metadata"], case["q"]
+    out = forward_out(separate.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md))
+    torch.testing.assert_close(out.float(), case["expected"], rtol=2e-2, atol=2e-2)
+    views = vllm_api.workspace_views(separate.impl)
+    assert views.compact_out is not None and views.q_padded is not None and views.padded_out is not None
+    assert out.data_ptr() == views.compact_out.data_ptr(), "the step's output is stock's, as stock's is"
+    assert len(separate.kernels.prefill_calls) > 1
+    assert set(separate.kernels.prefill_q_ptrs) == {views.q_padded.data_ptr()}
+    assert set(separate.kernels.prefill_out_ptrs) == {views.padded_out.data_ptr()}
+
+
+class FakeWorkspaceManager:
+    """vLLM's workspace manager as far as reserve_workspace uses it: records each request."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[tuple[tuple[int, ...], torch.dtype], ...]] = []
+
+    def get_simultaneous(self, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
+        self.requests.append(specs)
+        # Not torch.empty: the fake profiler below counts the backend's own allocations only.
+        return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
+
+
+@needs_033
+@pytest.mark.parametrize("num_heads", [16, 32])
+def test_profile_run_reserves_what_the_planner_says(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                    num_heads: int) -> None:
+    """reserve_workspace, as 0.33's profile run calls it: stock's workspace requested (its padded q
+    and output views hold the largest launch's), and the rest of the largest launch the planner
+    allows allocated at once (what the memory profiler sees)."""
+    import vllm.v1.worker.workspace as workspace
+
+    backend = Backend(tmp_path, monkeypatch, num_heads=num_heads)
+    try:
+        manager = FakeWorkspaceManager()
+        monkeypatch.setattr(workspace, "current_workspace_manager", lambda: manager)
+        allocations: list[int] = []  # the fake memory profiler: every allocation's bytes
+        empty = torch.empty
+
+        def recording_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+            tensor = empty(*args, **kwargs)
+            allocations.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        monkeypatch.setattr(torch, "empty", recording_empty)
+        backend.impl.reserve_workspace()
+        monkeypatch.setattr(torch, "empty", empty)
+    finally:
+        backend.close()
+
+    # The planner's largest launch of each route at this budget, for a step of the engine's
+    # max_num_batched_tokens (2048); padded q and output come from stock's views.
+    config = mla_planner.StepConfig(num_heads, num_sms=NUM_SMS, topk=TOPK, scratch_budget_bytes=SCRATCH_MB << 20,
+                                    max_model_len=4096, execution="vllm", force_mqa=True)
+    mixed_plan = mla_planner.plan_step([2048], [0], 0, config.replace(mode="mixed_batch"))
+    n = mixed_plan.longest_launch("sparse_decode")
+    mixed = mla_planner.decode_scratch(1, n, num_heads, num_sms=NUM_SMS, topk=TOPK, translated_indices=True).buffers
+    assert int(mixed_plan.launch_bytes.max()) == sum(mixed.values())
+    mixed_rest = mixed["o_accum"] + mixed["lse_accum"] + mixed["lse"] + mixed["slot_indices"]
+    separate_plan = mla_planner.plan_step([2048], [0], 0, config.replace(mode="separate_prefill_decode"))
+    m = separate_plan.longest_launch("sparse_prefill")
+    prefill = mla_planner.prefill_scratch(m, num_heads, topk=TOPK, translated_indices=True).buffers
+    separate_rest = int(separate_plan.launch_bytes.max()) - prefill["q_padded"] - prefill["out"]
+    assert allocations == [max(mixed_rest, separate_rest)]
+
+    specs: Any = getattr(backend.impl, "workspace_specs")  # 0.33's; mypy reads 0.26's class
+    assert manager.requests == [tuple(specs)]
+    (q_rows, q_heads, q_width), q_dtype = specs[-3]
+    (o_rows, o_heads, o_width), o_dtype = specs[-2]
+    assert (q_heads, q_width, o_heads, o_width) == (64, 576, 64, 512) and q_rows >= max(n, m) and o_rows >= max(n, m)
+    assert q_dtype == o_dtype == torch.bfloat16

@@ -1,4 +1,4 @@
-"""Running vLLM 0.26's sparse-MLA builder and impl on the CPU, for the backend's tests.
+"""Running vLLM's (0.26 or 0.33) sparse-MLA builder and impl on the CPU, for the backend's tests.
 
 vLLM needs a GPU for three things these tests do not: the SM count, the Triton index
 translation and the CUDA gather op. Each is replaced here by a torch version of what its
@@ -7,12 +7,13 @@ docstring specifies; the FlashMLA kernels become the float32 reference, recordin
 
 from __future__ import annotations
 
+import importlib
 import json
 import pathlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -52,7 +53,7 @@ def vllm_config(model: pathlib.Path, *, kv_cache_dtype: str = "fp8_ds_mla", max_
     )
     config = VllmConfig(
         model_config=model_config,
-        cache_config=CacheConfig(block_size=PAGE_SIZE, cache_dtype=kv_cache_dtype),  # type: ignore[arg-type]
+        cache_config=CacheConfig(block_size=PAGE_SIZE, cache_dtype=cast(Any, kv_cache_dtype)),  # a Literal in vLLM's types
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=max_model_len, is_encoder_decoder=False
         ),
@@ -70,6 +71,10 @@ def common_metadata(query_lens: list[int], context_lens: list[int], block_table:
     seq = q + torch.tensor(context_lens, dtype=torch.int32)
     starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     starts[1:] = torch.cumsum(q, 0)
+    import dataclasses
+
+    # 0.26 also keeps the exact CPU sequence lengths; 0.33 has the upper bound only.
+    exact: dict[str, Any] = {"_seq_lens_cpu": seq} if "_seq_lens_cpu" in {f.name for f in dataclasses.fields(CommonAttentionMetadata)} else {}
     return CommonAttentionMetadata(
         query_start_loc=starts.clone(),
         query_start_loc_cpu=starts,
@@ -81,7 +86,7 @@ def common_metadata(query_lens: list[int], context_lens: list[int], block_table:
         block_table_tensor=block_table,
         slot_mapping=torch.zeros(int(q.sum()), dtype=torch.int64),
         seq_lens_cpu_upper_bound=seq,
-        _seq_lens_cpu=seq,
+        **exact,
     )
 
 
@@ -96,23 +101,59 @@ def convert_req_index_to_global_index(
     prefill_workspace_request_ids: torch.Tensor | None = None,
     prefill_workspace_starts: torch.Tensor | None = None,
     return_valid_counts: bool = False,
+    BLOCK_STRIDE_ROWS: int | None = None,
+    out: torch.Tensor | None = None,
+    valid_counts_out: torch.Tensor | None = None,
+    **context_parallel: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``triton_convert_req_index_to_global_index`` as its docstring defines it."""
+    """vLLM's ``triton_convert_req_index_to_global_index`` as its docstring defines it, with
+    0.33's ``BLOCK_STRIDE_ROWS`` (physical rows per block) and preallocated outputs. 0.33's
+    context-parallel arguments are not modelled: one away from its default fails the test."""
+    defaults = dict(prefill_workspace_rank_stride=None, dcp_size=1, dcp_rank=0, cp_kv_cache_interleave_size=1,
+                    idx_mapping=None)
+    assert all(defaults[k] == v for k, v in context_parallel.items()), context_parallel
     assert req_id.shape[0] == token_indices.shape[0]
     pos = token_indices.long()
     valid = pos >= 0
     page = block_table[req_id.long()].long().gather(1, page_of(pos, BLOCK_SIZE).clamp(max=block_table.shape[1] - 1))
-    out = slot_of(page, pos, BLOCK_SIZE)
+    # 0.33 strides blocks by BLOCK_STRIDE_ROWS physical rows; 0.26's (None) is the page formula.
+    out_slots = slot_of(page, pos, BLOCK_SIZE) if BLOCK_STRIDE_ROWS is None else page * BLOCK_STRIDE_ROWS + pos % BLOCK_SIZE
     if HAS_PREFILL_WORKSPACE:
         assert prefill_workspace_request_ids is not None and prefill_workspace_starts is not None
         prefill = prefill_workspace_request_ids.long()
         is_prefill = (prefill >= 0).unsqueeze(1)
         starts = prefill_workspace_starts.long()[prefill.clamp(min=0)].unsqueeze(1)
-        out = torch.where(is_prefill, starts + pos, out)
-    out = torch.where(valid, out, -1).to(torch.int32)
+        out_slots = torch.where(is_prefill, starts + pos, out_slots)
+    slots = torch.where(valid, out_slots, -1).to(torch.int32)
+    counts = valid.sum(1).to(torch.int32)
+    if out is not None:
+        slots = out.copy_(slots)
+    if valid_counts_out is not None:
+        counts = valid_counts_out.copy_(counts)
     if return_valid_counts:
-        return out, valid.sum(1).to(torch.int32)
-    return out
+        return slots, counts
+    return slots
+
+
+class NullStream:
+    """A CUDA stream or event where there is one stream: every wait and record is a no-op."""
+
+    def wait_event(self, event: Any) -> None: ...
+    def wait_stream(self, stream: Any) -> None: ...
+    def record(self, stream: Any = None) -> None: ...
+    def __enter__(self) -> NullStream:
+        return self
+    def __exit__(self, *exc: object) -> None: ...
+
+
+def compute_token_to_req_indices(query_start_loc: torch.Tensor, out: torch.Tensor, num_mapped_tokens: int,
+                                 num_tokens: int) -> torch.Tensor:
+    """vLLM 0.33's ``compute_token_to_req_indices`` (a Triton kernel) as its docstring defines it:
+    each of the first ``num_tokens`` tokens' request index, 0 at or past ``num_mapped_tokens``."""
+    token = torch.arange(num_tokens)
+    req = torch.searchsorted(query_start_loc[1:].long(), token, right=True).clamp(max=query_start_loc.shape[0] - 2)
+    out[:num_tokens] = torch.where(token < num_mapped_tokens, req, 0).to(out.dtype)
+    return out[:num_tokens]
 
 
 def gather_and_upconvert(
@@ -138,6 +179,7 @@ class KernelRecorder:
         self.prefill_calls: list[tuple[int, ...]] = []
         self.prefill_q: list[torch.Tensor] = []
         self.prefill_out_ptrs: list[int] = []
+        self.prefill_q_ptrs: list[int] = []
 
     def flash_mla_with_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, block_table: Any, cache_seqlens: Any,
                                head_dim_v: int, tile_scheduler_metadata: Any, num_splits: None = None,
@@ -152,6 +194,7 @@ class KernelRecorder:
                              out: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.prefill_calls.append(tuple(q.shape))
         self.prefill_q.append(q.clone())
+        self.prefill_q_ptrs.append(q.data_ptr())
         result, lse = sparse_prefill_reference(q, kv, indices, sm_scale)
         if out is not None:
             assert out.shape == result.shape and out.stride(-1) == 1
@@ -166,11 +209,24 @@ class RecordingProvider(ReferenceProvider):
     def __init__(self) -> None:
         super().__init__(takes_out=True)
         self.launch_q: list[torch.Tensor] = []
+        self.launch_ptrs: list[tuple[int, int | None]] = []
+        """Each launch's q and ``out=`` (``None``: none) data pointers."""
 
     def sparse_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, schedule: Any,
                       softmax_scale: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         self.launch_q.append(q.clone())
+        self.launch_ptrs.append((q.data_ptr(), None if out is None else out.data_ptr()))
         return super().sparse_decode(q, kv_cache, indices, schedule, softmax_scale, out)
+
+
+def patch_if_present(monkeypatch: pytest.MonkeyPatch, module_name: str, attr: str, value: Any) -> None:
+    """Replace ``module_name.attr`` where this vLLM has it (the GPU-only pieces differ by version)."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return
+    if hasattr(module, attr):
+        monkeypatch.setattr(module, attr, value)
 
 
 @contextmanager
@@ -183,21 +239,44 @@ def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kerne
 
     for module in (stock, engine_config):
         monkeypatch.setattr(module, "num_compute_units", lambda device_id=None: NUM_SMS)
-    monkeypatch.setattr(stock, "triton_convert_req_index_to_global_index", convert_req_index_to_global_index)
-    monkeypatch.setattr(backend, "triton_convert_req_index_to_global_index", convert_req_index_to_global_index)
+    # Every module that holds the Triton translation under its name: stock's, the one the
+    # backend calls through (vllm_api reads it from sparse_utils), and 0.33's index group.
+    for name in ("flashmla_sparse", "sparse_utils", "index_group"):
+        patch_if_present(monkeypatch, f"vllm.v1.attention.backends.mla.{name}", "triton_convert_req_index_to_global_index",
+                         convert_req_index_to_global_index)
     monkeypatch.setattr(stock, "flash_mla_with_kvcache", kernels.flash_mla_with_kvcache)
     monkeypatch.setattr(stock, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
     monkeypatch.setattr(backend, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
     monkeypatch.setattr(stock, "get_mla_metadata", lambda *a, **k: (object(), None))
     monkeypatch.setattr(backend, "ops", SimpleNamespace(cp_gather_and_upconvert_fp8_kv_cache=gather_and_upconvert))
     monkeypatch.setattr(backend, "kernel_provider", lambda: provider)
-    # No pinned host memory without a GPU.
-    import vllm.utils.torch_utils
-
-    monkeypatch.setattr(vllm.utils.torch_utils, "PIN_MEMORY", False)
+    # 0.33's index group translates on a side stream, ordered by events: one stream here.
+    index_group = "vllm.v1.attention.backends.mla.index_group"
+    patch_if_present(monkeypatch, index_group, "current_stream", NullStream)
+    patch_if_present(monkeypatch, index_group, "_create_side_stream", lambda device: NullStream())
+    patch_if_present(monkeypatch, index_group, "_create_event", NullStream)
+    # 0.33 maps tokens to requests on the device.
+    patch_if_present(monkeypatch, "vllm.v1.attention.ops.metadata", "compute_token_to_req_indices",
+                     compute_token_to_req_indices)
+    sparse_mla = "vllm.model_executor.layers.attention.sparse_mla_attention"
+    # One rank, with no process groups: 0.33's sparse-MLA impl asks the TP group's size.
+    patch_if_present(monkeypatch, sparse_mla, "get_tensor_model_parallel_world_size", lambda: 1)
+    # No pinned host memory without a GPU (0.33's sparse-MLA builder imports the flag).
+    for name in ("vllm.utils.torch_utils", sparse_mla):
+        patch_if_present(monkeypatch, name, "PIN_MEMORY", False)
     zeros = torch.zeros
     monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: zeros(*a, **k))
     yield
+
+
+def forward_out(result: Any) -> torch.Tensor:
+    """An FP8 forward's output: 0.33's return ``(out, lse)``, with no LSE outside context
+    parallelism; 0.26's return ``out``."""
+    if isinstance(result, tuple):
+        out, lse = result
+        assert lse is None
+        return cast(torch.Tensor, out)
+    return cast(torch.Tensor, result)
 
 
 def request_slots(indices: torch.Tensor, query_lens: list[int], block_table: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,9 @@ memory, launch by launch, is what the plan's ``launch_bytes`` says:
   passes a function that turns a launch's rows of request-relative top-k positions into cache
   slots in a fresh tensor (vLLM's Triton conversion), so they exist for one launch at a time.
 
+A caller that already holds memory for the padded q and the kernel's padded output (vLLM 0.33's
+workspace views) passes it as ``q_buffer`` and ``out_buffer``: nothing is allocated for them then.
+
 Plus one FlashMLA schedule per distinct launch length: a schedule may only be reused by calls of
 the same shape; pass ``schedules`` to share them across calls with the same plan (vLLM's layers of
 one step).
@@ -87,27 +90,48 @@ class MixedBatchExecutor:
         out: torch.Tensor,
         *,
         schedules: dict[int, Any] | None = None,
+        q_buffer: torch.Tensor | None = None,
+        out_buffer: torch.Tensor | None = None,
     ) -> None:
         """Attend q ``(T, H, 576)`` over kv_cache ``(pages, page_size, 1, 656)`` uint8 at indices
         ``(T, topk)`` int32 slots (``-1`` unused), writing out ``(T, H, 512)``. With
         ``translates_indices``, ``indices`` is a function from a launch's row slice to its slots.
-        ``schedules`` (launch length -> FlashMLA schedule) is filled and reused when given."""
+        ``schedules`` (launch length -> FlashMLA schedule) is filled and reused when given.
+        ``q_buffer`` ``(>= longest launch, kernel heads, 576)`` and ``out_buffer`` ``(>= longest
+        launch, kernel heads, 512)``, contiguous, q's dtype: memory to pad q and to take the kernel's
+        output in, when heads are padded (ignored otherwise); their contents are overwritten."""
         if callable(indices) != self.translates_indices:
             raise ValueError("indices must be a function of a row slice exactly when the executor translates indices")
         launches = decode_launches(plan)
         self._check(launches, q, kv_cache, None if callable(indices) else indices, out)
         if len(launches) == 0:
             return
-        q_padded = None
+        q_padded = kernel_out = None
         if self.kernel_heads != self.num_heads:
-            q_padded = q.new_zeros((1, plan.longest_launch("sparse_decode"), self.kernel_heads, D_QK))
+            longest = plan.longest_launch("sparse_decode")
+            if q_buffer is None:
+                q_padded = q.new_zeros((1, longest, self.kernel_heads, D_QK))
+            else:
+                q_padded = self._buffer(q_buffer, longest, D_QK, q).unsqueeze(0)
+                q_padded[:, :, self.num_heads :].zero_()  # launches write only the real heads
+            if out_buffer is not None and not self.writes_in_place:
+                if not self.provider.decode_takes_out:
+                    raise ValueError("out_buffer needs a provider whose decode kernel takes out=")
+                kernel_out = self._buffer(out_buffer, longest, D_V, q).unsqueeze(0)
         if schedules is None:
             schedules = {}
         for start, end in launches.tolist():
             length = end - start
             if length not in schedules:
                 schedules[length] = self.provider.new_decode_schedule()
-            self._launch(slice(start, end), q, q_padded, kv_cache, indices, out, schedules[length])
+            self._launch(slice(start, end), q, q_padded, kv_cache, indices, out, schedules[length], kernel_out)
+
+    def _buffer(self, buffer: torch.Tensor, rows: int, width: int, q: torch.Tensor) -> torch.Tensor:
+        if (buffer.dim() != 3 or buffer.shape[0] < rows or buffer.shape[1:] != (self.kernel_heads, width)
+                or buffer.dtype != q.dtype or not buffer.is_contiguous()):
+            raise ValueError(f"a buffer must be contiguous (>= {rows}, {self.kernel_heads}, {width}) {q.dtype}, "
+                             f"got {tuple(buffer.shape)} {buffer.dtype}")
+        return buffer[:rows]
 
     def _launch(
         self,
@@ -118,6 +142,7 @@ class MixedBatchExecutor:
         indices: IndexSource,
         out: torch.Tensor,
         schedule: Any,
+        kernel_out: torch.Tensor | None = None,
     ) -> None:
         # A function of its own so the kernel's out and lse (and translated indices) die on
         # return, before the next launch allocates its own: holding them would raise the peak.
@@ -129,6 +154,10 @@ class MixedBatchExecutor:
         idx = (indices(rows) if callable(indices) else indices[rows]).unsqueeze(0)
         if self.writes_in_place:
             self.provider.sparse_decode(q_kernel, kv_cache, idx, schedule, self.softmax_scale, out=out[rows].unsqueeze(0))
+        elif kernel_out is not None:
+            o = kernel_out[:, : rows.stop - rows.start]
+            self.provider.sparse_decode(q_kernel, kv_cache, idx, schedule, self.softmax_scale, out=o)
+            out[rows].copy_(o[0, :, : self.num_heads])
         else:
             o, _lse = self.provider.sparse_decode(q_kernel, kv_cache, idx, schedule, self.softmax_scale)
             out[rows].copy_(o[0, :, : self.num_heads])

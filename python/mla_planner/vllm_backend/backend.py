@@ -1,4 +1,4 @@
-"""FlashMLA sparse attention for vLLM 0.26 that runs each step exactly as mla-planner plans it.
+"""FlashMLA sparse attention for vLLM 0.26 and 0.33 that runs each step exactly as mla-planner plans it.
 
 Subclasses vLLM's ``FlashMLASparse*`` classes and changes only what the plan changes:
 
@@ -17,7 +17,9 @@ Overrides call stock's method by its class, never through zero-argument ``super(
 back to stock's behaviour when ``self`` lacks this backend's state: vLLM's own tests call these
 methods on the class with a stand-in ``self`` (tests/test_vllm_own_tests.py runs them).
 
-The budget is reserved from vLLM's KV-cache sizing by :mod:`.reservation`.
+Where vLLM 0.26 and 0.33 differ, the backend goes through :mod:`.vllm_api` (the version seam).
+The budget is reserved from vLLM's KV-cache sizing by :mod:`.reservation` on 0.26 and by the impl's
+``reserve_workspace`` on 0.33.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from vllm.v1.attention.backends.mla.flashmla_sparse import (
     FlashMLASparseMetadata,
     FlashMLASparseMetadataBuilder,
 )
-from vllm.v1.attention.backends.mla.sparse_utils import triton_convert_req_index_to_global_index
 from vllm.v1.attention.ops.flashmla import flash_mla_sparse_fwd  # type: ignore[attr-defined]  # a re-export
 from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -45,13 +46,13 @@ import mla_planner
 from mla_planner import routing
 from mla_planner.executor.mixed_batch import MixedBatchExecutor
 from mla_planner.executor.providers import KernelProvider, VllmProvider
-from mla_planner.vllm_backend import engine_config, reservation
+from mla_planner.vllm_backend import engine_config, reservation, vllm_api
 from mla_planner.vllm_backend.settings import read_settings
 
 # Under vLLM's logger, so the lines come out with vLLM's format and VLLM_LOGGING_LEVEL.
 logger = init_logger("vllm.mla_planner")
 
-FP8_KV = "fp8_ds_mla"
+FP8_KV = vllm_api.PLANNED_KV
 
 
 def kernel_provider() -> KernelProvider:
@@ -96,7 +97,14 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         )
         self.force_mqa = self.step_config.force_mqa
         self.provider = kernel_provider()
-        self.mixed_executor = MixedBatchExecutor(self.provider, self.step_config) if self.use_fp8_kv_cache else None
+        # Steps are planned on fp8_ds_mla only (0.33's nvfp4_ds_mla takes vLLM's FP8 path but has
+        # other rows and another gather), and not where vLLM fixes the route (vllm_api).
+        self.stock_reason = vllm_api.stock_route_reason(self)
+        kv_dtype = vllm_config.cache_config.cache_dtype
+        self.plans_steps = self.use_fp8_kv_cache and kv_dtype == FP8_KV and self.stock_reason is None
+        if self.stock_reason is not None:
+            logger.info_once("mla-planner: %s: every step runs vLLM's own code", self.stock_reason)
+        self.mixed_executor = MixedBatchExecutor(self.provider, self.step_config) if self.plans_steps else None
         self.cost_model = None if settings.vllm_rule else routing.load_for_engine(self.cost_profile, self.step_config)
         # Once per process, like the budget: which rule routes FP8 steps.
         logger.info_once("mla-planner: FP8 steps routed by %s",
@@ -119,7 +127,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels", self.scratch_budget_bytes >> 20)
         metadata = FlashMLASparseMetadataBuilder.build(self, common_prefix_len, common_attn_metadata, fast_build)
         assert isinstance(metadata, PlannedFlashMLASparseMetadata)
-        if not self.use_fp8_kv_cache or metadata.num_prefills == 0:
+        if not self.plans_steps or metadata.num_prefills == 0:
             return metadata
         plan = self.plan(metadata, common_attn_metadata)
         mixed = self.mixed_executor if plan.mode == "mixed_batch" else None
@@ -141,7 +149,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         if mixed != metadata.fp8_use_mixed_batch:
             metadata.fp8_use_mixed_batch = mixed
             metadata.fp8_extra_metadata = (
-                self._build_fp8_mixed_decode_prefill(common)
+                vllm_api.build_fp8_mixed(self, common)
                 if mixed
                 else self._build_fp8_separate_prefill_decode(common, metadata)
             )
@@ -154,26 +162,25 @@ def translate_indices(
     md: FlashMLASparseMetadata,
     topk_indices: torch.Tensor,
     rows: slice,
+    block_stride_rows: int | None,
     prefill: FlashMLASparseMetadata.FP8SeparatePrefillDecode.Prefill | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """vLLM's Triton translation of ``rows`` of request-relative top-k positions, into a fresh
     tensor for those rows only: cache slots; with ``prefill`` (the separate path), prefill rows
     become rows of their chunk's workspace (the builder made the workspace starts chunk-local),
-    decode rows (request id -1) stay cache slots, and the valid counts come back too."""
+    decode rows (request id -1) stay cache slots, and the valid counts come back too.
+    ``block_stride_rows``: the cache's rows per block where a block spans several 64-row pages
+    (:func:`.vllm_api.fp8_kv_pages`)."""
     workspace: dict[str, Any] = {} if prefill is None else dict(
         HAS_PREFILL_WORKSPACE=True,
         prefill_workspace_request_ids=prefill.request_ids[rows],
         prefill_workspace_starts=prefill.workspace_starts,
         return_valid_counts=True,
     )
-    return triton_convert_req_index_to_global_index(
-        md.req_id_per_token[rows],
-        md.block_table,
-        topk_indices[rows],
-        BLOCK_SIZE=md.block_size,
-        NUM_TOPK_TOKENS=topk_indices.shape[1],
-        **workspace,
-    )
+    return cast("torch.Tensor | tuple[torch.Tensor, torch.Tensor]", vllm_api.convert_indices(
+        md.req_id_per_token[rows], md.block_table, topk_indices[rows], block_size=md.block_size,
+        block_stride_rows=block_stride_rows, **workspace,
+    ))
 
 
 class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
@@ -182,11 +189,45 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         if self.kv_cache_dtype != FP8_KV:
             return
         settings = read_settings()
+        if vllm_api.RESERVES_THROUGH_PROFILE_RUN:
+            self.profile_launches = self.largest_launches(settings.scratch_bytes)
+            return  # reserve_workspace() reserves them, in the profile run
         # Model construction: vLLM counts this as model memory, so the KV cache leaves room.
         device = get_current_vllm_config().device_config.device  # resolved from "auto" by now
         if reservation.reserve(settings.scratch_bytes, torch.device(device or "cuda")):  # once per process
             logger.info("mla-planner: sparse MLA scratch budget %d MiB (%s), reserved from the KV cache; %d heads per rank",
                         settings.scratch_mb, settings.source, self.num_heads)
+
+    profile_launches: list[reservation.LaunchReservation] | None = None
+    """vLLM 0.33, FP8 cache: the largest launch of each route, reserved in the profile run."""
+
+    def largest_launches(self, scratch_bytes: int) -> list[reservation.LaunchReservation]:
+        vllm_config = get_current_vllm_config()
+        device = torch.device(vllm_config.device_config.device or "cuda")
+        self.profile_device = device  # the profile run need not have the config current
+        config = engine_config.config_for(vllm_config, self.num_heads, vllm_config.model_config.hf_text_config.index_topk,
+                                          True, device, scratch_bytes, has_prefill_backend=False)
+        return reservation.largest_launches(config, vllm_config.scheduler_config.max_num_batched_tokens,
+                                            vllm_api.workspace_padded_heads(self))
+
+    def reserve_workspace(self) -> None:
+        """vLLM 0.33's profile run, every layer, before KV sizing: the budget's launches must fit
+        in what the KV cache leaves. The padded q and kernel output come from stock's workspace
+        (requested here; the mixed route takes views stock reserves for the BF16 prefill and never
+        uses on that route); the rest of the largest launch -- the kernel's accumulators, LSE, the
+        translated indices -- is allocated and dropped at once, so the profiler's peak holds it."""
+        vllm_api.stock_reserve_workspace(self)
+        launches = getattr(self, "profile_launches", None)
+        if not launches:
+            return
+        vllm_api.request_workspace(self)
+        transient = max(launch.transient_bytes for launch in launches)
+        held = torch.empty(transient, dtype=torch.uint8, device=self.profile_device)
+        del held
+        logger.info_once("mla-planner: profile run holds %d MiB for the largest launch beyond vLLM's workspace "
+                         "(%s); %d heads per rank", transient >> 20,
+                         ", ".join(f"{l.route}: {l.tokens} tokens, {l.transient_bytes >> 20} MiB" for l in launches),
+                         self.num_heads)
 
     def _forward_fp8_kv_mixed_batch(
         self,
@@ -194,20 +235,33 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         kv_c_and_k_pe_cache: torch.Tensor,
         topk_indices: torch.Tensor,
         attn_metadata: FlashMLASparseMetadata,
-    ) -> torch.Tensor:
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        # vllm_api: 0.33 returns (out, lse | None) and takes kernel_metadata= (its PCP+DCP decode
+        # rows, which never carry a plan); 0.26 returns out.
         step = getattr(attn_metadata, "planned", None)
-        if step is None:
-            return FlashMLASparseImpl._forward_fp8_kv_mixed_batch(self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata)
+        if step is None or args or kwargs.get("kernel_metadata") is not None:
+            return FlashMLASparseImpl._forward_fp8_kv_mixed_batch(
+                self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata, *args, **kwargs
+            )
         assert step.mixed is not None, "a separate-route plan reached the mixed-batch path"
         out = q.new_empty((q.shape[0], self.num_heads, self.kv_lora_rank))
+        pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_c_and_k_pe_cache, attn_metadata.block_size)
 
         def slots(rows: slice) -> torch.Tensor:
-            return cast(torch.Tensor, translate_indices(attn_metadata, topk_indices, rows))
+            return cast(torch.Tensor, translate_indices(attn_metadata, topk_indices, rows, block_stride_rows))
 
+        # On 0.33 the padded q and kernel output go in stock's BF16-prefill workspace views, which
+        # this route never otherwise uses: reserve_workspace counted them as served.
+        views = vllm_api.workspace_views(self)
+        longest, heads = step.plan.longest_launch("sparse_decode"), step.config.decode_heads
         step.mixed.softmax_scale = self.softmax_scale
-        step.mixed.run(step.plan, q, kv_c_and_k_pe_cache.view(torch.uint8).unsqueeze(-2), slots, out,
-                       schedules=step.schedules)
-        return out
+        step.mixed.run(step.plan, q, pages.view(torch.uint8).unsqueeze(-2), slots, out,
+                       schedules=step.schedules,
+                       q_buffer=fits(views.q_padded, (longest, heads, q.shape[2]), q.dtype),
+                       out_buffer=fits(views.padded_out, (longest, heads, self.kv_lora_rank), q.dtype))
+        return vllm_api.forward_result(out)
 
     def _forward_fp8_kv_separate_prefill_decode(
         self,
@@ -215,7 +269,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         kv_c_and_k_pe_cache: torch.Tensor,
         topk_indices: torch.Tensor,
         attn_metadata: FlashMLASparseMetadata,
-    ) -> torch.Tensor:
+    ) -> Any:
         step = getattr(attn_metadata, "planned", None)
         fp8 = attn_metadata.fp8_extra_metadata
         assert isinstance(fp8, FlashMLASparseMetadata.FP8SeparatePrefillDecode)
@@ -223,7 +277,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
             return FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode(
                 self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata
             )
-        return SeparateStep(self, step, attn_metadata, fp8, kv_c_and_k_pe_cache, topk_indices).run(q)
+        return vllm_api.forward_result(SeparateStep(self, step, attn_metadata, fp8, kv_c_and_k_pe_cache, topk_indices).run(q))
 
 
 class SeparateStep:
@@ -236,17 +290,26 @@ class SeparateStep:
                  topk_indices: torch.Tensor) -> None:
         self.impl, self.step, self.md, self.fp8 = impl, step, md, fp8
         self.kv_cache, self.topk_indices = kv_cache, topk_indices
+        self.pages, self.block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
         self.provider = step.provider
 
     def translate(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        return cast(tuple[torch.Tensor, torch.Tensor], translate_indices(self.md, self.topk_indices, rows, self.fp8.prefill))
+        return cast(tuple[torch.Tensor, torch.Tensor],
+                    translate_indices(self.md, self.topk_indices, rows, self.block_stride_rows, self.fp8.prefill))
 
     def run(self, q: torch.Tensor) -> torch.Tensor:
         plan = self.step.plan
-        out = q.new_empty((q.shape[0], self.impl.num_heads, self.impl.kv_lora_rank))
+        # Once per layer call: on 0.33 views of the workspace manager's buffer, valid for this call.
+        views = vllm_api.workspace_views(self.impl)
+        assert views.gather is not None
+        gather_workspace = views.gather
+        out_shape = (q.shape[0], self.impl.num_heads, self.impl.kv_lora_rank)
+        # 0.33's stock writes the step's output into its workspace, so it allocates none: this
+        # route must not either (the budget does not count the output).
+        out = view_or_new(views.compact_out, out_shape, q)
         assert self.fp8.prefill is not None
         chunks = self.fp8.prefill.chunks
-        prefill_call = PaddedPrefill(self.impl, self.step.config, q, plan.longest_launch("sparse_prefill"))
+        prefill_call = PaddedPrefill(self.impl, self.step.config, q, plan.longest_launch("sparse_prefill"), views)
         gathered = -1
         for (t0, t1, r0, r1, chunk_index), kernel in zip(plan.launches.tolist(), plan.launch_kernels):
             rows = slice(t0, t1)
@@ -254,7 +317,7 @@ class SeparateStep:
                 self.decode(q[rows], rows, r1 - r0, out[rows])
                 continue
             chunk = chunks[chunk_index]
-            workspace = self.impl.prefill_bf16_workspace[: chunk.chunk_tot_seqlen]
+            workspace = gather_workspace[: chunk.chunk_tot_seqlen]
             if chunk_index != gathered:
                 ops.cp_gather_and_upconvert_fp8_kv_cache(
                     self.kv_cache, workspace, chunk.block_table, chunk.workspace_starts, len(chunk.block_table)
@@ -277,12 +340,26 @@ class SeparateStep:
             q = padded
         slots = self.translate(rows)[0].view(batch, s_q, -1)
         schedule = self.step.schedules.setdefault(("decode", batch, s_q), self.provider.new_decode_schedule())
-        kv = self.kv_cache.view(torch.uint8).unsqueeze(-2)
+        kv = self.pages.view(torch.uint8).unsqueeze(-2)
         if config.decode_writes_in_place:
             self.provider.sparse_decode(q, kv, slots, schedule, self.impl.softmax_scale, out=out.view(batch, s_q, *out.shape[1:]))
             return
         o, _lse = self.provider.sparse_decode(q, kv, slots, schedule, self.impl.softmax_scale)
         out.copy_(o[:, :, : out.shape[1]].reshape(out.shape))
+
+
+def fits(view: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """The first ``shape[0]`` rows of a workspace view, if it has ``shape``'s other dimensions,
+    enough rows and ``dtype``; ``None`` otherwise."""
+    if view is None or view.dtype != dtype or view.shape[1:] != shape[1:] or view.shape[0] < shape[0]:
+        return None
+    return view[: shape[0]]
+
+
+def view_or_new(view: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """:func:`fits`'s view, or a new uninitialised tensor like ``like``."""
+    fitted = fits(view, shape, like.dtype)
+    return like.new_empty(shape) if fitted is None else fitted
 
 
 class PaddedPrefill:
@@ -291,13 +368,24 @@ class PaddedPrefill:
     allocated once for the plan's longest prefill launch and reused by every launch, as the
     plan's launch bytes count them."""
 
-    def __init__(self, impl: FlashMLASparseImpl, config: mla_planner.StepConfig, q: torch.Tensor, max_tokens: int) -> None:
+    def __init__(self, impl: FlashMLASparseImpl, config: mla_planner.StepConfig, q: torch.Tensor, max_tokens: int,
+                 views: vllm_api.WorkspaceViews) -> None:
         self.impl = impl
         self.num_heads = q.shape[1]
         heads = config.prefill_heads
         in_place = config.prefill_writes_in_place
-        self.q_padded = None if heads == self.num_heads else q.new_zeros((max_tokens, heads, q.shape[2]))
-        self.out = None if in_place else q.new_empty((max_tokens, heads, impl.kv_lora_rank))
+        # On 0.33 stock reserves both in the workspace (padded to its heads): where the plan's
+        # kernel heads are those, use them rather than allocate.
+        self.q_padded = None
+        if heads != self.num_heads:
+            q_shape = (max_tokens, heads, q.shape[2])
+            self.q_padded = fits(views.q_padded, q_shape, q.dtype)
+            if self.q_padded is None:
+                self.q_padded = q.new_zeros(q_shape)
+            else:
+                self.q_padded[:, self.num_heads :].zero_()
+        out_shape = (max_tokens, heads, impl.kv_lora_rank)
+        self.out = None if in_place else view_or_new(views.padded_out, out_shape, q)
 
     def __call__(self, q: torch.Tensor, workspace: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor,
                  out: torch.Tensor) -> None:

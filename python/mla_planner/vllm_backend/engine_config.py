@@ -1,7 +1,7 @@
 """The seam between vLLM's configuration and the planner's: one :class:`~mla_planner.StepConfig`
 per engine, read from vLLM's config and builder, and the check that vLLM's own gather chunks are
-the plan's. Everything here reads vLLM internals; nothing else in the backend derives a kernel
-or workspace fact."""
+the plan's. Nothing else in the backend derives a kernel or workspace fact; where vLLM 0.26 and
+0.33 differ, this asks :mod:`.vllm_api`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch
 from vllm.config import VllmConfig
 from vllm.platforms import current_platform
 from vllm.utils.platform_utils import num_compute_units
-from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseMetadata, get_prefill_workspace_size
+from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseMetadata
 
 import mla_planner
+from mla_planner.vllm_backend import vllm_api
 
 
 def device_arch() -> str:
@@ -27,17 +28,27 @@ def step_config(
     cache dtype, vLLM's workspaces (its own gather-workspace size), and vLLM's prefill routing:
     short prefills run dense MHA unless ``sparse_mla_force_mqa`` is set or there is no dense
     prefill backend, in which case every prefill token reaches the sparse kernels."""
+    return config_for(vllm_config, builder.num_heads, builder.topk_tokens, builder.use_fp8_kv_cache, device,
+                      scratch_budget_bytes, has_prefill_backend=has_prefill_backend)
+
+
+def config_for(
+    vllm_config: VllmConfig, num_heads: int, topk: int, fp8: bool, device: torch.device, scratch_budget_bytes: int, *,
+    has_prefill_backend: bool,
+) -> mla_planner.StepConfig:
+    """:func:`step_config` from the values themselves, for the impl, which has no builder."""
     max_model_len = vllm_config.model_config.max_model_len
     force_mqa = bool(vllm_config.attention_config.sparse_mla_force_mqa) or not has_prefill_backend
     return mla_planner.StepConfig(
-        builder.num_heads,
+        num_heads,
         arch=device_arch(),
         num_sms=num_compute_units(device.index),
-        topk=builder.topk_tokens,
-        kv_dtype="fp8" if builder.use_fp8_kv_cache else "bf16",
+        topk=topk,
+        kv_dtype="fp8" if fp8 else "bf16",
         scratch_budget_bytes=scratch_budget_bytes,
         max_model_len=max_model_len,
-        gather_workspace_rows=get_prefill_workspace_size(max_model_len),
+        gather_workspace_rows=vllm_api.prefill_workspace_rows(vllm_config),
+        indexer_workspace_rows=vllm_api.indexer_workspace_rows(vllm_config),
         force_mqa=force_mqa,
         execution="vllm",
     )

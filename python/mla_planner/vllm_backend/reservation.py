@@ -1,6 +1,10 @@
 """Make vLLM's KV-cache sizing leave room for the scratch budget.
 
-vLLM 0.26 sizes the KV cache from what model loading allocated plus the peak of a profile run in
+vLLM 0.33 runs ``reserve_workspace()`` of every attention impl in its profile run, before it sizes
+the KV cache; :func:`largest_launches` says what the backend's impl asks for there (the planner's
+buffers of the largest launch each FP8 route may run, less those vLLM's workspace already holds).
+
+vLLM 0.26 has no such hook. It sizes the KV cache from what model loading allocated plus the peak of a profile run in
 which the attention layers return before calling the kernels, so kernel scratch is never seen
 (stock never reserves it: that is the OOM). This module allocates the budget while the model is
 built -- vLLM counts it as model memory -- and frees it when the first real step is planned,
@@ -10,9 +14,13 @@ One reservation per process, whatever the number of layers, since layers run one
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from typing import Literal
 
 import torch
+
+import mla_planner
 
 _lock = threading.Lock()
 _held: torch.Tensor | None = None
@@ -43,3 +51,57 @@ def release() -> bool:
 def reserved_bytes() -> int:
     """Bytes reserved in this process so far (kept after :func:`release`)."""
     return _reserved_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchReservation:
+    """The largest launch one FP8 route may run in this engine, as the planner counts it."""
+
+    route: str
+    tokens: int
+    """Its query tokens."""
+    launch_bytes: int
+    """What the plan says it allocates (its ``launch_bytes``)."""
+    buffers: dict[str, int]
+    """The planner's buffers of that launch (``decode_scratch``/``prefill_scratch``)."""
+    served: tuple[str, ...]
+    """Those the caller's workspace holds already (vLLM 0.33's padded q and output views)."""
+
+    @property
+    def served_bytes(self) -> int:
+        return sum(self.buffers[name] for name in self.served)
+
+    @property
+    def transient_bytes(self) -> int:
+        """What the launch allocates beyond the workspace: the kernel's accumulators, LSE and
+        the translated indices. The profile run must see this much at once."""
+        return self.launch_bytes - self.served_bytes
+
+
+def largest_launches(config: mla_planner.StepConfig, max_tokens: int, workspace_heads: int | None) -> list[LaunchReservation]:
+    """For each FP8 route the engine may take (a cost profile may route a step either way), the
+    largest launch of a step of ``max_tokens`` prefill tokens -- the most one launch can hold,
+    since a launch is a slice of one step. ``workspace_heads``: the heads of vLLM's padded q and
+    output workspace views (``None``: no such views), which the backend takes a launch's padded
+    q and kernel output from where the kernel runs those heads."""
+    sparse = config.replace(force_mqa=True)  # every token through the sparse kernels: the most
+    out = []
+    routes: tuple[tuple[str, Literal["sparse_decode", "sparse_prefill"]], ...] = (
+        ("mixed_batch", "sparse_decode"), ("separate_prefill_decode", "sparse_prefill"))
+    for route, kernel in routes:
+        plan = mla_planner.plan_step([max_tokens], [0], 0, sparse.replace(mode=route))
+        tokens = plan.longest_launch(kernel)
+        if route == "mixed_batch":
+            heads, in_place = config.decode_heads, config.decode_writes_in_place
+            scratch = mla_planner.decode_scratch(1, tokens, config.num_heads, arch=config.arch, num_sms=config.num_sms,
+                                                 topk=config.topk, out_preallocated=in_place,
+                                                 translated_indices=config.translated_indices)
+        else:
+            heads, in_place = config.prefill_heads, config.prefill_writes_in_place
+            scratch = mla_planner.prefill_scratch(tokens, config.num_heads, arch=config.arch, topk=config.topk,
+                                                  out_preallocated=in_place, translated_indices=config.translated_indices)
+        served = ("q_padded", "out") if heads == workspace_heads else ()
+        buffers = scratch.buffers
+        out.append(LaunchReservation(route, tokens, int(plan.launch_bytes.max()), buffers,
+                                     tuple(name for name in served if name in buffers)))
+    return out

@@ -1,0 +1,198 @@
+"""The version seam: every difference between vLLM 0.26 and 0.33 that the backend touches, chosen
+once, by the installed vLLM's version, at import.
+
+The rest of the backend calls these and never branches on vLLM's version or reaches a vLLM
+internal that differs between the two. Calls whose signature is one version's only go through
+``Any``-typed module handles, so mypy (run against one installed vLLM) checks both branches
+without version-specific ignores.
+
+What differs (0.33.0 wheel, ``F`` = ``vllm/v1/attention/backends/mla/flashmla_sparse.py``):
+
+* the FP8 forwards return ``(out, lse | None)`` (F:972, F:1190) where 0.26 returned ``out``;
+* ``_build_fp8_mixed_decode_prefill()`` takes no argument (F:488; 0.26 took the step's metadata);
+* the separate path's BF16 gather workspace is the impl's second ``workspace_specs`` entry, served
+  by the workspace manager per call (F:793-832), not ``impl.prefill_bf16_workspace``;
+* ``triton_convert_req_index_to_global_index`` takes ``BLOCK_STRIDE_ROWS`` (sparse_utils.py:493),
+  the cache's rows per block from ``_fp8_kv_pages`` (F:136), which views a cache whose blocks are
+  not 64 rows as the kernel's 64-row pages (0.26 only had 64-row blocks: the cache itself);
+* ``get_prefill_workspace_size`` takes the ``VllmConfig`` (F:337: a configurable factor, 5 up to
+  256K tokens, else 2) where 0.26 took ``max_model_len`` (factor 5); the indexer's prefill buffer
+  (indexer.py:916) follows the same factor;
+* the builder's FP8 path (``use_fp8_kv_cache``) also covers ``nvfp4_ds_mla`` (F:391);
+* the builder keeps vLLM's route under HiSparse, PCP+DCP and DCP (F:442-486);
+* the profile run calls ``impl.reserve_workspace()`` for every layer before KV sizing
+  (mla_attention.py:936-948), which 0.26 has no counterpart of.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from typing import Any
+
+import torch
+import vllm.v1.attention.backends.mla.flashmla_sparse as _stock_module
+import vllm.v1.attention.backends.mla.sparse_utils as _utils_module
+from vllm.config import VllmConfig
+
+# Any-typed: the members called through these differ in signature between the versions.
+stock: Any = _stock_module
+utils: Any = _utils_module
+
+SUPPORTED = ("0.26", "0.33")
+
+
+def _minor(version: str) -> str:
+    parts = version.split(".")
+    return ".".join(parts[:2])
+
+
+VLLM_VERSION = importlib.metadata.version("vllm")
+MINOR = _minor(VLLM_VERSION)
+if MINOR not in SUPPORTED:
+    # A third version's internals are unknown: refusing beats running a plan through methods
+    # whose shapes may have changed under it.
+    raise ImportError(
+        f"mla-planner's vLLM backend supports vLLM {' and '.join(s + '.x' for s in SUPPORTED)}; "
+        f"vLLM {VLLM_VERSION} is installed"
+    )
+V033 = MINOR == "0.33"
+
+PLANNED_KV = "fp8_ds_mla"
+"""The one KV-cache dtype whose steps are planned: the planner models fp8_ds_mla's 656-byte rows
+and its gather. 0.33's nvfp4_ds_mla takes vLLM's FP8 path too, and runs stock's code."""
+
+FORWARD_RETURNS_LSE = V033
+"""0.33's FP8 forwards return ``(out, lse | None)``; 0.26's return ``out``."""
+
+RESERVES_THROUGH_PROFILE_RUN = V033
+"""0.33 calls ``reserve_workspace()`` in the profile run; 0.26 needs the allocate-then-free
+reservation of :mod:`.reservation`."""
+
+
+def forward_result(out: torch.Tensor) -> Any:
+    """What the FP8 forwards return for an output of this backend (which needs no LSE: the
+    backend runs no plan where vLLM wants one, see :func:`stock_route_reason`)."""
+    return (out, None) if FORWARD_RETURNS_LSE else out
+
+
+def stock_route_reason(builder: Any) -> str | None:
+    """Why this engine's steps must keep vLLM's own route and code, or ``None``. On 0.33 the
+    builder fixes the route under HiSparse (host-backed cache, gathered by the index group) and
+    context parallelism (PCP+DCP gathers KV shards; DCP needs the LSE of every token), none of
+    which the plan's launches do."""
+    if not V033:
+        return None
+    if getattr(builder, "use_hisparse", False):
+        return "HiSparse"
+    if getattr(builder, "pcp_dcp_kv_gather", False):
+        return "PCP+DCP"
+    if getattr(builder, "dcp_world_size", 1) > 1:
+        return "DCP"
+    return None
+
+
+def build_fp8_mixed(builder: Any, common: Any) -> Any:
+    """vLLM's mixed-batch FP8 metadata for a step (0.33 builds it from nothing: its scheduler
+    initialises lazily from the query shape)."""
+    return builder._build_fp8_mixed_decode_prefill() if V033 else builder._build_fp8_mixed_decode_prefill(common)
+
+
+def prefill_workspace_rows(vllm_config: VllmConfig) -> int:
+    """Rows of vLLM's BF16 gather workspace (its ``split_prefill_chunks`` limit)."""
+    if V033:
+        return int(stock.get_prefill_workspace_size(vllm_config))
+    return int(stock.get_prefill_workspace_size(vllm_config.model_config.max_model_len))
+
+
+def indexer_workspace_rows(vllm_config: VllmConfig) -> int:
+    """Rows of the sparse indexer's prefill K buffer (indexer.py:916): 40 x max_model_len on 0.26,
+    8 x the gather factor x max_model_len on 0.33 (the same at its default factor of 5; 16 x at the
+    factor of 2 it takes above 256K tokens)."""
+    from vllm.v1.attention.backends.mla import indexer
+
+    return int(indexer.get_max_prefill_buffer_size(vllm_config))
+
+
+def split_indexer_prefill_chunks() -> Any:
+    """vLLM's indexer prefill chunking (a module function on 0.26, a static method of the indexer's
+    metadata builder on 0.33), for the planner's equivalence tests."""
+    from vllm.v1.attention.backends.mla import indexer as indexer_module
+
+    indexer: Any = indexer_module
+    return indexer.DeepseekV32IndexerMetadataBuilder._split_indexer_prefill_chunks if V033 \
+        else indexer.split_indexer_prefill_chunks
+
+
+def fp8_kv_pages(kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int | None]:
+    """The cache as the FP8 kernels' 64-token pages, and the rows per block when a block spans
+    several pages (``None``: blocks are the pages)."""
+    if V033:
+        pages, stride = stock._fp8_kv_pages(kv_cache, block_size)
+        return pages, stride
+    return kv_cache, None
+
+
+def convert_indices(
+    req_id: torch.Tensor, block_table: torch.Tensor, topk: torch.Tensor, *, block_size: int,
+    block_stride_rows: int | None, **workspace: Any,
+) -> Any:
+    """vLLM's Triton translation of request-relative top-k positions (``workspace``: its
+    prefill-workspace arguments, the same in both versions)."""
+    stride = {"BLOCK_STRIDE_ROWS": block_stride_rows} if V033 else {}
+    assert V033 or block_stride_rows is None, "vLLM 0.26 has 64-row blocks only"
+    return utils.triton_convert_req_index_to_global_index(
+        req_id, block_table, topk, BLOCK_SIZE=block_size, NUM_TOPK_TOKENS=topk.shape[1], **stride, **workspace,
+    )
+
+
+@dataclasses.dataclass
+class WorkspaceViews:
+    """The impl's workspace for one layer call. ``gather``: the separate path's BF16 gather
+    workspace. The rest exist on 0.33 only (``None`` on 0.26), as views of the workspace manager's
+    buffer stock reserves (F:793-832): ``q_padded`` ``(max_tokens, padded heads, 576)`` and
+    ``padded_out`` ``(max_tokens, padded heads, 512)`` -- the BF16 prefill kernel's padded q and
+    output, which the mixed-batch route never uses, so it may take them for the decode kernel's --
+    and ``compact_out`` ``(max_tokens, heads, 512)``, the separate path's step output."""
+
+    gather: torch.Tensor | None
+    q_padded: torch.Tensor | None = None
+    padded_out: torch.Tensor | None = None
+    compact_out: torch.Tensor | None = None
+
+
+def workspace_views(impl: Any) -> WorkspaceViews:
+    """This call's workspace views. On 0.33 they are valid for this layer call only: another
+    layer may grow the manager's buffer before it is locked, so none may be kept across calls."""
+    if V033:
+        from vllm.v1.worker.workspace import current_workspace_manager
+
+        if len(impl.workspace_specs) < 5:  # no FP8 cache: q_concat only
+            return WorkspaceViews(None)
+        views = current_workspace_manager().get_simultaneous(*impl.workspace_specs)
+        # Positions as stock reads them: [1] gather, [-3:] padded q, padded out, compact out.
+        return WorkspaceViews(views[1], views[-3], views[-2], views[-1])
+    return WorkspaceViews(getattr(impl, "prefill_bf16_workspace", None))
+
+
+def workspace_padded_heads(impl: Any) -> int | None:
+    """Heads of the impl's padded q and output workspace views (0.33: its prefill padding of its
+    heads; ``None`` on 0.26, which has no such views)."""
+    if not V033 or len(impl.workspace_specs) < 5:
+        return None
+    shape, _dtype = impl.workspace_specs[-3]
+    return int(shape[1])
+
+
+def request_workspace(impl: Any) -> None:
+    """Ask the workspace manager for the impl's whole workspace now (0.33, in the profile run:
+    the buffer is then sized before the KV cache, and locked after CUDA-graph capture)."""
+    from vllm.v1.worker.workspace import current_workspace_manager
+
+    current_workspace_manager().get_simultaneous(*impl.workspace_specs)
+
+
+def stock_reserve_workspace(impl: Any) -> None:
+    """Stock's ``reserve_workspace`` (0.33; 0.26 has none), called by class as every override is."""
+    if V033:
+        stock.FlashMLASparseImpl.reserve_workspace(impl)
