@@ -633,3 +633,14 @@ def test_profile_run_reserves_what_the_planner_says(tmp_path: pathlib.Path, monk
     (o_rows, o_heads, o_width), o_dtype = specs[-2]
     assert (q_heads, q_width, o_heads, o_width) == (64, 576, 64, 512) and q_rows >= max(n, m) and o_rows >= max(n, m)
     assert q_dtype == o_dtype == torch.bfloat16
+
+
+def test_the_process_settings_are_read_once_per_set_of_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mla_planner.vllm_backend.settings as settings_module
+
+    monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", "512")
+    first = read_settings()
+    assert read_settings() is first, "registration, the builder and every layer share one read"
+    monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", "256")
+    assert read_settings().scratch_mb == 256, "another value is read anew"
+    assert settings_module.read_settings({"MLA_PLANNER_SCRATCH_MB": "128"}).scratch_mb == 128

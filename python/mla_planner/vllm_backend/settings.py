@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import stat
 from collections.abc import Mapping
@@ -37,6 +38,7 @@ MAX_SCRATCH_MB = 1 << 20
 SCRATCH_VARS = ("MLA_PLANNER_SCRATCH_MB", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB")
 REPLACE_VAR = "MLA_PLANNER_REPLACE_FLASHMLA_SPARSE"
 PROFILE_VAR = "MLA_PLANNER_COST_PROFILE"
+KNOBS = (*SCRATCH_VARS, REPLACE_VAR, PROFILE_VAR)
 NO_PROFILE = "none"
 """``MLA_PLANNER_COST_PROFILE=none``: route by vLLM's rule on purpose, with no warning."""
 
@@ -63,7 +65,21 @@ class Settings:
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
-    env = os.environ if environ is None else environ
+    """The knobs in ``environ`` (default: this process's environment), checked. The process's own
+    are read once per distinct set of values: registration, the builder and every layer's impl ask,
+    and the cost profile check parses a file."""
+    if environ is None:
+        return _process_settings(tuple(os.environ.get(name) for name in KNOBS))
+    return _read(environ)
+
+
+
+@functools.lru_cache(maxsize=8)
+def _process_settings(values: tuple[str | None, ...]) -> Settings:
+    return _read({name: value for name, value in zip(KNOBS, values) if value is not None})
+
+
+def _read(env: Mapping[str, str]) -> Settings:
     values = {name: _scratch_mb(name, env[name]) for name in SCRATCH_VARS if env.get(name, "").strip()}
     if len(set(values.values())) > 1:
         shown = ", ".join(f"{name}={mb}" for name, mb in values.items())
