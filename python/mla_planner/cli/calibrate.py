@@ -27,7 +27,7 @@ from mla_planner import COST_PROFILE_FORMAT, CostModel, decode_scratch, max_toke
 from .atomic import atomic_files, check_file
 from .checks import MAX_TOPK
 from .config import CliError
-from .units import format_bytes, parse_bytes
+from .units import format_bytes, size_arg
 
 DEFAULT_OUTPUT = Path("mla-planner-profile.json")
 KERNEL_HEADS = (64, 128)
@@ -53,13 +53,6 @@ def _int_list(text: str) -> list[int]:
     return sorted(set(values))
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser(
         "calibrate",
@@ -81,7 +74,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--topk", type=int, default=2048, help="top-k the kernels run at (default 2048)")
     p.add_argument("--runs", type=int, default=15, help=f"timed rounds; each point is their median (default 15, at least {MIN_RUNS})")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2, at least 1)")
-    p.add_argument("--max-memory", type=_size, help="skip cases predicted to need more (default: 80%% of free GPU memory)")
+    p.add_argument("--max-memory", type=size_arg, help="skip cases predicted to need more (default: 80%% of free GPU memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="print the grid and the estimated time; touch no GPU")
     p.set_defaults(run=run)

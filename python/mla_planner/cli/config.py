@@ -9,20 +9,13 @@ from dataclasses import dataclass
 from mla_planner import H200_NUM_SMS, StepConfig
 
 from . import checks, presets
-from .units import GIB, format_bytes, parse_bytes
+from .units import GIB, format_bytes, size_arg
 
 DEFAULT_MAX_MODEL_LEN = 163_840  # DeepSeek-V3.2's context length
 
 
 class CliError(Exception):
     """Bad input: printed as one line, exit status 2, no traceback."""
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -46,7 +39,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-sms", type=checks.int_in(1, checks.MAX_NUM_SMS), default=H200_NUM_SMS, help=f"SM count (default {H200_NUM_SMS}, H200)")
     g.add_argument("--masked-mha", action="store_true", help="masked-MHA prefill available (vLLM >= 0.27: sm100 + bf16 KV only)")
     b = p.add_argument_group("budgets")
-    b.add_argument("--budget", type=_size, default=GIB, help="bytes one attention launch may allocate, e.g. 1GiB, 512MiB (default 1GiB)")
+    b.add_argument("--budget", type=size_arg, default=GIB, help="bytes one attention launch may allocate, e.g. 1GiB, 512MiB (default 1GiB)")
     b.add_argument(
         "--max-model-len",
         type=checks.int_in(1, checks.MAX_MODEL_LEN),

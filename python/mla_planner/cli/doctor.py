@@ -9,18 +9,11 @@ from typing import Any
 from . import deployment, serve_line
 from .config import CliError
 from .deployment import Deployment, Diagnosis, StepVerdict
-from .units import GIB, format_bytes, parse_bytes
+from .units import GIB, format_bytes, size_arg
 
 SCHEMA = "mla-planner.doctor/1"
 DEFAULT_SCRATCH_MB = 1024  # the plugin's default (vllm_backend.settings, which needs torch to import)
 PLUGIN_FLAGS = {"--attention-backend": "CUSTOM", "--kv-cache-dtype": "fp8_ds_mla", "--block-size": "64"}
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -37,8 +30,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    + ", ".join(deployment.PRESET_MODELS) + " (default: from the serve line's model)")  # fmt: skip
     p.add_argument("--gpu", default="H200", help="H200 (measured), H100, B200 (datasheet), or 'present' (default H200)")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: the serve line's --tensor-parallel-size)")
-    p.add_argument("--weights", type=_size, metavar="SIZE", help="model memory per GPU, e.g. 80GiB (default: estimated)")
-    p.add_argument("--activation", type=_size, metavar="SIZE", help="vLLM's profiled activation peak (default: estimated)")
+    p.add_argument("--weights", type=size_arg, metavar="SIZE", help="model memory per GPU, e.g. 80GiB (default: estimated)")
+    p.add_argument("--activation", type=size_arg, metavar="SIZE", help="vLLM's profiled activation peak (default: estimated)")
     p.add_argument("--builtin-parser", action="store_true", help="read the serve line with the built-in subset even where vLLM is installed")
     p.add_argument("--json", action="store_true", help=f"print JSON ({SCHEMA}, docs/cli.md)")
     p.set_defaults(run=run)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from fractions import Fraction
 
@@ -36,3 +37,11 @@ def format_bytes(n: int) -> str:
             value = n / UNITS[unit]
             return f"{value:.2f} {unit}" if unit == "GiB" else f"{value:.1f} {unit}"
     return f"{n} B"
+
+
+def size_arg(text: str) -> int:
+    """``parse_bytes`` as an argparse ``type=``: a bad size is argparse's one-line error."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
