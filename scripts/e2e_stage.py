@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Stage vLLM 0.26.0 and the packages the H200 image lacks for the end-to-end run (docs/e2e.md).
+"""Stage a vLLM release and the packages the H200 image lacks to run it -- engine, `vllm serve` and
+`vllm bench serve` -- for the end-to-end runs (docs/e2e.md).
 
-Downloads into .e2e/downloads/ (kept: a second run reuses them), packs into .e2e/build/, cuts the
-bundle into .e2e/parts/partK/ (one folder per device call, each under 60 MB), checks the round
-trip the GPU machine will do (join, verify, extract, required files present), and prints the
-device-call plan. Needs network for the first run only.
+Downloads into .e2e/downloads/ (kept: a second run reuses them), packs into .e2e/build/VERSION/,
+cuts the bundle into .e2e/parts/partK/ (one folder per device call, each under 60 MB; the parts of
+the last staging, whichever version), checks the round trip the GPU machine will do (join, verify,
+extract, required files present), and prints the device-call plan. Needs network for the first run
+of a version only.
 
-    .venv/bin/python scripts/e2e_stage.py [--rebuild] [--chunk-mb 55]
+    .venv/bin/python scripts/e2e_stage.py [--vllm 0.26|0.33] [--rebuild] [--chunk-mb 55]
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def tracked_bytes() -> int:
     return sum((ROOT / p).stat().st_size for p in out.decode().split("\0") if p and (ROOT / p).is_file())
 
 
-def round_trip(parts: list[Path]) -> None:
+def round_trip(parts: list[Path], target: eb.Target) -> None:
     """What the GPU machine does, here: stash each part, join, verify, extract, check the tree."""
     with tempfile.TemporaryDirectory(dir=E2E) as tmp:
         stash, site = Path(tmp) / "stash", Path(tmp) / "site"
@@ -79,13 +81,14 @@ def round_trip(parts: list[Path]) -> None:
                 shutil.copy2(f, stash / f.name)
         eb.join_parts(stash, stash / eb.BUNDLE)
         unpacked = eb.unpack_bundle(stash / eb.BUNDLE, Path(tmp) / "unpacked")
-        eb.install_vllm_tree(unpacked, site)
+        if eb.install_vllm_tree(unpacked, site) != target:
+            raise SystemExit(f"round trip: the bundle does not carry vLLM {target.vllm}")
         missing = eb.missing_in_site(site)
         if missing:
             raise SystemExit(f"round trip: the extracted tree lacks {missing}")
         wheels = sorted((unpacked / eb.WHEELS_DIR).glob("*.whl"))
-        if len(wheels) != len(eb.DEPENDENCIES):
-            raise SystemExit(f"round trip: {len(wheels)} wheels, expected {len(eb.DEPENDENCIES)}")
+        if len(wheels) != len(target.dependencies):
+            raise SystemExit(f"round trip: {len(wheels)} wheels, expected {len(target.dependencies)}")
         # pip resolves the wheels for the device's Python without installing anything.
         platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
         subprocess.run(
@@ -94,7 +97,7 @@ def round_trip(parts: list[Path]) -> None:
              "--target", str(Path(tmp) / "pip-target"), *map(str, wheels)],
             check=True,
         )
-        print(f"==> round trip ok: {', '.join(eb.REQUIRED_IN_SITE)} present; {len(wheels)} wheels accepted by pip")
+        print(f"==> round trip ok: {', '.join(target.required_in_site)} present; {len(wheels)} wheels accepted by pip")
 
 
 def print_plan(parts: list[Path]) -> None:
@@ -126,7 +129,9 @@ def print_plan(parts: list[Path]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rebuild", action="store_true", help="repack vLLM even if .e2e/build/ holds a packing")
+    ap.add_argument("--vllm", default=eb.DEFAULT_TARGET, choices=sorted(eb.TARGETS),
+                    help=f"the vLLM release to stage (default {eb.DEFAULT_TARGET})")
+    ap.add_argument("--rebuild", action="store_true", help="repack vLLM even if .e2e/build/VERSION/ holds a packing")
     ap.add_argument("--chunk-mb", type=float, default=eb.CHUNK_BYTES / 1e6, help="part size in MB (< 60)")
     args = ap.parse_args()
     if not 0 < args.chunk_mb < 60:
@@ -136,22 +141,24 @@ def main() -> int:
     if free < MIN_FREE:
         raise SystemExit(f"only {free / (1 << 30):.1f} GiB free under {E2E}; staging needs about 3 GiB")
 
-    (vllm_wheel,) = download([f"vllm=={eb.VLLM_VERSION}"], DOWNLOADS)
-    dep_wheels = download(list(eb.DEPENDENCIES), DOWNLOADS / "deps")
-    core, fa3 = BUILD / eb.CORE_TAR, BUILD / eb.FA3_TAR
+    target = eb.target_for(args.vllm)
+    build = BUILD / target.vllm
+    (vllm_wheel,) = download([f"vllm=={target.vllm}"], DOWNLOADS)
+    dep_wheels = download(list(target.dependencies), DOWNLOADS / "deps")
+    core, fa3 = build / eb.CORE_TAR, build / eb.FA3_TAR
     fresh = core.exists() and fa3.exists() and core.stat().st_mtime > vllm_wheel.stat().st_mtime
     if args.rebuild or not fresh:
         print(f"==> packing {vllm_wheel.name} (xz; a few minutes)")
-        eb.pack_vllm_wheel(vllm_wheel, BUILD)
+        eb.pack_vllm_wheel(vllm_wheel, build)
     else:
         print(f"==> reusing {core.relative_to(ROOT)} and {fa3.relative_to(ROOT)}")
     print(f"  {eb.CORE_TAR} {core.stat().st_size / 1e6:.1f} MB, {eb.FA3_TAR} {fa3.stat().st_size / 1e6:.1f} MB, "
           f"{len(dep_wheels)} wheels {sum(w.stat().st_size for w in dep_wheels) / 1e6:.1f} MB")
     files = [(eb.CORE_TAR, core), (eb.FA3_TAR, fa3)] + [(f"{eb.WHEELS_DIR}/{w.name}", w) for w in dep_wheels]
-    bundle = eb.make_bundle(files, BUILD / eb.BUNDLE)
+    bundle = eb.make_bundle(target, files, build / eb.BUNDLE)
     manifest = eb.split_into_parts(bundle, PARTS, int(args.chunk_mb * 1e6))
     parts = [PARTS / f"part{c['part']}" for c in manifest["chunks"]]
-    round_trip(parts)
+    round_trip(parts, target)
     print_plan(parts)
     return 0
 

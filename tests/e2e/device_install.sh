@@ -2,7 +2,8 @@
 # On the GPU machine, from the repo root (docs/e2e.md has the call sequence):
 #   bash tests/e2e/device_install.sh stash K   copy the carried .e2e/parts/partK into $E2E_STASH (/tmp/stash)
 #   bash tests/e2e/device_install.sh install   join + verify the parts, install the dependency wheels and
-#                                              vLLM into $E2E_SITE (/tmp/site), then every .whl/*.whl
+#                                              the vLLM the parts carry (scripts/e2e_stage.py --vllm) into
+#                                              $E2E_SITE (/tmp/site), then every .whl/*.whl
 #                                              (this project's abi3 wheel at least), and check the imports
 #   bash tests/e2e/device_install.sh check     only the import and entry-point check
 # Idempotent: install skips the vLLM step when /tmp/site already holds this bundle; our wheel is
@@ -52,6 +53,10 @@ install)
     if [ "$(cat "$SITE/.e2e-bundle" 2>/dev/null || true)" = "$sha" ] && "$PY" "$BUNDLE_PY" check --site "$SITE"; then
         echo "vLLM and its dependencies already installed from this bundle: skipped"
     else
+        if [ -e "$SITE" ]; then  # another staging's (or a broken) install: none of it may linger
+            echo "$SITE holds another staging: clearing it"
+            rm -rf "$SITE"
+        fi
         t0=$SECONDS
         "$PY" "$BUNDLE_PY" join --stash "$STASH" --dest "$STASH/unpacked"
         "${PIP[@]}" "$STASH"/unpacked/wheels/*.whl

@@ -1,6 +1,7 @@
-"""Packing vLLM 0.26.0 and its missing dependencies for the GPU machine, and unpacking them there.
+"""Packing a vLLM release (0.26.0 or 0.33.0, :data:`TARGETS`) and the wheels the GPU image lacks to
+run it -- engine and ``vllm serve`` -- for the GPU machine, and unpacking them there.
 
-The device tool carries at most 64 MiB per call, and vLLM's wheel is 304 MB. So: the wheel's tree,
+The device tool carries at most 64 MiB per call, and vLLM's wheel is 304 MB (0.33.0: 336 MB). So: the wheel's tree,
 less what the H200 run never loads (FA2, the SM100 FMHA sources, DeepGEMM builds for other Pythons),
 goes into ``vllm-core.tar.xz``; FA3's 153 MB library into ``vllm-fa3.tar.xz``; both and the dependency
 wheels into one plain ``bundle.tar``, cut into chunks of under 60 MB, one chunk per device call, each
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import lzma
 import re
@@ -26,33 +28,88 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-VLLM_VERSION = "0.26.0"
-DIST_INFO = f"vllm-{VLLM_VERSION}.dist-info"
 FA3_SO = "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
 CORE_TAR = "vllm-core.tar.xz"
 FA3_TAR = "vllm-fa3.tar.xz"
 BUNDLE = "bundle.tar"
 MANIFEST = "manifest.json"
 WHEELS_DIR = "wheels"
+TARGET_FILE = "target.json"  # in the bundle: which vLLM it carries
+SITE_MARK = ".e2e-bundle"  # in the site: the sha256 of the bundle installed there
 CHUNK_BYTES = 55_000_000  # < 60 MB, leaving room in a 64 MiB call for the repo and .whl/
-REQUIRED_IN_SITE = (
-    "vllm/__init__.py",
-    "vllm/_flashmla_C.abi3.so",
-    FA3_SO,
-    f"{DIST_INFO}/METADATA",  # vLLM's platform detection reads its own distribution metadata
+
+
+@dataclass(frozen=True)
+class Target:
+    """One vLLM release and the wheels the GPU image lacks to run it, engine and ``vllm serve``.
+
+    ``dependencies``: the closure of the release's requirements in a CPU install (``pip install
+    vllm==X``, then every distribution reachable from vLLM's ``Requires-Dist``, extras it names
+    included), less what the H200 image has (the device tool's KINDS.md package list) and less the
+    GPU-kernel packages this model never imports (torch, triton, nvidia-*, flashinfer's cubins and
+    NCCL bindings, tilelang, quack, humming, tokenspeed, video codecs): cp312 wheels, installed with
+    --no-deps. vLLM 0.33 imports flashinfer with its sparse-MLA backend, so its 62 MB wheel travels.
+    """
+
+    vllm: str
+    dependencies: tuple[str, ...]
+
+    @property
+    def dist_info(self) -> str:
+        return f"vllm-{self.vllm}.dist-info"
+
+    @property
+    def required_in_site(self) -> tuple[str, ...]:
+        return (
+            "vllm/__init__.py",
+            "vllm/_flashmla_C.abi3.so",
+            FA3_SO,
+            f"{self.dist_info}/METADATA",  # vLLM's platform detection reads its own distribution metadata
+        )
+
+
+_SHARED = (  # the same wheel in both releases' closures
+    "annotated-types==0.8.0", "astor==0.8.1", "blake3==1.0.11", "cachetools==8.0.2", "cbor2==6.3.0", "cffi==2.1.1",
+    "compressed-tensors==0.17.0", "cryptography==50.0.2", "depyf==0.20.0", "dill==0.4.1", "dnspython==2.9.2",
+    "docstring-parser==0.18.0", "email-validator==2.4.0", "fastapi==0.136.3", "fastapi-cli==0.0.34",
+    "fastar==0.12.0", "googleapis-common-protos==1.76.0", "httpcore2==2.16.2", "httptools==0.9.0", "httpx2==2.16.2",
+    "ijson==3.6.0", "interegular==0.3.3", "jiter==0.19.0", "jmespath==1.1.0", "jsonschema==4.26.0",
+    "jsonschema-specifications==2025.9.1", "lark==1.2.2", "llguidance==1.7.6", "lm-format-enforcer==0.11.3",
+    "loguru==0.7.3", "mcp==2.3.0", "mcp-types==2.3.0", "mistral-common==1.13.1",
+    "model-hosting-container-standards==0.1.16", "msgspec==0.23.0", "openai==3.57.0", "opentelemetry-api==1.45.2",
+    "opentelemetry-exporter-http-transport==0.66b2", "opentelemetry-exporter-otlp==1.45.2",
+    "opentelemetry-exporter-otlp-common==0.66b2", "opentelemetry-exporter-otlp-proto-common==1.45.2",
+    "opentelemetry-exporter-otlp-proto-grpc==1.45.2", "opentelemetry-exporter-otlp-proto-http==1.45.2",
+    "opentelemetry-proto==1.45.2", "opentelemetry-sdk==1.45.2", "opentelemetry-semantic-conventions==0.66b2",
+    "opentelemetry-semantic-conventions-ai==0.5.1", "outlines-core==0.2.14", "partial-json-parser==0.2.1.1.post7",
+    "prometheus-fastapi-instrumentator==8.1.0", "pybase64==1.5.1", "pycountry==26.2.16", "pycparser==3.12",
+    "pydantic==2.14.4", "pydantic-core==2.50.5", "pydantic-extra-types==2.11.1", "pydantic-settings==2.16.3",
+    "pyjwt==2.15.1", "python-dotenv==1.2.4", "python-json-logger==4.2.0", "python-multipart==0.0.34",
+    "pyzmq==27.3.0", "referencing==0.37.0", "rich-toolkit==0.20.6", "rpds-py==2026.9.1", "setproctitle==1.3.8",
+    "sniffio==1.3.1", "sse-starlette==3.7.0", "starlette==1.10.0", "supervisor==4.3.0", "torch-c-dlpack-ext==0.1.5",
+    "truststore==0.10.5", "typing-inspection==0.4.5", "uvicorn==0.54.0", "watchfiles==1.3.0", "websockets==17.4",
 )
 
-# What the GPU image lacks (docs/e2e.md, "Staging"): cp312 wheels, installed with --no-deps.
-DEPENDENCIES = (
-    "annotated-types==0.8.0", "apache-tvm-ffi==0.1.10", "astor==0.8.1", "blake3==1.0.11",
-    "cachetools==8.0.2", "cbor2==6.3.0", "compressed-tensors==0.17.0", "depyf==0.20.0", "dill==0.4.1",
-    "distro==1.9.0", "fastapi==0.136.3", "httpcore2==2.16.2", "httpx2==2.16.2", "ijson==3.6.0",
-    "jiter==0.19.0", "lark==1.2.2", "llguidance==1.7.6", "msgspec==0.23.0", "openai==3.57.0",
-    "openai-harmony==0.0.8", "partial-json-parser==0.2.1.1.post7", "pybase64==1.5.1", "pydantic==2.14.4",
-    "pydantic-core==2.50.5", "python-json-logger==4.2.0", "pyzmq==27.3.0", "setproctitle==1.3.8",
-    "sniffio==1.3.1", "starlette==1.10.0", "torch-c-dlpack-ext==0.1.5", "truststore==0.10.5",
-    "typing-inspection==0.4.5", "xgrammar==0.2.7",
-)
+TARGETS = {
+    "0.26": Target("0.26.0", _SHARED + (
+        "anthropic==2.14.0", "apache-tvm-ffi==0.1.10", "flashinfer-python==0.6.14", "openai-harmony==0.0.8",
+        "pyelftools==0.33", "xgrammar==0.2.7",
+    )),
+    "0.33": Target("0.33.0", _SHARED + (
+        "anthropic==2.15.0", "apache-tvm-ffi==0.1.11", "flashinfer-python==0.7.2.post1", "orjson==3.13.0",
+        "oss-harmony==0.0.11", "xgrammar==0.2.8",
+    )),
+}
+DEFAULT_TARGET = "0.26"
+
+
+def target_for(version: str) -> Target:
+    """The target of a vLLM minor version (``0.26``) or release (``0.26.0``)."""
+    minor = ".".join(version.split(".")[:2])
+    if minor not in TARGETS:
+        raise ValueError(f"no staging target for vLLM {version}: one of {', '.join(sorted(TARGETS))}")
+    return TARGETS[minor]
+
 
 _OTHER_PY_DEEPGEMM = re.compile(r"^vllm/third_party/deep_gemm/_C\.cpython-3(?!12-)\d+-.*\.so$")
 
@@ -113,12 +170,17 @@ def pack_vllm_wheel(wheel: Path, out_dir: Path) -> tuple[Path, Path]:
     return paths
 
 
-def make_bundle(files: list[tuple[str, Path]], out: Path) -> Path:
-    """One uncompressed tar of ``(name inside, file)`` pairs (the parts are already compressed)."""
+def make_bundle(target: Target, files: list[tuple[str, Path]], out: Path) -> Path:
+    """One uncompressed tar of ``(name inside, file)`` pairs (the parts are already compressed) and
+    ``target.json``, naming the vLLM release the bundle carries."""
     tmp = out.with_suffix(".part")
     with tarfile.open(tmp, "w") as tar:
         for arcname, path in files:
             tar.add(path, arcname=arcname)
+        data = json.dumps({"vllm": target.vllm}).encode()
+        info = tarfile.TarInfo(TARGET_FILE)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
     tmp.replace(out)
     return out
 
@@ -225,19 +287,38 @@ def unpack_bundle(bundle: Path, dest: Path) -> Path:
     return dest
 
 
-def install_vllm_tree(unpacked: Path, site: Path) -> None:
-    """Puts vLLM's tree and dist-info into ``site``, replacing any earlier copy."""
+def bundle_target(unpacked: Path) -> Target:
+    """The target an extracted bundle carries (its ``target.json``)."""
+    return target_for(json.loads((unpacked / TARGET_FILE).read_text())["vllm"])
+
+
+def install_vllm_tree(unpacked: Path, site: Path) -> Target:
+    """Puts the bundle's vLLM tree and dist-info into ``site``, replacing any earlier vLLM."""
+    target = bundle_target(unpacked)
     site.mkdir(parents=True, exist_ok=True)
-    for old in ("vllm", DIST_INFO):
-        if (site / old).exists():
-            shutil.rmtree(site / old)
+    for old in [site / "vllm", *site.glob("vllm-*.dist-info")]:
+        if old.exists():
+            shutil.rmtree(old)
     for name in (CORE_TAR, FA3_TAR):
         with tarfile.open(unpacked / name, "r:xz") as tar:
             _extract(tar, site)
+    return target
+
+
+def site_target(site: Path) -> Target:
+    """The target whose vLLM ``site`` holds (its one ``vllm-X.dist-info``)."""
+    infos = sorted(p.name for p in site.glob("vllm-*.dist-info"))
+    if len(infos) != 1:
+        raise ValueError(f"{site} holds {len(infos)} vLLM dist-info folders ({infos}): expected one")
+    return target_for(infos[0].removeprefix("vllm-").removesuffix(".dist-info"))
 
 
 def missing_in_site(site: Path) -> list[str]:
-    return [p for p in REQUIRED_IN_SITE if not (site / p).is_file()]
+    try:
+        target = site_target(site)
+    except ValueError as exc:
+        return [str(exc)]
+    return [p for p in target.required_in_site if not (site / p).is_file()]
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -268,14 +349,14 @@ def _main(argv: list[str] | None = None) -> int:
             wheels = sorted(p.name for p in (args.dest / WHEELS_DIR).glob("*.whl"))
             print(f"bundle verified and extracted into {args.dest}: {len(wheels)} wheels, {CORE_TAR}, {FA3_TAR}")
         elif args.cmd == "install-vllm":
-            install_vllm_tree(args.src, args.site)
-            print(f"vLLM {VLLM_VERSION} tree extracted into {args.site}")
+            target = install_vllm_tree(args.src, args.site)
+            print(f"vLLM {target.vllm} tree extracted into {args.site}")
         elif args.cmd == "check":
             absent = missing_in_site(args.site)
             if absent:
                 print(f"{args.site} lacks {absent}", file=sys.stderr)
                 return 1
-            print(f"{args.site} has vLLM's required files")
+            print(f"{args.site} has vLLM {site_target(args.site).vllm}'s required files")
     except (OSError, ValueError, tarfile.TarError, KeyError) as exc:
         print(f"e2e_bundle {args.cmd}: {exc}", file=sys.stderr)
         return 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def test_planned_finishes_every_case_at_095(tmp_path: Path) -> None:
 def test_member_kind_keeps_what_the_h200_loads() -> None:
     assert eb.member_kind("vllm/__init__.py") == "core"
     assert eb.member_kind("vllm/_flashmla_C.abi3.so") == "core"
-    assert eb.member_kind(f"{eb.DIST_INFO}/METADATA") == "core"
+    assert eb.member_kind(f"{eb.target_for('0.26').dist_info}/METADATA") == "core"
     assert eb.member_kind(eb.FA3_SO) == "fa3"
     assert eb.member_kind("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so") == "drop"
     assert eb.member_kind("vllm/third_party/fmha_sm100/include/x.hpp") == "drop"
@@ -101,10 +102,10 @@ def write_wheel(path: Path, name: str, version: str, files: dict[str, str], entr
     return path
 
 
-def toy_vllm_wheel(path: Path) -> Path:
+def toy_vllm_wheel(path: Path, version: str = "0.26.0") -> Path:
     """The vLLM wheel's layout in miniature, with a file of each kind member_kind sorts."""
     files = {
-        "vllm/__init__.py": '__version__ = "0.26.0"\n',
+        "vllm/__init__.py": f'__version__ = "{version}"\n',
         "vllm/_flashmla_C.abi3.so": "kernels\n",
         eb.FA3_SO: "fa3\n" * 1000,
         "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": "fa2\n",
@@ -112,15 +113,17 @@ def toy_vllm_wheel(path: Path) -> Path:
         "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": "311\n",
         "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so": "312\n",
     }
-    return write_wheel(path, "vllm", "0.26.0", files)
+    return write_wheel(path, "vllm", version, files)
 
 
-def stage_toy(root: Path, chunk_bytes: int) -> dict[str, Any]:
+def stage_toy(root: Path, chunk_bytes: int, version: str = "0.26.0") -> dict[str, Any]:
     """What scripts/e2e_stage.py does, on the toy wheel and a toy dependency: parts in root/.e2e/parts."""
-    build = root / "build"
-    core, fa3 = eb.pack_vllm_wheel(toy_vllm_wheel(build / "vllm-0.26.0-py3-none-any.whl"), build)
-    dep = write_wheel(build / "toydep-1.0-py3-none-any.whl", "toydep", "1.0", {"toydep/__init__.py": ""})
-    bundle = eb.make_bundle([(eb.CORE_TAR, core), (eb.FA3_TAR, fa3), (f"{eb.WHEELS_DIR}/{dep.name}", dep)],
+    build = root / "build" / version
+    core, fa3 = eb.pack_vllm_wheel(toy_vllm_wheel(build / f"vllm-{version}-py3-none-any.whl", version), build)
+    dep_name = f"toydep{version.replace('.', '')}"
+    dep = write_wheel(build / f"{dep_name}-1.0-py3-none-any.whl", dep_name, "1.0", {f"{dep_name}/__init__.py": ""})
+    bundle = eb.make_bundle(eb.target_for(version),
+                            [(eb.CORE_TAR, core), (eb.FA3_TAR, fa3), (f"{eb.WHEELS_DIR}/{dep.name}", dep)],
                             build / eb.BUNDLE)
     return eb.split_into_parts(bundle, root / ".e2e" / "parts", chunk_bytes)
 
@@ -148,7 +151,7 @@ def test_pack_split_join_unpack_round_trip(tmp_path: Path) -> None:
     for dropped in ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/third_party/fmha_sm100/x.hpp",
                     "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so"):
         assert not (site / dropped).exists(), dropped
-    assert [p.name for p in (unpacked / eb.WHEELS_DIR).iterdir()] == ["toydep-1.0-py3-none-any.whl"]
+    assert [p.name for p in (unpacked / eb.WHEELS_DIR).iterdir()] == ["toydep0260-1.0-py3-none-any.whl"]
 
 
 def test_join_refuses_a_corrupt_chunk(tmp_path: Path) -> None:
@@ -194,10 +197,43 @@ def test_device_install_stashes_installs_and_checks(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "installed 1 dependency wheels" in r.stdout
     assert "import ok: vllm 0.26.0" in r.stdout and "mla_planner = mla_planner:register" in r.stdout
-    assert (tmp_path / "site/toydep/__init__.py").is_file()
+    assert (tmp_path / "site/toydep0260/__init__.py").is_file()
     r = device_install(repo, tmp_path, "install")  # idempotent: vLLM skipped, our wheel reinstalled
     assert r.returncode == 0, r.stdout + r.stderr
     assert "already installed from this bundle: skipped" in r.stdout
+
+
+def test_device_install_switching_version_clears_the_site(tmp_path: Path) -> None:
+    """Staging 0.33 after 0.26: the site ends with 0.33's vLLM and wheels only, none of 0.26's."""
+    repo = tmp_path / "repo"
+    (repo / "tests/e2e").mkdir(parents=True)
+    for name in ("device_install.sh", "e2e_bundle.py"):
+        shutil.copy(HERE / name, repo / "tests/e2e" / name)
+    write_wheel(repo / ".whl/mla_planner-0.1.0-py3-none-any.whl", "mla_planner", "0.1.0",
+                {"mla_planner/__init__.py": '__version__ = "0.1.0"\n'},
+                entry_points="[vllm.general_plugins]\nmla_planner = mla_planner:register\n")
+    for version in ("0.26.0", "0.33.0"):
+        for k in range(1, len(stage_toy(repo, chunk_bytes=1 << 20, version=version)["chunks"]) + 1):
+            assert device_install(repo, tmp_path, "stash", str(k)).returncode == 0
+        r = device_install(repo, tmp_path, "install")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"import ok: vllm {version}" in r.stdout
+    assert "holds another staging: clearing it" in r.stdout
+    site = tmp_path / "site"
+    assert sorted(p.name for p in site.glob("vllm-*.dist-info")) == ["vllm-0.33.0.dist-info"]
+    assert (site / "toydep0330").is_dir() and not (site / "toydep0260").exists()
+
+
+def test_staging_targets_pin_one_version_of_each_wheel() -> None:
+    for minor, target in eb.TARGETS.items():
+        assert target.vllm.startswith(minor + ".") and eb.target_for(target.vllm) is target
+        names = [re.sub(r"[-_.]+", "-", dep.split("==")[0]).lower() for dep in target.dependencies]
+        assert all(dep.count("==") == 1 for dep in target.dependencies), minor
+        assert len(names) == len(set(names)), f"{minor}: a wheel named twice"
+        # What the image has stays the image's; what the run never imports stays out.
+        assert not {"torch", "triton", "vllm", "numpy", "transformers", "tokenizers"} & set(names), minor
+    with pytest.raises(ValueError, match="no staging target for vLLM 0.27"):
+        eb.target_for("0.27.1")
 
 
 def test_device_install_check_wants_our_entry_point(tmp_path: Path) -> None:
