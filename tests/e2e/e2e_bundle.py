@@ -48,7 +48,8 @@ class Target:
     included), less what the H200 image has (the device tool's KINDS.md package list) and less the
     GPU-kernel packages this model never imports (torch, triton, nvidia-*, flashinfer's cubins and
     NCCL bindings, tilelang, quack, humming, tokenspeed, video codecs): cp312 wheels, installed with
-    --no-deps. vLLM 0.33 imports flashinfer with its sparse-MLA backend, so its 62 MB wheel travels.
+    --no-deps. vLLM 0.33 imports flashinfer with its sparse-MLA backend, so its 62 MB wheel travels,
+    and CUTLASS's DSL (97 MB) for the model's fused q kernel.
     """
 
     vllm: str
@@ -98,6 +99,10 @@ TARGETS = {
     "0.33": Target("0.33.0", _SHARED + (
         "anthropic==2.15.0", "apache-tvm-ffi==0.1.11", "flashinfer-python==0.7.2.post1", "orjson==3.13.0",
         "oss-harmony==0.0.11", "xgrammar==0.2.8",
+        # DeepSeek-V3.2's fused q kernel is CuTe DSL on CUDA (models/deepseek_v32/common/kernels.py
+        # imports it unconditionally there): the CUDA 13 build of CUTLASS's Python DSL travels.
+        "nvidia-cutlass-dsl==4.8.0", "nvidia-cutlass-dsl-libs-base==4.8.0", "nvidia-cutlass-dsl-libs-core==4.8.0",
+        "nvidia-cutlass-dsl-libs-cu13==4.8.0",
     )),
 }
 DEFAULT_TARGET = "0.26"
