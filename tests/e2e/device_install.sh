@@ -6,8 +6,11 @@
 #                                              $E2E_SITE (/tmp/site), then every .whl/*.whl
 #                                              (this project's abi3 wheel at least), and check the imports
 #   bash tests/e2e/device_install.sh check     only the import and entry-point check
+#   bash tests/e2e/device_install.sh pythonpath   the PYTHONPATH the runs need: $E2E_SITE and the paths
+#                                              its .pth files add (pip --target leaves those unread)
 # Idempotent: install skips the vLLM step when /tmp/site already holds this bundle; our wheel is
-# always reinstalled (it changes between runs). Use with PYTHONPATH=$E2E_SITE.
+# always reinstalled (it changes between runs). Use with
+#   export PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -17,8 +20,17 @@ PY=${PYTHON:-python3}
 BUNDLE_PY=tests/e2e/e2e_bundle.py
 PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE")
 
+pythonpath() {
+    # vLLM 0.33's CUTLASS DSL reaches its packages through a .pth file, which Python reads only in a
+    # site directory, never on PYTHONPATH: name what the site's .pth files add.
+    "$PY" -c 'import site, sys
+before = set(sys.path)
+site.addsitedir(sys.argv[1])
+print(":".join([sys.argv[1]] + [p for p in sys.path if p not in before and p != sys.argv[1]]))' "$SITE"
+}
+
 check() {
-    PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'EOF'
+    PYTHONPATH="$(pythonpath)${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'EOF'
 import importlib.metadata as md
 import sys
 
@@ -83,8 +95,11 @@ check)
     "$PY" "$BUNDLE_PY" check --site "$SITE"
     check
     ;;
+pythonpath)
+    pythonpath
+    ;;
 *)
-    sed -n '2,10p' "$0" >&2
+    sed -n '2,13p' "$0" >&2
     exit 2
     ;;
 esac

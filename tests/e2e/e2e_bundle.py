@@ -103,6 +103,8 @@ TARGETS = {
         # imports it unconditionally there): the CUDA 13 build of CUTLASS's Python DSL travels.
         "nvidia-cutlass-dsl==4.8.0", "nvidia-cutlass-dsl-libs-base==4.8.0", "nvidia-cutlass-dsl-libs-core==4.8.0",
         "nvidia-cutlass-dsl-libs-cu13==4.8.0",
+        # With CuTe DSL importable, vLLM's SM90 warm-up compiles its router GEMM, which builds on QuACK.
+        "quack-kernels==0.6.5",
     )),
 }
 DEFAULT_TARGET = "0.26"

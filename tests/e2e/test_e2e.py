@@ -224,6 +224,23 @@ def test_device_install_switching_version_clears_the_site(tmp_path: Path) -> Non
     assert (site / "toydep0330").is_dir() and not (site / "toydep0260").exists()
 
 
+def test_device_install_pythonpath_names_what_pth_files_add(tmp_path: Path) -> None:
+    """A package that reaches its modules through a .pth file (CUTLASS's DSL) is importable with
+    the printed PYTHONPATH, though not with the site alone."""
+    site = tmp_path / "site"
+    (site / "dsl/dsl_packages/cutelike").mkdir(parents=True)
+    (site / "dsl/__init__.py").write_text("")
+    (site / "dsl/dsl_packages/cutelike/__init__.py").write_text("")
+    (site / "dsl.pth").write_text("import sys, os, dsl; sys.path.insert(0, os.path.join(dsl.__path__[0], 'dsl_packages'))")
+    r = device_install(HERE.parent.parent, tmp_path, "pythonpath")
+    assert r.returncode == 0, r.stderr
+    path = r.stdout.strip()
+    assert path.split(":")[0] == str(site) and str(site / "dsl/dsl_packages") in path.split(":")
+    probe = [sys.executable, "-S", "-c", "import cutelike"]
+    assert subprocess.run(probe, env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True).returncode != 0
+    assert subprocess.run(probe, env=dict(os.environ, PYTHONPATH=path), capture_output=True).returncode == 0
+
+
 def test_staging_targets_pin_one_version_of_each_wheel() -> None:
     for minor, target in eb.TARGETS.items():
         assert target.vllm.startswith(minor + ".") and eb.target_for(target.vllm) is target
