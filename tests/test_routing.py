@@ -347,13 +347,19 @@ def test_malformed_profile_file_is_an_error(tmp_path: Path) -> None:
         load_profile(path)
 
 
-def test_packaged_profiles_are_valid() -> None:
-    from mla_planner.routing import default_profile_path
+def test_packaged_profiles_are_valid_and_found_by_their_kernels() -> None:
+    """Each packaged profile parses, and is the default for its architecture and kernel build."""
+    import json
+    from importlib import resources
 
-    for arch in ("sm90", "sm100"):
-        path = default_profile_path(arch)
-        if path.exists():
-            assert CostModel.from_json(path.read_text()).arch == arch
+    from mla_planner.routing import PROFILE_DIR, default_profile_path
+
+    packaged = sorted(p for p in (resources.files("mla_planner.data") / PROFILE_DIR).iterdir() if p.name.endswith(".json"))
+    assert packaged, "no packaged profile"
+    for entry in packaged:
+        text = entry.read_text()
+        arch, kernels = CostModel.from_json(text).arch, json.loads(text)["environment"]["kernels"]
+        assert default_profile_path(arch, kernels).name == entry.name
 
 
 # --- calibrate's arithmetic -------------------------------------------------------------

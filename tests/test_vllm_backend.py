@@ -516,7 +516,7 @@ def test_packaged_profile_for_another_machine_is_vllms_rule_with_one_warning(
 
     measured_on = {"gpu": "NVIDIA H200", "driver": "570", "cuda": "12.8", "torch": "2.11", "kernels": "vllm 0.26.0", "gather": "-"}
     packaged = write_profile(tmp_path / "sm90.json", json.dumps(dict(ROUTING_PROFILE, environment=measured_on)).encode())
-    monkeypatch.setattr(routing, "default_profile_path", lambda arch="sm90": packaged)
+    monkeypatch.setattr(routing, "default_profile_path", lambda arch="sm90", kernels=None: packaged)
     monkeypatch.setattr(routing, "current_environment", lambda kernels, gather: dict(measured_on, gpu="NVIDIA H100"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the machine check runs on a GPU only
     monkeypatch.delenv("MLA_PLANNER_COST_PROFILE")

@@ -25,7 +25,7 @@ from mla_planner._core import COST_PROFILE_ENVIRONMENT_KEYS
 
 logger = logging.getLogger(__name__)
 
-PROFILE_DIR = "profiles"  # under mla_planner/data: one profile per architecture, <arch>.json
+PROFILE_DIR = "profiles"  # under mla_planner/data: one per architecture and kernel build, <arch>-<kernels>.json
 VLLM_RULE = "vLLM's rule (mixed batch below 32 heads per rank)"
 GATHER_OPS = {
     "vllm": "cp_gather_and_upconvert_fp8_kv_cache",
@@ -34,9 +34,13 @@ GATHER_OPS = {
 KERNEL_PACKAGES = {"vllm": "vllm", "flash_mla": "sgl-flash-mla"}
 
 
-def default_profile_path(arch: str = "sm90") -> Path:
-    """Where the packaged profile for ``arch`` lives (it may not exist)."""
-    return Path(str(resources.files("mla_planner.data") / PROFILE_DIR / f"{arch}.json"))
+def default_profile_path(arch: str = "sm90", kernels: str | None = None) -> Path:
+    """Where the packaged profile for ``arch`` and ``kernels`` lives (it may not exist). A profile
+    prices one build of the kernels, and vLLM ships its own with each release: ``kernels`` as a
+    profile's environment names them (``"vllm 0.33.0"``), by default the installed vLLM's."""
+    kernels = _package_version("vllm") if kernels is None else kernels
+    name = f"{arch}-{kernels.replace(' ', '-')}.json"
+    return Path(str(resources.files("mla_planner.data") / PROFILE_DIR / name))
 
 
 def load_profile(
