@@ -317,7 +317,7 @@ class Backend:
     """A builder and an impl of one layer, on the CPU, with the reference kernels."""
 
     def __init__(self, tmp: pathlib.Path, monkeypatch: pytest.MonkeyPatch, *, num_heads: int,
-                 cost_profile: pathlib.Path | None = None) -> None:
+                 cost_profile: pathlib.Path | None = None, dense_prefill: bool = False) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
         from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
@@ -332,7 +332,7 @@ class Backend:
         self.num_heads = num_heads
         self.provider = RecordingProvider()
         self.kernels = KernelRecorder()
-        self.config = vllm_config(model_dir(tmp, num_heads=num_heads, topk=TOPK))
+        self.config = vllm_config(model_dir(tmp, num_heads=num_heads, topk=TOPK), dense_prefill=dense_prefill)
         self._cpu = cpu_vllm(monkeypatch, self.provider, self.kernels)
         self._cpu.__enter__()
         spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8,
@@ -433,6 +433,26 @@ def test_mixed_decode_only_runs_stock(mixed: Backend, gen: torch.Generator) -> N
     out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:3], case["metadata"]))
     torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
     assert mixed.kernels.decode_calls == [(1, 3, 64, 576)] and mixed.provider.launch_q == []
+
+
+# Three decodes and a new 40-token prompt: under top-k (128), so it runs dense MHA.
+CHAT_QUERY_LENS, CHAT_CONTEXT_LENS = [1, 1, 1, 40], [70, 200, 5, 0]
+
+
+def test_separate_decodes_next_to_a_dense_prefill_run_stocks_call(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   gen: torch.Generator) -> None:
+    backend = Backend(tmp_path, monkeypatch, num_heads=32, dense_prefill=True)
+    try:
+        case = backend.step(CHAT_QUERY_LENS, CHAT_CONTEXT_LENS, gen)
+        md = case["metadata"]
+        assert not md.fp8_use_mixed_batch and md.planned.plan.launches.tolist() == [[0, 3, 0, 3, -1]]
+        backend.topk_buffer[:3] = case["positions"][:3]
+        out = forward_out(backend.impl._forward_fp8_kv_separate_prefill_decode(
+            case["q"][:3], case["kv_cache"], backend.topk_buffer[:3], md))
+        torch.testing.assert_close(out, case["expected"][:3], rtol=1e-5, atol=1e-5)
+        assert backend.kernels.decode_calls == [(3, 1, 64, 576)] and backend.provider.launch_q == []
+    finally:
+        backend.close()
 
 
 def test_separate_impl_runs_the_planned_launches(separate: Backend, gen: torch.Generator) -> None:
