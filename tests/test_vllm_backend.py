@@ -435,8 +435,66 @@ def test_mixed_decode_only_runs_stock(mixed: Backend, gen: torch.Generator) -> N
     assert mixed.kernels.decode_calls == [(1, 3, 64, 576)] and mixed.provider.launch_q == []
 
 
+@pytest.fixture
+def chat(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
+    """16 heads with a dense-MHA prefill backend, as vLLM serves a chat workload: short prefills
+    (at most top-k tokens) never reach the sparse kernels."""
+    backend = Backend(tmp_path, monkeypatch, num_heads=16, dense_prefill=True)
+    yield backend
+    backend.close()
+
+
 # Three decodes and a new 40-token prompt: under top-k (128), so it runs dense MHA.
 CHAT_QUERY_LENS, CHAT_CONTEXT_LENS = [1, 1, 1, 40], [70, 200, 5, 0]
+
+
+def test_a_chat_step_runs_stocks_one_call(chat: Backend, gen: torch.Generator) -> None:
+    """Decodes next to a dense prefill: the plan is one decode-kernel launch over the decode tokens,
+    exactly the call stock makes, so stock's code runs it unchanged on every layer."""
+    case = chat.step(CHAT_QUERY_LENS, CHAT_CONTEXT_LENS, gen)
+    md = case["metadata"]
+    step = md.planned
+    assert not chat.builder.force_mqa and md.fp8_use_mixed_batch
+    assert step.plan.launches.tolist() == [[0, 3, 0, 3, -1]] and step.sparse_tokens == 3
+    assert step.stock_call_bytes == int(step.plan.launch_bytes[0]) <= chat.impl.stock_call_allowance
+    q = case["q"][:3]  # vLLM hands the sparse kernels the decode tokens only
+    chat.topk_buffer[:3] = case["positions"][:3]
+    for _ in range(2):
+        out = forward_out(chat.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], chat.topk_buffer[:3], md))
+        torch.testing.assert_close(out, case["expected"][:3], rtol=1e-5, atol=1e-5)
+    assert chat.kernels.decode_calls == [(1, 3, 64, 576)] * 2, "the plan's one launch, as stock's one call per layer"
+    assert chat.provider.launch_q == []
+
+
+def test_a_plan_of_one_launch_runs_as_stocks_call(mixed: Backend, gen: torch.Generator) -> None:
+    """Sparse prefill tokens too: a step the budget leaves whole is stock's one call."""
+    case = mixed.step([1, 1, 100], [70, 9, 0], gen)
+    md, q = case["metadata"], case["q"]
+    assert md.planned.plan.launches[:, :2].tolist() == [[0, 102]]
+    mixed.topk_buffer[:102] = case["positions"]
+    out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:102], md))
+    torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
+    assert mixed.kernels.decode_calls == [(1, 102, 64, 576)] and mixed.provider.launch_q == []
+
+
+def test_a_launch_over_the_stock_allowance_runs_the_planned_launches(mixed: Backend, gen: torch.Generator) -> None:
+    """Where stock's call would allocate more than the reservation holds for it (vLLM 0.33: the
+    profile run holds what this backend allocates beyond vLLM's workspace, not the padded q and
+    output stock allocates itself), the executor runs the plan's one launch."""
+    case = mixed.step([1, 1, 100], [70, 9, 0], gen)
+    md, q = case["metadata"], case["q"]
+    mixed.impl.stock_call_allowance = md.planned.stock_call_bytes - 1
+    mixed.topk_buffer[:102] = case["positions"]
+    out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:102], md))
+    torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
+    assert [tuple(x.shape) for x in mixed.provider.launch_q] == [(1, 102, 64, 576)] and mixed.kernels.decode_calls == []
+
+
+def test_tokens_the_plan_does_not_cover_are_refused(chat: Backend, gen: torch.Generator) -> None:
+    case = chat.step(CHAT_QUERY_LENS, CHAT_CONTEXT_LENS, gen)
+    chat.topk_buffer[:43] = case["positions"]
+    with pytest.raises(RuntimeError, match="vLLM hands the sparse kernels 43 tokens, the plan covers 3"):
+        chat.impl._forward_fp8_kv_mixed_batch(case["q"], case["kv_cache"], chat.topk_buffer[:43], case["metadata"])
 
 
 def test_separate_decodes_next_to_a_dense_prefill_run_stocks_call(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
