@@ -25,6 +25,7 @@ from vllm_cpu import (  # noqa: E402
     RecordingProvider,
     causal_positions,
     common_metadata,
+    convert_req_index_to_global_index,
     cpu_vllm,
     custom_backend_in_this_process,
     forward_out,
@@ -260,9 +261,9 @@ def test_only_the_seam_names_what_differs_between_vllm_versions() -> None:
     import ast
     import inspect
 
-    from mla_planner.vllm_backend import backend, engine_config, plugin, settings
+    from mla_planner.vllm_backend import backend, engine_config, plugin, settings, warmup
 
-    for module in (backend, engine_config, plugin, settings, reservation):
+    for module in (backend, engine_config, plugin, settings, reservation, warmup):
         names = {node.attr if isinstance(node, ast.Attribute) else node.id
                  for node in ast.walk(ast.parse(inspect.getsource(module)))
                  if isinstance(node, (ast.Attribute, ast.Name))}
@@ -722,3 +723,85 @@ def test_the_process_settings_are_read_once_per_set_of_values(monkeypatch: pytes
     monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", "256")
     assert read_settings().scratch_mb == 256, "another value is read anew"
     assert settings_module.read_settings({"MLA_PLANNER_SCRATCH_MB": "128"}).scratch_mb == 128
+
+
+# -- Triton warm-up -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("routes, expected", [
+    ({"mixed_batch"}, [(False, False)]),
+    ({"separate_prefill_decode"}, [(True, True), (True, False)]),
+    ({"mixed_batch", "separate_prefill_decode"}, [(False, False), (True, True), (True, False)]),
+])
+def test_warm_up_translates_once_per_variant_stock_does_not_compile(
+    monkeypatch: pytest.MonkeyPatch, routes: set[str], expected: list[tuple[bool, bool]]
+) -> None:
+    """Each variant of vLLM's translation the routes use beyond stock's own (no workspace, row 0):
+    with or without the prefill workspace, request ids on or off a 16-byte boundary (Triton
+    specializes pointers on it), shaped like the call's block table and top-k."""
+    from mla_planner.vllm_backend import vllm_api, warmup
+
+    calls: list[tuple[bool, bool, tuple[int, ...], int]] = []
+
+    def recording(req_id: torch.Tensor, block_table: torch.Tensor, token_indices: torch.Tensor, **kwargs: Any) -> Any:
+        prefill = kwargs.get("HAS_PREFILL_WORKSPACE", False)
+        if prefill:
+            ids = kwargs["prefill_workspace_request_ids"]
+            assert ids.data_ptr() % 16 == req_id.data_ptr() % 16, "both id pointers start at the launch's row"
+        calls.append((prefill, req_id.data_ptr() % 16 == 0, tuple(block_table.shape), kwargs["NUM_TOPK_TOKENS"]))
+        return convert_req_index_to_global_index(req_id, block_table, token_indices, **kwargs)
+
+    monkeypatch.setattr(vllm_api.utils, "triton_convert_req_index_to_global_index", recording)
+    block_table = torch.zeros((5, 320), dtype=torch.int32)
+    warmup.warm_up(warmup.variants(routes), block_table, 64, None, TOPK)
+    assert calls == [(prefill, aligned, (1, 320), TOPK) for prefill, aligned in expected]
+
+
+def test_the_first_fp8_forward_warms_up_once(mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the call's block table width, block size, the cache's block stride and top-k, before
+    stock's code runs (a decode-only step: vLLM's capture warm-up)."""
+    from mla_planner.vllm_backend import vllm_api, warmup
+
+    calls: list[tuple[int, int, int | None, int]] = []
+
+    def recording(block_table: torch.Tensor, block_size: int, block_stride_rows: int | None, topk: int) -> None:
+        calls.append((block_table.shape[1], block_size, block_stride_rows, topk))
+        warmup.pending = False
+
+    monkeypatch.setattr(warmup, "pending", True)
+    monkeypatch.setattr(warmup, "maybe_warm_up", recording)
+    case = mixed.step([1, 1, 1], [40, 9, 300], gen)
+    mixed.topk_buffer[:3] = case["positions"]
+    for _ in range(2):
+        mixed.impl._forward_fp8_kv_mixed_batch(case["q"], case["kv_cache"], mixed.topk_buffer[:3], case["metadata"])
+    stride = vllm_api.fp8_kv_pages(case["kv_cache"], 64)[1]
+    assert calls == [(case["metadata"].block_table.shape[1], 64, stride, TOPK)]
+
+
+def warm_up_pending() -> bool:
+    """The warm-up module's flag, read afresh (an assert on the attribute would narrow it for mypy)."""
+    from mla_planner.vllm_backend import warmup
+
+    return warmup.pending
+
+
+def test_no_warm_up_off_cuda_or_inside_a_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mla_planner.vllm_backend import warmup
+
+    warmed: list[object] = []
+    monkeypatch.setattr(warmup, "warm_up", lambda *args: warmed.append(args))
+    monkeypatch.setattr(warmup, "pending", True)
+    warmup.maybe_warm_up(torch.zeros((1, 8), dtype=torch.int32), 64, None, TOPK)
+    assert warmed == [] and not warm_up_pending(), "no Triton on the CPU: nothing to compile, ever"
+
+    class CudaTable:  # what maybe_warm_up reads of a CUDA block table
+        device = torch.device("cuda")
+
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(warmup, "pending", True)
+    warmup.maybe_warm_up(CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
+    assert warmed == [] and warm_up_pending(), "a capture would record the warm-up into the graph: later"
+    capturing[0] = False
+    warmup.maybe_warm_up(CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
+    assert len(warmed) == 1 and not warm_up_pending()

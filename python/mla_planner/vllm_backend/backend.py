@@ -53,7 +53,7 @@ import mla_planner
 from mla_planner import routing
 from mla_planner.executor.mixed_batch import Launches, MixedBatchExecutor
 from mla_planner.executor.providers import KernelProvider, VllmProvider
-from mla_planner.vllm_backend import engine_config, reservation, vllm_api
+from mla_planner.vllm_backend import engine_config, reservation, vllm_api, warmup
 from mla_planner.vllm_backend.settings import read_settings
 
 # Under vLLM's logger, so the lines come out with vLLM's format and VLLM_LOGGING_LEVEL.
@@ -155,6 +155,10 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             logger.info_once("mla-planner: %s: every step runs vLLM's own code", self.stock_reason)
         self.mixed_executor = MixedBatchExecutor(self.provider, self.step_config) if self.plans_steps else None
         self.cost_model = None if settings.vllm_rule else routing.load_for_engine(self.cost_profile, self.step_config)
+        if self.plans_steps:
+            # A cost profile may route a step either way; vLLM's rule takes one route.
+            warmup.expect_routes({"mixed_batch", "separate_prefill_decode"} if self.cost_model is not None
+                                 else {self.step_config.mode})
         # Once per process, like the budget: which rule routes FP8 steps.
         logger.info_once("mla-planner: FP8 steps routed by %s",
                          "the cost profile" if self.cost_model is not None
@@ -270,6 +274,11 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
             )
         return step.stock_call_bytes is not None and step.stock_call_bytes <= self.stock_call_allowance
 
+    def warm_up(self, md: FlashMLASparseMetadata, kv_cache: torch.Tensor, topk_indices: torch.Tensor) -> None:
+        """:func:`.warmup.maybe_warm_up` with this call's block table, block size and cache."""
+        _pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
+        warmup.maybe_warm_up(md.block_table, md.block_size, block_stride_rows, topk_indices.shape[1])
+
     def largest_launches(self, scratch_bytes: int) -> list[reservation.LaunchReservation]:
         vllm_config = get_current_vllm_config()
         device = torch.device(vllm_config.device_config.device or "cuda")
@@ -309,6 +318,8 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
     ) -> Any:
         # vllm_api: 0.33 returns (out, lse | None) and takes kernel_metadata= (its PCP+DCP decode
         # rows, which never carry a plan); 0.26 returns out.
+        if warmup.pending:
+            self.warm_up(attn_metadata, kv_c_and_k_pe_cache, topk_indices)
         step = getattr(attn_metadata, "planned", None)
         if step is None or args or kwargs.get("kernel_metadata") is not None or self.runs_stock_call(step, q):
             return FlashMLASparseImpl._forward_fp8_kv_mixed_batch(
@@ -339,6 +350,8 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         topk_indices: torch.Tensor,
         attn_metadata: FlashMLASparseMetadata,
     ) -> Any:
+        if warmup.pending:
+            self.warm_up(attn_metadata, kv_c_and_k_pe_cache, topk_indices)
         step = getattr(attn_metadata, "planned", None)
         if step is None or self.runs_stock_call(step, q):
             return FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode(
