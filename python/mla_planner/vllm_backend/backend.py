@@ -34,7 +34,6 @@ import functools
 import logging
 from typing import Any, NamedTuple, cast
 
-import numpy as np
 import torch
 from vllm import _custom_ops as ops
 from vllm.config import VllmConfig, get_current_vllm_config
@@ -193,11 +192,13 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
     def plan(self, metadata: PlannedFlashMLASparseMetadata, common: CommonAttentionMetadata) -> mla_planner.StepPlan:
         """The step's plan, with vLLM's FP8 metadata rebuilt for its route where that is not the
         route vLLM's rule took."""
-        starts = common.query_start_loc_cpu.numpy().astype(np.int64)
+        # vLLM's int32 CPU copies as they are: the planner widens them itself, and a copy to int64
+        # here cost more than the planning of a small step.
+        starts = common.query_start_loc_cpu.numpy()
         query_lens = starts[1:] - starts[:-1]
         seq_lens = common.seq_lens_cpu_upper_bound
         assert seq_lens is not None
-        context_lens = seq_lens.numpy().astype(np.int64)[: len(query_lens)] - query_lens
+        context_lens = seq_lens.numpy()[: len(query_lens)] - query_lens
         plan = routing.plan_step(self.cost_model, query_lens, context_lens, metadata.num_decodes, self.step_config)
         mixed = plan.mode == "mixed_batch"
         if mixed != metadata.fp8_use_mixed_batch:
