@@ -799,9 +799,14 @@ def test_no_warm_up_off_cuda_or_inside_a_graph_capture(monkeypatch: pytest.Monke
 
     capturing = [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(warmup, "_routes", {"mixed_batch"})
     monkeypatch.setattr(warmup, "pending", True)
     warmup.maybe_warm_up(CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
     assert warmed == [] and warm_up_pending(), "a capture would record the warm-up into the graph: later"
     capturing[0] = False
     warmup.maybe_warm_up(CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
     assert len(warmed) == 1 and not warm_up_pending()
+    monkeypatch.setattr(warmup, "_routes", set())  # no builder plans steps (e.g. a BF16 cache)
+    monkeypatch.setattr(warmup, "pending", True)
+    warmup.maybe_warm_up(CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
+    assert len(warmed) == 1 and not warm_up_pending(), "stock's code only: nothing beyond vLLM's own variants"

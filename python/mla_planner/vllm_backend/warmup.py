@@ -22,11 +22,15 @@ graph capture, which would record the warm-up into the graph.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
+from vllm.logger import init_logger
 
 from mla_planner.vllm_backend import vllm_api
+
+logger = init_logger("vllm.mla_planner")
 
 ROUTES = ("mixed_batch", "separate_prefill_decode")
 
@@ -68,7 +72,16 @@ def maybe_warm_up(block_table: torch.Tensor, block_size: int, block_stride_rows:
     if torch.cuda.is_current_stream_capturing():
         return
     pending = False
-    warm_up(variants(_routes), block_table, block_size, block_stride_rows, topk)
+    todo = variants(_routes)
+    if not todo:
+        return
+    start = time.perf_counter()
+    warm_up(todo, block_table, block_size, block_stride_rows, topk)
+    # Once per process, with its cost: a start-up compile to see in the log (and on the first
+    # CUDA-graph capture's progress bar), not a stall in the middle of serving.
+    logger.info("mla-planner: %d variants of vLLM's Triton index translation compiled (or loaded from Triton's "
+                "cache) in %.0f ms for routes %s", len(todo), (time.perf_counter() - start) * 1e3,
+                ", ".join(sorted(_routes)))
 
 
 def warm_up(variants: list[tuple[bool, int]], block_table: torch.Tensor, block_size: int,
