@@ -1,7 +1,7 @@
 """The CPU-side overhead the planned backend adds to a vLLM step, next to stock FlashMLA sparse:
 microseconds per metadata build and per layer call on the same steps, with fake kernels.
 
-    PYTHONPATH=python:tests python benchmarks/step_overhead_bench.py [--repeats 3000]
+    PYTHONPATH=python:tests python benchmarks/step_overhead_bench.py [--repeats 2000] [--baseline TREE]
 
 What it measures is Python and torch-dispatch work only. Nothing runs on a GPU: the FlashMLA
 kernels, vLLM's Triton index translation and its gather op are fakes that return an output of the
@@ -28,13 +28,22 @@ Each engine builds the step and runs its two layer calls; engines take turns wit
 (the order rotates) so drift hits them alike; the figures are medians. "planned" routes by
 vLLM's rule (``MLA_PLANNER_COST_PROFILE=none``); "planned+profile" by the packaged H200 cost
 profile (no GPU here, so the machine check is skipped, as in the CPU tests).
+
+``--baseline TREE`` adds the backend of another checkout (e.g. ``git archive COMMIT python | tar
+-x -C TREE``) as "baseline" engines in the same process, so a before/after comparison is not
+confounded by the machine's speed drifting between runs: its ``vllm_backend`` and ``executor``
+packages are copied under the package name ``baseline``; the rest of ``mla_planner`` (the Rust
+core, routing) is this checkout's, so the two must share it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import pathlib
+import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -115,20 +124,47 @@ def no_gather(*args: Any) -> None:
 
 
 @contextmanager
-def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """tests/vllm_cpu.py's CPU stand-ins for vLLM's GPU-only pieces, with kernels that do nothing."""
+def fake_vllm(monkeypatch: pytest.MonkeyPatch, backend_packages: list[str]) -> Iterator[None]:
+    """tests/vllm_cpu.py's CPU stand-ins for vLLM's GPU-only pieces, with kernels that do nothing,
+    for this checkout's backend and every package in ``backend_packages`` (a baseline's)."""
     import vllm.v1.attention.backends.mla.flashmla_sparse as stock
-
-    from mla_planner.vllm_backend import backend, reservation
 
     with cpu_vllm(monkeypatch, FakeProvider(), FakeKernels()):  # type: ignore[arg-type]  # duck-typed fakes
         for name in ("flashmla_sparse", "sparse_utils", "index_group"):
             patch_if_present(monkeypatch, f"vllm.v1.attention.backends.mla.{name}",
                              "triton_convert_req_index_to_global_index", fake_translation)
-        monkeypatch.setattr(backend.ops, "cp_gather_and_upconvert_fp8_kv_cache", no_gather)
         monkeypatch.setattr(stock.ops, "cp_gather_and_upconvert_fp8_kv_cache", no_gather, raising=False)
-        monkeypatch.setattr(reservation, "reserve", lambda num_bytes, device: False)  # no 1 GiB on the host
+        for package in ["mla_planner.vllm_backend", *backend_packages]:
+            fake_backend_kernels(monkeypatch, package)
         yield
+
+
+def fake_backend_kernels(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
+    """What one backend package calls on the GPU: the SM count, its provider, kernels and gather,
+    and the host-sized scratch reservation."""
+    backend = importlib.import_module(f"{package}.backend")
+    engine_config = importlib.import_module(f"{package}.engine_config")
+    reservation = importlib.import_module(f"{package}.reservation")
+    monkeypatch.setattr(engine_config, "num_compute_units", lambda device_id=None: 132)
+    monkeypatch.setattr(backend, "kernel_provider", FakeProvider)
+    monkeypatch.setattr(backend, "flash_mla_sparse_fwd", FakeKernels().flash_mla_sparse_fwd)
+    monkeypatch.setattr(backend.ops, "cp_gather_and_upconvert_fp8_kv_cache", no_gather)
+    monkeypatch.setattr(reservation, "reserve", lambda num_bytes, device: False)  # no 1 GiB on the host
+
+
+def load_baseline(tree: pathlib.Path, into: pathlib.Path) -> str:
+    """``tree``'s ``vllm_backend`` and ``executor`` as the package ``baseline`` under ``into`` (put
+    on ``sys.path``), their imports of each other renamed; returns the backend package's name."""
+    source = tree / "python" / "mla_planner"
+    package = into / "baseline"
+    for sub in ("vllm_backend", "executor"):
+        shutil.copytree(source / sub, package / sub)
+    (package / "__init__.py").write_text("")
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        path.write_text(re.sub(r"\bmla_planner\.(vllm_backend|executor)\b", r"baseline.\1", text))
+    sys.path.insert(0, str(into))
+    return "baseline.vllm_backend"
 
 
 @dataclass
@@ -143,19 +179,22 @@ class Engine:
     launches: dict[str, str] = field(default_factory=dict)
 
 
-def make_engine(name: str, config: Any, planned: bool, profile: str) -> Engine:
+def make_engine(name: str, config: Any, package: str | None, profile: str) -> Engine:
+    """Stock's builder and impl (``package`` None), or those of a backend package, with the
+    packaged cost profile (``profile`` empty) or ``none``."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl, FlashMLASparseMetadataBuilder
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-    from mla_planner.vllm_backend.backend import PlannedFlashMLASparseImpl, PlannedFlashMLASparseMetadataBuilder
 
     if profile:
         os.environ["MLA_PLANNER_COST_PROFILE"] = profile
     else:
         os.environ.pop("MLA_PLANNER_COST_PROFILE", None)
-    builder_cls = PlannedFlashMLASparseMetadataBuilder if planned else FlashMLASparseMetadataBuilder
-    impl_cls = PlannedFlashMLASparseImpl if planned else FlashMLASparseImpl
+    builder_cls: Any = FlashMLASparseMetadataBuilder
+    impl_cls: Any = FlashMLASparseImpl
+    if package is not None:
+        backend = importlib.import_module(f"{package}.backend")
+        builder_cls, impl_cls = backend.PlannedFlashMLASparseMetadataBuilder, backend.PlannedFlashMLASparseImpl
     spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8,
                             cache_dtype_str="fp8_ds_mla")
     topk_buffer = torch.empty((MAX_TOKENS, TOPK), dtype=torch.int32, device=META)
@@ -193,24 +232,31 @@ def time_step(engine: Engine, step: str, common: Any, kv_cache: torch.Tensor) ->
     engine.launches[step] = "stock" if planned is None else f"{len(planned.plan)} ({planned.plan.mode})"
 
 
-def run(repeats: int) -> list[Engine]:
-    with tempfile.TemporaryDirectory() as tmp, fake_vllm(pytest.MonkeyPatch()):
-        from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+def run(repeats: int, baseline: pathlib.Path | None) -> list[Engine]:
+    with tempfile.TemporaryDirectory() as tmp:
+        packages = [] if baseline is None else [load_baseline(baseline, pathlib.Path(tmp))]
+        with fake_vllm(pytest.MonkeyPatch(), packages):
+            return run_engines(pathlib.Path(tmp), repeats, packages)
 
-        config = vllm_config(model_dir(pathlib.Path(tmp), num_heads=NUM_HEADS, topk=TOPK), max_model_len=MAX_MODEL_LEN,
-                             max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS, dense_prefill=True)
-        if not is_workspace_manager_initialized():
-            init_workspace_manager(META)
-        engines = [make_engine("stock", config, False, ""), make_engine("planned", config, True, "none"),
-                   make_engine("planned+profile", config, True, "")]
-        kv_cache = torch.empty((4096, 64, 656), dtype=torch.uint8, device=META)
-        block_table = torch.zeros((DECODES + 1, MAX_MODEL_LEN // 64), dtype=torch.int32, device=META)
-        commons = {step: common_metadata(q, c, block_table[: len(q)]) for step, (q, c) in STEPS.items()}
-        for r in range(repeats):
-            for step, common in commons.items():
-                for i in range(len(engines)):
-                    time_step(engines[(r + i) % len(engines)], step, common, kv_cache)
-        return engines
+
+def run_engines(tmp: pathlib.Path, repeats: int, baseline_packages: list[str]) -> list[Engine]:
+    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+    config = vllm_config(model_dir(tmp, num_heads=NUM_HEADS, topk=TOPK), max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS, dense_prefill=True)
+    if not is_workspace_manager_initialized():
+        init_workspace_manager(META)
+    engines = [make_engine("stock", config, None, "")]
+    for label, package in [("planned", "mla_planner.vllm_backend")] + [("baseline", p) for p in baseline_packages]:
+        engines += [make_engine(label, config, package, "none"), make_engine(f"{label}+profile", config, package, "")]
+    kv_cache = torch.empty((4096, 64, 656), dtype=torch.uint8, device=META)
+    block_table = torch.zeros((DECODES + 1, MAX_MODEL_LEN // 64), dtype=torch.int32, device=META)
+    commons = {step: common_metadata(q, c, block_table[: len(q)]) for step, (q, c) in STEPS.items()}
+    for r in range(repeats):
+        for step, common in commons.items():
+            for i in range(len(engines)):
+                time_step(engines[(r + i) % len(engines)], step, common, kv_cache)
+    return engines
 
 
 def report(engines: list[Engine], repeats: int) -> str:
@@ -236,9 +282,10 @@ def report(engines: list[Engine], repeats: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=2000)
+    parser.add_argument("--baseline", type=pathlib.Path, help="another checkout's tree, run beside this one")
     args = parser.parse_args()
-    engines = run(args.repeats)
+    engines = run(args.repeats, args.baseline)
     print(report(engines, args.repeats))
 
 
