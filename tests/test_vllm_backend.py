@@ -25,6 +25,7 @@ from vllm_cpu import (  # noqa: E402
     RecordingProvider,
     causal_positions,
     common_metadata,
+    convert_req_index_to_global_index,
     cpu_vllm,
     custom_backend_in_this_process,
     forward_out,
@@ -260,9 +261,9 @@ def test_only_the_seam_names_what_differs_between_vllm_versions() -> None:
     import ast
     import inspect
 
-    from mla_planner.vllm_backend import backend, engine_config, plugin, settings
+    from mla_planner.vllm_backend import backend, engine_config, plugin, settings, warmup
 
-    for module in (backend, engine_config, plugin, settings, reservation):
+    for module in (backend, engine_config, plugin, settings, reservation, warmup):
         names = {node.attr if isinstance(node, ast.Attribute) else node.id
                  for node in ast.walk(ast.parse(inspect.getsource(module)))
                  if isinstance(node, (ast.Attribute, ast.Name))}
@@ -317,7 +318,7 @@ class Backend:
     """A builder and an impl of one layer, on the CPU, with the reference kernels."""
 
     def __init__(self, tmp: pathlib.Path, monkeypatch: pytest.MonkeyPatch, *, num_heads: int,
-                 cost_profile: pathlib.Path | None = None) -> None:
+                 cost_profile: pathlib.Path | None = None, dense_prefill: bool = False) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
         from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
@@ -332,7 +333,7 @@ class Backend:
         self.num_heads = num_heads
         self.provider = RecordingProvider()
         self.kernels = KernelRecorder()
-        self.config = vllm_config(model_dir(tmp, num_heads=num_heads, topk=TOPK))
+        self.config = vllm_config(model_dir(tmp, num_heads=num_heads, topk=TOPK), dense_prefill=dense_prefill)
         self._cpu = cpu_vllm(monkeypatch, self.provider, self.kernels)
         self._cpu.__enter__()
         spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8,
@@ -433,6 +434,84 @@ def test_mixed_decode_only_runs_stock(mixed: Backend, gen: torch.Generator) -> N
     out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:3], case["metadata"]))
     torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
     assert mixed.kernels.decode_calls == [(1, 3, 64, 576)] and mixed.provider.launch_q == []
+
+
+@pytest.fixture
+def chat(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
+    """16 heads with a dense-MHA prefill backend, as vLLM serves a chat workload: short prefills
+    (at most top-k tokens) never reach the sparse kernels."""
+    backend = Backend(tmp_path, monkeypatch, num_heads=16, dense_prefill=True)
+    yield backend
+    backend.close()
+
+
+# Three decodes and a new 40-token prompt: under top-k (128), so it runs dense MHA.
+CHAT_QUERY_LENS, CHAT_CONTEXT_LENS = [1, 1, 1, 40], [70, 200, 5, 0]
+
+
+def test_a_chat_step_runs_stocks_one_call(chat: Backend, gen: torch.Generator) -> None:
+    """Decodes next to a dense prefill: the plan is one decode-kernel launch over the decode tokens,
+    exactly the call stock makes, so stock's code runs it unchanged on every layer."""
+    case = chat.step(CHAT_QUERY_LENS, CHAT_CONTEXT_LENS, gen)
+    md = case["metadata"]
+    step = md.planned
+    assert not chat.builder.force_mqa and md.fp8_use_mixed_batch
+    assert step.plan.launches.tolist() == [[0, 3, 0, 3, -1]] and step.sparse_tokens == 3
+    assert step.stock_call_bytes == int(step.plan.launch_bytes[0]) <= chat.impl.stock_call_allowance
+    q = case["q"][:3]  # vLLM hands the sparse kernels the decode tokens only
+    chat.topk_buffer[:3] = case["positions"][:3]
+    for _ in range(2):
+        out = forward_out(chat.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], chat.topk_buffer[:3], md))
+        torch.testing.assert_close(out, case["expected"][:3], rtol=1e-5, atol=1e-5)
+    assert chat.kernels.decode_calls == [(1, 3, 64, 576)] * 2, "the plan's one launch, as stock's one call per layer"
+    assert chat.provider.launch_q == []
+
+
+def test_a_plan_of_one_launch_runs_as_stocks_call(mixed: Backend, gen: torch.Generator) -> None:
+    """Sparse prefill tokens too: a step the budget leaves whole is stock's one call."""
+    case = mixed.step([1, 1, 100], [70, 9, 0], gen)
+    md, q = case["metadata"], case["q"]
+    assert md.planned.plan.launches[:, :2].tolist() == [[0, 102]]
+    mixed.topk_buffer[:102] = case["positions"]
+    out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:102], md))
+    torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
+    assert mixed.kernels.decode_calls == [(1, 102, 64, 576)] and mixed.provider.launch_q == []
+
+
+def test_a_launch_over_the_stock_allowance_runs_the_planned_launches(mixed: Backend, gen: torch.Generator) -> None:
+    """Where stock's call would allocate more than the reservation holds for it (vLLM 0.33: the
+    profile run holds what this backend allocates beyond vLLM's workspace, not the padded q and
+    output stock allocates itself), the executor runs the plan's one launch."""
+    case = mixed.step([1, 1, 100], [70, 9, 0], gen)
+    md, q = case["metadata"], case["q"]
+    mixed.impl.stock_call_allowance = md.planned.stock_call_bytes - 1
+    mixed.topk_buffer[:102] = case["positions"]
+    out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:102], md))
+    torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
+    assert [tuple(x.shape) for x in mixed.provider.launch_q] == [(1, 102, 64, 576)] and mixed.kernels.decode_calls == []
+
+
+def test_tokens_the_plan_does_not_cover_are_refused(chat: Backend, gen: torch.Generator) -> None:
+    case = chat.step(CHAT_QUERY_LENS, CHAT_CONTEXT_LENS, gen)
+    chat.topk_buffer[:43] = case["positions"]
+    with pytest.raises(RuntimeError, match="vLLM hands the sparse kernels 43 tokens, the plan covers 3"):
+        chat.impl._forward_fp8_kv_mixed_batch(case["q"], case["kv_cache"], chat.topk_buffer[:43], case["metadata"])
+
+
+def test_separate_decodes_next_to_a_dense_prefill_run_stocks_call(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   gen: torch.Generator) -> None:
+    backend = Backend(tmp_path, monkeypatch, num_heads=32, dense_prefill=True)
+    try:
+        case = backend.step(CHAT_QUERY_LENS, CHAT_CONTEXT_LENS, gen)
+        md = case["metadata"]
+        assert not md.fp8_use_mixed_batch and md.planned.plan.launches.tolist() == [[0, 3, 0, 3, -1]]
+        backend.topk_buffer[:3] = case["positions"][:3]
+        out = forward_out(backend.impl._forward_fp8_kv_separate_prefill_decode(
+            case["q"][:3], case["kv_cache"], backend.topk_buffer[:3], md))
+        torch.testing.assert_close(out, case["expected"][:3], rtol=1e-5, atol=1e-5)
+        assert backend.kernels.decode_calls == [(3, 1, 64, 576)] and backend.provider.launch_q == []
+    finally:
+        backend.close()
 
 
 def test_separate_impl_runs_the_planned_launches(separate: Backend, gen: torch.Generator) -> None:
@@ -644,3 +723,90 @@ def test_the_process_settings_are_read_once_per_set_of_values(monkeypatch: pytes
     monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", "256")
     assert read_settings().scratch_mb == 256, "another value is read anew"
     assert settings_module.read_settings({"MLA_PLANNER_SCRATCH_MB": "128"}).scratch_mb == 128
+
+
+# -- Triton warm-up -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("routes, expected", [
+    ({"mixed_batch"}, [(False, False)]),
+    ({"separate_prefill_decode"}, [(True, True), (True, False)]),
+    ({"mixed_batch", "separate_prefill_decode"}, [(False, False), (True, True), (True, False)]),
+])
+def test_warm_up_translates_once_per_variant_stock_does_not_compile(
+    monkeypatch: pytest.MonkeyPatch, routes: set[str], expected: list[tuple[bool, bool]]
+) -> None:
+    """Each variant of vLLM's translation the routes use beyond stock's own (no workspace, row 0):
+    with or without the prefill workspace, request ids on or off a 16-byte boundary (Triton
+    specializes pointers on it), shaped like the call's block table and top-k."""
+    from mla_planner.vllm_backend import vllm_api, warmup
+
+    calls: list[tuple[bool, bool, tuple[int, ...], int]] = []
+
+    def recording(req_id: torch.Tensor, block_table: torch.Tensor, token_indices: torch.Tensor, **kwargs: Any) -> Any:
+        prefill = kwargs.get("HAS_PREFILL_WORKSPACE", False)
+        if prefill:
+            ids = kwargs["prefill_workspace_request_ids"]
+            assert ids.data_ptr() % 16 == req_id.data_ptr() % 16, "both id pointers start at the launch's row"
+        calls.append((prefill, req_id.data_ptr() % 16 == 0, tuple(block_table.shape), kwargs["NUM_TOPK_TOKENS"]))
+        return convert_req_index_to_global_index(req_id, block_table, token_indices, **kwargs)
+
+    monkeypatch.setattr(vllm_api.utils, "triton_convert_req_index_to_global_index", recording)
+    block_table = torch.zeros((5, 320), dtype=torch.int32)
+    warmup.warm_up(warmup.variants(routes), block_table, 64, None, TOPK)
+    assert calls == [(prefill, aligned, (1, 320), TOPK) for prefill, aligned in expected]
+
+
+def test_the_first_fp8_forward_warms_up_once(mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the call's block table width, block size, the cache's block stride and top-k, before
+    stock's code runs (a decode-only step: vLLM's capture warm-up)."""
+    from mla_planner.vllm_backend import vllm_api, warmup
+
+    calls: list[tuple[int, int, int | None, int]] = []
+
+    def recording(block_table: torch.Tensor, block_size: int, block_stride_rows: int | None, topk: int) -> None:
+        calls.append((block_table.shape[1], block_size, block_stride_rows, topk))
+        warmup.pending = False
+
+    monkeypatch.setattr(warmup, "pending", True)
+    monkeypatch.setattr(warmup, "maybe_warm_up", recording)
+    case = mixed.step([1, 1, 1], [40, 9, 300], gen)
+    mixed.topk_buffer[:3] = case["positions"]
+    for _ in range(2):
+        mixed.impl._forward_fp8_kv_mixed_batch(case["q"], case["kv_cache"], mixed.topk_buffer[:3], case["metadata"])
+    stride = vllm_api.fp8_kv_pages(case["kv_cache"], 64)[1]
+    assert calls == [(case["metadata"].block_table.shape[1], 64, stride, TOPK)]
+
+
+def warm_up_pending() -> bool:
+    """The warm-up module's flag, read afresh (an assert on the attribute would narrow it for mypy)."""
+    from mla_planner.vllm_backend import warmup
+
+    return warmup.pending
+
+
+def test_no_warm_up_off_cuda_or_inside_a_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mla_planner.vllm_backend import warmup
+
+    warmed: list[object] = []
+    monkeypatch.setattr(warmup, "warm_up", lambda *args: warmed.append(args))
+    monkeypatch.setattr(warmup, "pending", True)
+    warmup.maybe_warm_up(torch.zeros((1, 8), dtype=torch.int32), 64, None, TOPK)
+    assert warmed == [] and not warm_up_pending(), "no Triton on the CPU: nothing to compile, ever"
+
+    class CudaTable:  # what maybe_warm_up reads of a CUDA block table
+        device = torch.device("cuda")
+
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(warmup, "_routes", {"mixed_batch"})
+    monkeypatch.setattr(warmup, "pending", True)
+    warmup.maybe_warm_up(CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
+    assert warmed == [] and warm_up_pending(), "a capture would record the warm-up into the graph: later"
+    capturing[0] = False
+    warmup.maybe_warm_up(CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
+    assert len(warmed) == 1 and not warm_up_pending()
+    monkeypatch.setattr(warmup, "_routes", set())  # no builder plans steps (e.g. a BF16 cache)
+    monkeypatch.setattr(warmup, "pending", True)
+    warmup.maybe_warm_up(CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
+    assert len(warmed) == 1 and not warm_up_pending(), "stock's code only: nothing beyond vLLM's own variants"

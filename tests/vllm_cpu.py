@@ -44,7 +44,21 @@ def model_dir(tmp: pathlib.Path, *, num_heads: int, topk: int) -> pathlib.Path:
     return out
 
 
-def vllm_config(model: pathlib.Path, *, kv_cache_dtype: str = "fp8_ds_mla", max_model_len: int = 4096) -> Any:
+class DensePrefillBackend:
+    """Stands in for the layer's dense-MHA prefill backend (FlashAttention on the GPU) as far as
+    the sparse builder uses it: with one, short prefills run dense MHA and only the decode tokens
+    reach the sparse kernels, as in a GPU engine without ``sparse_mla_force_mqa``."""
+
+    def clone(self) -> DensePrefillBackend:
+        return self
+
+    def prepare_metadata(self, prefill: Any) -> None: ...
+
+
+def vllm_config(model: pathlib.Path, *, kv_cache_dtype: str = "fp8_ds_mla", max_model_len: int = 4096,
+                max_num_seqs: int = 16, max_num_batched_tokens: int = 2048, dense_prefill: bool = False) -> Any:
+    """A CPU engine's configuration. ``dense_prefill``: the layer has a dense prefill backend
+    (:class:`DensePrefillBackend`); without one, as by default, every prefill token is sparse."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     model_config = ModelConfig(
@@ -55,12 +69,14 @@ def vllm_config(model: pathlib.Path, *, kv_cache_dtype: str = "fp8_ds_mla", max_
         model_config=model_config,
         cache_config=CacheConfig(block_size=PAGE_SIZE, cache_dtype=cast(Any, kv_cache_dtype)),  # a Literal in vLLM's types
         scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=max_model_len, is_encoder_decoder=False
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            is_encoder_decoder=False,
         ),
         device_config=DeviceConfig(device="cpu"),
     )
-    # The builder reads the layer's dense-MHA prefill backend from here; none on the CPU.
-    config.compilation_config.static_forward_context["layers.0.attn"] = SimpleNamespace(prefill_backend=None)
+    # The builder reads the layer's dense-MHA prefill backend from here.
+    prefill_backend = DensePrefillBackend() if dense_prefill else None
+    config.compilation_config.static_forward_context["layers.0.attn"] = SimpleNamespace(prefill_backend=prefill_backend)
     return config
 
 

@@ -19,11 +19,13 @@ workspace views) passes it as ``q_buffer`` and ``out_buffer``: nothing is alloca
 
 Plus one FlashMLA schedule per distinct launch length: a schedule may only be reused by calls of
 the same shape; pass ``schedules`` to share them across calls with the same plan (vLLM's layers of
-one step).
+one step). A caller that runs one plan on several layers derives its :class:`Launches` once and
+hands them to :meth:`MixedBatchExecutor.run_launches` on each layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +46,26 @@ def decode_launches(plan: mla_planner.StepPlan) -> npt.NDArray[np.int64]:
     if plan.mode != "mixed_batch":
         raise ValueError(f"a mixed-batch executor runs mixed_batch plans, got a {plan.mode} plan")
     return plan.launches[:, :2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Launches:
+    """A mixed-batch plan's launches as the executor walks them: each launch's rows, in order, and
+    the longest launch (what the padded q is sized for). Plain Python values, derived from the
+    plan once, so a run reads no plan array."""
+
+    rows: tuple[slice, ...]
+    longest: int
+
+    @classmethod
+    def of(cls, plan: mla_planner.StepPlan) -> Launches:
+        ranges = decode_launches(plan).tolist()
+        return cls(tuple(slice(start, end) for start, end in ranges), plan.longest_launch("sparse_decode"))
+
+    @property
+    def covered(self) -> tuple[int, int]:
+        """The token range the launches cover, ``(0, 0)`` for none."""
+        return (self.rows[0].start, self.rows[-1].stop) if self.rows else (0, 0)
 
 
 class MixedBatchExecutor:
@@ -100,15 +122,31 @@ class MixedBatchExecutor:
         ``q_buffer`` ``(>= longest launch, kernel heads, 576)`` and ``out_buffer`` ``(>= longest
         launch, kernel heads, 512)``, contiguous, q's dtype: memory to pad q and to take the kernel's
         output in, when heads are padded (ignored otherwise); their contents are overwritten."""
+        self.run_launches(Launches.of(plan), q, kv_cache, indices, out, schedules=schedules, q_buffer=q_buffer,
+                          out_buffer=out_buffer)
+
+    def run_launches(
+        self,
+        launches: Launches,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        indices: IndexSource,
+        out: torch.Tensor,
+        *,
+        schedules: dict[int, Any] | None = None,
+        q_buffer: torch.Tensor | None = None,
+        out_buffer: torch.Tensor | None = None,
+    ) -> None:
+        """:meth:`run` of a plan's :class:`Launches` (``Launches.of(plan)``), which a caller running
+        the plan on several layers derives once."""
         if callable(indices) != self.translates_indices:
             raise ValueError("indices must be a function of a row slice exactly when the executor translates indices")
-        launches = decode_launches(plan)
         self._check(launches, q, kv_cache, None if callable(indices) else indices, out)
-        if len(launches) == 0:
+        if not launches.rows:
             return
         q_padded = kernel_out = None
         if self.kernel_heads != self.num_heads:
-            longest = plan.longest_launch("sparse_decode")
+            longest = launches.longest
             if q_buffer is None:
                 q_padded = q.new_zeros((1, longest, self.kernel_heads, D_QK))
             else:
@@ -120,11 +158,11 @@ class MixedBatchExecutor:
                 kernel_out = self._buffer(out_buffer, longest, D_V, q).unsqueeze(0)
         if schedules is None:
             schedules = {}
-        for start, end in launches.tolist():
-            length = end - start
+        for rows in launches.rows:
+            length = rows.stop - rows.start
             if length not in schedules:
                 schedules[length] = self.provider.new_decode_schedule()
-            self._launch(slice(start, end), q, q_padded, kv_cache, indices, out, schedules[length], kernel_out)
+            self._launch(rows, q, q_padded, kv_cache, indices, out, schedules[length], kernel_out)
 
     def _buffer(self, buffer: torch.Tensor, rows: int, width: int, q: torch.Tensor) -> torch.Tensor:
         if (buffer.dim() != 3 or buffer.shape[0] < rows or buffer.shape[1:] != (self.kernel_heads, width)
@@ -164,7 +202,7 @@ class MixedBatchExecutor:
 
     def _check(
         self,
-        chunks: npt.NDArray[np.int64],
+        launches: Launches,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         indices: torch.Tensor | None,
@@ -179,6 +217,6 @@ class MixedBatchExecutor:
             raise ValueError(f"indices must be contiguous ({t}, topk) int32, got {tuple(indices.shape)} {indices.dtype}")
         if kv_cache.dim() != 4 or kv_cache.shape[2:] != (1, FP8_BYTES_PER_TOKEN) or kv_cache.dtype != torch.uint8:
             raise ValueError(f"kv_cache must be (pages, page_size, 1, {FP8_BYTES_PER_TOKEN}) uint8, got {tuple(kv_cache.shape)}")
-        covered = (int(chunks[0, 0]), int(chunks[-1, 1])) if len(chunks) else (0, 0)
+        covered = launches.covered
         if covered != (0, t):
             raise ValueError(f"the plan covers tokens [{covered[0]}, {covered[1]}), the batch has {t}")

@@ -10,8 +10,13 @@ Subclasses vLLM's ``FlashMLASparse*`` classes and changes only what the plan cha
 * the impl runs that plan's launches, one kernel call each, and nothing else decides a launch
   boundary: mixed-batch steps through :class:`~mla_planner.executor.MixedBatchExecutor`, separate
   steps through :class:`SeparateStep` (decode batches, then each gather chunk's prefill launches);
+  a plan of one launch is the one kernel call stock's forward makes for the step, so stock's
+  code runs it, unchanged (:meth:`PlannedFlashMLASparseImpl.runs_stock_call`);
 * BF16-KV steps and decode-only steps run stock code (a decode-only step's plan is stock's one
   call, as the CPU tests check).
+
+What every layer of a step would derive from its plan the same way is derived once per step, by
+:class:`PlannedStep`; nothing in a layer call synchronizes with the GPU.
 
 Overrides call stock's method by its class, never through zero-argument ``super()``, and fall
 back to stock's behaviour when ``self`` lacks this backend's state: vLLM's own tests call these
@@ -25,9 +30,10 @@ The budget is reserved from vLLM's KV-cache sizing by :mod:`.reservation` on 0.2
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+import functools
+import logging
+from typing import Any, NamedTuple, cast
 
-import numpy as np
 import torch
 from vllm import _custom_ops as ops
 from vllm.config import VllmConfig, get_current_vllm_config
@@ -44,9 +50,9 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 import mla_planner
 from mla_planner import routing
-from mla_planner.executor.mixed_batch import MixedBatchExecutor
+from mla_planner.executor.mixed_batch import Launches, MixedBatchExecutor
 from mla_planner.executor.providers import KernelProvider, VllmProvider
-from mla_planner.vllm_backend import engine_config, reservation, vllm_api
+from mla_planner.vllm_backend import engine_config, reservation, vllm_api, warmup
 from mla_planner.vllm_backend.settings import read_settings
 
 # Under vLLM's logger, so the lines come out with vLLM's format and VLLM_LOGGING_LEVEL.
@@ -60,16 +66,58 @@ def kernel_provider() -> KernelProvider:
     return VllmProvider()
 
 
-@dataclasses.dataclass
-class PlannedStep:
-    """One step's plan and what runs it, shared by the step's layers."""
+class StepLaunch(NamedTuple):
+    """One launch of a step's plan, as a layer runs it."""
 
-    plan: mla_planner.StepPlan
-    config: mla_planner.StepConfig
-    provider: KernelProvider
-    mixed: MixedBatchExecutor | None
-    schedules: dict[Any, Any] = dataclasses.field(default_factory=dict)
-    """FlashMLA schedules by launch shape, filled by the first layer and reused by the rest."""
+    rows: slice
+    """Its tokens: rows of the step's sparse q."""
+    kernel: str
+    """``sparse_decode`` or ``sparse_prefill``."""
+    batch: int
+    """Its requests."""
+    chunk: int
+    """Its gather chunk (a prefill launch of the separate route), -1 otherwise."""
+
+
+class PlannedStep:
+    """One step's plan and what runs it, shared by the step's layers. What each layer would
+    otherwise derive from the plan the same way is derived here, once per step: the builder
+    computes what every step needs (whether the plan is stock's one call), the first layer that
+    runs the plan's launches the rest (cached properties), so a step run by stock's code derives
+    nothing it does not use."""
+
+    def __init__(self, plan: mla_planner.StepPlan, config: mla_planner.StepConfig, provider: KernelProvider,
+                 mixed: MixedBatchExecutor | None) -> None:
+        self.plan, self.config, self.provider, self.mixed = plan, config, provider, mixed
+        self.schedules: dict[Any, Any] = {}
+        """FlashMLA schedules by launch shape, filled by the first layer and reused by the rest."""
+        ends = plan.launches[:, 1]
+        self.sparse_tokens = int(ends[-1]) if len(ends) else 0
+        """The tokens the launches cover, in order from 0: the step's tokens vLLM hands the sparse
+        kernels (all of them, or only the decodes where the prefills run dense MHA)."""
+        self.stock_call_bytes = int(plan.launch_bytes[0]) if len(ends) == 1 else None
+        """A plan of one launch is the one kernel call stock's forward makes for the step (and its
+        gather, on the separate route): the bytes the plan counts for it. ``None`` for a plan of
+        several launches, which only this backend's executors run."""
+
+    @functools.cached_property
+    def launches(self) -> tuple[StepLaunch, ...]:
+        return tuple(StepLaunch(slice(t0, t1), kernel, r1 - r0, chunk) for (t0, t1, r0, r1, chunk), kernel
+                     in zip(self.plan.launches.tolist(), self.plan.launch_kernels))
+
+    @functools.cached_property
+    def mixed_launches(self) -> Launches:
+        """The mixed-batch executor's view of the plan (a mixed_batch plan's)."""
+        return Launches.of(self.plan)
+
+    @functools.cached_property
+    def longest_prefill(self) -> int:
+        return self.plan.longest_launch("sparse_prefill")
+
+    @functools.cached_property
+    def decode_heads(self) -> int:
+        """The heads the decode kernel runs (the real ones padded to 64 or 128)."""
+        return self.config.decode_heads
 
 
 @dataclasses.dataclass
@@ -106,6 +154,10 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             logger.info_once("mla-planner: %s: every step runs vLLM's own code", self.stock_reason)
         self.mixed_executor = MixedBatchExecutor(self.provider, self.step_config) if self.plans_steps else None
         self.cost_model = None if settings.vllm_rule else routing.load_for_engine(self.cost_profile, self.step_config)
+        if self.plans_steps:
+            # A cost profile may route a step either way; vLLM's rule takes one route.
+            warmup.expect_routes({"mixed_batch", "separate_prefill_decode"} if self.cost_model is not None
+                                 else {self.step_config.mode})
         # Once per process, like the budget: which rule routes FP8 steps.
         logger.info_once("mla-planner: FP8 steps routed by %s",
                          "the cost profile" if self.cost_model is not None
@@ -132,18 +184,21 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         plan = self.plan(metadata, common_attn_metadata)
         mixed = self.mixed_executor if plan.mode == "mixed_batch" else None
         metadata.planned = PlannedStep(plan, self.step_config, self.provider, mixed)
-        logger.debug("mla-planner step: %d tokens, %s, %d launches, peak %d B, bound %s",
-                     plan.num_tokens, plan.mode, len(plan), plan.peak_bytes, plan.bound)
+        if logger.isEnabledFor(logging.DEBUG):  # the arguments are calls into the plan: none unless logged
+            logger.debug("mla-planner step: %d tokens, %s, %d launches, peak %d B, bound %s",
+                         plan.num_tokens, plan.mode, len(plan), plan.peak_bytes, plan.bound)
         return metadata
 
     def plan(self, metadata: PlannedFlashMLASparseMetadata, common: CommonAttentionMetadata) -> mla_planner.StepPlan:
         """The step's plan, with vLLM's FP8 metadata rebuilt for its route where that is not the
         route vLLM's rule took."""
-        starts = common.query_start_loc_cpu.numpy().astype(np.int64)
+        # vLLM's int32 CPU copies as they are: the planner widens them itself, and a copy to int64
+        # here cost more than the planning of a small step.
+        starts = common.query_start_loc_cpu.numpy()
         query_lens = starts[1:] - starts[:-1]
         seq_lens = common.seq_lens_cpu_upper_bound
         assert seq_lens is not None
-        context_lens = seq_lens.numpy().astype(np.int64)[: len(query_lens)] - query_lens
+        context_lens = seq_lens.numpy()[: len(query_lens)] - query_lens
         plan = routing.plan_step(self.cost_model, query_lens, context_lens, metadata.num_decodes, self.step_config)
         mixed = plan.mode == "mixed_batch"
         if mixed != metadata.fp8_use_mixed_batch:
@@ -191,7 +246,10 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         settings = read_settings()
         if vllm_api.RESERVES_THROUGH_PROFILE_RUN:
             self.profile_launches = self.largest_launches(settings.scratch_bytes)
+            # What the profile run holds beyond vLLM's workspace: all a stock call may allocate.
+            self.stock_call_allowance = max(launch.transient_bytes for launch in self.profile_launches)
             return  # reserve_workspace() reserves them, in the profile run
+        self.stock_call_allowance = settings.scratch_bytes  # the reservation below holds the whole budget
         # Model construction: vLLM counts this as model memory, so the KV cache leaves room.
         device = get_current_vllm_config().device_config.device  # resolved from "auto" by now
         if reservation.reserve(settings.scratch_bytes, torch.device(device or "cuda")):  # once per process
@@ -200,6 +258,27 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
 
     profile_launches: list[reservation.LaunchReservation] | None = None
     """vLLM 0.33, FP8 cache: the largest launch of each route, reserved in the profile run."""
+
+    stock_call_allowance = 0
+    """The most a one-launch plan may take and still run as stock's own call: stock allocates the
+    whole launch itself (padded q and kernel output too, which this backend's executors take from
+    vLLM 0.33's workspace views), so it must fit in what the reservation holds for scratch."""
+
+    def runs_stock_call(self, step: PlannedStep, q: torch.Tensor) -> bool:
+        """Whether a layer runs the step's plan as stock's own forward: the plan is one launch, the
+        one kernel call stock makes for the step, and its bytes fit what was reserved. Stock's code
+        then runs unchanged, with nothing re-derived from the plan per layer."""
+        if q.shape[0] != step.sparse_tokens:
+            raise RuntimeError(
+                f"mla-planner: vLLM hands the sparse kernels {q.shape[0]} tokens, the plan covers {step.sparse_tokens}; "
+                "please report this step (the planner must follow vLLM's dense/sparse prefill rule)"
+            )
+        return step.stock_call_bytes is not None and step.stock_call_bytes <= self.stock_call_allowance
+
+    def warm_up(self, md: FlashMLASparseMetadata, kv_cache: torch.Tensor, topk_indices: torch.Tensor) -> None:
+        """:func:`.warmup.maybe_warm_up` with this call's block table, block size and cache."""
+        _pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
+        warmup.maybe_warm_up(md.block_table, md.block_size, block_stride_rows, topk_indices.shape[1])
 
     def largest_launches(self, scratch_bytes: int) -> list[reservation.LaunchReservation]:
         vllm_config = get_current_vllm_config()
@@ -240,8 +319,10 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
     ) -> Any:
         # vllm_api: 0.33 returns (out, lse | None) and takes kernel_metadata= (its PCP+DCP decode
         # rows, which never carry a plan); 0.26 returns out.
+        if warmup.pending:
+            self.warm_up(attn_metadata, kv_c_and_k_pe_cache, topk_indices)
         step = getattr(attn_metadata, "planned", None)
-        if step is None or args or kwargs.get("kernel_metadata") is not None:
+        if step is None or args or kwargs.get("kernel_metadata") is not None or self.runs_stock_call(step, q):
             return FlashMLASparseImpl._forward_fp8_kv_mixed_batch(
                 self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata, *args, **kwargs
             )
@@ -255,12 +336,12 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         # On 0.33 the padded q and kernel output go in stock's BF16-prefill workspace views, which
         # this route never otherwise uses: reserve_workspace counted them as served.
         views = vllm_api.workspace_views(self)
-        longest, heads = step.plan.longest_launch("sparse_decode"), step.config.decode_heads
+        launches, heads = step.mixed_launches, step.decode_heads
         step.mixed.softmax_scale = self.softmax_scale
-        step.mixed.run(step.plan, q, pages.view(torch.uint8).unsqueeze(-2), slots, out,
-                       schedules=step.schedules,
-                       q_buffer=fits(views.q_padded, (longest, heads, q.shape[2]), q.dtype),
-                       out_buffer=fits(views.padded_out, (longest, heads, self.kv_lora_rank), q.dtype))
+        step.mixed.run_launches(launches, q, pages.view(torch.uint8).unsqueeze(-2), slots, out,
+                                schedules=step.schedules,
+                                q_buffer=fits(views.q_padded, (launches.longest, heads, q.shape[2]), q.dtype),
+                                out_buffer=fits(views.padded_out, (launches.longest, heads, self.kv_lora_rank), q.dtype))
         return vllm_api.forward_result(out)
 
     def _forward_fp8_kv_separate_prefill_decode(
@@ -270,13 +351,15 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         topk_indices: torch.Tensor,
         attn_metadata: FlashMLASparseMetadata,
     ) -> Any:
+        if warmup.pending:
+            self.warm_up(attn_metadata, kv_c_and_k_pe_cache, topk_indices)
         step = getattr(attn_metadata, "planned", None)
-        fp8 = attn_metadata.fp8_extra_metadata
-        assert isinstance(fp8, FlashMLASparseMetadata.FP8SeparatePrefillDecode)
-        if step is None or q.shape[0] == fp8.num_decode_tokens:
+        if step is None or self.runs_stock_call(step, q):
             return FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode(
                 self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata
             )
+        fp8 = attn_metadata.fp8_extra_metadata
+        assert isinstance(fp8, FlashMLASparseMetadata.FP8SeparatePrefillDecode)
         return vllm_api.forward_result(SeparateStep(self, step, attn_metadata, fp8, kv_c_and_k_pe_cache, topk_indices).run(q))
 
 
@@ -298,7 +381,6 @@ class SeparateStep:
                     translate_indices(self.md, self.topk_indices, rows, self.block_stride_rows, self.fp8.prefill))
 
     def run(self, q: torch.Tensor) -> torch.Tensor:
-        plan = self.step.plan
         # Once per layer call: on 0.33 views of the workspace manager's buffer, valid for this call.
         views = vllm_api.workspace_views(self.impl)
         assert views.gather is not None
@@ -309,12 +391,11 @@ class SeparateStep:
         out = view_or_new(views.compact_out, out_shape, q)
         assert self.fp8.prefill is not None
         chunks = self.fp8.prefill.chunks
-        prefill_call = PaddedPrefill(self.impl, self.step.config, q, plan.longest_launch("sparse_prefill"), views)
+        prefill_call = PaddedPrefill(self.impl, self.step.config, q, self.step.longest_prefill, views)
         gathered = -1
-        for (t0, t1, r0, r1, chunk_index), kernel in zip(plan.launches.tolist(), plan.launch_kernels):
-            rows = slice(t0, t1)
+        for rows, kernel, batch, chunk_index in self.step.launches:
             if kernel == "sparse_decode":
-                self.decode(q[rows], rows, r1 - r0, out[rows])
+                self.decode(q[rows], rows, batch, out[rows])
                 continue
             chunk = chunks[chunk_index]
             workspace = gather_workspace[: chunk.chunk_tot_seqlen]
@@ -332,7 +413,7 @@ class SeparateStep:
         q zero-padded to the kernel's heads for this launch, as the plan's bytes count it."""
         config = self.step.config
         s_q = q.shape[0] // batch
-        heads = config.decode_heads
+        heads = self.step.decode_heads
         q = q.view(batch, s_q, q.shape[1], q.shape[2])
         if heads != q.shape[2]:
             padded = q.new_zeros((batch, s_q, heads, q.shape[3]))

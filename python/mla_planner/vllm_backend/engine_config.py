@@ -57,8 +57,14 @@ def config_for(
 def check_gather_chunks(plan: mla_planner.StepPlan, fp8: Any, num_decodes: int) -> None:
     """vLLM's separate-route metadata gathers by its own ``split_prefill_chunks``; the plan's
     launches name gather chunks by index, so the two must be the same chunks. They are by
-    construction (the planner implements vLLM's rule); a difference is a bug, not a step to run."""
+    construction (the planner implements vLLM's rule); a difference is a bug, not a step to run.
+
+    A step whose prefills run dense MHA (all of them at most top-k tokens, with a dense prefill
+    backend) has no prefill launch and no gather chunk in its plan, while vLLM builds chunks for
+    every prefill regardless: neither path gathers them, so there is nothing to compare."""
     assert isinstance(fp8, FlashMLASparseMetadata.FP8SeparatePrefillDecode)
+    if "sparse_prefill" not in plan.launch_kernels and len(plan.gather_chunks) == 0:
+        return
     vllm_chunks = [] if fp8.prefill is None else [
         (num_decodes + c.req_start_idx, num_decodes + c.req_start_idx + len(c.block_table)) for c in fp8.prefill.chunks
     ]

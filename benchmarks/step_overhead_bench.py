@@ -1,0 +1,293 @@
+"""The CPU-side overhead the planned backend adds to a vLLM step, next to stock FlashMLA sparse:
+microseconds per metadata build and per layer call on the same steps, with fake kernels.
+
+    PYTHONPATH=python:tests python benchmarks/step_overhead_bench.py [--repeats 2000] [--baseline TREE]
+
+What it measures is Python and torch-dispatch work only. Nothing runs on a GPU: the FlashMLA
+kernels, vLLM's Triton index translation and its gather op are fakes that return an output of the
+right shape, and every tensor the step touches is on PyTorch's ``meta`` device (shapes and no
+data), so a tensor op costs its dispatch and no memory traffic, much as a CUDA launch costs the
+CPU its launch and not the kernel. Meta ops dispatch through Python-level meta kernels, so one op
+costs a few to 20 us here, more than a CUDA launch's: read the figures as "how much host work",
+compared between the two backends on the same machine, not as GPU step times.
+
+The engine is the issue's (#14) tiny DeepSeek-V3.2 shape: 16 heads per rank, top-k 2048, FP8
+cache (``fp8_ds_mla``), a dense-MHA prefill backend (short prefills, under top-k tokens, never
+reach the sparse kernels), the default 1 GiB scratch budget, two attention layers per step. The
+steps:
+
+* ``decode``: 64 decodes of 1,000 tokens of context (uniform decode, what FULL CUDA graphs replay);
+* ``capture``: ``build_for_cudagraph_capture`` of 64 one-token requests, as vLLM's capture loop
+  builds them;
+* ``chat``: the 64 decodes plus one new 1,000-token prompt, which runs dense MHA: the sparse
+  kernels see the 64 decode tokens only (vLLM bench serve's chat workload);
+* ``long``: the 64 decodes plus one 8,000-token prompt, past top-k, so every token is sparse; the
+  planner splits it under the budget.
+
+Each engine builds the step and runs its two layer calls; engines take turns within every repeat
+(the order rotates) so drift hits them alike; the figures are medians. "planned" routes by
+vLLM's rule (``MLA_PLANNER_COST_PROFILE=none``); "planned+profile" by the packaged H200 cost
+profile (no GPU here, so the machine check is skipped, as in the CPU tests).
+
+``--baseline TREE`` adds the backend of another checkout (e.g. ``git archive COMMIT python | tar
+-x -C TREE``) as "baseline" engines in the same process, so a before/after comparison is not
+confounded by the machine's speed drifting between runs: its ``vllm_backend`` and ``executor``
+packages are copied under the package name ``baseline``; the rest of ``mla_planner`` (the Rust
+core, routing) is this checkout's, so the two must share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pathlib
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+
+from vllm_cpu import (  # noqa: E402  (tests/ is a plain directory of helpers)
+    KernelRecorder,
+    common_metadata,
+    cpu_vllm,
+    model_dir,
+    patch_if_present,
+    vllm_config,
+)
+
+META = torch.device("meta")
+NUM_HEADS, TOPK, LAYERS = 16, 2048, 2
+MAX_MODEL_LEN, MAX_TOKENS, MAX_SEQS = 16384, 8192, 256
+DECODES, CONTEXT = 64, 1000
+STEPS = {
+    "decode": ([1] * DECODES, [CONTEXT] * DECODES),
+    "capture": ([1] * DECODES, [0] * DECODES),
+    "chat": ([1] * DECODES + [1000], [CONTEXT] * DECODES + [0]),
+    "long": ([1] * DECODES + [8000], [CONTEXT] * DECODES + [0]),
+}
+
+
+class FakeKernels(KernelRecorder):
+    """vLLM's FlashMLA kernels: an output of the right shape, nothing computed."""
+
+    def flash_mla_with_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, *args: Any,
+                               out: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        o = q.new_empty((*q.shape[:3], 512)) if out is None else out
+        return o, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+    def flash_mla_sparse_fwd(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                             d_v: int = 512, topk_length: torch.Tensor | None = None,
+                             out: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        o = q.new_empty((q.shape[0], q.shape[1], d_v)) if out is None else out
+        lse = q.new_empty(q.shape[:2], dtype=torch.float32)
+        return o, lse, lse
+
+
+class FakeProvider:
+    """The planned executor's kernel provider, with the same fake decode kernel."""
+
+    name = "fake"
+    decode_takes_out = True
+    prefill_takes_out = True
+
+    def new_decode_schedule(self) -> Any:
+        return object()
+
+    def sparse_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, schedule: Any,
+                      softmax_scale: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return FakeKernels().flash_mla_with_kvcache(q, kv_cache, out=out)
+
+
+def fake_translation(req_id: torch.Tensor, block_table: torch.Tensor, token_indices: torch.Tensor, *args: Any,
+                     return_valid_counts: bool = False, **kwargs: Any) -> Any:
+    """vLLM's Triton index translation: fresh slots (and valid counts) of the right shape."""
+    slots = torch.empty_like(token_indices)
+    if return_valid_counts:
+        return slots, token_indices.new_empty(token_indices.shape[0])
+    return slots
+
+
+def no_gather(*args: Any) -> None:
+    """vLLM's ``cp_gather_and_upconvert_fp8_kv_cache``."""
+
+
+@contextmanager
+def fake_vllm(monkeypatch: pytest.MonkeyPatch, backend_packages: list[str]) -> Iterator[None]:
+    """tests/vllm_cpu.py's CPU stand-ins for vLLM's GPU-only pieces, with kernels that do nothing,
+    for this checkout's backend and every package in ``backend_packages`` (a baseline's)."""
+    import vllm.v1.attention.backends.mla.flashmla_sparse as stock
+
+    with cpu_vllm(monkeypatch, FakeProvider(), FakeKernels()):  # type: ignore[arg-type]  # duck-typed fakes
+        for name in ("flashmla_sparse", "sparse_utils", "index_group"):
+            patch_if_present(monkeypatch, f"vllm.v1.attention.backends.mla.{name}",
+                             "triton_convert_req_index_to_global_index", fake_translation)
+        monkeypatch.setattr(stock.ops, "cp_gather_and_upconvert_fp8_kv_cache", no_gather, raising=False)
+        for package in ["mla_planner.vllm_backend", *backend_packages]:
+            fake_backend_kernels(monkeypatch, package)
+        yield
+
+
+def fake_backend_kernels(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
+    """What one backend package calls on the GPU: the SM count, its provider, kernels and gather,
+    and the host-sized scratch reservation."""
+    backend = importlib.import_module(f"{package}.backend")
+    engine_config = importlib.import_module(f"{package}.engine_config")
+    reservation = importlib.import_module(f"{package}.reservation")
+    monkeypatch.setattr(engine_config, "num_compute_units", lambda device_id=None: 132)
+    monkeypatch.setattr(backend, "kernel_provider", FakeProvider)
+    monkeypatch.setattr(backend, "flash_mla_sparse_fwd", FakeKernels().flash_mla_sparse_fwd)
+    monkeypatch.setattr(backend.ops, "cp_gather_and_upconvert_fp8_kv_cache", no_gather)
+    monkeypatch.setattr(reservation, "reserve", lambda num_bytes, device: False)  # no 1 GiB on the host
+
+
+def load_baseline(tree: pathlib.Path, into: pathlib.Path) -> str:
+    """``tree``'s ``vllm_backend`` and ``executor`` as the package ``baseline`` under ``into`` (put
+    on ``sys.path``), their imports of each other renamed; returns the backend package's name."""
+    source = tree / "python" / "mla_planner"
+    package = into / "baseline"
+    for sub in ("vllm_backend", "executor"):
+        shutil.copytree(source / sub, package / sub)
+    (package / "__init__.py").write_text("")
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        path.write_text(re.sub(r"\bmla_planner\.(vllm_backend|executor)\b", r"baseline.\1", text))
+    sys.path.insert(0, str(into))
+    return "baseline.vllm_backend"
+
+
+@dataclass
+class Engine:
+    """One backend's builder and impl for a layer group, and its timings by step."""
+
+    name: str
+    builder: Any
+    impl: Any
+    build_us: dict[str, list[float]] = field(default_factory=dict)
+    layer_us: dict[str, list[float]] = field(default_factory=dict)
+    launches: dict[str, str] = field(default_factory=dict)
+
+
+def make_engine(name: str, config: Any, package: str | None, profile: str) -> Engine:
+    """Stock's builder and impl (``package`` None), or those of a backend package, with the
+    packaged cost profile (``profile`` empty) or ``none``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl, FlashMLASparseMetadataBuilder
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    if profile:
+        os.environ["MLA_PLANNER_COST_PROFILE"] = profile
+    else:
+        os.environ.pop("MLA_PLANNER_COST_PROFILE", None)
+    builder_cls: Any = FlashMLASparseMetadataBuilder
+    impl_cls: Any = FlashMLASparseImpl
+    if package is not None:
+        backend = importlib.import_module(f"{package}.backend")
+        builder_cls, impl_cls = backend.PlannedFlashMLASparseMetadataBuilder, backend.PlannedFlashMLASparseImpl
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8,
+                            cache_dtype_str="fp8_ds_mla")
+    topk_buffer = torch.empty((MAX_TOKENS, TOPK), dtype=torch.int32, device=META)
+    with set_current_vllm_config(config):
+        builder = builder_cls(spec, ["layers.0.attn"], config, META)
+        impl = impl_cls(NUM_HEADS, 576, 576**-0.5, 1, None, None, "fp8_ds_mla", None, "decoder", None,
+                        q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        qk_head_dim=192, v_head_dim=128, kv_b_proj=None, topk_indices_buffer=topk_buffer)
+    return Engine(name, builder, impl)
+
+
+def sparse_tokens(metadata: Any, query_lens: list[int], context_lens: list[int]) -> int:
+    """The tokens vLLM's MLA layer hands the sparse kernels (mla_attention.py's forward_impl):
+    the decodes, or every token when a prefill is past top-k."""
+    prefill_seq = [q + c for q, c in zip(query_lens[metadata.num_decodes:], context_lens[metadata.num_decodes:])]
+    dense = bool(prefill_seq) and max(prefill_seq) <= TOPK
+    return metadata.num_decode_tokens if dense or not prefill_seq else sum(query_lens)
+
+
+def time_step(engine: Engine, step: str, common: Any, kv_cache: torch.Tensor) -> None:
+    query_lens, context_lens = STEPS[step]
+    start = time.perf_counter()
+    if step == "capture":
+        metadata = engine.builder.build_for_cudagraph_capture(common)
+    else:
+        metadata = engine.builder.build(0, common)
+    engine.build_us.setdefault(step, []).append((time.perf_counter() - start) * 1e6)
+    tokens = sparse_tokens(metadata, query_lens, context_lens)
+    q = torch.empty((tokens, NUM_HEADS, 576), dtype=torch.bfloat16, device=META)
+    for _ in range(LAYERS):
+        start = time.perf_counter()
+        engine.impl.forward_mqa(q, kv_cache, metadata, None)
+        engine.layer_us.setdefault(step, []).append((time.perf_counter() - start) * 1e6)
+    planned = getattr(metadata, "planned", None)
+    engine.launches[step] = "stock" if planned is None else f"{len(planned.plan)} ({planned.plan.mode})"
+
+
+def run(repeats: int, baseline: pathlib.Path | None) -> list[Engine]:
+    with tempfile.TemporaryDirectory() as tmp:
+        packages = [] if baseline is None else [load_baseline(baseline, pathlib.Path(tmp))]
+        with fake_vllm(pytest.MonkeyPatch(), packages):
+            return run_engines(pathlib.Path(tmp), repeats, packages)
+
+
+def run_engines(tmp: pathlib.Path, repeats: int, baseline_packages: list[str]) -> list[Engine]:
+    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+    config = vllm_config(model_dir(tmp, num_heads=NUM_HEADS, topk=TOPK), max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS, dense_prefill=True)
+    if not is_workspace_manager_initialized():
+        init_workspace_manager(META)
+    engines = [make_engine("stock", config, None, "")]
+    for label, package in [("planned", "mla_planner.vllm_backend")] + [("baseline", p) for p in baseline_packages]:
+        engines += [make_engine(label, config, package, "none"), make_engine(f"{label}+profile", config, package, "")]
+    kv_cache = torch.empty((4096, 64, 656), dtype=torch.uint8, device=META)
+    block_table = torch.zeros((DECODES + 1, MAX_MODEL_LEN // 64), dtype=torch.int32, device=META)
+    commons = {step: common_metadata(q, c, block_table[: len(q)]) for step, (q, c) in STEPS.items()}
+    for r in range(repeats):
+        for step, common in commons.items():
+            for i in range(len(engines)):
+                time_step(engines[(r + i) % len(engines)], step, common, kv_cache)
+    return engines
+
+
+def report(engines: list[Engine], repeats: int) -> str:
+    stock = engines[0]
+
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    lines = [f"CPU-side overhead per step, fake kernels, meta-device tensors; {NUM_HEADS} heads, top-k {TOPK}, "
+             f"{LAYERS} layers, median of {repeats} interleaved repeats (torch {torch.__version__}, "
+             f"vLLM {__import__('vllm').__version__}).", "",
+             "| step | engine | launches | build us | layer call us | step us (build + layers) | vs stock |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for step in STEPS:
+        base = med(stock.build_us[step]) + LAYERS * med(stock.layer_us[step])
+        for engine in engines:
+            build, layer = med(engine.build_us[step]), med(engine.layer_us[step])
+            total = build + LAYERS * layer
+            lines.append(f"| {step} | {engine.name} | {engine.launches[step]} | {build:.1f} | {layer:.1f} | "
+                         f"{total:.1f} | {total - base:+.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=2000)
+    parser.add_argument("--baseline", type=pathlib.Path, help="another checkout's tree, run beside this one")
+    args = parser.parse_args()
+    engines = run(args.repeats, args.baseline)
+    print(report(engines, args.repeats))
+
+
+if __name__ == "__main__":
+    main()
