@@ -254,7 +254,9 @@ def test_passes_vllm_configuration_checks(kv_cache_dtype: str, capability: tuple
 # vLLM internals whose shape differs between 0.26 and 0.33: only vllm_api may name them.
 VERSIONED = ("triton_convert_req_index_to_global_index", "get_prefill_workspace_size", "prefill_bf16_workspace",
              "_build_fp8_mixed_decode_prefill", "_fp8_kv_pages", "workspace_specs", "current_workspace_manager",
-             "get_simultaneous", "QUANTIZED_DS_MLA_CACHE_FORMATS")
+             "get_simultaneous", "QUANTIZED_DS_MLA_CACHE_FORMATS",
+             # 0.33's masked-MHA prefill: masked_mha.py, which 0.26 never imports.
+             "topk_mask_workspace", "_use_masked_mha", "_masked_mha_workspace_fits", "SparseMLAPrefillMetadata")
 
 
 def test_only_the_seam_names_what_differs_between_vllm_versions() -> None:
@@ -270,6 +272,17 @@ def test_only_the_seam_names_what_differs_between_vllm_versions() -> None:
         imported = {alias.name for node in ast.walk(ast.parse(inspect.getsource(module)))
                     if isinstance(node, ast.ImportFrom) for alias in node.names}
         assert not (names | imported) & set(VERSIONED), f"{module.__name__} names {(names | imported) & set(VERSIONED)}"
+
+
+def test_masked_mha_module_is_imported_on_vllm_033_only() -> None:
+    """0.26 has no masked-MHA prefill: the backend must not import the module that handles it."""
+    import sys
+
+    from mla_planner.vllm_backend import backend, vllm_api
+
+    assert backend.PlannedFlashMLASparseImpl is not None
+    assert vllm_api.MASKED_MHA == vllm_api.V033
+    assert ("mla_planner.vllm_backend.masked_mha" in sys.modules) == vllm_api.V033
 
 
 def test_seam_follows_the_installed_vllm(tmp_path: pathlib.Path) -> None:

@@ -13,7 +13,10 @@ Subclasses vLLM's ``FlashMLASparse*`` classes and changes only what the plan cha
   a plan of one launch is the one kernel call stock's forward makes for the step, so stock's
   code runs it, unchanged (:meth:`PlannedFlashMLASparseImpl.runs_stock_call`);
 * BF16-KV steps and decode-only steps run stock code (a decode-only step's plan is stock's one
-  call, as the CPU tests check).
+  call, as the CPU tests check), except, on vLLM 0.33, a step whose masked-MHA prefills do not fit
+  vLLM's mask workspace together: the builder plans them in the planner's groups and the impl's
+  ``forward_mha`` runs those that fit as masked MHA, group by group, and only the rest on sparse
+  MQA, where stock runs them all on sparse MQA (:mod:`.masked_mha`).
 
 What every layer of a step would derive from its plan the same way is derived once per step, by
 :class:`PlannedStep`; nothing in a layer call synchronizes with the GPU.
@@ -54,6 +57,9 @@ from mla_planner.executor.mixed_batch import Launches, MixedBatchExecutor
 from mla_planner.executor.providers import KernelProvider, VllmProvider
 from mla_planner.vllm_backend import engine_config, reservation, vllm_api, warmup
 from mla_planner.vllm_backend.settings import read_settings
+
+if vllm_api.MASKED_MHA:  # vLLM 0.33's masked-MHA prefill; 0.26 has none and never imports it
+    from mla_planner.vllm_backend import masked_mha
 
 # Under vLLM's logger, so the lines come out with vLLM's format and VLLM_LOGGING_LEVEL.
 logger = init_logger("vllm.mla_planner")
@@ -153,6 +159,9 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         if self.stock_reason is not None:
             logger.info_once("mla-planner: %s: every step runs vLLM's own code", self.stock_reason)
         self.mixed_executor = MixedBatchExecutor(self.provider, self.step_config) if self.plans_steps else None
+        self.group_prefill_backends: list[Any] = []
+        """vLLM 0.33, masked MHA: a dense prefill backend per dense-MHA group of a step (clones of
+        vLLM's), kept across steps (:func:`.masked_mha.group_prefill_backend`)."""
         self.cost_model = None if settings.vllm_rule else routing.load_for_engine(self.cost_profile, self.step_config)
         if self.plans_steps:
             # A cost profile may route a step either way; vLLM's rule takes one route.
@@ -179,6 +188,9 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels", self.scratch_budget_bytes >> 20)
         metadata = FlashMLASparseMetadataBuilder.build(self, common_prefix_len, common_attn_metadata, fast_build)
         assert isinstance(metadata, PlannedFlashMLASparseMetadata)
+        if vllm_api.MASKED_MHA and metadata.prefill is not None:
+            # Masked MHA needs a non-quantized cache: no FP8 step has a plan from both.
+            masked_mha.attach_plan(self, metadata, common_attn_metadata)
         if not self.plans_steps or metadata.num_prefills == 0:
             return metadata
         plan = self.plan(metadata, common_attn_metadata)
@@ -280,6 +292,10 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         _pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
         warmup.maybe_warm_up(md.block_table, md.block_size, block_stride_rows, topk_indices.shape[1])
 
+    mla_layer: Any = None
+    """vLLM 0.33, masked MHA: the ``MLAAttention`` layer of this impl, found when a step first
+    runs prefills on sparse MQA inside ``forward_mha`` (:func:`.masked_mha.attention_layer`)."""
+
     def largest_launches(self, scratch_bytes: int) -> list[reservation.LaunchReservation]:
         vllm_config = get_current_vllm_config()
         device = torch.device(vllm_config.device_config.device or "cuda")
@@ -307,6 +323,35 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
                          "(%s); %d heads per rank", transient >> 20,
                          ", ".join(f"{l.route}: {l.tokens} tokens, {l.transient_bytes >> 20} MiB" for l in launches),
                          self.num_heads)
+
+    @staticmethod
+    def masked_mha_workspace_fits(prefill: Any) -> bool:
+        """vLLM 0.33 (0.26 has no masked MHA and never calls this): ``MLAAttention._use_sparse_mha``
+        asks it last, once masked MHA is otherwise the layer's choice for the step. Yes where the
+        builder planned the step's prefills in groups that fit; stock's answer otherwise."""
+        return masked_mha.workspace_fits(prefill)
+
+    def forward_mha(
+        self,
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: Any,
+        k_scale: torch.Tensor,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+    ) -> None:
+        # vLLM 0.33: a step whose prefills the builder planned in masked-MHA groups runs them
+        # group by group; any other (and every step on 0.26) is stock's.
+        prefill = getattr(attn_metadata, "prefill", None)
+        partial = masked_mha.plan_of(prefill) if vllm_api.MASKED_MHA and prefill is not None else None
+        if partial is None:
+            FlashMLASparseImpl.forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale,
+                                           output, output_scale)
+            return
+        assert output_scale is None, "masked MHA writes no quantized output (stock's masked path neither)"
+        masked_mha.forward(self, partial, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, k_scale, output)
 
     def _forward_fp8_kv_mixed_batch(
         self,

@@ -21,7 +21,11 @@ What differs (0.33.0 wheel, ``F`` = ``vllm/v1/attention/backends/mla/flashmla_sp
 * the builder's FP8 path (``use_fp8_kv_cache``) also covers ``nvfp4_ds_mla`` (F:391);
 * the builder keeps vLLM's route under HiSparse, PCP+DCP and DCP (F:442-486);
 * the profile run calls ``impl.reserve_workspace()`` for every layer before KV sizing
-  (mla_attention.py:936-948), which 0.26 has no counterpart of.
+  (mla_attention.py:936-948), which 0.26 has no counterpart of;
+* masked-MHA prefill (SM100, FA4, a non-quantized KV cache): the layer asks the impl's
+  ``masked_mha_workspace_fits`` and runs the prefills through its ``forward_mha``
+  (mla_attention.py:990-1000, 1215-1240); 0.26 has none. The backend's part, in
+  :mod:`.masked_mha`, is imported on 0.33 only (:data:`MASKED_MHA`).
 """
 
 from __future__ import annotations
@@ -68,6 +72,10 @@ FORWARD_RETURNS_LSE = V033
 RESERVES_THROUGH_PROFILE_RUN = V033
 """0.33 calls ``reserve_workspace()`` in the profile run; 0.26 needs the allocate-then-free
 reservation of :mod:`.reservation`."""
+
+MASKED_MHA = V033
+"""0.33 has masked-MHA prefill (0.26 none): the builder plans the prefills that fit in groups and
+the impl runs them (:mod:`.masked_mha`, which only 0.33 imports)."""
 
 
 def forward_result(out: torch.Tensor) -> Any:
@@ -153,12 +161,15 @@ class WorkspaceViews:
     buffer stock reserves (F:793-832): ``q_padded`` ``(max_tokens, padded heads, 576)`` and
     ``padded_out`` ``(max_tokens, padded heads, 512)`` -- the BF16 prefill kernel's padded q and
     output, which the mixed-batch route never uses, so it may take them for the decode kernel's --
-    and ``compact_out`` ``(max_tokens, heads, 512)``, the separate path's step output."""
+    and ``compact_out`` ``(max_tokens, heads, 512)``, the separate path's step output.
+    ``q_concat`` (BF16 cache only) ``(max_tokens, heads padded to 64, 576)``: the sparse-MQA query
+    stock's ``forward_mqa`` concatenates (its first view)."""
 
     gather: torch.Tensor | None
     q_padded: torch.Tensor | None = None
     padded_out: torch.Tensor | None = None
     compact_out: torch.Tensor | None = None
+    q_concat: torch.Tensor | None = None
 
 
 def workspace_views(impl: Any) -> WorkspaceViews:
@@ -167,9 +178,9 @@ def workspace_views(impl: Any) -> WorkspaceViews:
     if V033:
         from vllm.v1.worker.workspace import current_workspace_manager
 
-        if len(impl.workspace_specs) < 5:  # no FP8 cache: q_concat only
-            return WorkspaceViews(None)
         views = current_workspace_manager().get_simultaneous(*impl.workspace_specs)
+        if len(impl.workspace_specs) < 5:  # no FP8 cache: q_concat only
+            return WorkspaceViews(None, q_concat=views[0])
         # Positions as stock reads them: [1] gather, [-3:] padded q, padded out, compact out.
         return WorkspaceViews(views[1], views[-3], views[-2], views[-1])
     return WorkspaceViews(getattr(impl, "prefill_bf16_workspace", None))
