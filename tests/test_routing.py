@@ -354,7 +354,8 @@ def test_packaged_profiles_are_valid_and_found_by_their_kernels() -> None:
 
     from mla_planner.routing import PROFILE_DIR, default_profile_path
 
-    packaged = sorted(p for p in (resources.files("mla_planner.data") / PROFILE_DIR).iterdir() if p.name.endswith(".json"))
+    packaged = sorted((p for p in (resources.files("mla_planner.data") / PROFILE_DIR).iterdir() if p.name.endswith(".json")),
+                      key=lambda p: p.name)
     assert packaged, "no packaged profile"
     for entry in packaged:
         text = entry.read_text()
