@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from serve_proc import HERE, SERVED_NAME, VLLM_CLI, kill_group, spawn
+from serve_proc import HERE, SERVED_NAME, VLLM_CLI, check_stop, kill_group, spawn
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,7 @@ def run_clients(cmds: list[list[str]], results: list[Path], logs: list[Path], en
     timed_out = False
     try:
         while any(p.poll() is None for p in procs):
+            check_stop()
             if time.monotonic() - t0 > timeout_s:
                 timed_out = True
                 break

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import serve_bench as sb
-from serve_proc import (Server, ServerSpec, free_port, gpu_memory_used_mib, gpu_processes, group_pids, log_facts, server_command,
-                        server_env, wait_gpu_idle)
+from serve_proc import (Server, ServerSpec, check_stop, free_port, gpu_memory_used_mib, gpu_processes, group_pids,
+                        log_facts, server_command, server_env, wait_gpu_idle)
 from serve_requests import run_case
 
 Save = Callable[[], None]
@@ -166,6 +166,7 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
                     data["runs"].append(run)
                     save()
                     say(run_line(tag, run))
+                    check_stop()
     finally:
         for engine, server in servers.items():
             finish_server(server, records[engine])
@@ -177,6 +178,7 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
 
 def probe_case(ctx: Ctx, server: Server, case: str) -> dict[str, Any]:
     result = run_case(server.url, case, ctx.request_timeout_s)
+    check_stop()
     if result["status"] != "ok":
         time.sleep(2)  # a dying engine takes a moment to take the server down
     result["alive_after"] = server.alive()
@@ -295,6 +297,7 @@ def phase_soak(ctx: Ctx, data: dict[str, Any], save: Save, *, engine: str, util:
             data["iterations"].append(run)
             save()
             say(run_line(f"soak iteration {i + 1} ({run['t_end_s']:.0f} s)", run))
+            check_stop()
             i += 1
         sample(force=True)
     finally:

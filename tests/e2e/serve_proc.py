@@ -228,6 +228,7 @@ class Server:
         """Until /health answers 200; fails fast when the process exits, and at ``timeout_s``."""
         deadline = self.t0 + timeout_s
         while True:
+            check_stop()
             if not self.alive():
                 rc = self.proc.returncode if self.proc else None
                 return {"status": "exited", "rc": rc, "elapsed_s": time.monotonic() - self.t0,
@@ -265,14 +266,29 @@ def stop_all() -> None:
             print(f"stopping {server.spec.name}: {exc}", file=sys.stderr)
 
 
-def _raise_exit(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds the phase's finally blocks, then atexit
+_STOP: list[int] = []  # the signal that asked the driver to stop, once one has
+
+
+def _stop_requested(signum: int, _frame: Any) -> None:
+    _STOP.append(signum)
+    check_stop()
+
+
+def check_stop() -> None:
+    """Raises (SystemExit, or KeyboardInterrupt for Ctrl-C) once a stop was asked for: unwinds the
+    phase's finally blocks, which stop its servers, then atexit. The handler raises at once, and the
+    driver's polling loops call this again, since an exception raised while Python runs a finalizer
+    (a Popen's ``__del__``, say) is printed and dropped."""
+    if _STOP:
+        if _STOP[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + _STOP[0])
 
 
 def install_cleanup() -> None:
     atexit.register(stop_all)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_exit)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, _stop_requested)
 
 
 def log_facts(text: str) -> dict[str, Any]:

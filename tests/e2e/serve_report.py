@@ -59,7 +59,8 @@ def server_rows(records: list[dict[str, Any]]) -> list[str]:
         s = r.get("startup", {})
         started = f"{s.get('status')}, {s['elapsed_s']:.0f} s" if "elapsed_s" in s else s.get("status", "–")
         if s.get("status") not in ("ok", None, "not run"):
-            started += f": {_cell(s.get('error') or (s.get('log_tail') or '').splitlines()[-1:] or '', 80)}"
+            last_line = next(iter((s.get("log_tail") or "").splitlines()[-1:]), "")
+            started += f": {_cell(s.get('error') or last_line, 80)}"
         errors = ", ".join(f"{k} ×{v}" for k, v in (r.get("error_count") or {}).items()) or "none"
         alive = {True: "yes", False: "**no**", None: "–"}[r.get("alive_at_end")]
         lines.append(f"| {r.get('label')} | {r.get('engine')} | {r.get('util')} | {r.get('mnbt')} | {started} | "
@@ -135,6 +136,8 @@ def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
     lines = ["Servers (started one after the other, then both up together):", "", *server_rows(records), ""]
     summary = engine_checks(records)
     for call in calls:
+        if call.get("error"):
+            summary.append(f"**ab call {call.get('id')}: {call['error']}** (no bench run)")
         kv = {e: (call.get("servers", {}).get(e) or {}).get("kv_cache_memory_gib") for e in ("stock", "plugin")}
         if kv["stock"] is not None and kv["plugin"] is not None:
             summary.append(f"ab servers at util {call.get('util')}: KV cache stock {kv['stock']:.2f} GiB, plugin "

@@ -244,20 +244,25 @@ def test_no_server_outlives_the_driver(tmp_path: Path, how: signal.Signals) -> N
     out = tmp_path / "out"
     cmd = [sys.executable, str(HERE / "run_serve.py"), "--phase", "soak", "--soak-s", "300", "--out", str(out),
            "--port-base", "0", "--fake-server", "--fake-bench"]
-    driver_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   env=fake_nvidia_smi(tmp_path / "bin"))
+    log = tmp_path / "driver.log"
+    with log.open("w") as f:
+        driver_proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=fake_nvidia_smi(tmp_path / "bin"))
     try:
         wait_for(lambda: soak_server_pid(out) is not None)
         pid = soak_server_pid(out) or 0
         assert proc.group_pids(pid) == [pid]
         driver_proc.send_signal(how)
-        driver_proc.wait(timeout=60)
+        try:
+            driver_proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the driver did not end: {log.read_text()[-3000:]}")
         wait_for(lambda: proc.group_pids(pid) == [], timeout_s=30)
     finally:
         if driver_proc.poll() is None:
             driver_proc.kill()
     if how != signal.SIGKILL:
         data = json.loads((out / "soak-plugin.json").read_text())
+        assert "stop" in data["server"], log.read_text()[-3000:]
         assert data["server"]["stop"]["left_running"] is False and data["server"]["alive_at_end"] is True
 
 
@@ -331,6 +336,17 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "ab.json").read_text())
     assert [(run["call"], run["workload"]) for run in data["runs"]].count((1, "long")) == 2
     assert {run["workload"] for run in data["runs"] if run["call"] == 0} == {"chat", "mix"}
+
+
+def test_ab_stops_when_a_server_does_not_start(tmp_path: Path) -> None:
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", env=dict(os.environ, FAKE_SERVE_EXIT_AT_START="1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "ab.json").read_text())
+    assert data["runs"] == [] and list(data["calls"][0]["servers"]) == ["stock"]
+    assert data["calls"][0]["servers"]["stock"]["startup"]["status"] == "exited"
+    md = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "**ab call 0: stock server did not start: exited** (no bench run)" in md
+    assert "| ab0-stock | stock | 0.45 | 32768 | exited, " in md and "RuntimeError: fake start-up failure |" in md
 
 
 def test_ab_deadline_leaves_runs_not_run(tmp_path: Path) -> None:
