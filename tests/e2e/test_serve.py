@@ -350,7 +350,7 @@ def test_ab_stops_when_a_server_does_not_start(tmp_path: Path) -> None:
 
 
 def test_ab_deadline_leaves_runs_not_run(tmp_path: Path) -> None:
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "1", "--deadline-s", "8")
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "1", "--deadline-s", "30")
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "ab.json").read_text())
     assert data["finished"] and {run["status"] for run in data["runs"]} == {"not run"}
