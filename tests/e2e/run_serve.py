@@ -1,0 +1,238 @@
+"""Issue 14: stock FLASHMLA_SPARSE vs the plugin through ``vllm serve``, driven by ``vllm bench serve``.
+
+    PYTHONPATH=/tmp/site python3 tests/e2e/run_serve.py --phase ab --out /tmp/serve
+    PYTHONPATH=/tmp/site python3 tests/e2e/run_serve.py --phase boundary --out /tmp/serve
+    PYTHONPATH=/tmp/site python3 tests/e2e/run_serve.py --phase failrate --out /tmp/serve
+    PYTHONPATH=/tmp/site python3 tests/e2e/run_serve.py --phase soak --detach --out /tmp/serve
+    PYTHONPATH=/tmp/site python3 tests/e2e/run_serve.py --phase soak --follow --out /tmp/serve   # next call
+    python3 tests/e2e/run_serve.py --report-only /tmp/serve
+
+Each phase (serve_phases.py) ends by ``--deadline-s`` and writes ``DIR/<phase>[-<engine>].json``,
+rewritten after every step, server logs under ``DIR/logs``, bench results under ``DIR/bench``, and
+``DIR/serve.md`` (serve_report.py) over every phase file in DIR. The tiny model gets a generated
+tokenizer in ``DIR/model`` (serve_tokenizer.py), checked before any server starts.
+
+A soak of 600 s does not fit in one 10-minute device call with a server's start-up: ``--detach``
+runs it in a process of its own session (which the device machine keeps while it stays warm) and
+follows it until the deadline; ``--follow`` in the next call picks it up until it finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import serve_bench
+import serve_phases as sp
+import serve_report
+from run_cases import CASE_TITLES, ENV_DEFAULTS, MODEL_DIR, PLANNER_VARS, write_json
+from serve_proc import install_cleanup
+from serve_tokenizer import check_tokenizer, served_model_dir
+
+PHASE_DEFAULTS = {  # engine, util
+    "ab": (None, 0.45),
+    "boundary": ("plugin", 0.95),
+    "failrate": ("stock", None),
+    "soak": ("plugin", 0.95),
+}
+DETACHED_MARGIN_S = 600  # a detached soak's own deadline: --soak-s plus this (start-up, last iteration)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--phase", choices=list(PHASE_DEFAULTS), help="what to run (one phase a call)")
+    ap.add_argument("--out", type=Path, help="results folder (kept: later calls add to it)")
+    ap.add_argument("--deadline-s", type=float, default=540, help="the phase ends by then (default 540)")
+    ap.add_argument("--engine", choices=("stock", "plugin"),
+                    help="boundary, soak: default plugin; failrate: default stock (ab runs both)")
+    ap.add_argument("--util", type=float, help="--gpu-memory-utilization (ab: 0.45 each; boundary, soak: 0.95)")
+    ap.add_argument("--workloads", default="long,chat,mix", help=f"ab: of {', '.join(serve_bench.WORKLOADS)}")
+    ap.add_argument("--repeats", type=int, default=3, help="ab: interleaved repeats per engine and workload")
+    ap.add_argument("--prompt-scale", type=float, default=1.0, help="ab, soak: scales every client's prompt count")
+    ap.add_argument("--failrate-utils", default="0.90,0.95", help="failrate: utilizations, in turn")
+    ap.add_argument("--failrate-n", type=int, default=2, help="failrate: servers per utilization")
+    ap.add_argument("--soak-s", type=float, default=600, help="soak: how long to repeat the mix (default 600)")
+    ap.add_argument("--sample-s", type=float, default=5, help="soak: seconds between memory samples")
+    ap.add_argument("--detach", action="store_true", help="soak: run in a session of its own, follow it until the deadline")
+    ap.add_argument("--follow", action="store_true", help="soak: follow a detached soak in DIR until it ends or the deadline")
+    ap.add_argument("--scratch-mb", type=int, help="the plugin's budget (MLA_PLANNER_SCRATCH_MB; default: its own)")
+    ap.add_argument("--port-base", type=int, default=8100, help="servers listen on this port and above (0: any free)")
+    ap.add_argument("--start-timeout-s", type=float, default=240, help="a server's start-up limit (default 240)")
+    ap.add_argument("--request-timeout-s", type=float, default=120, help="a boundary request's limit (default 120)")
+    ap.add_argument("--python", default=sys.executable, help="interpreter for vllm serve and vllm bench serve")
+    ap.add_argument("--model", type=Path, default=MODEL_DIR)
+    ap.add_argument("--report-only", type=Path, metavar="DIR", help="only write DIR/serve.md from DIR's JSON")
+    ap.add_argument("--fake-server", action="store_true", help=argparse.SUPPRESS)  # CPU tests: serve_fakes.py
+    ap.add_argument("--fake-bench", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.report_only:
+        return args
+    if not (args.phase and args.out):
+        ap.error("give --phase and --out (or --report-only DIR)")
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in args.workloads if w not in serve_bench.WORKLOADS]
+    if unknown:
+        ap.error(f"unknown workload(s) {unknown}; known: {', '.join(serve_bench.WORKLOADS)}")
+    args.failrate_utils = [float(u) for u in args.failrate_utils.split(",") if u]
+    engine, util = PHASE_DEFAULTS[args.phase]
+    args.engine = args.engine or engine
+    args.util = args.util if args.util is not None else util
+    for u in [args.util, *args.failrate_utils]:
+        if u is not None and not 0 < u <= 1:
+            ap.error(f"utilization {u} is not in (0, 1]")
+    if args.repeats < 1 or args.failrate_n < 1 or args.prompt_scale <= 0 or args.sample_s <= 0:
+        ap.error("--repeats and --failrate-n must be at least 1, --prompt-scale and --sample-s positive")
+    if (args.detach or args.follow) and args.phase != "soak":
+        ap.error("--detach and --follow are for --phase soak")
+    return args
+
+
+def result_path(args: argparse.Namespace) -> Path:
+    out: Path = args.out
+    return out / ("ab.json" if args.phase == "ab" else f"{args.phase}-{args.engine}.json")
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    found = {}
+    for dist in ("vllm", "torch", "mla-planner", "transformers", "tokenizers"):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found[dist] = "absent"
+    return found
+
+
+def run_phase(args: argparse.Namespace) -> int:
+    start = time.monotonic()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    path = result_path(args)
+    # ab and failrate add to an earlier call's file (serve_phases.py says how); the others start afresh.
+    data: dict[str, Any] = json.loads(path.read_text()) if args.phase in ("ab", "failrate") and path.is_file() else {}
+    run = {k: v for k, v in vars(args).items() if k not in ("out", "model", "report_only") and not k.startswith("fake")}
+    data.update(schema=1, phase=args.phase, run=run, finished=False, versions=versions(),
+                started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                env={k: os.environ.get(k) for k in ("PYTHONPATH", *ENV_DEFAULTS, *PLANNER_VARS)},
+                workload_titles=serve_bench.WORKLOAD_TITLES, case_titles=CASE_TITLES)
+
+    def save() -> None:
+        write_json(path, data)
+
+    model_dir = served_model_dir(out / "model", args.model)
+    try:
+        data["tokenizer"] = check_tokenizer(model_dir)
+    except Exception as exc:  # no server is started on a tokenizer that would fail them
+        data.update(tokenizer={"error": f"{type(exc).__name__}: {exc}"}, finished=True)
+        save()
+        print(f"tokenizer check failed: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.phase}: tokenizer ok ({data['tokenizer']['class']}, {data['tokenizer']['len']} tokens); "
+          f"results in {path}", flush=True)
+    save()
+    ctx = sp.Ctx(out=out, python=args.python, model_dir=model_dir, deadline=start + args.deadline_s,
+                 port_base=args.port_base, scratch_mb=args.scratch_mb, start_timeout_s=args.start_timeout_s,
+                 request_timeout_s=args.request_timeout_s, fake_server=args.fake_server, fake_bench=args.fake_bench)
+    if args.phase == "ab":
+        sp.phase_ab(ctx, data, save, util=args.util, workloads=args.workloads, repeats=args.repeats,
+                    scale=args.prompt_scale)
+    elif args.phase == "boundary":
+        sp.phase_boundary(ctx, data, save, engine=args.engine, util=args.util)
+    elif args.phase == "failrate":
+        sp.phase_failrate(ctx, data, save, engine=args.engine, utils=args.failrate_utils, n=args.failrate_n)
+    else:
+        sp.phase_soak(ctx, data, save, engine=args.engine, util=args.util, soak_s=args.soak_s,
+                      sample_s=args.sample_s, scale=args.prompt_scale)
+    data.update(finished=True, elapsed_s=time.monotonic() - start)
+    save()
+    return 0
+
+
+def write_report(out: Path) -> str:
+    text = serve_report.render_dir(out)
+    (out / serve_report.REPORT_MD).write_text(text)
+    return text
+
+
+def detach(args: argparse.Namespace, argv: list[str]) -> None:
+    """The same command without --detach, in a session of its own, with a deadline of its own."""
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), *[a for a in argv if a != "--detach"],
+           "--deadline-s", str(args.soak_s + DETACHED_MARGIN_S)]  # argparse takes the last --deadline-s
+    with (out / "soak-driver.log").open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    (out / "soak-driver.pid").write_text(f"{proc.pid}\n")
+    print(f"soak: detached as pid {proc.pid} (log {out / 'soak-driver.log'})", flush=True)
+
+
+def follow(args: argparse.Namespace) -> int:
+    """Prints the detached soak's log as it grows, until it ends or this call's deadline."""
+    start = time.monotonic()
+    out: Path = args.out
+    log, pid_file = out / "soak-driver.log", out / "soak-driver.pid"
+    if not pid_file.is_file():
+        print(f"no detached soak in {out}", file=sys.stderr)
+        return 2
+    pid = int(pid_file.read_text())
+    shown = 0
+    while True:
+        lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+        for line in lines[shown:]:
+            print(f"  | {line}", flush=True)
+        shown = len(lines)
+        if not pid_alive(pid):
+            print(f"soak: finished (pid {pid} ended)", flush=True)
+            return 0
+        if time.monotonic() - start > args.deadline_s:
+            print(f"soak: still running (pid {pid}); call again with --phase soak --follow within the machine's "
+                  "warm time", flush=True)
+            return 0
+        time.sleep(5)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (its parent, a previous call's driver, is gone, so init reaps it soon) is ended
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.report_only:
+        print(write_report(args.report_only))
+        return 0
+    if args.detach:
+        detach(args, argv)
+    if args.detach or args.follow:
+        rc = follow(args)
+        print(write_report(args.out))
+        return rc
+    install_cleanup()
+    try:
+        rc = run_phase(args)
+    finally:
+        write_report(args.out)
+    print(write_report(args.out))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

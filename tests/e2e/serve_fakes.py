@@ -1,0 +1,189 @@
+"""Stand-ins for ``vllm serve`` and ``vllm bench serve``, for CPU tests of the serving driver.
+
+    python3 serve_fakes.py serve MODEL_DIR --port P --attention-backend B ...   # the server's flags
+    python3 serve_fakes.py bench --base-url URL --num-prompts N ...             # bench's flags
+
+``serve`` answers what the driver and vLLM's bench client use: ``/health``, ``/v1/models``,
+``/tokenize`` and ``/v1/completions`` (token-id or text prompts, streamed as server-sent events or
+not), on the word-level tokenizer's words (``w<id>``). It logs the lines the driver reads (KV cache,
+the plugin's budget). Like e2e_fakes, stock (FLASHMLA_SPARSE) at gpu_memory_utilization >= 0.95
+"runs out of memory" when more than 16,384 prompt tokens are in flight at once: it logs a CUDA OOM,
+answers 500 and exits, as a server whose engine died. The environment steers start-up:
+FAKE_SERVE_START_S (seconds before it listens, default 0.2), FAKE_SERVE_EXIT_AT_START=1 (exits with
+an error instead). ``bench`` writes a result JSON shaped like bench's: every prompt completed if the
+server's /health answers 200, none otherwise. No number either produces means anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+OOM_TOKENS = 16384
+SPECIALS = {"<s>": 0, "</s>": 1, "<unk>": 2}
+
+
+def encode(text: str) -> list[int]:
+    return [SPECIALS.get(w, int(w[1:]) if w[:1] == "w" and w[1:].isdigit() else 2) for w in text.split()]
+
+
+class FakeServer:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.name = args.served_model_name or args.model
+        self.model = args.model
+        stock = args.attention_backend == "FLASHMLA_SPARSE"
+        self.oom_over = OOM_TOKENS if stock and args.gpu_memory_utilization >= 0.95 else None
+        self.in_flight = 0
+        self.lock = threading.Lock()
+
+    def log(self, line: str) -> None:
+        print(line, flush=True)
+
+    def die(self) -> None:
+        self.log("ERROR [core.py] EngineCore encountered a fatal error.")
+        self.log("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB.")
+        self.log("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.")
+        threading.Timer(0.3, lambda: os._exit(1)).start()
+
+    def prefill(self, n: int) -> bool:
+        """Holds ``n`` tokens in flight for a moment; False when that "ran out of memory"."""
+        with self.lock:
+            self.in_flight += n
+            over = self.oom_over is not None and self.in_flight > self.oom_over
+        if over:
+            self.die()
+            return False
+        time.sleep(0.3)
+        with self.lock:
+            self.in_flight -= n
+        return True
+
+
+def handler(server: FakeServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # quiet, as --disable-uvicorn-access-log
+            pass
+
+        def send_json(self, status: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            elif self.path == "/v1/models":
+                self.send_json(200, {"data": [{"id": server.name, "root": server.model}]})
+            else:
+                self.send_json(404, {"error": "not found"})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            if self.path == "/tokenize":
+                self.send_json(200, {"tokens": encode(body["prompt"])})
+                return
+            if self.path != "/v1/completions":
+                self.send_json(404, {"error": "not found"})
+                return
+            prompt = body["prompt"]
+            ids = list(prompt) if isinstance(prompt, list) else encode(prompt)
+            server.log(f"INFO fake: completion request of {len(ids)} prompt tokens")
+            if not server.prefill(len(ids)):
+                self.send_json(500, {"error": "EngineCore encountered an issue. See stack trace above."})
+                return
+            n = int(body.get("max_tokens") or 16)
+            usage = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+            if not body.get("stream"):
+                self.send_json(200, {"choices": [{"index": 0, "text": " w7" * n, "finish_reason": "length"}],
+                                     "usage": usage})
+                return
+            self.send_response(200)  # HTTP/1.0: the body ends when the connection closes
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for _ in range(n):
+                self.wfile.write(b'data: {"choices": [{"index": 0, "text": " w7"}]}\n\n')
+                self.wfile.flush()
+                time.sleep(0.001)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                self.wfile.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    return Handler
+
+
+def serve(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="fake vllm serve")
+    ap.add_argument("model")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--attention-backend")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    ap.add_argument("--served-model-name")
+    args, _ = ap.parse_known_args(argv)  # the other flags are vLLM's business
+    server = FakeServer(args)
+    server.log(f"INFO fake vllm serve {args.model} on port {args.port}, backend {args.attention_backend}")
+    if os.environ.get("FAKE_SERVE_EXIT_AT_START") == "1":
+        server.log("RuntimeError: fake start-up failure")
+        return 3
+    kv_gib = 60.0 - (1.0 if args.attention_backend == "CUSTOM" else 0.0)
+    server.log(f"INFO [gpu_worker.py:561] Available KV cache memory: {kv_gib:.2f} GiB")
+    server.log(f"INFO [kv_cache_utils.py:2177] GPU KV cache size: {int(kv_gib * 10000):,} tokens")
+    if args.attention_backend == "CUSTOM":
+        server.log("INFO [backend.py:198] mla-planner: sparse MLA scratch budget 1024 MiB (default), reserved "
+                   "from the KV cache; 16 heads per rank")
+    time.sleep(float(os.environ.get("FAKE_SERVE_START_S", "0.2")))
+    httpd = ThreadingHTTPServer((args.host, args.port), handler(server))
+    server.log("INFO:     Application startup complete.")
+    httpd.serve_forever()
+    return 0
+
+
+def bench(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="fake vllm bench serve")
+    for flag in ("--base-url", "--result-dir", "--result-filename", "--label"):
+        ap.add_argument(flag, required=True)
+    for flag in ("--num-prompts", "--random-input-len", "--random-output-len", "--seed", "--max-concurrency"):
+        ap.add_argument(flag, type=int, required=True)
+    ap.add_argument("--metadata", nargs="*", default=[])
+    args, _ = ap.parse_known_args(argv)
+    plugin = "engine=plugin" in args.metadata
+    try:
+        with urllib.request.urlopen(args.base_url + "/health", timeout=5) as response:
+            up = response.status == 200
+    except OSError:
+        up = False
+    n = args.num_prompts
+    done = n if up else 0
+    duration = (1.0 if plugin else 1.25) + args.seed % 7 / 100  # the plugin "faster", to test the ratios
+    result = {"backend": "vllm", "label": args.label, "num_prompts": n, "max_concurrency": args.max_concurrency,
+              "duration": duration, "completed": done, "failed": n - done,
+              "total_input_tokens": done * args.random_input_len, "total_output_tokens": done * args.random_output_len,
+              "request_throughput": done / duration, "output_throughput": done * args.random_output_len / duration,
+              "total_token_throughput": done * (args.random_input_len + args.random_output_len) / duration,
+              "max_concurrent_requests": min(n, args.max_concurrency)}
+    for metric, base in (("ttft", 40.0), ("tpot", 5.0), ("itl", 5.0), ("e2el", 900.0)):
+        result[f"median_{metric}_ms"] = result[f"p50_{metric}_ms"] = base + args.seed % 5
+        result[f"p99_{metric}_ms"] = 2 * base
+        result[f"mean_{metric}_ms"] = base
+    os.makedirs(args.result_dir, exist_ok=True)
+    with open(os.path.join(args.result_dir, args.result_filename), "w") as f:
+        json.dump(result, f)
+    print(f"fake bench: {done}/{n} completed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    mode, rest = sys.argv[1], sys.argv[2:]
+    sys.exit(serve(rest) if mode == "serve" else bench(rest))

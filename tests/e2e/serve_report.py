@@ -1,0 +1,280 @@
+"""``serve.md`` from the phase JSON files run_serve.py leaves in a results folder.
+
+Works from the saved files alone (``ab.json``, ``boundary-<engine>.json``, ``failrate-<engine>.json``,
+``soak-<engine>.json``), reports what they say, missing results included, and computes only medians,
+ratios and differences of the numbers they hold.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+REPORT_MD = "serve.md"
+PHASES = ("ab", "boundary", "failrate", "soak")
+# (title, bench key, digits): the per-workload columns, medians over repeats.
+METRICS = (("TTFT p50 ms", "p50_ttft_ms", 1), ("TTFT p99 ms", "p99_ttft_ms", 1), ("TPOT p50 ms", "p50_tpot_ms", 2),
+           ("TPOT p99 ms", "p99_tpot_ms", 2), ("output tok/s", "output_throughput", 0),
+           ("total tok/s", "total_token_throughput", 0))
+ERROR_KINDS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error", "illegal memory access", "EngineDeadError")
+
+
+def load_dir(folder: Path) -> dict[str, dict[str, Any]]:
+    """Phase results by file stem (``ab``, ``boundary-plugin``, ...)."""
+    found = {}
+    for path in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if isinstance(data, dict) and data.get("schema") == 1 and data.get("phase") in PHASES:
+            found[path.stem] = data
+    return found
+
+
+def render_dir(folder: Path) -> str:
+    return render(load_dir(folder))
+
+
+def _num(value: Any, digits: int = 0) -> str:
+    return f"{value:,.{digits}f}" if isinstance(value, (int, float)) else "–"
+
+
+def _cell(value: Any, limit: int = 100) -> str:
+    text = " ".join(str(value).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def median(values: list[Any]) -> float | None:
+    nums = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(nums) if nums else None
+
+
+def server_rows(records: list[dict[str, Any]]) -> list[str]:
+    lines = ["| server | engine | util | mnbt | start-up | KV cache GiB | KV tokens | mla-planner log lines "
+             "| alive at end | errors in log |", "|" + "---|" * 10]
+    for r in records:
+        s = r.get("startup", {})
+        started = f"{s.get('status')}, {s['elapsed_s']:.0f} s" if "elapsed_s" in s else s.get("status", "–")
+        if s.get("status") not in ("ok", None, "not run"):
+            last_line = next(iter((s.get("log_tail") or "").splitlines()[-1:]), "")
+            started += f": {_cell(s.get('error') or last_line, 80)}"
+        errors = ", ".join(f"{k} ×{v}" for k, v in (r.get("error_count") or {}).items()) or "none"
+        alive = {True: "yes", False: "**no**", None: "–"}[r.get("alive_at_end")]
+        lines.append(f"| {r.get('label')} | {r.get('engine')} | {r.get('util')} | {r.get('mnbt')} | {started} | "
+                     f"{_num(r.get('kv_cache_memory_gib'), 2)} | {_num(r.get('kv_cache_tokens'))} | "
+                     f"{len(r.get('planner_lines') or [])} | {alive} | {_cell(errors, 80)} |")
+    return lines
+
+
+def engine_checks(records: list[dict[str, Any]]) -> list[str]:
+    """A plugin server must log the planner's lines, a stock server none."""
+    out = []
+    for r in records:
+        lines = r.get("planner_lines")
+        if lines is None or not server_ok(r):
+            continue
+        if (r.get("engine") == "plugin") != bool(lines):
+            out.append(f"**{r.get('label')}: {r.get('engine')} server logged {len(lines)} mla-planner lines**")
+    return out
+
+
+def server_ok(record: dict[str, Any]) -> bool:
+    return bool(record.get("startup", {}).get("status") == "ok")
+
+
+def _client_rows(runs: list[dict[str, Any]], label: str) -> list[dict[str, Any]]:
+    """The summaries of one client (or ``combined``) over the ok runs."""
+    if label == "combined":
+        return [r["combined"] for r in runs if r.get("status") == "ok" and r.get("combined")]
+    return [r["clients"][label]["result"] for r in runs
+            if r.get("status") == "ok" and (r["clients"].get(label) or {}).get("result")]
+
+
+def workload_lines(workload: str, title: str, wruns: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """One workload's table: per client (and all clients combined), each engine's medians over its
+    finished repeats, then plugin/stock."""
+    labels = list(dict.fromkeys(label for r in wruns for label in r.get("clients", {})))
+    if len(labels) > 1:
+        labels.append("combined")
+    by_engine = {e: [r for r in wruns if r["engine"] == e] for e in ("stock", "plugin")}
+    done = {e: sum(r.get("status") == "ok" for r in rs) for e, rs in by_engine.items()}
+    lines = [f"### {workload}: {title}", "",
+             f"Median over repeats ({done['stock']} stock, {done['plugin']} plugin finished; seeds "
+             f"{sorted({r['seed'] for r in wruns})}, the same for both engines).", ""]
+    summary = []
+    if labels:
+        lines += ["| client | engine | " + " | ".join(m[0] for m in METRICS) + " | failed requests |",
+                  "|" + "---|" * (len(METRICS) + 3)]
+        meds: dict[str, dict[str, float | None]] = {}
+        for label in labels:
+            for engine in ("stock", "plugin"):
+                rows = _client_rows(by_engine[engine], label)
+                meds[engine] = {key: median([row.get(key) for row in rows]) for _, key, _ in METRICS}
+                failed = sum(int(row.get("failed") or 0) for row in rows)
+                lines.append(f"| {label} | {engine} | " + " | ".join(_num(meds[engine][key], d) for _, key, d in METRICS)
+                             + f" | {failed if rows else '–'} |")
+            ratios = [_ratio(meds["plugin"][key], meds["stock"][key]) for _, key, _ in METRICS]
+            lines.append(f"| {label} | plugin/stock | " + " | ".join(ratios) + " | |")
+        # the workload as a whole (the last label: its one client, or all combined)
+        for name, key in (("total tokens/s", "total_token_throughput"), ("output tokens/s", "output_throughput")):
+            summary.append(f"{workload}: plugin/stock {name} {_ratio(meds['plugin'][key], meds['stock'][key])} "
+                           f"(medians of {done['plugin']} and {done['stock']} repeats)")
+        samples = {e: " ".join(_num(row.get("total_token_throughput")) for row in
+                               _client_rows(by_engine[e], labels[-1])) or "–" for e in by_engine}
+        lines += ["", f"Total tokens/s per repeat ({labels[-1]}): stock {samples['stock']}; plugin {samples['plugin']}."]
+    lines += [f"- {r['tag']}: {r.get('status')}: {_cell(r.get('error'), 160)}" for r in wruns if r.get("status") != "ok"]
+    return [*lines, ""], summary
+
+
+def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
+    runs = data.get("runs", [])
+    calls = data.get("calls", [])
+    records = [rec for call in calls for rec in call.get("servers", {}).values()]
+    lines = ["Servers (started one after the other, then both up together):", "", *server_rows(records), ""]
+    summary = engine_checks(records)
+    for call in calls:
+        if call.get("error"):
+            summary.append(f"**ab call {call.get('id')}: {call['error']}** (no bench run)")
+        kv = {e: (call.get("servers", {}).get(e) or {}).get("kv_cache_memory_gib") for e in ("stock", "plugin")}
+        if kv["stock"] is not None and kv["plugin"] is not None:
+            summary.append(f"ab servers at util {call.get('util')}: KV cache stock {kv['stock']:.2f} GiB, plugin "
+                           f"{kv['plugin']:.2f} GiB (stock − plugin {1024 * (kv['stock'] - kv['plugin']):,.0f} MiB)")
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        more, said = workload_lines(workload, data.get("workload_titles", {}).get(workload, ""),
+                                    [r for r in runs if r["workload"] == workload])
+        lines += more
+        summary += said
+    failures = sum(int((r.get("combined") or {}).get("failed") or 0) for r in runs)
+    summary.append(f"ab: {failures} failed requests over {sum(r.get('status') == 'ok' for r in runs)} finished "
+                   f"bench runs ({len(runs)} planned)")
+    return lines, summary
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "–"
+
+
+def boundary_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
+    servers = data.get("servers", [])
+    lines = [*server_rows(servers), "", "| server | case | result | requests ok | health after |", "|---|---|---|---|---|"]
+    summary = engine_checks(servers)
+    titles = data.get("case_titles", {})
+    not_ok = []
+    for s in servers:
+        for case in s.get("case_order", []):
+            r = s.get("cases", {}).get(case)
+            if r is None:
+                text = "not run: the server did not start" if not server_ok(s) else "no result: the driver ended"
+                r = {}
+            elif r.get("status") == "started":
+                text = "no result: the driver ended during this case"
+            else:
+                text = r.get("status", "–") + (f": {_cell(r.get('error'), 90)}" if r.get("error") else "")
+            if r.get("status") != "ok":
+                not_ok.append(f"{case} ({s.get('mnbt')})")
+            n = len(r.get("requests", []))
+            lines.append(f"| {s.get('label')} | {case}: {titles.get(case, '')} | {text} | "
+                         f"{r.get('requests_ok', '–')}/{n or '–'} | {r.get('health_after', '–')} |")
+    engine = data.get("run", {}).get("engine")
+    summary.append(f"boundary ({engine}, util {data.get('run', {}).get('util')}): "
+                   + ("every case finished" if not not_ok else f"not finished: case {', '.join(not_ok)}"))
+    return lines, summary
+
+
+def failrate_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
+    trials = data.get("trials", [])
+    engine = data.get("run", {}).get("engine")
+    lines = ["| util | trials run | 32K prompt finished | failed | engine died | CUDA OOM in log | first error |",
+             "|---|---|---|---|---|---|---|"]
+    summary = []
+    for util in sorted({t["util"] for t in trials}):
+        ts = [t for t in trials if t["util"] == util and t.get("status") not in ("not run", None)]
+        ok = sum(t["status"] == "ok" for t in ts)
+        died = sum(bool(t.get("engine_died")) for t in ts)
+        oom = sum(bool(t.get("oom_in_log")) for t in ts)
+        error = next((t.get("case", {}).get("error") or t.get("status") for t in ts if t["status"] != "ok"), "")
+        lines.append(f"| {util} | {len(ts)} | {ok} | {len(ts) - ok} | {died} | {oom} | {_cell(error, 100)} |")
+        summary.append(f"failrate ({engine}) at {util}: {len(ts) - ok} of {len(ts)} failed, engine died in {died}")
+    skipped = [t["label"] for t in trials if t.get("status") == "not run"]
+    if skipped:
+        lines += ["", f"Not run (deadline): {', '.join(skipped)}."]
+    servers = [t["server"] for t in trials if "server" in t]
+    return ["Fresh server per trial; one 32,768-token prompt each.", "", *lines, "", *server_rows(servers)], summary
+
+
+def memory_flatness(samples: list[dict[str, Any]], after_s: float) -> dict[str, Any]:
+    """Used GPU memory (MiB, the first GPU) of the samples taken at ``after_s`` or later."""
+    used = [s["used_mib"][0] for s in samples if s.get("used_mib") and s["t_s"] >= after_s]
+    if not used:
+        return {"samples": 0}
+    return {"samples": len(used), "min_mib": min(used), "max_mib": max(used), "spread_mib": max(used) - min(used)}
+
+
+def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
+    its = data.get("iterations", [])
+    samples = data.get("samples", [])
+    warm = its[0]["t_end_s"] if its else 0.0  # after the first iteration: kernels compiled, pools grown
+    flat = memory_flatness(samples, warm)
+    every = memory_flatness(samples, 0.0)
+    done = sum(int((i.get("combined") or {}).get("completed") or 0) for i in its)
+    failed = sum(int((i.get("combined") or {}).get("failed") or 0) for i in its)
+    unhealthy = sum(s.get("health") != 200 for s in samples)
+    record = data.get("server", {})
+    errors = {k: v for k, v in (record.get("error_count") or {}).items() if k in ERROR_KINDS}
+    tps = [(i.get("combined") or {}).get("total_token_throughput") for i in its]
+    seen = [s["processes"] for s in samples if s.get("processes") is not None]
+    pids = {p[0] for procs in seen for p in procs}
+    most = max((len(procs) for procs in seen), default=None)
+    lines = [*server_rows([record]), "",
+             "| | |", "|---|---|",
+             f"| soak | {_num(data.get('soak_elapsed_s'))} s of {_num(data.get('soak_s'))} s asked"
+             + (f" (cut: {data['cut']})" if data.get("cut") else "") + " |",
+             f"| mix iterations | {len(its)} ({sum(i.get('status') != 'ok' for i in its)} without a result) |",
+             f"| requests | {done:,} completed, {failed:,} failed |",
+             f"| total tokens/s per iteration | first {_num(tps[0] if tps else None)}, median {_num(median(tps))}, "
+             f"last {_num(tps[-1] if tps else None)} |",
+             f"| GPU memory used (nvidia-smi), every sample | {every.get('samples')} samples, "
+             f"{_num(every.get('min_mib'))}–{_num(every.get('max_mib'))} MiB |",
+             f"| after warm-up (from {warm:.0f} s, the first iteration's end) | {flat.get('samples')} samples, "
+             f"{_num(flat.get('min_mib'))}–{_num(flat.get('max_mib'))} MiB, **max − min {_num(flat.get('spread_mib'))} MiB** |",
+             f"| processes holding GPU memory (nvidia-smi) | at most {_num(most)} in a sample, "
+             f"{_num(len(pids) if seen else None)} distinct pids |",
+             f"| /health not 200 | {unhealthy} of {len(samples)} samples |",
+             f"| server processes | {data.get('pids_at_start')} at the start, {data.get('pids_at_end')} at the end: "
+             f"{'the same' if data.get('same_processes') else '**not the same**'} |",
+             f"| CUDA errors in the server log | {', '.join(f'{k} ×{v}' for k, v in errors.items()) or 'none'} |", ""]
+    summary = [f"soak ({data.get('run', {}).get('engine')}, {_num(data.get('soak_elapsed_s'))} s): {failed} failed requests, "
+               f"memory spread after warm-up {_num(flat.get('spread_mib'))} MiB, "
+               f"{'same processes' if data.get('same_processes') else 'processes changed or died'}, "
+               f"{sum(errors.values())} CUDA error lines"]
+    return lines, summary
+
+
+SECTIONS = {"ab": ("Throughput A/B (`vllm bench serve`)", ab_section),
+            "boundary": ("Boundary requests", boundary_section),
+            "failrate": ("Stock failure rate on a 32K prompt", failrate_section),
+            "soak": ("Soak", soak_section)}
+
+
+def render(phases: dict[str, dict[str, Any]]) -> str:
+    out = ["# Serving (`vllm serve`): stock FLASHMLA_SPARSE vs the plugin", ""]
+    first = next(iter(phases.values()), None)
+    if first:
+        v = first.get("versions", {})
+        out += [f"vLLM {v.get('vllm')}, torch {v.get('torch')}, mla-planner {v.get('mla-planner')}, transformers "
+                f"{v.get('transformers')}. Model: tests/e2e/tiny-deepseek-v32 (dummy weights) with a generated "
+                "word-level tokenizer; `vllm serve` with vLLM's defaults (CUDA graphs, engine process) and "
+                "`--kv-cache-dtype fp8_ds_mla --block-size 64 --max-model-len 70000 --no-enable-prefix-caching`.", ""]
+    summary: list[str] = []
+    body: list[str] = []
+    for stem, data in sorted(phases.items(), key=lambda kv: (PHASES.index(kv[1]["phase"]), kv[0])):
+        title, section = SECTIONS[data["phase"]]
+        lines, said = section(data)
+        summary += said
+        unfinished = "" if data.get("finished") else " (the driver did not finish this phase)"
+        body += [f"## {title}: `{stem}.json`{unfinished}", "", *lines, ""]
+    out += ["## Summary", "", *(f"- {s}" for s in summary or ["no results yet"]), "", *body]
+    return "\n".join(out)

@@ -1,0 +1,516 @@
+"""The serving driver (run_serve.py, issue 14; docs/e2e.md, "Serving").
+
+``test_plugin_serves_the_boundary_cases`` (marker ``e2e``) needs a CUDA GPU and vLLM with its
+kernels, and skips elsewhere, saying why; with ``MLA_SERVE_RESULTS=DIR`` it checks a driver's saved
+results instead. The others run on a CPU: the generated tokenizer (with vLLM's own tokenizer loader
+and random dataset), the server and bench command lines (vLLM's own parsers), the server's process
+handling (health wait, fail fast, the group kill, cleanup when the driver is stopped or killed), and
+every phase end to end on stand-ins for ``vllm serve`` and ``vllm bench serve`` (serve_fakes.py),
+once with vLLM's real bench client against the stand-in server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import run_serve
+import serve_bench as sb
+import serve_proc as proc
+import serve_report
+from run_cases import CASE_PROMPTS, MODEL_DIR, REPLACE_VAR
+from serve_tokenizer import check_tokenizer, served_model_dir
+
+HERE = Path(__file__).resolve().parent
+VOCAB = json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return served_model_dir(tmp_path_factory.mktemp("model"))
+
+
+def driver(out: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """run_serve.py on the stand-ins, any free ports."""
+    cmd = [sys.executable, str(HERE / "run_serve.py"), "--out", str(out), "--port-base", "0", "--fake-server", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def fake_nvidia_smi(folder: Path, script: str = "echo 1234") -> dict[str, str]:
+    """An nvidia-smi on PATH: one process (pid 4242) on the GPU; ``script`` prints memory.used."""
+    folder.mkdir(parents=True, exist_ok=True)
+    exe = folder / "nvidia-smi"
+    exe.write_text(f'#!/bin/sh\ncase "$1" in\n--query-compute-apps=*) echo "4242, 900";;\n*) {script};;\nesac\n')
+    exe.chmod(0o755)
+    return dict(os.environ, PATH=f"{folder}{os.pathsep}{os.environ['PATH']}")
+
+
+# --- the tokenizer ---------------------------------------------------------------------------------
+
+
+def test_tokenizer_has_the_models_vocab_and_round_trips(model_dir: Path, tmp_path: Path) -> None:
+    facts = check_tokenizer(model_dir)
+    assert facts["len"] == facts["vocab_size"] == VOCAB == 129280
+    assert facts["round_trip"] and facts["adds_special_tokens"] == 0
+    assert facts["all_special_ids"] == [0, 1, 2] and (facts["bos_token_id"], facts["eos_token_id"]) == (0, 1)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config == json.loads((MODEL_DIR / "config.json").read_text())
+    assert sorted(p.name for p in model_dir.iterdir()) == ["config.json", "special_tokens_map.json", "tokenizer.json",
+                                                           "tokenizer_config.json"]
+    made = served_model_dir(tmp_path)  # a later call reuses a whole folder, rebuilds a broken one
+    stamp = (made / "tokenizer.json").stat().st_mtime_ns
+    assert served_model_dir(tmp_path) == made and (made / "tokenizer.json").stat().st_mtime_ns == stamp
+    (made / "tokenizer.json").unlink()
+    assert (served_model_dir(tmp_path) / "tokenizer.json").is_file()
+
+
+def test_vllms_random_dataset_gets_exactly_the_lengths_it_samples(model_dir: Path) -> None:
+    """What `vllm bench serve --dataset-name random` does with this tokenizer, through vLLM's own
+    tokenizer loader (both the client's "auto" and the server's "deepseek_v32" mode)."""
+    pytest.importorskip("vllm")
+    from vllm.benchmarks.datasets import RandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    for mode in ("auto", "deepseek_v32"):
+        tokenizer: Any = get_tokenizer(str(model_dir), tokenizer_mode=mode)
+        assert tokenizer.vocab_size == VOCAB and tokenizer.num_special_tokens_to_add() == 0
+        exact = RandomDataset(random_seed=1).sample(tokenizer, 3, input_len=4096, output_len=16)
+        assert [r.prompt_len for r in exact] == [4096] * 3
+        doc = sb.WORKLOADS["mix"][1]
+        ranged = RandomDataset(random_seed=2).sample(tokenizer, 4, range_ratio=json.loads(doc.range_ratio or ""),
+                                                     input_len=doc.input_len, output_len=doc.output_len)
+        for r in exact + ranged:
+            assert isinstance(r.prompt, str)
+            ids = tokenizer.encode(r.prompt)  # as the server's completions endpoint counts it
+            assert len(ids) == r.prompt_len and max(ids) < VOCAB and min(ids) > 2
+        assert all(8478 <= r.prompt_len <= 65250 and 66 <= r.expected_output_len <= 510 for r in ranged)
+
+
+# --- command lines ---------------------------------------------------------------------------------
+
+PARSE = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import serve_bench, serve_proc
+from vllm.platforms import current_platform
+# vLLM 0.26 infers a device type while it builds the serve parser and fails where there is none;
+# one is stood in here, in this process alone, so that the parser can be built on a CPU.
+current_platform.device_type = current_platform.device_type or "cuda"
+try:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser  # 0.26
+except ImportError:
+    from vllm.entrypoints.common.cli_args import make_arg_parser  # 0.33
+from vllm.benchmarks.serve import add_cli_args
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+out = {}
+for engine in ("stock", "plugin"):
+    spec = serve_proc.ServerSpec(engine, 0.45, 8200, 65536)
+    ns = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(serve_proc.server_args(spec, Path("/m")))
+    ns.model = ns.model_tag  # what `vllm serve` does with its positional argument
+    ea = AsyncEngineArgs.from_cli_args(ns)
+    out[engine] = {k: str(getattr(ea, k)) for k in ("model", "tokenizer", "load_format", "kv_cache_dtype", "block_size",
+        "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching", "seed",
+        "attention_backend", "enforce_eager", "served_model_name", "generation_config")}
+    out[engine]["force_mqa"] = ea.attention_config.sparse_mla_force_mqa
+    out[engine].update(port=ns.port, host=ns.host, access_log_off=ns.disable_uvicorn_access_log)
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+for client in sum(serve_bench.WORKLOADS.values(), ()):
+    cmd = serve_bench.bench_command(client, python="python3", base_url="http://127.0.0.1:8200", tokenizer=Path("/m"),
+                                    seed=7, result=Path("/r/x.json"), metadata={"engine": "plugin"})
+    b = parser.parse_args(cmd[cmd.index("serve") + 1:])
+    out[client.label] = {k: getattr(b, k) for k in ("backend", "base_url", "model", "tokenizer", "dataset_name",
+        "random_input_len", "random_output_len", "random_range_ratio", "num_prompts", "max_concurrency", "seed",
+        "ignore_eos", "temperature", "num_warmups", "percentile_metrics", "metric_percentiles", "save_result",
+        "result_dir", "result_filename", "metadata", "endpoint")}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_server_and_bench_command_lines_parse_with_vllms_parsers() -> None:
+    pytest.importorskip("vllm")
+    r = subprocess.run([sys.executable, "-c", PARSE, str(HERE)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(r.stdout.split("RESULT ", 1)[1])
+    for engine, backend in (("stock", "FLASHMLA_SPARSE"), ("plugin", "CUSTOM")):
+        s = got[engine]
+        assert s["attention_backend"].endswith(backend) and s["model"] == "/m" and s["tokenizer"] == "/m"
+        assert (s["load_format"], s["kv_cache_dtype"], s["block_size"]) == ("dummy", "fp8_ds_mla", "64")
+        assert (s["max_model_len"], s["max_num_batched_tokens"], s["gpu_memory_utilization"]) == ("70000", "65536", "0.45")
+        assert s["enable_prefix_caching"] == "False" and s["seed"] == "0" and s["generation_config"] == "vllm"
+        # vLLM's defaults: CUDA graphs on, no forced MQA
+        assert s["enforce_eager"] == "False" and s["force_mqa"] is False
+        assert s["served_model_name"] == "['tiny-deepseek-v32']"
+        assert (s["port"], s["host"], s["access_log_off"]) == (8200, "127.0.0.1", True)
+    long, doc = got["long"], got["mix-doc"]
+    assert (long["backend"], long["dataset_name"], long["endpoint"]) == ("vllm", "random", "/v1/completions")
+    assert (long["random_input_len"], long["random_output_len"], long["num_prompts"], long["max_concurrency"]) == \
+        (32768, 16, 8, 2)
+    assert long["model"] == "tiny-deepseek-v32" and long["tokenizer"] == "/m" and long["seed"] == 7
+    assert long["ignore_eos"] and long["temperature"] == 0 and long["save_result"] and long["num_warmups"] == 1
+    assert (long["result_dir"], long["result_filename"], long["metadata"]) == ("/r", "x.json", ["engine=plugin"])
+    assert (long["percentile_metrics"], long["metric_percentiles"]) == ("ttft,tpot,itl,e2el", "50,99")
+    assert json.loads(doc["random_range_ratio"]) == {"input": 0.77, "output": 0.77} and doc["seed"] == 8
+    assert got["chat"]["max_concurrency"] == 64 and got["chat"]["random_range_ratio"] == "0.0"
+
+
+def test_server_environment() -> None:
+    base = {"PYTHONPATH": "/tmp/site", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", REPLACE_VAR: "1",
+            "MLA_PLANNER_SCRATCH_MB": "64", "PATH": "/bin"}
+    stock = proc.server_env(proc.ServerSpec("stock", 0.9, 1, scratch_mb=None), base)
+    plugin = proc.server_env(proc.ServerSpec("plugin", 0.9, 1, scratch_mb=2048), base)
+    for env in (stock, plugin):
+        assert env["PYTHONPATH"] == "/tmp/site" and env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
+        assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and env["CUDA_HOME"] == "/usr/local/cuda"
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and REPLACE_VAR not in env
+    assert "MLA_PLANNER_SCRATCH_MB" not in stock and plugin["MLA_PLANNER_SCRATCH_MB"] == "2048"
+    cmd = proc.server_command(proc.ServerSpec("plugin", 0.95, 8100), Path("/m"), "python3")
+    assert cmd[:5] == ["python3", "-m", "vllm.entrypoints.cli.main", "serve", "/m"]
+    assert "--enforce-eager" not in cmd and not any("force_mqa" in w for w in cmd)
+
+
+# --- the server's process --------------------------------------------------------------------------
+
+
+def fake_server(tmp_path: Path, model_dir: Path, wrap: str | None = None, **env: str) -> proc.Server:
+    """A stand-in server on a free port; ``wrap``: a shell line around its command (``{cmd}``)."""
+    spec = proc.ServerSpec("plugin", 0.9, proc.free_port())
+    cmd = proc.server_command(spec, model_dir, sys.executable, fake=True)
+    if wrap is not None:
+        cmd = ["sh", "-c", wrap.format(cmd=" ".join(cmd))]
+    return proc.Server(spec, cmd, {**proc.server_env(spec), **env}, tmp_path / "server.log")
+
+
+def test_health_wait_fails_fast_when_the_server_exits(tmp_path: Path, model_dir: Path) -> None:
+    server = fake_server(tmp_path, model_dir, FAKE_SERVE_EXIT_AT_START="1")
+    server.start()
+    t0 = time.monotonic()
+    result = server.wait_healthy(timeout_s=60)
+    assert result["status"] == "exited" and result["rc"] == 3 and time.monotonic() - t0 < 20
+    assert "fake start-up failure" in result["log_tail"] and server.log_text().startswith("$ ")
+    assert server.stop()["left_running"] is False
+
+
+def test_health_wait_times_out_then_stop_ends_the_group(tmp_path: Path, model_dir: Path) -> None:
+    server = fake_server(tmp_path, model_dir, FAKE_SERVE_START_S="60")
+    server.start()
+    result = server.wait_healthy(timeout_s=1.5, poll_s=0.2)
+    assert result["status"] == "timeout" and server.alive() and server.health() is None
+    stopped = server.stop()
+    assert not server.alive() and stopped["alive_at_stop"] and not stopped["left_running"]
+
+
+def test_stop_kills_every_process_of_the_server_even_one_ignoring_sigterm(tmp_path: Path, model_dir: Path) -> None:
+    """The engine process stand-in (a ``sleep`` that ignores SIGTERM) is in the server's group."""
+    server = fake_server(tmp_path, model_dir, "trap '' TERM; sleep 300 & exec {cmd}")
+    server.start()
+    assert server.wait_healthy(timeout_s=30)["status"] == "ok" and server.health() == 200
+    pids = proc.group_pids(server.pid or 0)
+    assert len(pids) == 2 and server.pid in pids
+    stopped = server.stop(grace_s=1)
+    assert stopped["forced"] and not stopped["left_running"] and proc.group_pids(server.pid or 0) == []
+
+
+def wait_for(predicate: Any, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.2)
+
+
+def soak_server_pid(out: Path) -> int | None:
+    try:
+        data = json.loads((out / "soak-plugin.json").read_text())
+    except (OSError, ValueError):
+        return None
+    server = data.get("server") or {}
+    return server.get("pid") if server.get("startup", {}).get("status") == "ok" else None
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"])
+def test_no_server_outlives_the_driver(tmp_path: Path, how: signal.Signals) -> None:
+    """SIGTERM and Ctrl-C: the driver stops its server on the way out. SIGKILL: the server's group
+    leader gets SIGTERM from the kernel (PR_SET_PDEATHSIG)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(HERE / "run_serve.py"), "--phase", "soak", "--soak-s", "300", "--out", str(out),
+           "--port-base", "0", "--fake-server", "--fake-bench"]
+    log = tmp_path / "driver.log"
+    with log.open("w") as f:
+        driver_proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=fake_nvidia_smi(tmp_path / "bin"))
+    try:
+        wait_for(lambda: soak_server_pid(out) is not None)
+        pid = soak_server_pid(out) or 0
+        assert proc.group_pids(pid) == [pid]
+        driver_proc.send_signal(how)
+        try:
+            driver_proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the driver did not end: {log.read_text()[-3000:]}")
+        wait_for(lambda: proc.group_pids(pid) == [], timeout_s=30)
+    finally:
+        if driver_proc.poll() is None:
+            driver_proc.kill()
+    if how != signal.SIGKILL:
+        data = json.loads((out / "soak-plugin.json").read_text())
+        assert "stop" in data["server"], log.read_text()[-3000:]
+        assert data["server"]["stop"]["left_running"] is False and data["server"]["alive_at_end"] is True
+
+
+# --- the phases on stand-ins -----------------------------------------------------------------------
+
+
+def test_boundary_phase(tmp_path: Path) -> None:
+    for engine in ("plugin", "stock"):
+        r = driver(tmp_path, "--phase", "boundary", "--engine", engine)
+        assert r.returncode == 0, r.stdout + r.stderr
+    plugin = json.loads((tmp_path / "boundary-plugin.json").read_text())
+    assert plugin["finished"] and [s["mnbt"] for s in plugin["servers"]] == [32768, 65536]
+    for s in plugin["servers"]:
+        assert list(s["cases"]) == s["case_order"] and s["alive_at_end"] and s["planner_lines"]
+        for case, result in s["cases"].items():
+            assert result["status"] == "ok" and result["health_after"] == 200, (case, result)
+            assert [q["prompt_tokens"] for q in result["requests"]] == CASE_PROMPTS[case]
+    stock = json.loads((tmp_path / "boundary-stock.json").read_text())
+    first = stock["servers"][0]
+    assert first["cases"]["1"]["status"] == "error" and first["cases"]["1"]["health_after"] is None
+    assert first["cases"]["2"] == {"status": "not run", "error": "server process exited"}
+    assert not first["alive_at_end"] and "CUDA out of memory" in first["errors"] and not first["planner_lines"]
+    md = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "boundary (plugin, util 0.95): every case finished" in md
+    assert "boundary (stock, util 0.95): not finished: case 1 (32768), 2 (32768), 5 (32768), 4 (65536), 5 (65536)" in md
+    assert "| boundary-stock-32k | 2: eight heterogeneous prompts, 32,764 tokens | not run: server process exited |" in md
+
+
+def test_failrate_phase(tmp_path: Path) -> None:
+    r = driver(tmp_path, "--phase", "failrate", "--failrate-n", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "failrate-stock.json").read_text())
+    assert [t["util"] for t in data["trials"]] == [0.9, 0.95, 0.9, 0.95]  # interleaved
+    for t in data["trials"]:
+        assert t["server"]["stop"]["left_running"] is False
+        assert (t["status"], t["engine_died"], t["oom_in_log"]) == (("ok", False, False) if t["util"] == 0.9
+                                                                    else ("error", True, True))
+    md = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "failrate (stock) at 0.9: 0 of 2 failed, engine died in 0" in md
+    assert "failrate (stock) at 0.95: 2 of 2 failed, engine died in 2" in md
+    assert "| 0.95 | 2 | 0 | 2 | 2 | 2 | HTTP 500:" in md
+    r = driver(tmp_path, "--phase", "failrate", "--failrate-n", "1", "--failrate-utils", "0.95")  # adds to it
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "failrate-stock.json").read_text())
+    assert [t["label"] for t in data["trials"]][-2:] == ["failrate-stock-0.95-c1-2", "failrate-stock-0.95-c2-1"]
+    assert "failrate (stock) at 0.95: 3 of 3 failed, engine died in 3" in (tmp_path / serve_report.REPORT_MD).read_text()
+
+
+def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ab0-r1-long-stock: 8 done, 0 failed" in r.stdout
+    data = json.loads((tmp_path / "ab.json").read_text())
+    order = [(run["repeat"], run["workload"], run["engine"]) for run in data["runs"]]
+    assert order == [(rep, w, e) for rep in (1, 2) for w in ("long", "chat", "mix") for e in ("stock", "plugin")]
+    seeds: dict[tuple[int, str], set[int]] = {(run["repeat"], run["workload"]): set() for run in data["runs"]}
+    for run in data["runs"]:
+        seeds[(run["repeat"], run["workload"])].add(run["seed"])
+        assert run["status"] == "ok" and run["healthy_after"]
+    assert all(len(s) == 1 for s in seeds.values()) and len({min(s) for s in seeds.values()}) == 6
+    mix = data["runs"][4]
+    assert set(mix["clients"]) == {"mix-chat", "mix-doc"} and mix["combined"]["completed"] == 64 + 24
+    servers = data["calls"][0]["servers"]
+    assert [s["stop"]["left_running"] for s in servers.values()] == [False, False]
+    md = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "chat: plugin/stock total tokens/s 1.24" in md  # the stand-in's plugin is 1.25x faster
+    assert "ab servers at util 0.45: KV cache stock 60.00 GiB, plugin 59.00 GiB (stock − plugin 1,024 MiB)" in md
+    assert "| combined | plugin/stock | – | – | – | – | 1.24" in md
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "1", "--workloads", "long")
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "ab.json").read_text())
+    assert [(run["call"], run["workload"]) for run in data["runs"]].count((1, "long")) == 2
+    assert {run["workload"] for run in data["runs"] if run["call"] == 0} == {"chat", "mix"}
+
+
+def test_ab_stops_when_a_server_does_not_start(tmp_path: Path) -> None:
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", env=dict(os.environ, FAKE_SERVE_EXIT_AT_START="1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "ab.json").read_text())
+    assert data["runs"] == [] and list(data["calls"][0]["servers"]) == ["stock"]
+    assert data["calls"][0]["servers"]["stock"]["startup"]["status"] == "exited"
+    md = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "**ab call 0: stock server did not start: exited** (no bench run)" in md
+    assert "| ab0-stock | stock | 0.45 | 32768 | exited, " in md and "RuntimeError: fake start-up failure |" in md
+
+
+def test_ab_deadline_leaves_runs_not_run(tmp_path: Path) -> None:
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "1", "--deadline-s", "30")
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "ab.json").read_text())
+    assert data["finished"] and {run["status"] for run in data["runs"]} == {"not run"}
+    assert "ab0-r1-long-stock: not run: deadline" in r.stdout
+    md = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "- ab0-r1-mix-plugin: not run: deadline" in md
+
+
+def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
+    """vLLM's `bench serve` itself, against the stand-in server: its command line, the tokenizer it
+    loads, the prompts it sends (exactly 32,768 tokens each) and the result file the driver reads."""
+    pytest.importorskip("vllm")
+    r = driver(tmp_path, "--phase", "ab", "--workloads", "long", "--repeats", "1", "--prompt-scale", "0.25",
+               timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "ab.json").read_text())
+    for run in data["runs"]:
+        result = run["clients"]["long"]["result"]
+        assert run["status"] == "ok" and run["clients"]["long"]["rc"] == 0, run
+        assert (result["completed"], result["failed"], result["num_prompts"]) == (2, 0, 2)
+        assert result["total_input_tokens"] == 2 * 32768 and result["total_output_tokens"] == 2 * 16
+        assert all(isinstance(result[k], float) for k in ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
+                                                          "output_throughput", "total_token_throughput"))
+    for server in data["calls"][0]["servers"].values():
+        log = (tmp_path / server["log"]).read_text()
+        # one warm-up request and the two prompts, each exactly as long as asked
+        assert log.count("completion request of 32768 prompt tokens") == log.count("completion request of") == 3
+
+
+def test_soak_phase(tmp_path: Path) -> None:
+    counter = tmp_path / "n"
+    env = fake_nvidia_smi(tmp_path / "bin", f'n=$(cat {counter} 2>/dev/null || echo 0); echo $((n + 1)) > {counter}; '
+                                            'echo $((1000 + 10 * n))')
+    r = driver(tmp_path, "--phase", "soak", "--fake-bench", "--soak-s", "3", "--sample-s", "0.3", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "soak-plugin.json").read_text())
+    assert data["finished"] and len(data["iterations"]) >= 2 and data["same_processes"]
+    assert data["pids_at_start"] == [data["server"]["pid"]]
+    samples = data["samples"]
+    assert len(samples) >= 5 and all(s["health"] == 200 and s["alive"] for s in samples)
+    used = [s["used_mib"][0] for s in samples]
+    assert used == sorted(used) and used[0] >= 1000  # the stand-in's memory grows by 10 MiB a sample
+    warm = data["iterations"][0]["t_end_s"]
+    flat = serve_report.memory_flatness(samples, warm)
+    after = [s["used_mib"][0] for s in samples if s["t_s"] >= warm]
+    assert flat["spread_mib"] == max(after) - min(after) > 0
+    md = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert f"**max − min {flat['spread_mib']:,} MiB**" in md and "same processes" in md
+    assert all(s["processes"] == [[4242, 900]] for s in samples)
+    assert "| processes holding GPU memory (nvidia-smi) | at most 1 in a sample, 1 distinct pids |" in md
+
+
+def test_soak_detaches_and_is_followed(tmp_path: Path) -> None:
+    env = fake_nvidia_smi(tmp_path / "bin")
+    r = driver(tmp_path, "--phase", "soak", "--fake-bench", "--detach", "--soak-s", "3", "--deadline-s", "1", env=env)
+    assert r.returncode == 0 and "still running" in r.stdout, r.stdout + r.stderr
+    pid = int((tmp_path / "soak-driver.pid").read_text())
+    r = driver(tmp_path, "--phase", "soak", "--follow", "--deadline-s", "120", env=env)
+    assert r.returncode == 0 and f"soak: finished (pid {pid} ended)" in r.stdout, r.stdout + r.stderr
+    assert "  | soak iteration 1" in r.stdout
+    data = json.loads((tmp_path / "soak-plugin.json").read_text())
+    assert data["finished"] and data["run"]["deadline_s"] > 600 and data["iterations"]
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+
+def bench_result(tok_s: float, ttft: float, failed: int = 0) -> dict[str, Any]:
+    return {"completed": 10 - failed, "failed": failed, "duration": 2.0, "total_input_tokens": 1000,
+            "total_output_tokens": 100, "output_throughput": tok_s / 10, "total_token_throughput": tok_s,
+            "p50_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "p50_tpot_ms": 4.0, "p99_tpot_ms": 8.0}
+
+
+def test_report_from_hand_made_results(tmp_path: Path) -> None:
+    runs = []
+    for rep, (s_tok, p_tok) in enumerate(((100.0, 130.0), (300.0, 330.0), (200.0, 260.0)), start=1):
+        for engine, tok in (("stock", s_tok), ("plugin", p_tok)):
+            result = bench_result(tok, 50.0 if engine == "stock" else 40.0, failed=1 if rep == 2 else 0)
+            runs.append({"workload": "chat", "engine": engine, "repeat": rep, "seed": 1000 + 100 * rep, "call": 0,
+                         "tag": f"ab0-r{rep}-chat-{engine}", "status": "ok", "clients": {"chat": {"result": result}},
+                         "combined": result})
+    runs.append({"workload": "chat", "engine": "plugin", "repeat": 4, "seed": 1400, "call": 0,
+                 "tag": "ab0-r4-chat-plugin", "status": "not run", "error": "deadline: 12 s left"})
+    server = {"startup": {"status": "ok", "elapsed_s": 80.0}, "kv_cache_memory_gib": 50.0, "planner_lines": []}
+    ab = {"schema": 1, "phase": "ab", "finished": False, "runs": runs, "workload_titles": sb.WORKLOAD_TITLES,
+          "calls": [{"id": 0, "util": 0.45, "servers": {
+              "stock": {**server, "label": "ab0-stock", "engine": "stock"},
+              "plugin": {**server, "label": "ab0-plugin", "engine": "plugin", "kv_cache_memory_gib": 49.0}}}]}
+    boundary = {"schema": 1, "phase": "boundary", "finished": False, "run": {"engine": "plugin", "util": 0.95},
+                "case_titles": {"1": "one 32,768-token prompt"}, "servers": [
+                    {"label": "b-32k", "engine": "plugin", "mnbt": 32768, "startup": {"status": "ok", "elapsed_s": 70},
+                     "planner_lines": ["mla-planner: x"], "case_order": ["1", "2"],
+                     "cases": {"1": {"status": "started"}}}]}
+    (tmp_path / "ab.json").write_text(json.dumps(ab))
+    (tmp_path / "boundary-plugin.json").write_text(json.dumps(boundary))
+    (tmp_path / "notes.json").write_text("[1, 2]")  # not a phase file: ignored
+    assert run_serve.main(["--report-only", str(tmp_path)]) == 0
+    md = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "chat: plugin/stock total tokens/s 1.300 (medians of 3 and 3 repeats)" in md  # 260 / 200
+    assert "| chat | stock | 50.0 | 100.0 | 4.00 | 8.00 | 20 | 200 | 1 |" in md  # medians; failures summed
+    assert "| chat | plugin/stock | 0.800 | 0.800 | 1.000 | 1.000 | 1.300 | 1.300 | |" in md
+    assert "Total tokens/s per repeat (chat): stock 100 300 200; plugin 130 330 260." in md
+    assert "- ab0-r4-chat-plugin: not run: deadline: 12 s left" in md
+    assert "**ab0-plugin: plugin server logged 0 mla-planner lines**" in md
+    assert "KV cache stock 50.00 GiB, plugin 49.00 GiB (stock − plugin 1,024 MiB)" in md
+    assert "`ab.json` (the driver did not finish this phase)" in md
+    assert "| b-32k | 1: one 32,768-token prompt | no result: the driver ended during this case |" in md
+    assert "| b-32k | 2:  | no result: the driver ended |" in md
+    assert "boundary (plugin, util 0.95): not finished: case 1 (32768), 2 (32768)" in md
+
+
+def test_arguments() -> None:
+    args = run_serve.parse_args(["--phase", "failrate", "--out", "x"])
+    assert (args.engine, args.failrate_utils, args.failrate_n) == ("stock", [0.9, 0.95], 2)
+    args = run_serve.parse_args(["--phase", "ab", "--out", "x", "--workloads", "mix,long"])
+    assert (args.util, args.workloads, args.repeats, args.deadline_s) == (0.45, ["mix", "long"], 3, 540)
+    assert run_serve.parse_args(["--phase", "soak", "--out", "x"]).engine == "plugin"
+    for bad in (["--workloads", "huge"], ["--util", "1.5"], ["--detach"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            run_serve.parse_args(["--phase", "ab", "--out", "x", *bad])
+    with pytest.raises(SystemExit):
+        run_serve.parse_args(["--phase", "ab"])
+
+
+# --- on the GPU ------------------------------------------------------------------------------------
+
+
+def gpu_unavailable() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU; none is visible"
+    try:
+        import importlib
+
+        importlib.import_module("vllm._flashmla_C")
+    except Exception as exc:
+        return f"vLLM cannot load its CUDA kernels (vllm._flashmla_C): {exc}"
+    return None
+
+
+@pytest.mark.e2e
+def test_plugin_serves_the_boundary_cases(tmp_path: Path) -> None:
+    saved = os.environ.get("MLA_SERVE_RESULTS")
+    if not saved:
+        reason = gpu_unavailable()
+        if reason:
+            pytest.skip(reason)
+    out = Path(saved) if saved else tmp_path
+    if not saved:
+        subprocess.run([sys.executable, str(HERE / "run_serve.py"), "--phase", "boundary", "--out", str(out)],
+                       check=True, timeout=600)
+    data = json.loads((out / "boundary-plugin.json").read_text())
+    assert data["finished"] and len(data["servers"]) == 2
+    for server in data["servers"]:
+        assert server["startup"]["status"] == "ok", server["startup"]
+        assert server["planner_lines"], f"{server['label']}: the plugin logged nothing: not our backend?"
+        for case in server["case_order"]:
+            result = server["cases"].get(case, {})
+            assert result.get("status") == "ok", f"{server['label']} case {case}: {result.get('error')}"
+            assert result["health_after"] == 200
