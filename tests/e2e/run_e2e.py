@@ -1,7 +1,7 @@
 """Issue 6 end to end: stock FLASHMLA_SPARSE vs the planned backend, one engine per subprocess.
 
-    PYTHONPATH=/tmp/site python3 tests/e2e/run_e2e.py --group A --out /tmp/e2e   # 0.95: cases 1-5
-    PYTHONPATH=/tmp/site python3 tests/e2e/run_e2e.py --group B --out /tmp/e2e   # 0.90: throughput, same function
+    PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_e2e.py --group A --out /tmp/e2e   # 0.95: cases 1-5
+    PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_e2e.py --group B --out /tmp/e2e   # 0.90: throughput, same function
     python3 tests/e2e/run_e2e.py --report-only /tmp/e2e                          # e2e.md from the saved JSON
 
 Each run (see ``--list``) is one ``run_cases.py`` process: ``DIR/<run>.json`` (rewritten after every

@@ -1,10 +1,10 @@
 """Issue 14: stock FLASHMLA_SPARSE vs the plugin through ``vllm serve``, driven by ``vllm bench serve``.
 
-    PYTHONPATH=/tmp/site python3 tests/e2e/run_serve.py --phase ab --out /tmp/serve
-    PYTHONPATH=/tmp/site python3 tests/e2e/run_serve.py --phase boundary --out /tmp/serve
-    PYTHONPATH=/tmp/site python3 tests/e2e/run_serve.py --phase failrate --out /tmp/serve
-    PYTHONPATH=/tmp/site python3 tests/e2e/run_serve.py --phase soak --detach --out /tmp/serve
-    PYTHONPATH=/tmp/site python3 tests/e2e/run_serve.py --phase soak --follow --out /tmp/serve   # next call
+    PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_serve.py --phase ab --out /tmp/serve
+    PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_serve.py --phase boundary --out /tmp/serve
+    PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_serve.py --phase failrate --out /tmp/serve
+    PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_serve.py --phase soak --detach --out /tmp/serve
+    PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_serve.py --phase soak --follow --out /tmp/serve   # next call
     python3 tests/e2e/run_serve.py --report-only /tmp/serve
 
 Each phase (serve_phases.py) ends by ``--deadline-s`` and writes ``DIR/<phase>[-<engine>].json``,
