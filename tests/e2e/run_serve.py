@@ -32,7 +32,7 @@ from typing import Any
 import serve_bench
 import serve_phases as sp
 import serve_report
-from run_cases import CASE_TITLES, ENV_DEFAULTS, MODEL_DIR, PLANNER_VARS, write_json
+from run_cases import CASE_TITLES, ENV_DEFAULTS, MODEL_DIR, PLANNER_VARS, model_with_heads, write_json
 from serve_proc import install_cleanup
 from serve_tokenizer import check_tokenizer, served_model_dir
 
@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--request-timeout-s", type=float, default=120, help="a boundary request's limit (default 120)")
     ap.add_argument("--python", default=sys.executable, help="interpreter for vllm serve and vllm bench serve")
     ap.add_argument("--model", type=Path, default=MODEL_DIR)
+    ap.add_argument("--tp", type=int, default=1, help="every server's --tensor-parallel-size (one GPU per worker)")
+    ap.add_argument("--heads", type=int, help="the model's attention heads (default: its config's; 16 x --tp keeps "
+                                                "16 per rank, as DeepSeek-V3.2 at TP 8)")
     ap.add_argument("--report-only", type=Path, metavar="DIR", help="only write DIR/serve.md from DIR's JSON")
     ap.add_argument("--fake-server", action="store_true", help=argparse.SUPPRESS)  # CPU tests: serve_fakes.py
     ap.add_argument("--fake-bench", action="store_true", help=argparse.SUPPRESS)
@@ -89,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"utilization {u} is not in (0, 1]")
     if args.repeats < 1 or args.failrate_n < 1 or args.prompt_scale <= 0 or args.sample_s <= 0:
         ap.error("--repeats and --failrate-n must be at least 1, --prompt-scale and --sample-s positive")
+    if args.tp < 1 or (args.heads is not None and args.heads < 1):
+        ap.error("--tp and --heads must be at least 1")
     if (args.detach or args.follow) and args.phase != "soak":
         ap.error("--detach and --follow are for --phase soak")
     return args
@@ -127,7 +132,7 @@ def run_phase(args: argparse.Namespace) -> int:
     def save() -> None:
         write_json(path, data)
 
-    model_dir = served_model_dir(out / "model", args.model)
+    model_dir = served_model_dir(out / "model", model_with_heads(args.model, args.heads, out))
     try:
         data["tokenizer"] = check_tokenizer(model_dir)
     except Exception as exc:  # no server is started on a tokenizer that would fail them
@@ -139,7 +144,7 @@ def run_phase(args: argparse.Namespace) -> int:
           f"results in {path}", flush=True)
     save()
     ctx = sp.Ctx(out=out, python=args.python, model_dir=model_dir, deadline=start + args.deadline_s,
-                 port_base=args.port_base, scratch_mb=args.scratch_mb, start_timeout_s=args.start_timeout_s,
+                 port_base=args.port_base, scratch_mb=args.scratch_mb, tp=args.tp, start_timeout_s=args.start_timeout_s,
                  request_timeout_s=args.request_timeout_s, fake_server=args.fake_server, fake_bench=args.fake_bench)
     if args.phase == "ab":
         sp.phase_ab(ctx, data, save, util=args.util, workloads=args.workloads, repeats=args.repeats,

@@ -45,6 +45,7 @@ class Ctx:
     deadline: float  # time.monotonic() by which the phase ends
     port_base: int = 8100  # 0: any free ports
     scratch_mb: int | None = None
+    tp: int = 1  # every server's --tensor-parallel-size
     start_timeout_s: float = 240
     request_timeout_s: float = 120
     fake_server: bool = False
@@ -57,7 +58,8 @@ class Ctx:
         return free_port() if self.port_base == 0 else self.port_base + k
 
     def spec(self, engine: str, util: float, k: int, mnbt: int = 32768) -> ServerSpec:
-        return ServerSpec(engine, util, self.port(k), mnbt, scratch_mb=self.scratch_mb if engine == "plugin" else None)
+        return ServerSpec(engine, util, self.port(k), mnbt, scratch_mb=self.scratch_mb if engine == "plugin" else None,
+                          tp=self.tp)
 
 
 def start_server(ctx: Ctx, spec: ServerSpec, label: str) -> tuple[Server, dict[str, Any]]:

@@ -47,10 +47,12 @@ class ServerSpec:
     mnbt: int = 32768  # --max-num-batched-tokens
     max_model_len: int = 70000
     scratch_mb: int | None = None  # the plugin's budget (MLA_PLANNER_SCRATCH_MB); None: its default
+    tp: int = 1  # --tensor-parallel-size: one worker process per GPU
 
     @property
     def name(self) -> str:
-        return f"{self.engine}-{self.util:.2f}-{self.mnbt // 1024}k-p{self.port}"
+        tp = f"-tp{self.tp}" if self.tp > 1 else ""
+        return f"{self.engine}-{self.util:.2f}-{self.mnbt // 1024}k{tp}-p{self.port}"
 
 
 def server_args(spec: ServerSpec, model_dir: Path) -> list[str]:
@@ -64,7 +66,8 @@ def server_args(spec: ServerSpec, model_dir: Path) -> list[str]:
             # no generation_config.json in the folder: vLLM's sampling defaults, no Hub lookup
             "--generation-config", "vllm",
             "--attention-backend", ENGINES[spec.engine], "--host", HOST, "--port", str(spec.port),
-            "--disable-uvicorn-access-log"]  # one log line per request (and per /health poll) otherwise
+            "--disable-uvicorn-access-log",  # one log line per request (and per /health poll) otherwise
+            *(["--tensor-parallel-size", str(spec.tp)] if spec.tp > 1 else [])]
 
 
 def server_command(spec: ServerSpec, model_dir: Path, python: str, fake: bool = False) -> list[str]:

@@ -123,6 +123,10 @@ for engine in ("stock", "plugin"):
         "attention_backend", "enforce_eager", "served_model_name", "generation_config")}
     out[engine]["force_mqa"] = ea.attention_config.sparse_mla_force_mqa
     out[engine].update(port=ns.port, host=ns.host, access_log_off=ns.disable_uvicorn_access_log)
+    out[engine]["tp"] = ns.tensor_parallel_size
+tp_spec = serve_proc.ServerSpec("plugin", 0.95, 8201, tp=2)
+out["tp2"] = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(
+    serve_proc.server_args(tp_spec, Path("/m"))).tensor_parallel_size
 parser = FlexibleArgumentParser()
 add_cli_args(parser)
 for client in sum(serve_bench.WORKLOADS.values(), ()):
@@ -152,6 +156,8 @@ def test_server_and_bench_command_lines_parse_with_vllms_parsers() -> None:
         assert s["enforce_eager"] == "False" and s["force_mqa"] is False
         assert s["served_model_name"] == "['tiny-deepseek-v32']"
         assert (s["port"], s["host"], s["access_log_off"]) == (8200, "127.0.0.1", True)
+        assert s["tp"] == 1
+    assert got["tp2"] == 2
     long, doc = got["long"], got["mix-doc"]
     assert (long["backend"], long["dataset_name"], long["endpoint"]) == ("vllm", "random", "/v1/completions")
     assert (long["random_input_len"], long["random_output_len"], long["num_prompts"], long["max_concurrency"]) == \
@@ -289,6 +295,22 @@ def test_boundary_phase(tmp_path: Path) -> None:
     assert "boundary (plugin, util 0.95): every case finished" in md
     assert "boundary (stock, util 0.95): not finished: case 1 (32768), 2 (32768), 5 (32768), 4 (65536), 5 (65536)" in md
     assert "| boundary-stock-32k | 2: eight heterogeneous prompts, 32,764 tokens | not run: server process exited |" in md
+
+
+def test_tensor_parallel_servers_get_the_scaled_model(tmp_path: Path) -> None:
+    """--tp 2 --heads 32: every server is started with --tensor-parallel-size 2 on a copy of the model
+    with 32 attention heads (16 per rank), tokenizer beside it."""
+    r = driver(tmp_path, "--phase", "boundary", "--tp", "2", "--heads", "32")
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "boundary-plugin.json").read_text())
+    for server in data["servers"]:
+        cmd = server["cmd"]
+        assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+        model = Path(cmd[cmd.index("serve") + 1])
+        assert json.loads((model / "config.json").read_text())["num_attention_heads"] == 32
+        assert (model / "tokenizer.json").is_file()
+    r = driver(tmp_path, "--phase", "boundary", "--tp", "0")
+    assert r.returncode == 2 and "--tp and --heads must be at least 1" in r.stderr
 
 
 def test_failrate_phase(tmp_path: Path) -> None:
