@@ -28,6 +28,7 @@ import serve_proc as proc
 import serve_report
 from run_cases import CASE_PROMPTS, MODEL_DIR, REPLACE_VAR
 from serve_tokenizer import check_tokenizer, served_model_dir
+from test_e2e import e2e_unavailable
 
 HERE = Path(__file__).resolve().parent
 VOCAB = json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"]
@@ -500,20 +501,7 @@ def test_arguments() -> None:
 # --- on the GPU ------------------------------------------------------------------------------------
 
 
-def gpu_unavailable() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU; none is visible"
-    try:
-        import importlib
-
-        importlib.import_module("vllm._flashmla_C")
-    except Exception as exc:
-        return f"vLLM cannot load its CUDA kernels (vllm._flashmla_C): {exc}"
-    return None
+gpu_unavailable = e2e_unavailable  # the same conditions as the in-process e2e test's
 
 
 @pytest.mark.e2e
