@@ -38,7 +38,7 @@ from vllm.v1.attention.backends.mla.flashmla_sparse import (  # noqa: E402
     FlashMLASparseMetadataBuilder,
 )
 
-from mla_planner.vllm_backend import backend, reservation, vllm_api  # noqa: E402
+from mla_planner.vllm_backend import backend, reservation, vllm_api, warmup  # noqa: E402
 from mla_planner.vllm_backend.backend import (  # noqa: E402
     PlannedFlashMLASparseImpl,
     PlannedFlashMLASparseMetadataBuilder,
@@ -320,6 +320,8 @@ def fp8_decode_subset_case(use_mixed_batch: bool, monkeypatch: pytest.MonkeyPatc
 def test_impl_fp8_paths_with_a_stand_in_self(use_mixed_batch: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     results = {}
     for cls in (PlannedFlashMLASparseImpl, FlashMLASparseImpl):
+        # As in a fresh process, where vLLM's file runs: the first FP8 forward's warm-up is pending.
+        monkeypatch.setattr(warmup, "pending", True)
         q, metadata, impl, kernel_q_shapes = fp8_decode_subset_case(use_mixed_batch, monkeypatch)
         # As vLLM's test binds them: the class's FP8 paths, on the namespace.
         impl._forward_fp8_kv_mixed_batch = MethodType(cls._forward_fp8_kv_mixed_batch, impl)

@@ -225,6 +225,13 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         return plan
 
 
+def warm_up(md: FlashMLASparseMetadata, kv_cache: torch.Tensor, topk_indices: torch.Tensor) -> None:
+    """:func:`.warmup.maybe_warm_up` with this call's block table, block size and cache. A function,
+    not a method: vLLM's own tests call the forwards with a stand-in ``self``."""
+    _pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
+    warmup.maybe_warm_up(md.block_table, md.block_size, block_stride_rows, topk_indices.shape[1])
+
+
 def translate_indices(
     md: FlashMLASparseMetadata,
     topk_indices: torch.Tensor,
@@ -286,11 +293,6 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
                 "please report this step (the planner must follow vLLM's dense/sparse prefill rule)"
             )
         return step.stock_call_bytes is not None and step.stock_call_bytes <= self.stock_call_allowance
-
-    def warm_up(self, md: FlashMLASparseMetadata, kv_cache: torch.Tensor, topk_indices: torch.Tensor) -> None:
-        """:func:`.warmup.maybe_warm_up` with this call's block table, block size and cache."""
-        _pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
-        warmup.maybe_warm_up(md.block_table, md.block_size, block_stride_rows, topk_indices.shape[1])
 
     mla_layer: Any = None
     """vLLM 0.33, masked MHA: the ``MLAAttention`` layer of this impl, found when a step first
@@ -365,7 +367,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         # vllm_api: 0.33 returns (out, lse | None) and takes kernel_metadata= (its PCP+DCP decode
         # rows, which never carry a plan); 0.26 returns out.
         if warmup.pending:
-            self.warm_up(attn_metadata, kv_c_and_k_pe_cache, topk_indices)
+            warm_up(attn_metadata, kv_c_and_k_pe_cache, topk_indices)
         step = getattr(attn_metadata, "planned", None)
         if step is None or args or kwargs.get("kernel_metadata") is not None or self.runs_stock_call(step, q):
             return FlashMLASparseImpl._forward_fp8_kv_mixed_batch(
@@ -397,7 +399,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         attn_metadata: FlashMLASparseMetadata,
     ) -> Any:
         if warmup.pending:
-            self.warm_up(attn_metadata, kv_c_and_k_pe_cache, topk_indices)
+            warm_up(attn_metadata, kv_c_and_k_pe_cache, topk_indices)
         step = getattr(attn_metadata, "planned", None)
         if step is None or self.runs_stock_call(step, q):
             return FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode(
