@@ -33,11 +33,14 @@ import serve_bench
 import serve_phases as sp
 import serve_report
 from run_cases import CASE_TITLES, ENV_DEFAULTS, MODEL_DIR, PLANNER_VARS, model_with_heads, write_json
-from serve_proc import install_cleanup
+from serve_proc import client_env, install_cleanup
 from serve_tokenizer import check_tokenizer, served_model_dir
 
+# ab's two servers share the GPU. 0.40 each, not 0.45: stock's step of 32K FP8 tokens allocates
+# ~14 GiB nobody reserved, beyond its share; at 0.45 each (14 GiB left over) the H200 measured stock's
+# process at 76.4 GiB of its 62.9 GiB share, and the plugin's server, within its own, died of it.
 PHASE_DEFAULTS = {  # engine, util
-    "ab": (None, 0.45),
+    "ab": (None, 0.40),
     "boundary": ("plugin", 0.95),
     "failrate": ("stock", None),
     "soak": ("plugin", 0.95),
@@ -52,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=540, help="the phase ends by then (default 540)")
     ap.add_argument("--engine", choices=("stock", "plugin"),
                     help="boundary, soak: default plugin; failrate: default stock (ab runs both)")
-    ap.add_argument("--util", type=float, help="--gpu-memory-utilization (ab: 0.45 each; boundary, soak: 0.95)")
+    ap.add_argument("--util", type=float, help="--gpu-memory-utilization (ab: 0.40 each; boundary, soak: 0.95)")
     ap.add_argument("--workloads", default="long,chat,mix", help=f"ab: of {', '.join(serve_bench.WORKLOADS)}")
     ap.add_argument("--repeats", type=int, default=3, help="ab: interleaved repeats per engine and workload")
     ap.add_argument("--prompt-scale", type=float, default=1.0, help="ab, soak: scales every client's prompt count")
@@ -143,9 +146,13 @@ def run_phase(args: argparse.Namespace) -> int:
     print(f"{args.phase}: tokenizer ok ({data['tokenizer']['class']}, {data['tokenizer']['len']} tokens); "
           f"results in {path}", flush=True)
     save()
+    clients = None
+    if args.phase in ("ab", "soak"):  # their clients' imports happen while their servers start
+        clients = serve_bench.Clients(args.python, args.fake_bench, client_env())
+        clients.warm()
     ctx = sp.Ctx(out=out, python=args.python, model_dir=model_dir, deadline=start + args.deadline_s,
                  port_base=args.port_base, scratch_mb=args.scratch_mb, tp=args.tp, start_timeout_s=args.start_timeout_s,
-                 request_timeout_s=args.request_timeout_s, fake_server=args.fake_server, fake_bench=args.fake_bench)
+                 request_timeout_s=args.request_timeout_s, fake_server=args.fake_server, clients=clients)
     if args.phase == "ab":
         sp.phase_ab(ctx, data, save, util=args.util, workloads=args.workloads, repeats=args.repeats,
                     scale=args.prompt_scale)

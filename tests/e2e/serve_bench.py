@@ -24,13 +24,17 @@ dataset draws lengths uniformly from ``len * (1 ± range_ratio)``:
 from __future__ import annotations
 
 import json
-import subprocess
+import multiprocessing
+import os
+import sys
+import threading
 import time
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Callable
 
-from serve_proc import HERE, SERVED_NAME, VLLM_CLI, check_stop, kill_group, spawn
+from serve_proc import HERE, SERVED_NAME, VLLM_CLI, check_stop
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,10 @@ class Client:
 
 
 WORKLOADS: dict[str, tuple[Client, ...]] = {
-    "long": (Client("long", 32768, 16, num_prompts=8, concurrency=2),),
-    "chat": (Client("chat", 1024, 256, num_prompts=128, concurrency=64, warmups=8),),
+    # long and chat runs of 8 and 128 prompts lasted 1 s and 2-3 s on the H200, and one run's
+    # throughput moved by up to 25%; four times as many make each run last several seconds.
+    "long": (Client("long", 32768, 16, num_prompts=32, concurrency=2),),
+    "chat": (Client("chat", 1024, 256, num_prompts=512, concurrency=64, warmups=8),),
     "mix": (Client("mix-chat", 6528, 320, num_prompts=64, concurrency=24, warmups=4,
                    range_ratio='{"input": 0.95, "output": 0.9}'),
             Client("mix-doc", 36864, 288, num_prompts=24, concurrency=8, seed_offset=1,
@@ -92,6 +98,79 @@ def bench_command(client: Client, *, python: str, base_url: str, tokenizer: Path
     return cmd
 
 
+# What the `vllm` console script's ``main`` imports before it parses (0.26.0's and 0.33.0's lists;
+# a module one release lacks is skipped), and bench's own modules.
+CLI_PRELOAD = ("vllm.entrypoints.cli.main", "vllm.entrypoints.cli.benchmark.main", "vllm.entrypoints.cli.collect_env",
+               "vllm.entrypoints.cli.download_kernels", "vllm.entrypoints.cli.launch", "vllm.entrypoints.cli.openai",
+               "vllm.entrypoints.cli.preload", "vllm.entrypoints.cli.run_batch", "vllm.entrypoints.cli.serve",
+               "vllm.entrypoints.cli.snapshot", "vllm.benchmarks.serve", "vllm.benchmarks.datasets")
+
+
+class Clients:
+    """Starts bench clients. Importing vLLM's CLI takes ~25 s on the GPU machine (a bench log's first
+    line comes ~25 s after its process starts), longer than most runs last, and would leave the
+    server idle between runs. So each client is a fresh process that runs the ``vllm`` console
+    script's own entry point with the command line ``bench_command`` wrote, forked from one process
+    that imported the CLI once (multiprocessing's forkserver, preloaded), started by ``warm`` while
+    the servers start. The stand-in client (``serve_fakes.py bench``) runs the same way."""
+
+    def __init__(self, python: str, fake: bool, env: dict[str, str]) -> None:
+        self.fake = fake
+        # The forkserver starts with this process's environment, and the clients' imports read some
+        # of it once (huggingface_hub's HF_HUB_OFFLINE, say): this process takes the clients' own.
+        os.environ.update(env)
+        self.mp = multiprocessing.get_context("forkserver")
+        self.mp.set_forkserver_preload(["serve_fakes"] if fake else list(CLI_PRELOAD))
+        if python != sys.executable:
+            self.mp.set_executable(python)
+        self._warming: threading.Thread | None = None
+
+    def warm(self) -> None:
+        """Starts the forkserver (and its imports) in the background; the first client waits for it."""
+        if self._warming is None:
+            self._warming = threading.Thread(target=self._noop_client, daemon=True)
+            self._warming.start()
+
+    def _noop_client(self) -> None:
+        p = self.mp.Process(target=os.getpid)
+        p.start()
+        p.join()
+
+    def start(self, cmd: list[str], log: Path) -> BaseProcess:
+        """``cmd`` as ``bench_command`` wrote it, run in a forked process; its output goes to ``log``."""
+        module, argv = entry_point(cmd)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("$ " + " ".join(cmd) + "\n")
+        p = self.mp.Process(target=run_entry_point, args=(module, argv, str(log)), daemon=True)
+        p.start()
+        return p
+
+
+def entry_point(cmd: list[str]) -> tuple[str, list[str]]:
+    """The module whose ``main()`` runs ``cmd``, and the ``sys.argv`` it sees."""
+    if cmd[1:3] == list(VLLM_CLI):
+        return VLLM_CLI[1], ["vllm", *cmd[3:]]
+    if Path(cmd[1]).name == "serve_fakes.py":
+        return "serve_fakes", [cmd[1], *cmd[2:]]
+    raise ValueError(f"not a bench command line: {cmd[:3]}")
+
+
+def run_entry_point(module: str, argv: list[str], log: str) -> None:
+    """In the client's process: output to ``log``, then the module's ``main()`` with ``argv``."""
+    import importlib
+
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.argv = argv
+    try:
+        code = importlib.import_module(module).main()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code or 0)
+
+
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """The numbers of a bench result JSON the report uses (p50 is bench's median where no p50 key)."""
     out = {k: result.get(k) for k in KEPT}
@@ -123,20 +202,18 @@ def combined(results: list[dict[str, Any]]) -> dict[str, Any]:
             "output_throughput": tokens_out / wall, "total_token_throughput": (tokens_in + tokens_out) / wall}
 
 
-def run_clients(cmds: list[list[str]], results: list[Path], logs: list[Path], env: dict[str, str],
-                timeout_s: float, tick: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+def run_clients(clients: Clients, cmds: list[list[str]], results: list[Path], logs: list[Path], timeout_s: float,
+                tick: Callable[[], None] | None = None) -> list[dict[str, Any]]:
     """Starts every client at once, waits for all (calling ``tick`` meanwhile, every 0.2 s), kills them
     all at ``timeout_s``; per client: rc, timed out, wall time, and its summarized result or why none."""
     t0 = time.monotonic()
-    procs: list[subprocess.Popen[bytes]] = []
-    for cmd, result, log in zip(cmds, results, logs):
+    procs: list[BaseProcess] = []
+    for result in results:
         result.unlink(missing_ok=True)  # a result left by an earlier call must not count for this one
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("w") as f:
-            procs.append(spawn(cmd, f, env))
     timed_out = False
     try:
-        while any(p.poll() is None for p in procs):
+        procs.extend(clients.start(cmd, log) for cmd, log in zip(cmds, logs))
+        while any(p.is_alive() for p in procs):
             check_stop()
             if time.monotonic() - t0 > timeout_s:
                 timed_out = True
@@ -146,14 +223,16 @@ def run_clients(cmds: list[list[str]], results: list[Path], logs: list[Path], en
             time.sleep(0.2)
     finally:
         for p in procs:  # on the timeout, or an exception in tick: no client is left running
-            if p.poll() is None:
-                kill_group(p, grace_s=5)
+            if p.is_alive():
+                p.kill()
+            p.join(5)
     wall = time.monotonic() - t0
     out = []
     for p, result, log in zip(procs, results, logs):
         summary, why = read_result(result)
-        out.append({"rc": p.returncode, "timed_out": timed_out, "wall_s": wall, "result": summary,
-                    "error": None if summary and p.returncode == 0 else (why or f"rc {p.returncode}"),
+        rc = p.exitcode
+        out.append({"rc": rc, "timed_out": timed_out, "wall_s": wall, "result": summary,
+                    "error": None if summary and rc == 0 else (why or f"rc {rc}"),
                     "log": log.name, "log_tail": None if summary else tail(log)})
     return out
 

@@ -184,6 +184,10 @@ def bench(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def main() -> int:
     mode, rest = sys.argv[1], sys.argv[2:]
-    sys.exit(serve(rest) if mode == "serve" else bench(rest))
+    return serve(rest) if mode == "serve" else bench(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,7 +28,7 @@ from serve_proc import (Server, ServerSpec, check_stop, free_port, gpu_memory_us
 from serve_requests import run_case
 
 Save = Callable[[], None]
-MIN_BENCH_S = 40  # a bench client takes ~10 s to start (imports, prompt sampling): start none with less left
+MIN_BENCH_S = 30  # a bench client takes some seconds to start (prompt sampling): start none with less left
 MIN_SERVER_S = 120  # a server start (~65-95 s with CUDA graph capture) and one request
 SEED_BASE = 1000
 
@@ -49,7 +49,7 @@ class Ctx:
     start_timeout_s: float = 240
     request_timeout_s: float = 120
     fake_server: bool = False
-    fake_bench: bool = False
+    clients: sb.Clients | None = None  # None: none of this phase's steps runs a bench client
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -110,10 +110,11 @@ def bench_workload(ctx: Ctx, server: Server, workload: str, seed: int, tag: str,
     results = [ctx.out / "bench" / f"{tag}-{c.label}.json" for c in clients]
     logs = [ctx.out / "bench" / f"{tag}-{c.label}.log" for c in clients]
     meta = {"engine": server.spec.engine, "workload": workload, "tag": tag}
+    assert ctx.clients is not None, "a phase that runs bench clients gets a Clients"
     cmds = [sb.bench_command(c, python=ctx.python, base_url=server.url, tokenizer=ctx.model_dir, seed=seed,
-                             result=r, scale=scale, metadata=meta, fake=ctx.fake_bench) for c, r in zip(clients, results)]
-    env = server_env(server.spec)
-    runs = sb.run_clients(cmds, results, logs, env, timeout_s, tick)
+                             result=r, scale=scale, metadata=meta, fake=ctx.clients.fake)
+            for c, r in zip(clients, results)]
+    runs = sb.run_clients(ctx.clients, cmds, results, logs, timeout_s, tick)
     by_label = {c.label: run for c, run in zip(clients, runs)}
     ok = all(run["result"] is not None for run in runs)
     summaries = [run["result"] for run in runs if run["result"] is not None]

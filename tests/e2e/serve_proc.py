@@ -37,6 +37,7 @@ HOST = "127.0.0.1"
 # Lines of a server log that say the engine failed (the first few of each are kept).
 ERROR_PATTERNS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error", "illegal memory access",
                   "EngineDeadError", "EngineCore encountered", "Traceback (most recent call last)")
+SHUTDOWN_MARK = "[shutdown] "  # vLLM's first line once a stop began (SIGTERM to the API server or engine)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,11 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
         env["MLA_PLANNER_SCRATCH_MB"] = str(spec.scratch_mb)
     assert REPLACE_VAR not in env  # with it, the plugin would stand in for stock's FLASHMLA_SPARSE
     return env
+
+
+def client_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """A bench client's environment: a stock server's (run_cases' defaults, no plugin settings)."""
+    return server_env(ServerSpec("stock", 0.0, 0), base)
 
 
 def _own_group() -> None:
@@ -300,8 +306,13 @@ def log_facts(text: str) -> dict[str, Any]:
         m = re.search(pattern, text)
         return float(m.group(1).replace(",", "")) if m else None
 
+    lines = text.splitlines()
+    # Stopping a server kills its engine mid-loop, and the API server then logs an EngineDeadError
+    # traceback of its own: what follows vLLM's first "[shutdown]" line (in 0.26 and 0.33) is the
+    # stop's, counted apart from the engine's errors.
+    stop = next((i for i, line in enumerate(lines) if SHUTDOWN_MARK in line), len(lines))
     errors: dict[str, list[str]] = {}
-    for line in text.splitlines():
+    for line in lines[:stop]:
         for pattern in ERROR_PATTERNS:
             if pattern in line:
                 errors.setdefault(pattern, [])
@@ -314,7 +325,8 @@ def log_facts(text: str) -> dict[str, Any]:
                               None),
         "planner_lines": [line.strip()[:300] for line in text.splitlines() if "mla-planner:" in line][:6],
         "errors": errors,
-        "error_count": {k: sum(k in line for line in text.splitlines()) for k in errors},
+        "error_count": {k: sum(k in line for line in lines[:stop]) for k in errors},
+        "error_lines_at_stop": sum(any(p in line for p in ERROR_PATTERNS) for line in lines[stop:]),
     }
 
 

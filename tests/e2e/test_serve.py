@@ -162,7 +162,7 @@ def test_server_and_bench_command_lines_parse_with_vllms_parsers() -> None:
     long, doc = got["long"], got["mix-doc"]
     assert (long["backend"], long["dataset_name"], long["endpoint"]) == ("vllm", "random", "/v1/completions")
     assert (long["random_input_len"], long["random_output_len"], long["num_prompts"], long["max_concurrency"]) == \
-        (32768, 16, 8, 2)
+        (32768, 16, 32, 2)
     assert long["model"] == "tiny-deepseek-v32" and long["tokenizer"] == "/m" and long["seed"] == 7
     assert long["ignore_eos"] and long["temperature"] == 0 and long["save_result"] and long["num_warmups"] == 1
     assert (long["result_dir"], long["result_filename"], long["metadata"]) == ("/r", "x.json", ["engine=plugin"])
@@ -184,6 +184,25 @@ def test_server_environment() -> None:
     cmd = proc.server_command(proc.ServerSpec("plugin", 0.95, 8100), Path("/m"), "python3")
     assert cmd[:5] == ["python3", "-m", "vllm.entrypoints.cli.main", "serve", "/m"]
     assert "--enforce-eager" not in cmd and not any("force_mqa" in w for w in cmd)
+
+
+def test_log_facts_leave_the_stops_errors_apart() -> None:
+    """What the H200 logged for a stock server that served every request and was then stopped (vLLM
+    0.33.0, shortened): the API server's EngineDeadError after the stop is not the engine's error."""
+    log = "\n".join([
+        "(EngineCore pid=1021) INFO 12-01 15:09:10 [gpu_worker.py:436] Available KV cache memory: 45.52 GiB",
+        "(EngineCore pid=1021) INFO 12-01 15:09:11 [kv_cache_utils.py:1687] GPU KV cache size: 31,008,592 tokens",
+        "(EngineCore pid=1021) ERROR 12-01 15:10:00 [core.py:1586] torch.OutOfMemoryError: CUDA out of memory. Tried",
+        "(EngineCore pid=1021) INFO 12-01 15:13:19 [core.py:1525] [shutdown] EngineCore: trigger received signal=SIGTERM",
+        "(APIServer pid=835) ERROR 12-01 15:13:19 [async_llm.py:943] Traceback (most recent call last):",
+        "(APIServer pid=835) ERROR 12-01 15:13:19 [async_llm.py:943] vllm.v1.engine.exceptions.EngineDeadError: Engine",
+        "(APIServer pid=835) ERROR 12-01 15:13:19 [async_llm.py:943] CUDA out of memory",
+    ])
+    facts = proc.log_facts(log)
+    assert (facts["kv_cache_memory_gib"], facts["kv_cache_tokens"]) == (45.52, 31008592)
+    assert facts["error_count"] == {"CUDA out of memory": 1, "OutOfMemoryError": 1}
+    assert facts["error_lines_at_stop"] == 3
+    assert proc.log_facts(log.replace("[shutdown] ", ""))["error_count"]["EngineDeadError"] == 1
 
 
 # --- the server's process --------------------------------------------------------------------------
@@ -337,7 +356,7 @@ def test_failrate_phase(tmp_path: Path) -> None:
 def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "2")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "ab0-r1-long-stock: 8 done, 0 failed" in r.stdout
+    assert "ab0-r1-long-stock: 32 done, 0 failed" in r.stdout
     data = json.loads((tmp_path / "ab.json").read_text())
     order = [(run["repeat"], run["workload"], run["engine"]) for run in data["runs"]]
     assert order == [(rep, w, e) for rep in (1, 2) for w in ("long", "chat", "mix") for e in ("stock", "plugin")]
@@ -352,7 +371,7 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     assert [s["stop"]["left_running"] for s in servers.values()] == [False, False]
     md = (tmp_path / serve_report.REPORT_MD).read_text()
     assert "chat: plugin/stock total tokens/s 1.24" in md  # the stand-in's plugin is 1.25x faster
-    assert "ab servers at util 0.45: KV cache stock 60.00 GiB, plugin 59.00 GiB (stock − plugin 1,024 MiB)" in md
+    assert "ab servers at util 0.4: KV cache stock 60.00 GiB, plugin 59.00 GiB (stock − plugin 1,024 MiB)" in md
     assert "| combined | plugin/stock | – | – | – | – | 1.24" in md
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "1", "--workloads", "long")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -369,7 +388,7 @@ def test_ab_stops_when_a_server_does_not_start(tmp_path: Path) -> None:
     assert data["calls"][0]["servers"]["stock"]["startup"]["status"] == "exited"
     md = (tmp_path / serve_report.REPORT_MD).read_text()
     assert "**ab call 0: stock server did not start: exited** (no bench run)" in md
-    assert "| ab0-stock | stock | 0.45 | 32768 | exited, " in md and "RuntimeError: fake start-up failure |" in md
+    assert "| ab0-stock | stock | 0.4 | 32768 | exited, " in md and "RuntimeError: fake start-up failure |" in md
 
 
 def test_ab_deadline_leaves_runs_not_run(tmp_path: Path) -> None:
@@ -386,7 +405,7 @@ def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
     """vLLM's `bench serve` itself, against the stand-in server: its command line, the tokenizer it
     loads, the prompts it sends (exactly 32,768 tokens each) and the result file the driver reads."""
     pytest.importorskip("vllm")
-    r = driver(tmp_path, "--phase", "ab", "--workloads", "long", "--repeats", "1", "--prompt-scale", "0.25",
+    r = driver(tmp_path, "--phase", "ab", "--workloads", "long", "--repeats", "1", "--prompt-scale", "0.0625",
                timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "ab.json").read_text())
@@ -489,7 +508,7 @@ def test_arguments() -> None:
     args = run_serve.parse_args(["--phase", "failrate", "--out", "x"])
     assert (args.engine, args.failrate_utils, args.failrate_n) == ("stock", [0.9, 0.95], 2)
     args = run_serve.parse_args(["--phase", "ab", "--out", "x", "--workloads", "mix,long"])
-    assert (args.util, args.workloads, args.repeats, args.deadline_s) == (0.45, ["mix", "long"], 3, 540)
+    assert (args.util, args.workloads, args.repeats, args.deadline_s) == (0.40, ["mix", "long"], 3, 540)
     assert run_serve.parse_args(["--phase", "soak", "--out", "x"]).engine == "plugin"
     for bad in (["--workloads", "huge"], ["--util", "1.5"], ["--detach"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
