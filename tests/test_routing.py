@@ -29,6 +29,14 @@ from mla_planner import routing
 from mla_planner.routing import load_for_engine, load_profile, stale_keys
 
 GIB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings() -> None:
+    """Each test sees the fall-back warnings as a fresh process would (they are logged once each)."""
+    routing._WARNED.clear()
+
+
 ENV = {
     "gpu": "Test GPU",
     "driver": "1.0",
@@ -320,6 +328,7 @@ def test_missing_profile_falls_back_with_a_warning(tmp_path: Path, caplog: pytes
     with caplog.at_level(logging.WARNING, logger="mla_planner.routing"):
         assert load_profile(tmp_path / "absent.json") is None
         assert load_profile(None, arch="sm100") is None  # no packaged sm100 profile
+        assert load_profile(tmp_path / "absent.json") is None  # a second builder: no second warning
     assert len(caplog.records) == 2
     assert all("no such file" in r.message and "vLLM's rule" in r.message for r in caplog.records)
 

@@ -100,8 +100,15 @@ def stale_keys(measured: Mapping[str, str], here: Mapping[str, str]) -> list[str
     ]
 
 
+_WARNED: set[tuple[str, str]] = set()
+
+
 def _fall_back(where: Path, reason: str) -> None:
-    logger.warning("mla-planner: cost profile %s: %s; routing steps by %s", where, reason, VLLM_RULE)
+    # Once per profile and reason: vLLM makes a metadata builder per attention group, and each
+    # loads the profile.
+    if (str(where), reason) not in _WARNED:
+        _WARNED.add((str(where), reason))
+        logger.warning("mla-planner: cost profile %s: %s; routing steps by %s", where, reason, VLLM_RULE)
 
 
 def current_environment(kernels: str = "vllm", gather: str = "vllm", device: int | None = None) -> dict[str, str]:
