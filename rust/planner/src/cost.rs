@@ -92,7 +92,13 @@ pub struct RouteChoice {
     pub prediction: Prediction,
     /// The chosen route's plan, so the caller need not plan again.
     pub plan: StepPlan,
+    /// The configuration that plans it: the caller's, with the route's mode
+    /// and the prefill heads it was priced at.
+    pub config: StepConfig,
 }
+
+/// A route's price, its plan and the configuration that made it.
+type Priced = (RouteTime, StepPlan, StepConfig);
 
 impl CostModel {
     /// Parse and validate a profile (format in docs/routing.md).
@@ -181,7 +187,7 @@ impl CostModel {
     /// configuration.
     pub fn predict(&self, step: Step<'_>, cfg: &StepConfig) -> Result<Prediction> {
         let (mixed, separate) = self.plan_routes(step, cfg)?;
-        Ok(Prediction { mixed: mixed.map(|(t, _)| t), separate: separate.map(|(t, _)| t) })
+        Ok(Prediction { mixed: mixed.map(|(t, ..)| t), separate: separate.map(|(t, ..)| t) })
     }
 
     /// The faster route that fits the budget: decodes take the decode kernel
@@ -192,15 +198,15 @@ impl CostModel {
         let (mixed, separate) = self.plan_routes(step, cfg)?;
         let vllm = vllm_step_mode(cfg.num_heads, KvDtype::Fp8)?;
         let take_mixed = match (&mixed, &separate) {
-            (Ok((m, _)), Ok((s, _))) if m.total_us() == s.total_us() => vllm == StepMode::MixedBatch,
-            (Ok((m, _)), Ok((s, _))) => m.total_us() < s.total_us(),
+            (Ok((m, ..)), Ok((s, ..))) if m.total_us() == s.total_us() => vllm == StepMode::MixedBatch,
+            (Ok((m, ..)), Ok((s, ..))) => m.total_us() < s.total_us(),
             (Ok(_), Err(_)) => true,
             (Err(_), Ok(_)) => false,
             (Err(e), Err(_)) if vllm == StepMode::MixedBatch => return Err(e.clone()),
             (Err(_), Err(e)) => return Err(e.clone()),
         };
-        let split = |r: Result<(RouteTime, StepPlan)>| match r {
-            Ok((t, p)) => (Ok(t), Some(p)),
+        let split = |r: Result<Priced>| match r {
+            Ok((t, p, c)) => (Ok(t), Some((p, c))),
             Err(e) => (Err(e), None),
         };
         let ((mixed, mixed_plan), (separate, separate_plan)) = (split(mixed), split(separate));
@@ -209,13 +215,12 @@ impl CostModel {
         } else {
             (StepMode::SeparatePrefillDecode, separate_plan)
         };
-        let plan = plan.expect("the chosen route was planned");
-        Ok(RouteChoice { mode, prediction: Prediction { mixed, separate }, plan })
+        let (plan, config) = plan.expect("the chosen route was planned");
+        Ok(RouteChoice { mode, prediction: Prediction { mixed, separate }, plan, config })
     }
 
     /// Plan the step both ways and price each plan.
-    #[allow(clippy::type_complexity)]
-    fn plan_routes(&self, step: Step<'_>, cfg: &StepConfig) -> Result<(Result<(RouteTime, StepPlan)>, Result<(RouteTime, StepPlan)>)> {
+    fn plan_routes(&self, step: Step<'_>, cfg: &StepConfig) -> Result<(Result<Priced>, Result<Priced>)> {
         if cfg.kv_dtype != KvDtype::Fp8 {
             return Err(PlanError::InvalidArgument {
                 what: "kv_dtype",
@@ -224,9 +229,9 @@ impl CostModel {
             });
         }
         let tables = self.tables(cfg.gpu, cfg.num_heads, cfg.topk, cfg.execution.native_prefill_heads)?;
-        let route = |cfg: StepConfig, prefill: &Table| -> Result<(RouteTime, StepPlan)> {
+        let route = |cfg: StepConfig, prefill: &Table| -> Result<Priced> {
             let plan = plan_step(step, &cfg)?;
-            Ok((price(&Tables { prefill, ..tables }, &plan), plan))
+            Ok((price(&Tables { prefill, ..tables }, &plan), plan, cfg))
         };
         let mixed = route(cfg.with_mode(StepMode::MixedBatch), tables.prefill);
         let separate_cfg = cfg.with_mode(StepMode::SeparatePrefillDecode);
@@ -344,6 +349,8 @@ mod tests {
             assert_eq!((ps.gathers, ps.prefill_launches, pm.decode_launches), (1, 1, 1));
             assert_eq!(choice.mode == StepMode::MixedBatch, mixed, "T = {t}: {pm:?} vs {ps:?}");
             assert_eq!(choice.plan.mode, choice.mode);
+            assert_eq!(choice.plan, plan_step(step, &choice.config).unwrap());
+            assert_eq!(choice.config, cfg(16).with_mode(choice.mode), "no native table: vLLM's padding");
         }
     }
 
@@ -484,6 +491,7 @@ mod tests {
             // The plan chosen is the native plan, launch for launch; the padded one is tighter.
             let (native, padded) = (separate_at(step, &config, true), separate_at(step, &config, false));
             assert_eq!(choice.plan, native);
+            assert_eq!(choice.config, config.with_mode(StepMode::SeparatePrefillDecode).with_native_prefill_heads(true));
             assert!(native.longest_launch(Kernel::SparsePrefill) > padded.longest_launch(Kernel::SparsePrefill));
             assert!(native.launches.len() < padded.launches.len(), "1 GiB splits 100,000 tokens at 64 padded heads");
             let per_token = |p: &StepPlan| p.peak_bytes as f64 / p.longest_launch(Kernel::SparsePrefill) as f64;
