@@ -171,10 +171,10 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         if (self.cost_model is not None and not vllm_api.NATIVE_PREFILL_HEADS
                 and self.cost_model.prices_native_prefill(self.step_config)):
             # It could choose a prefill kernel this vLLM's FlashMLA does not have.
-            logger.warning("mla-planner: cost profile %s prices the prefill kernel at %d native heads, which vLLM %s's "
-                           "FlashMLA does not run; routing FP8 steps by %s (calibrate under this vLLM)",
-                           self.cost_profile or "(packaged)", self.step_config.num_heads, vllm_api.VLLM_VERSION,
-                           routing.VLLM_RULE)
+            logger.warning_once("mla-planner: cost profile %s prices the prefill kernel at %d native heads, which "
+                                "vLLM %s's FlashMLA does not run; routing FP8 steps by %s (calibrate under this vLLM)",
+                                self.cost_profile or "(packaged)", self.step_config.num_heads, vllm_api.VLLM_VERSION,
+                                routing.VLLM_RULE)
             self.cost_model = None
         if self.plans_steps:
             # A cost profile may route a step either way; vLLM's rule takes one route.
