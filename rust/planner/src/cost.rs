@@ -191,7 +191,9 @@ impl CostModel {
     }
 
     /// The faster route that fits the budget: decodes take the decode kernel
-    /// on both routes, so the choice is how the prefill tokens run. When the
+    /// on both routes, so the choice is how the prefill tokens run (the
+    /// separate route at the cheaper of its padded and native prefill heads,
+    /// where the profile prices native ones). When the
     /// two are predicted equal (a decode-only step), vLLM's rule decides; when
     /// neither fits, the error is that of vLLM's route.
     pub fn choose_route(&self, step: Step<'_>, cfg: &StepConfig) -> Result<RouteChoice> {
