@@ -352,12 +352,42 @@ def test_step_config_replace_is_a_changed_copy() -> None:
         ({"num_heads": 16, "max_model_len": 1000, "arch": "sm80"}, "architecture"),
         ({"num_heads": 16, "max_model_len": 1000, "kv_dtype": "int4"}, "kv_dtype"),
         ({"num_heads": 16, "max_model_len": 1000, "gather_workspace_rows": -5}, "gather_workspace_rows"),
+        ({"num_heads": 64, "max_model_len": 1000, "native_prefill_heads": True}, "16 or 32 heads per rank on sm90"),
+        ({"num_heads": 24, "max_model_len": 1000, "native_prefill_heads": True}, "got 24 heads on sm90"),
+        ({"num_heads": 16, "max_model_len": 1000, "arch": "sm100", "native_prefill_heads": True}, "got 16 heads on sm100"),
     ],
 )
 def test_step_config_validation_names_the_argument(kwargs: dict[str, object], fragment: str) -> None:
     with pytest.raises(ValueError) as info:
         mp.StepConfig(**kwargs)  # type: ignore[arg-type]
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("heads", mp.NATIVE_PREFILL_HEADS)
+def test_native_prefill_heads_size_the_plan(heads: int) -> None:
+    """Native prefill heads: the kernel at the rank's own heads, so no padded q, the kernel writing
+    the step's output, and longer launches in the same budget."""
+    assert mp.NATIVE_PREFILL_HEADS == [16, 32]
+    padded = mp.StepConfig(heads, max_model_len=70_000, execution="vllm", mode="separate_prefill_decode")
+    native = padded.replace(native_prefill_heads=True)
+    assert not padded.native_prefill_heads and native.native_prefill_heads and native.to_dict()["native_prefill_heads"]
+    assert (padded.prefill_heads, native.prefill_heads, native.prefill_padded_heads) == (64, heads, 64)
+    assert native.native_prefill_heads_possible and not mp.StepConfig(64, max_model_len=1).native_prefill_heads_possible
+    assert not mp.StepConfig(heads, max_model_len=1, arch="sm100").native_prefill_heads_possible
+    q, c = [1, 1, 40_000], [10, 500, 0]
+    p, n = mp.plan_step(q, c, 2, padded), mp.plan_step(q, c, 2, native)
+    assert (p.prefill_heads, p.prefill_writes_in_place) == (64, False)
+    assert (n.prefill_heads, n.prefill_writes_in_place) == (heads, True)
+    assert n.longest_launch("sparse_prefill") > p.longest_launch("sparse_prefill")
+    assert n.peak_bytes <= native.launch_budget_bytes
+    bufs = mp.prefill_scratch(1000, heads, native_heads=True, out_preallocated=True).buffers
+    assert "q_padded" not in bufs and bufs["lse"] == 1000 * heads * 4
+    assert mp.prefill_scratch(1000, heads).buffers["lse"] == 1000 * 64 * 4
+    (tokens, _), (padded_tokens, _) = (mp.prefill_launch_tokens(heads, budget_bytes=1 << 30, native_heads=True),
+                                       mp.prefill_launch_tokens(heads, budget_bytes=1 << 30))
+    assert tokens > padded_tokens
+    with pytest.raises(ValueError, match="native_prefill_heads"):
+        mp.prefill_scratch(10, 64, native_heads=True)
 
 
 def test_step_config_budget_just_above_the_reserve_is_accepted() -> None:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import mla_planner
 from mla_planner import COST_PROFILE_FORMAT, CostModel, StepConfig
 from mla_planner.cli import kernel_timing
-from mla_planner.cli.calibrate import build_profile, default_tokens, non_decreasing
+from mla_planner.cli.calibrate import build_profile, default_tokens, native_grids, non_decreasing, token_grid
 from mla_planner.executor.providers import ReferenceProvider
 from mla_planner import routing
 from mla_planner.routing import load_for_engine, load_profile, stale_keys
@@ -109,6 +109,46 @@ def test_route_flips_where_the_tables_cross(model: CostModel, tokens: int, mixed
     again = mla_planner.plan_step([tokens], [10_000], 0, CONFIG.replace(mode=choice.mode))
     assert choice.plan.mode == again.mode
     assert choice.plan.launches.tolist() == again.launches.tolist()
+
+
+# SYNTHETIC with the prefill kernel at 16 native heads: 50 + T/10 us, cheaper than 64 padded heads.
+NATIVE_16 = {**SYNTHETIC["sparse_prefill"], "16": [[1, 50.1], [65536, 6603.6]]}
+
+
+def test_native_prefill_heads_are_priced_and_the_cheaper_taken() -> None:
+    native = CostModel.from_json(profile_text(sparse_prefill=NATIVE_16))
+    assert native.prefill_heads == [16, 64, 128] and native.prices_native_prefill(CONFIG)
+    assert not native.prices_native_prefill(CONFIG.replace(num_heads=32))
+    choice = native.choose_route([32_768], [10_000], 0, CONFIG)
+    assert choice.mode == "separate_prefill_decode" and choice.config.native_prefill_heads
+    assert choice.config == CONFIG.replace(mode="separate_prefill_decode", native_prefill_heads=True)
+    assert choice.prediction.separate is not None and choice.prediction.separate.prefill_heads == 16
+    assert choice.plan.prefill_heads == 16
+    assert choice.plan.launches.tolist() == mla_planner.plan_step([32_768], [10_000], 0, choice.config).launches.tolist()
+    assert routing.plan_step(native, [32_768], [10_000], 0, CONFIG).prefill_heads == 16
+    # Slower native heads, or none in the profile: vLLM's padding.
+    slow = CostModel.from_json(profile_text(sparse_prefill={**NATIVE_16, "16": [[1, 1000], [65536, 100_000]]}))
+    for m in (slow, CostModel.from_json(profile_text())):
+        c = m.choose_route([32_768], [10_000], 0, CONFIG)
+        assert (c.plan.prefill_heads, c.config.native_prefill_heads) == (64, False)
+        assert c.prediction.separate is not None and c.prediction.separate.prefill_heads == 64
+    assert c.prediction.mixed is not None and c.prediction.mixed.prefill_heads == 0
+    # Asked for, native heads need a native table.
+    with pytest.raises(ValueError, match="no sparse_prefill table at 16 native heads"):
+        CostModel.from_json(profile_text()).check(CONFIG.replace(native_prefill_heads=True))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"arch": "sm100", "sparse_prefill": NATIVE_16}, "native-head tables are for sm90 only"),
+        ({"sparse_prefill": {**SYNTHETIC["sparse_prefill"], "48": [[1, 1], [2, 2]]}}, "or 16 or 32 on sm90"),
+        ({"sparse_decode": {**SYNTHETIC["sparse_decode"], "16": [[1, 1], [2, 2]]}}, "sparse_decode: padded heads must be 64 or 128"),
+    ],
+)
+def test_native_tables_only_where_the_prefill_kernel_runs_them(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        CostModel.from_json(profile_text(**changes))
 
 
 def test_a_route_that_does_not_fit_is_not_taken(model: CostModel) -> None:
@@ -402,11 +442,30 @@ def test_built_profile_is_accepted_by_the_cost_model() -> None:
     assert profile["calibration"]["raw_median_us"]["sparse_decode"]["64"][1] == [64, 20.0]
 
 
+def test_native_head_tables_go_to_the_prefill_kernel_on_sm90_only() -> None:
+    args = argparse.Namespace(topk=2048, runs=10, warmup=1, seed=0, native_heads=True, tokens=None)
+    grids = native_grids(args, "sm90")
+    assert list(grids) == [16, 32]
+    # A launch at 16 native heads may be longer than one at 64 padded heads: so is its grid.
+    assert grids[16][-1] > token_grid(64, None)[-1] and grids[16][:3] == [16, 32, 64]
+    assert native_grids(args, "sm100") == {} and native_grids(argparse.Namespace(**{**vars(args), "native_heads": False}), "sm90") == {}
+    samples = {
+        ("sparse_decode", 64): {16: [20.0] * 3, 4096: [900.0] * 3},
+        ("sparse_prefill", 64): {16: [30.0] * 3, 4096: [500.0] * 3},
+        ("sparse_prefill", 16): {16: [25.0] * 3, 4096: [600.0] * 3},
+        ("gather_upconvert", 0): {64: [5.0] * 3, 65536: [40.0] * 3},
+    }
+    profile = build_profile(args, "sm90", 132, samples, ENV, 1.0)
+    model = CostModel.from_json(json.dumps(profile))
+    assert (model.decode_heads, model.prefill_heads) == ([64], [16, 64])
+    assert model.time_us("sparse_prefill", 4096, padded_heads=16) == 600.0
+
+
 class _Recorder(ReferenceProvider):
     """The float32 reference kernels, keeping each kernel's last output."""
 
-    def __init__(self) -> None:
-        super().__init__(takes_out=False)
+    def __init__(self, native_prefill_heads: bool = False) -> None:
+        super().__init__(takes_out=False, native_prefill_heads=native_prefill_heads)
         self.outputs: dict[str, torch.Tensor] = {}
 
     def sparse_decode(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -447,6 +506,24 @@ def test_calibration_cases_give_both_kernels_the_same_work(monkeypatch: pytest.M
     assert bench.gather_case(kernel_timing.GatherCase(300)) > 0
 
 
+@pytest.mark.parametrize("runs_native", [False, True])
+def test_calibration_probes_native_prefill_heads_once(monkeypatch: pytest.MonkeyPatch, runs_native: bool) -> None:
+    """A kernel build without native 16-head kernels says so in one line; one with them times the
+    prefill kernel alone on an unpadded q, computing what the padded one does."""
+    monkeypatch.setattr(kernel_timing, "Timer", _CpuTimer)
+    provider = _Recorder(native_prefill_heads=runs_native)
+    bench = kernel_timing.KernelBench(provider, kernel_timing.GatherOp("torch"), 128, torch.Generator().manual_seed(0))
+    refused = bench.refuses_native_prefill(16)
+    if not runs_native:
+        assert refused is not None and "got 16" in refused and "\n" not in refused
+        return
+    assert refused is None
+    times = bench.token_case(kernel_timing.TokenCase(16, 200, native=True))
+    assert set(times) == {"sparse_prefill"} and times["sparse_prefill"] > 0
+    assert provider.outputs["sparse_prefill"].shape == (200, 16, 512)
+    assert provider.schedules_created == 0, "no decode kernel at native heads"
+
+
 # --- the command line -------------------------------------------------------------------
 
 
@@ -473,8 +550,12 @@ def test_calibrate_dry_run_prints_the_grid_and_a_time() -> None:
     assert r.returncode == 0, r.stderr
     assert "64 padded heads: sparse_decode and sparse_prefill at 23 sizes" in r.stdout
     assert "58,254" in r.stdout and "29,127" in r.stdout and "1,048,576" in r.stdout
+    assert "16 native heads (sm90, where the installed FlashMLA runs them): sparse_prefill at 23 sizes" in r.stdout
     minutes = float(r.stdout.rsplit("estimated time: ", 1)[1].split()[0])
     assert 0 < minutes < 4
+    without = cli("calibrate", "--dry-run", "--no-native-heads", env={"CUDA_VISIBLE_DEVICES": ""}).stdout
+    assert "native heads" not in without
+    assert float(without.rsplit("estimated time: ", 1)[1].split()[0]) < minutes
 
 
 @pytest.mark.parametrize(
@@ -503,9 +584,22 @@ def test_plan_with_a_profile_takes_the_faster_route(profile_path: Path) -> None:
     assert (routing["mixed"]["decode_launches"], routing["separate"]["prefill_launches"]) == (14, 5)
     assert {x["kernel"] for x in doc["planned"]["launches"]} == {"sparse_prefill"}
     assert doc["stock"]["launches"][0]["kernel"] == "sparse_decode"  # stock stays vLLM's
+    assert routing["separate"]["prefill_heads"] == 64 and "prefill 17.384 ms x5 at 64 heads" in text
     # A short prefill is faster through the decode kernel.
     short = cli("plan", "--json", "--profile", str(profile_path), "--query-lens", "100", "--context-lens", "9000")
     assert json.loads(short.stdout)["routing"]["route"] == "mixed_batch"
+
+
+def test_plan_with_a_profile_of_native_heads_plans_them(tmp_path: Path) -> None:
+    path = tmp_path / "native.json"
+    path.write_text(profile_text(sparse_prefill=NATIVE_16))
+    text = cli("plan", "--profile", str(path)).stdout
+    assert "at 16 heads" in text and "taken: separate prefill/decode" in text
+    doc = json.loads(cli("plan", "--json", "--profile", str(path)).stdout)
+    assert doc["routing"]["separate"]["prefill_heads"] == 16
+    # The planned policy runs what was priced: the kernel at 16 heads, no padded q.
+    prefills = [x for x in doc["planned"]["launches"] if x["kernel"] == "sparse_prefill"]
+    assert prefills and all("q_padded" not in x["buffers"] for x in prefills)
 
 
 def test_plan_without_a_usable_profile(tmp_path: Path, profile_path: Path) -> None:

@@ -64,6 +64,8 @@ def test_settings_default_and_both_names() -> None:
     both = read_settings({"MLA_PLANNER_SCRATCH_MB": "256", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB": "256"})
     assert both.scratch_mb == 256
     assert read_settings({"MLA_PLANNER_REPLACE_FLASHMLA_SPARSE": "1"}).replace_flashmla_sparse
+    assert not read_settings({}).native_prefill_heads
+    assert read_settings({"MLA_PLANNER_NATIVE_PREFILL_HEADS": "1"}).native_prefill_heads
 
 
 @pytest.mark.parametrize(
@@ -75,6 +77,7 @@ def test_settings_default_and_both_names() -> None:
         ({"VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB": "1.5"}, ["VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB"]),
         ({"MLA_PLANNER_SCRATCH_MB": "512", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB": "1024"}, ["disagree"]),
         ({"MLA_PLANNER_REPLACE_FLASHMLA_SPARSE": "maybe"}, ["MLA_PLANNER_REPLACE_FLASHMLA_SPARSE", "use 1"]),
+        ({"MLA_PLANNER_NATIVE_PREFILL_HEADS": "16"}, ["MLA_PLANNER_NATIVE_PREFILL_HEADS='16'", "use 1", "pad as vLLM"]),
     ],
 )
 def test_bad_settings_say_what_is_wrong(env: dict[str, str], words: list[str]) -> None:
@@ -594,6 +597,102 @@ def test_cost_profile_puts_a_16_head_prefill_on_the_separate_route(routed: Backe
     assert small.fp8_use_mixed_batch and small.planned.plan.mode == "mixed_batch"
 
 
+# ROUTING_PROFILE with the prefill kernel at 16 native heads: 50 + T/10 us, cheaper than padded.
+NATIVE_PROFILE = dict(ROUTING_PROFILE, sparse_prefill={
+    "64": [[2, 201], [65536, 32968]], "128": [[1, 204], [65536, 262344]], "16": [[1, 50.1], [65536, 6603.6]]})
+
+
+@pytest.fixture
+def native_routed(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
+    import json
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(NATIVE_PROFILE))
+    backend = Backend(tmp_path, monkeypatch, num_heads=16, cost_profile=path)
+    yield backend
+    backend.close()
+
+
+def prefill_rows(plan: mla_planner.StepPlan) -> list[list[int]]:
+    return [row for row, k in zip(plan.launches.tolist(), plan.launch_kernels) if k == "sparse_prefill"]
+
+
+def test_a_native_plan_runs_the_prefill_kernel_at_16_heads(native_routed: Backend, gen: torch.Generator) -> None:
+    """A profile that prices 16 native heads cheaper: on vLLM 0.33 the plan runs the prefill kernel
+    on the rank's 16 heads, q unpadded and the kernel writing the step's output rows in place; on
+    0.26, whose FlashMLA has no such kernel, the profile is not used."""
+    from mla_planner.vllm_backend import vllm_api
+
+    if not vllm_api.NATIVE_PREFILL_HEADS:
+        assert native_routed.builder.cost_model is None, "0.26 cannot run what this profile may choose"
+        assert native_routed.step(QUERY_LENS, CONTEXT_LENS, gen)["metadata"].planned.plan.mode == "mixed_batch"
+        return
+    assert native_routed.builder.cost_model is not None
+    case = native_routed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    md, q = case["metadata"], case["q"]
+    plan = md.planned.plan
+    assert (plan.mode, plan.prefill_heads, plan.prefill_writes_in_place) == ("separate_prefill_decode", 16, True)
+    config = native_routed.builder.step_config.replace(mode="separate_prefill_decode", native_prefill_heads=True)
+    assert plan.launches.tolist() == mla_planner.plan_step(QUERY_LENS, CONTEXT_LENS, 3, config).launches.tolist()
+    native_routed.topk_buffer[: q.shape[0]] = case["positions"]
+    out = forward_out(native_routed.impl._forward_fp8_kv_separate_prefill_decode(
+        q, case["kv_cache"], native_routed.topk_buffer[: q.shape[0]], md))
+    torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
+    kernels = native_routed.kernels
+    rows = prefill_rows(plan)
+    assert [shape[:2] for shape in kernels.prefill_calls] == [(r[1] - r[0], 16) for r in rows]
+    # No padded q: each call reads the step's q rows as they are and writes the step's output rows.
+    assert kernels.prefill_out_ptrs == [out[r[0]].data_ptr() for r in rows]
+    assert all(torch.equal(kq, q[r[0]:r[1]]) for kq, r in zip(kernels.prefill_q, rows))
+
+
+def test_a_one_launch_native_plan_is_not_stocks_call(native_routed: Backend, gen: torch.Generator) -> None:
+    """Stock's own call pads q to 64 heads: a native plan of one launch runs through the backend."""
+    from mla_planner.vllm_backend import vllm_api
+
+    if not vllm_api.NATIVE_PREFILL_HEADS:
+        pytest.skip("vLLM 0.26 runs no native plan (the test above checks the profile is dropped)")
+    case = native_routed.step([520], [130], gen)
+    md, q = case["metadata"], case["q"]
+    assert len(md.planned.plan) == 1 and md.planned.plan.prefill_heads == 16
+    assert md.planned.stock_call_bytes is None
+    native_routed.topk_buffer[: q.shape[0]] = case["positions"]
+    out = forward_out(native_routed.impl._forward_fp8_kv_separate_prefill_decode(
+        q, case["kv_cache"], native_routed.topk_buffer[: q.shape[0]], md))
+    torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
+    assert native_routed.kernels.prefill_calls == [(520, 16, 576)]
+
+
+@pytest.mark.parametrize("num_heads", [32, 64])
+def test_asking_for_native_prefill_heads(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator,
+                                         num_heads: int) -> None:
+    """MLA_PLANNER_NATIVE_PREFILL_HEADS=1: every separate step at the rank's own heads on vLLM 0.33
+    where the heads are 16 or 32; refused at start-up, in one line, anywhere else."""
+    from mla_planner.vllm_backend import vllm_api
+
+    monkeypatch.setenv("MLA_PLANNER_NATIVE_PREFILL_HEADS", "1")
+    if not vllm_api.NATIVE_PREFILL_HEADS or num_heads == 64:
+        with pytest.raises(SettingsError) as err:
+            Backend(tmp_path, monkeypatch, num_heads=num_heads).close()
+        message = str(err.value)
+        assert message.startswith("MLA_PLANNER_NATIVE_PREFILL_HEADS=1: ") and "\n" not in message, message
+        assert ("0.33" in message) if not vllm_api.NATIVE_PREFILL_HEADS else "16 or 32" in message, message
+        assert "unset MLA_PLANNER_NATIVE_PREFILL_HEADS" in message
+        return
+    backend = Backend(tmp_path, monkeypatch, num_heads=num_heads)
+    try:
+        assert backend.builder.step_config.native_prefill_heads
+        case = backend.step(QUERY_LENS, CONTEXT_LENS, gen)
+        md, q = case["metadata"], case["q"]
+        assert (md.planned.plan.mode, md.planned.plan.prefill_heads) == ("separate_prefill_decode", num_heads)
+        backend.topk_buffer[: q.shape[0]] = case["positions"]
+        out = forward_out(backend.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], backend.topk_buffer[: q.shape[0]], md))
+        torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
+        assert {shape[1] for shape in backend.kernels.prefill_calls} == {num_heads}
+    finally:
+        backend.close()
+
+
 def test_no_profile_is_vllms_rule(mixed: Backend) -> None:
     assert mixed.builder.cost_model is None
 
@@ -717,7 +816,13 @@ def test_profile_run_reserves_what_the_planner_says(tmp_path: pathlib.Path, monk
     m = separate_plan.longest_launch("sparse_prefill")
     prefill = mla_planner.prefill_scratch(m, num_heads, topk=TOPK, translated_indices=True).buffers
     separate_rest = int(separate_plan.launch_bytes.max()) - prefill["q_padded"] - prefill["out"]
-    assert allocations == [max(mixed_rest, separate_rest)]
+    # 0.33 runs these heads natively where a profile says so: no padded q or output, more tokens.
+    native_plan = mla_planner.plan_step([2048], [0], 0, config.replace(mode="separate_prefill_decode", native_prefill_heads=True))
+    native_rest = int(native_plan.launch_bytes.max())
+    assert native_rest > separate_rest, "the native launch's own buffers outgrow the padded one's"
+    assert [launch.route for launch in backend.impl.profile_launches or []] == [
+        "mixed_batch", "separate_prefill_decode", "separate_prefill_decode (native heads)"]
+    assert allocations == [max(mixed_rest, separate_rest, native_rest)]
 
     specs: Any = getattr(backend.impl, "workspace_specs")  # 0.33's; mypy reads 0.26's class
     assert manager.requests == [tuple(specs)]

@@ -196,6 +196,11 @@ class KernelRecorder:
         self.prefill_q: list[torch.Tensor] = []
         self.prefill_out_ptrs: list[int] = []
         self.prefill_q_ptrs: list[int] = []
+        from mla_planner import NATIVE_PREFILL_HEADS
+        from mla_planner.vllm_backend import vllm_api
+
+        native = tuple(NATIVE_PREFILL_HEADS) if vllm_api.NATIVE_PREFILL_HEADS else ()
+        self.prefill_heads = (*native, 64, 128)
 
     def flash_mla_with_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, block_table: Any, cache_seqlens: Any,
                                head_dim_v: int, tile_scheduler_metadata: Any, num_splits: None = None,
@@ -208,6 +213,9 @@ class KernelRecorder:
     def flash_mla_sparse_fwd(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                              d_v: int = 512, topk_length: torch.Tensor | None = None,
                              out: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # As the real kernels: 64 and 128 heads, and 16 and 32 in vLLM 0.33's build.
+        if q.shape[1] not in self.prefill_heads:
+            raise RuntimeError(f"flash_mla_sparse_fwd: no kernel for {q.shape[1]} heads (this build runs {self.prefill_heads})")
         self.prefill_calls.append(tuple(q.shape))
         self.prefill_q.append(q.clone())
         self.prefill_q_ptrs.append(q.data_ptr())

@@ -8,6 +8,8 @@ import numpy.typing as npt
 __version__: str
 GLOBAL_TOPK_MASK_MAX_BYTES: int
 MIN_HEADS_FOR_BF16_PREFILL: int
+NATIVE_PREFILL_HEADS: list[int]
+"""Heads FlashMLA's SM90 sparse prefill kernel runs unpadded in vLLM 0.33's build (16, 32)."""
 ALLOCATOR_RESERVE_BYTES: int
 DEFAULT_TOPK: int
 H200_NUM_SMS: int
@@ -46,6 +48,7 @@ class StepConfig:
         align_waves: bool | None = None,
         decode_takes_out: bool | None = None,
         prefill_takes_out: bool | None = None,
+        native_prefill_heads: bool = False,
     ) -> None: ...
     def replace(self, **changes: object) -> StepConfig: ...
     def to_dict(self) -> dict[str, object]: ...
@@ -94,11 +97,23 @@ class StepConfig:
     @property
     def prefill_takes_out(self) -> bool: ...
     @property
+    def native_prefill_heads(self) -> bool:
+        """The prefill kernel runs the query heads unpadded (16 or 32 on sm90, vLLM 0.33's
+        FlashMLA); otherwise vLLM's padding. A cost model may also take native heads per step."""
+    @property
     def decode_heads(self) -> int:
         """Heads the sparse decode kernel runs (64 or 128)."""
     @property
     def prefill_heads(self) -> int:
-        """Heads the sparse prefill kernel runs."""
+        """Heads the sparse prefill kernel runs: ``num_heads`` with ``native_prefill_heads``,
+        else ``prefill_padded_heads``."""
+    @property
+    def prefill_padded_heads(self) -> int:
+        """Heads vLLM pads the prefill kernel's q to: what its own code runs."""
+    @property
+    def native_prefill_heads_possible(self) -> bool:
+        """The prefill kernel can run ``num_heads`` unpadded on this GPU (16 or 32 on sm90), given
+        a FlashMLA build with those kernels (vLLM 0.33's)."""
     @property
     def decode_writes_in_place(self) -> bool: ...
     @property
@@ -165,6 +180,13 @@ class StepPlan:
     def indexer_peak_bytes(self) -> int: ...
     @property
     def gather_workspace_bytes(self) -> int: ...
+    @property
+    def prefill_heads(self) -> int:
+        """Heads the prefill launches run the kernel at (padded, or native 16/32): the executor
+        pads q and sizes the kernel's output to exactly this."""
+    @property
+    def prefill_writes_in_place(self) -> bool:
+        """The prefill launches write straight into the step's output."""
     def longest_launch(self, kernel: Kernel) -> int: ...
     def __len__(self) -> int: ...
 
@@ -187,6 +209,7 @@ def prefill_scratch(
     topk: int | None = None,
     out_preallocated: bool = False,
     translated_indices: bool = False,
+    native_heads: bool = False,
 ) -> Scratch: ...
 def prefill_launch_tokens(
     num_heads: int,
@@ -196,6 +219,7 @@ def prefill_launch_tokens(
     topk: int | None = None,
     out_preallocated: bool = False,
     translated_indices: bool = False,
+    native_heads: bool = False,
 ) -> tuple[int, Bound]:
     """The most query tokens one sparse prefill launch may take within the budget, and what
     caps it (``"budget"`` or a hard limit)."""
@@ -277,6 +301,9 @@ class RouteTime:
     def gathers(self) -> int: ...
     @property
     def prefill_launches(self) -> int: ...
+    @property
+    def prefill_heads(self) -> int:
+        """Heads the prefill launches were priced at (64/128 padded, 16/32 native); 0 if none."""
 
 class RoutePrediction:
     """Both FP8 routes; a route the budget cannot hold is ``None`` with its planner error."""
@@ -299,7 +326,13 @@ class RouteChoice:
     def prediction(self) -> RoutePrediction: ...
     @property
     def plan(self) -> StepPlan:
-        """The chosen route's plan: ``plan_step(..., config.replace(mode=self.mode))``."""
+        """The chosen route's plan: ``plan_step(..., config.replace(mode=self.mode,
+        native_prefill_heads=...))`` at the prefill heads it was priced at: ``plan_step(...,
+        self.config)``."""
+    @property
+    def config(self) -> StepConfig:
+        """The configuration that plans ``plan``: the one given, with the route's ``mode`` and
+        ``native_prefill_heads`` as priced."""
 
 class CostModel:
     """Kernel times measured on one GPU (``mla-planner calibrate``); see docs/routing.md."""
@@ -321,5 +354,8 @@ class CostModel:
     def time_us(self, kernel: ProfileTable, size: int, *, padded_heads: int | None = None) -> float: ...
     def check(self, config: StepConfig) -> None:
         """ValueError unless the profile prices steps of ``config``."""
+    def prices_native_prefill(self, config: StepConfig) -> bool:
+        """Whether the profile has a prefill table at exactly ``config``'s 16 or 32 heads (sm90):
+        then the separate route is priced padded and native, and the cheaper taken."""
     def predict(self, query_lens: ArrayLike, context_lens: ArrayLike, num_decodes: int, config: StepConfig) -> RoutePrediction: ...
     def choose_route(self, query_lens: ArrayLike, context_lens: ArrayLike, num_decodes: int, config: StepConfig) -> RouteChoice: ...

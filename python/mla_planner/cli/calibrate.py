@@ -22,7 +22,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from mla_planner import COST_PROFILE_FORMAT, CostModel, decode_scratch, max_tokens_per_launch, prefill_scratch
+from mla_planner import (
+    COST_PROFILE_FORMAT,
+    NATIVE_PREFILL_HEADS,
+    CostModel,
+    decode_scratch,
+    max_tokens_per_launch,
+    prefill_launch_tokens,
+    prefill_scratch,
+)
 
 from .atomic import atomic_files, check_file
 from .checks import MAX_TOPK
@@ -35,7 +43,8 @@ D_QK_BYTES = 576 * 2  # one BF16 query head
 MIN_RUNS = 10
 # Rough H200 magnitudes at top-k 2048, only for --dry-run's time estimate; other GPUs differ.
 ROUGH_US_PER_TOKEN = {("sparse_decode", 64): 0.82, ("sparse_decode", 128): 1.55,
-                      ("sparse_prefill", 64): 0.50, ("sparse_prefill", 128): 0.97}  # fmt: skip
+                      ("sparse_prefill", 64): 0.50, ("sparse_prefill", 128): 0.97,
+                      ("sparse_prefill", 16): 0.61, ("sparse_prefill", 32): 1.00}  # fmt: skip
 ROUGH_LAUNCH_US = 30.0
 ROUGH_SETUP_US_PER_INDEX = 0.0002  # drawing T x topk random indices and translating them
 ROUGH_SETUP_US_PER_ROW = 0.02  # random rows, quantised, up-converted
@@ -69,6 +78,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--gather", choices=("vllm", "torch"), default="vllm",
                    help="gather op: vLLM's cp_gather_and_upconvert_fp8_kv_cache or the executor's torch one (default vllm)")  # fmt: skip
     p.add_argument("--heads", type=_int_list, default=list(KERNEL_HEADS), help="padded head counts (default 64,128)")
+    p.add_argument("--no-native-heads", dest="native_heads", action="store_false",
+                   help="on sm90, skip timing the prefill kernel at 16 and 32 unpadded heads (by default timed "
+                        "where the installed FlashMLA runs them)")  # fmt: skip
     p.add_argument("--tokens", type=_int_list, help="token grid (default: 16 up to the longest single launch)")
     p.add_argument("--rows", type=_int_list, help="gather row grid (default: 64, 128, ... 1,048,576)")
     p.add_argument("--topk", type=int, default=2048, help="top-k the kernels run at (default 2048)")
@@ -95,22 +107,30 @@ def default_tokens(limit: int) -> list[int]:
 DEFAULT_ROWS = [64 << k for k in range(15)]  # 64 ... 1,048,576
 
 
-def token_grid(heads: int, tokens: list[int] | None) -> list[int]:
-    """Sizes for one padded head count: none longer than one launch may be."""
-    limit, _ = max_tokens_per_launch(heads)
+def launch_limit(heads: int, native: bool) -> int:
+    """The most tokens one launch may take at ``heads``, whatever the budget (the int32 stride
+    limit): both kernels' at padded heads, the prefill kernel's at native heads."""
+    if not native:
+        return max_tokens_per_launch(heads)[0]
+    return prefill_launch_tokens(heads, budget_bytes=1 << 62, native_heads=True)[0]
+
+
+def token_grid(heads: int, tokens: list[int] | None, native: bool = False) -> list[int]:
+    """Sizes for one head count: none longer than one launch may be."""
+    limit = launch_limit(heads, native)
     return default_tokens(limit) if tokens is None else [t for t in tokens if t <= limit]
 
 
-def case_bytes(heads: int, tokens: int, topk: int) -> int:
+def case_bytes(heads: int, tokens: int, topk: int, native: bool = False) -> int:
     """A token case's device memory, generously: inputs, index temporaries, the larger kernel's
-    scratch (the planner's byte model) and the up-converted workspace."""
+    scratch (the planner's byte model; the prefill kernel's only at native heads) and the
+    up-converted workspace."""
     rows = max(tokens, topk)
     indices = tokens * topk * 40  # float draws, mask, int32 positions, int64 slot temporaries
     inputs = tokens * heads * D_QK_BYTES + rows * (656 + 2 * 576 + 4 * 576 * 4)
-    kernel = max(
-        decode_scratch(1, tokens, heads, topk=topk).total_bytes,
-        prefill_scratch(tokens, heads, topk=topk).total_bytes,
-    )
+    kernel = prefill_scratch(tokens, heads, topk=topk, native_heads=native).total_bytes
+    if not native:
+        kernel = max(kernel, decode_scratch(1, tokens, heads, topk=topk).total_bytes)
     return indices + inputs + kernel
 
 
@@ -118,14 +138,17 @@ def gather_bytes(rows: int) -> int:
     return rows * (656 + 2 * 576 + 4 * 576 * 4)
 
 
-def estimate_seconds(args: argparse.Namespace, grids: dict[int, list[int]], rows: list[int]) -> float:
+def estimate_seconds(args: argparse.Namespace, grids: dict[int, list[int]], rows: list[int],
+                     native_grids: dict[int, list[int]] | None = None) -> float:
     rounds: int = args.warmup + args.runs
     us = 0.0
-    for heads, tokens in grids.items():
-        for t in tokens:
-            kernels = sum(ROUGH_LAUNCH_US + ROUGH_US_PER_TOKEN[(k, heads)] * t for k in ("sparse_decode", "sparse_prefill"))
-            setup = ROUGH_SETUP_US_PER_INDEX * t * args.topk + ROUGH_SETUP_US_PER_ROW * max(t, args.topk)
-            us += kernels + setup + 2 * ROUGH_OVERHEAD_US_PER_CALL
+    cases: list[tuple[int, int, tuple[str, ...]]] = [
+        (h, t, ("sparse_decode", "sparse_prefill")) for h, tokens in grids.items() for t in tokens]
+    cases += [(h, t, ("sparse_prefill",)) for h, tokens in (native_grids or {}).items() for t in tokens]
+    for heads, t, kernels_timed in cases:
+        kernels = sum(ROUGH_LAUNCH_US + ROUGH_US_PER_TOKEN[(k, heads)] * t for k in kernels_timed)
+        setup = ROUGH_SETUP_US_PER_INDEX * t * args.topk + ROUGH_SETUP_US_PER_ROW * max(t, args.topk)
+        us += kernels + setup + len(kernels_timed) * ROUGH_OVERHEAD_US_PER_CALL
     us += sum(ROUGH_LAUNCH_US + ROUGH_SETUP_US_PER_ROW * r + ROUGH_OVERHEAD_US_PER_CALL for r in rows)
     return ROUGH_STARTUP_S + rounds * us / 1e6
 
@@ -136,7 +159,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.warmup < 1:
         raise CliError("--warmup must be at least 1 (the first call fills each decode schedule)")
     if bad := [h for h in args.heads if h not in KERNEL_HEADS]:
-        raise CliError(f"--heads: the kernels run 64 or 128 heads (fewer are zero-padded up), got {bad[0]}")
+        raise CliError(f"--heads: the kernels run 64 or 128 padded heads (fewer are zero-padded up; on sm90 the prefill "
+                       f"kernel is also timed at 16 and 32 native heads unless --no-native-heads), got {bad[0]}")
     if args.topk < 128 or args.topk % 128 or args.topk > MAX_TOPK:
         raise CliError(f"--topk must be a multiple of 128 from 128 to {MAX_TOPK:,}, got {args.topk}")
 
@@ -146,10 +170,19 @@ def _grids(args: argparse.Namespace) -> tuple[dict[int, list[int]], list[int]]:
     rows: list[int] = args.rows or DEFAULT_ROWS
     for h, g in grids.items():
         if len(g) < 2:
-            raise CliError(f"--tokens: at {h} heads fewer than 2 sizes fit one launch ({max_tokens_per_launch(h)[0]:,} tokens at most)")
+            raise CliError(f"--tokens: at {h} heads fewer than 2 sizes fit one launch ({launch_limit(h, False):,} tokens at most)")
     if len(rows) < 2:
         raise CliError("--rows needs at least 2 sizes")
     return grids, rows
+
+
+def native_grids(args: argparse.Namespace, arch: str | None) -> dict[int, list[int]]:
+    """The prefill kernel's grids at native heads: on sm90 (``arch=None``: wherever it may be
+    sm90, for the dry run) unless ``--no-native-heads``; each only where the kernel later proves
+    to accept those heads."""
+    if not args.native_heads or arch not in (None, "sm90"):
+        return {}
+    return {h: token_grid(h, args.tokens, native=True) for h in NATIVE_PREFILL_HEADS}
 
 
 def dry_run(args: argparse.Namespace, grids: dict[int, list[int]], rows: list[int]) -> int:
@@ -158,10 +191,15 @@ def dry_run(args: argparse.Namespace, grids: dict[int, list[int]], rows: list[in
         peak = max(case_bytes(h, t, args.topk) for t in tokens)
         print(f"  {h:3d} padded heads: sparse_decode and sparse_prefill at {len(tokens)} sizes, tokens "
               f"{', '.join(f'{t:,}' for t in tokens)} (largest case ~{format_bytes(peak)})")  # fmt: skip
+    native = native_grids(args, None)
+    for h, tokens in native.items():
+        peak = max(case_bytes(h, t, args.topk, native=True) for t in tokens)
+        print(f"  {h:3d} native heads (sm90, where the installed FlashMLA runs them): sparse_prefill at {len(tokens)} "
+              f"sizes, tokens {', '.join(f'{t:,}' for t in tokens)} (largest case ~{format_bytes(peak)})")  # fmt: skip
     print(f"  gather_upconvert at {len(rows)} sizes, rows {', '.join(f'{r:,}' for r in rows)}")
-    n = sum(2 * len(t) for t in grids.values()) + len(rows)
+    n = sum(2 * len(t) for t in grids.values()) + sum(len(t) for t in native.values()) + len(rows)
     print(f"  {args.warmup} warm-up + {args.runs} timed rounds of {n} measurements, fresh inputs each")
-    minutes = estimate_seconds(args, grids, rows) / 60
+    minutes = estimate_seconds(args, grids, rows, native) / 60
     print(f"estimated time: {minutes:.1f} min on an H200-class GPU (a rough guess; other GPUs differ)")
     return 0
 
@@ -229,17 +267,27 @@ def measure(args: argparse.Namespace, grids: dict[int, list[int]], rows: list[in
         raise CliError(str(e)) from None
     free, _total = torch.cuda.mem_get_info()
     budget = args.max_memory or int(0.8 * free)
-    cases: list[TokenCase | GatherCase] = []
-    for h, tokens in grids.items():
-        for t in tokens:
-            if case_bytes(h, t, args.topk) > budget:
-                _progress(f"skipping {t:,} tokens at {h} heads: ~{format_bytes(case_bytes(h, t, args.topk))} > {format_bytes(budget)}")
-            else:
-                cases.append(TokenCase(h, t))
-    cases += [GatherCase(r) for r in rows if gather_bytes(r) <= budget]
-
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     bench = KernelBench(provider, gather, args.topk, gen)
+    cases: list[TokenCase | GatherCase] = []
+    native = native_grids(args, arch)
+    for h in list(native):
+        # One tiny call: a FlashMLA build without the kernel (vLLM 0.26's) refuses these heads.
+        refused = bench.refuses_native_prefill(h)
+        if refused is not None:
+            _progress(f"not timing the prefill kernel at {h} native heads: {args.provider}'s kernel refused them ({refused})")
+            del native[h]
+    grid_cases = [(h, t, False) for h, tokens in grids.items() for t in tokens]
+    grid_cases += [(h, t, True) for h, tokens in native.items() for t in tokens]
+    for h, t, is_native in grid_cases:
+        need = case_bytes(h, t, args.topk, native=is_native)
+        if need > budget:
+            kind = "native" if is_native else "padded"
+            _progress(f"skipping {t:,} tokens at {h} {kind} heads: ~{format_bytes(need)} > {format_bytes(budget)}")
+        else:
+            cases.append(TokenCase(h, t, native=is_native))
+    cases += [GatherCase(r) for r in rows if gather_bytes(r) <= budget]
+
     order = random.Random(args.seed)
     samples: dict[tuple[str, int], dict[int, list[float]]] = {}
     started = time.monotonic()

@@ -59,6 +59,8 @@ class PlannerConfig:
     preset: str | None
     tp: int | None
     route: str | None = None
+    native_prefill_heads: bool = False
+    """The cost model priced the separate route's prefill kernel at native heads (16 or 32)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlannerConfig:
@@ -95,7 +97,9 @@ class PlannerConfig:
     @property
     def planned(self) -> StepConfig:
         """The configuration the planned policy plans with: the cost model's route, if chosen."""
-        return self.step if self.route is None else self.step.replace(mode=self.route)
+        if self.route is None:
+            return self.step
+        return self.step.replace(mode=self.route, native_prefill_heads=self.native_prefill_heads)
 
     @property
     def mode(self) -> str:

@@ -1,10 +1,12 @@
 """GPU side of `mla-planner calibrate`: fresh inputs per measurement, CUDA-event timing.
 
-A *token case* (padded heads H, T tokens) is one prefill request of T tokens whose causal top-k
+A *token case* (H heads, T tokens) is one prefill request of T tokens whose causal top-k
 indices come from the executor's synthetic inputs, with ``max(0, topk - T)`` tokens of context so
 every query has at least top-k keys to choose from. It times the two kernels a route would call
 on it: the FP8 sparse decode kernel as ``b = 1, s_q = T`` over the paged cache (the mixed route),
-and the BF16 sparse prefill kernel over the request's up-converted rows (the separate route).
+and the BF16 sparse prefill kernel over the request's up-converted rows (the separate route). At
+native heads (16 or 32 on sm90, unpadded) only the prefill kernel runs: the decode kernel has no
+such kernels, and the planner pads its q whatever the prefill kernel runs.
 A *gather case* (R rows) times the gather-and-up-convert of one request's R cache rows, on
 shuffled pages, into a BF16 workspace.
 
@@ -41,6 +43,8 @@ def case_context(tokens: int, topk: int) -> int:
 class TokenCase:
     heads: int
     tokens: int
+    native: bool = False
+    """The prefill kernel alone, at ``heads`` unpadded."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +115,26 @@ class KernelBench:
         self._schedules: dict[TokenCase, Any] = {}
         self._coin = random.Random(gen.initial_seed())  # host-side: no device sync
 
+    def refuses_native_prefill(self, heads: int) -> str | None:
+        """Why the prefill kernel will not run ``heads`` unpadded (its error's first line), or
+        ``None`` when a tiny call at those heads runs."""
+        import torch
+
+        inputs = prefill_case([16], [self.topk], heads, self.topk, self.gen, dtype=torch.bfloat16)
+        rows = self.topk + 16
+        workspace = torch.empty((rows, D_QK), dtype=torch.bfloat16, device=self.gen.device)
+        gather_upconvert(inputs.kv_cache, inputs.block_table[0], 0, rows, workspace)
+        try:
+            self.provider.sparse_prefill(inputs.q, workspace.unsqueeze(1), inputs.indices.unsqueeze(1), self.scale)
+            if inputs.q.is_cuda:
+                torch.cuda.synchronize()  # an asynchronous launch failure surfaces here
+        except Exception as e:  # whatever the build raises for heads it has no kernel for
+            return (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return None
+
     def token_case(self, case: TokenCase) -> dict[str, float]:
-        """``{"sparse_decode": us, "sparse_prefill": us}`` on one fresh input."""
+        """``{"sparse_decode": us, "sparse_prefill": us}`` on one fresh input (the prefill kernel
+        alone for a native case)."""
         import torch
 
         context = case_context(case.tokens, self.topk)
@@ -120,17 +142,20 @@ class KernelBench:
         rows = context + case.tokens
         workspace = torch.empty((rows, D_QK), dtype=torch.bfloat16, device=self.gen.device)
         gather_upconvert(inputs.kv_cache, inputs.block_table[0], 0, rows, workspace)
+        q, positions = inputs.q, inputs.indices
+
+        def prefill() -> None:
+            self.provider.sparse_prefill(q, workspace.unsqueeze(1), positions.unsqueeze(1), self.scale)
+
+        if case.native:
+            return {"sparse_prefill": self.timer(prefill)}
         slots = self._slots(inputs)
         if case not in self._schedules:
             self._schedules[case] = self.provider.new_decode_schedule()
         schedule = self._schedules[case]
-        q, positions = inputs.q, inputs.indices
 
         def decode() -> None:
             self.provider.sparse_decode(q.unsqueeze(0), inputs.kv_cache, slots.unsqueeze(0), schedule, self.scale)
-
-        def prefill() -> None:
-            self.provider.sparse_prefill(q, workspace.unsqueeze(1), positions.unsqueeze(1), self.scale)
 
         order = [("sparse_decode", decode), ("sparse_prefill", prefill)]
         self._coin.shuffle(order)

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     step = step_from_args(args)
     chosen = routes.choose(args.profile, step, cfg) if args.profile is not None else None
     if chosen is not None:
-        cfg = dataclasses.replace(cfg, route=chosen.mode)
+        cfg = dataclasses.replace(cfg, route=chosen.mode, native_prefill_heads=chosen.native_prefill_heads)
     scratches = Scratches(cfg)  # refuses a config the planner core refuses
     try:
         planned = policies.planned(step, scratches, detail=True)

@@ -190,9 +190,10 @@ def planned_launches(step: Step, p: StepPlan, s: Scratches) -> list[LaunchRow]:
                                      out_preallocated=c.decode_writes_in_place, translated_indices=c.translated_indices)
         else:
             batch, s_q = 1, t1 - t0
-            in_place = c.prefill_writes_in_place and p.mode != "bf16"
+            in_place = p.prefill_writes_in_place and p.mode != "bf16"
             scratch = prefill_scratch(s_q, c.num_heads, arch=c.arch, topk=c.topk, out_preallocated=in_place,
-                                      translated_indices=c.translated_indices and p.mode != "bf16")
+                                      translated_indices=c.translated_indices and p.mode != "bf16",
+                                      native_heads=c.native_prefill_heads)
         bytes_ = planned_bytes if p.mode != "bf16" else None
         launches.append(LaunchRow(kernel, (t0, t1), (r0, r1), batch, s_q, scratch, bytes_))
     return launches

@@ -29,6 +29,11 @@ class Routes:
         """The route for the planned policy; None leaves it to vLLM's rule."""
         return None if self.choice is None else self.choice.mode
 
+    @property
+    def native_prefill_heads(self) -> bool:
+        """The planned policy runs the prefill kernel at native heads, as the cost model priced it."""
+        return self.choice is not None and self.choice.config.native_prefill_heads
+
 
 # A measured profile is tens of kilobytes; a bigger file is not one, and
 # reading a device such as /dev/zero whole would never end.
@@ -77,11 +82,11 @@ def _route_line(name: str, time: RouteTime | None, error: str | None) -> str:
     if time is None:
         return f"  {name:<24} does not fit the budget: {error}"
     parts = [
-        f"{part} {_ms(us)} x{n}"
-        for part, us, n in (
-            ("decode", time.decode_us, time.decode_launches),
-            ("gather", time.gather_us, time.gathers),
-            ("prefill", time.prefill_us, time.prefill_launches),
+        f"{part} {_ms(us)} x{n}{at}"
+        for part, us, n, at in (
+            ("decode", time.decode_us, time.decode_launches, ""),
+            ("gather", time.gather_us, time.gathers, ""),
+            ("prefill", time.prefill_us, time.prefill_launches, f" at {time.prefill_heads} heads"),
         )
         if n
     ]
@@ -112,7 +117,8 @@ def to_text(routes: Routes) -> list[str]:
 def _time_json(t: RouteTime | None) -> dict[str, Any] | None:
     if t is None:
         return None
-    keys = ("total_us", "decode_us", "gather_us", "prefill_us", "decode_launches", "gathers", "prefill_launches")
+    keys = ("total_us", "decode_us", "gather_us", "prefill_us", "decode_launches", "gathers", "prefill_launches",
+            "prefill_heads")
     return {k: getattr(t, k) for k in keys}
 
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mla_planner import NATIVE_PREFILL_HEADS
 from mla_planner.executor.layout import D_V
 from mla_planner.executor.reference import sparse_decode_reference, sparse_prefill_reference
 
@@ -173,14 +174,17 @@ class ReferenceSchedule:
 
 class ReferenceProvider:
     """:mod:`.reference` behind the provider interface. ``takes_out=False`` makes it behave like
-    sgl-flash-mla (allocate and return ``out``), so both executor paths run on the CPU."""
+    sgl-flash-mla (allocate and return ``out``), so both executor paths run on the CPU.
+    ``native_prefill_heads``: the prefill kernel also takes 16 and 32 heads, as vLLM 0.33's SM90
+    build does; otherwise 64 and 128 only, as the legacy kernel."""
 
     name = "reference"
 
-    def __init__(self, takes_out: bool = True) -> None:
+    def __init__(self, takes_out: bool = True, native_prefill_heads: bool = False) -> None:
         self.decode_takes_out = takes_out
         self.prefill_takes_out = takes_out
         self.schedules_created = 0
+        self.prefill_heads = (*(NATIVE_PREFILL_HEADS if native_prefill_heads else ()), 64, 128)
 
     def new_decode_schedule(self) -> ReferenceSchedule:
         self.schedules_created += 1
@@ -214,8 +218,8 @@ class ReferenceProvider:
         softmax_scale: float,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.shape[1] not in (64, 128):
-            raise ValueError(f"the legacy sparse prefill kernel takes 64 or 128 heads, got {q.shape[1]}")
+        if q.shape[1] not in self.prefill_heads:
+            raise ValueError(f"this sparse prefill kernel takes {', '.join(map(str, self.prefill_heads))} heads, got {q.shape[1]}")
         o, lse = sparse_prefill_reference(q, kv, indices, softmax_scale)
         return _into(out, o, self.prefill_takes_out), lse
 

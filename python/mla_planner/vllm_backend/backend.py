@@ -101,10 +101,14 @@ class PlannedStep:
         self.sparse_tokens = int(ends[-1]) if len(ends) else 0
         """The tokens the launches cover, in order from 0: the step's tokens vLLM hands the sparse
         kernels (all of them, or only the decodes where the prefills run dense MHA)."""
-        self.stock_call_bytes = int(plan.launch_bytes[0]) if len(ends) == 1 else None
+        # Stock pads the prefill kernel's q as vLLM does: a plan made for native prefill heads is
+        # not its call, whatever its length.
+        stock_heads = "sparse_prefill" not in plan.launch_kernels or plan.prefill_heads == config.prefill_padded_heads
+        self.stock_call_bytes = int(plan.launch_bytes[0]) if len(ends) == 1 and stock_heads else None
         """A plan of one launch is the one kernel call stock's forward makes for the step (and its
         gather, on the separate route): the bytes the plan counts for it. ``None`` for a plan of
-        several launches, which only this backend's executors run."""
+        several launches, or one that runs the prefill kernel at native heads, which only this
+        backend's executors run."""
 
     @functools.cached_property
     def launches(self) -> tuple[StepLaunch, ...]:
@@ -147,7 +151,8 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         self.scratch_budget_bytes = settings.scratch_bytes
         self.cost_profile = settings.cost_profile
         self.step_config = engine_config.step_config(
-            vllm_config, self, device, self.scratch_budget_bytes, has_prefill_backend=self._prefill_backend is not None
+            vllm_config, self, device, self.scratch_budget_bytes, has_prefill_backend=self._prefill_backend is not None,
+            native_prefill_heads=settings.native_prefill_heads,
         )
         self.force_mqa = self.step_config.force_mqa
         self.provider = kernel_provider()
@@ -163,6 +168,14 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         """vLLM 0.33, masked MHA: a dense prefill backend per dense-MHA group of a step (clones of
         vLLM's), kept across steps (:func:`.masked_mha.group_prefill_backend`)."""
         self.cost_model = None if settings.vllm_rule else routing.load_for_engine(self.cost_profile, self.step_config)
+        if (self.cost_model is not None and not vllm_api.NATIVE_PREFILL_HEADS
+                and self.cost_model.prices_native_prefill(self.step_config)):
+            # It could choose a prefill kernel this vLLM's FlashMLA does not have.
+            logger.warning_once("mla-planner: cost profile %s prices the prefill kernel at %d native heads, which "
+                                "vLLM %s's FlashMLA does not run; routing FP8 steps by %s (calibrate under this vLLM)",
+                                self.cost_profile or "(packaged)", self.step_config.num_heads, vllm_api.VLLM_VERSION,
+                                routing.VLLM_RULE)
+            self.cost_model = None
         if self.plans_steps:
             # A cost profile may route a step either way; vLLM's rule takes one route.
             warmup.expect_routes({"mixed_batch", "separate_prefill_decode"} if self.cost_model is not None
@@ -304,8 +317,11 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         self.profile_device = device  # the profile run need not have the config current
         config = engine_config.config_for(vllm_config, self.num_heads, vllm_config.model_config.hf_text_config.index_topk,
                                           True, device, scratch_bytes, has_prefill_backend=False)
+        # With or without MLA_PLANNER_NATIVE_PREFILL_HEADS, a cost profile may run a step at native
+        # prefill heads wherever this vLLM and these heads have the kernel: reserve for that too.
         return reservation.largest_launches(config, vllm_config.scheduler_config.max_num_batched_tokens,
-                                            vllm_api.workspace_padded_heads(self))
+                                            vllm_api.workspace_padded_heads(self),
+                                            native_prefill=vllm_api.NATIVE_PREFILL_HEADS and config.native_prefill_heads_possible)
 
     def reserve_workspace(self) -> None:
         """vLLM 0.33's profile run, every layer, before KV sizing: the budget's launches must fit
@@ -438,7 +454,7 @@ class SeparateStep:
         out = view_or_new(views.compact_out, out_shape, q)
         assert self.fp8.prefill is not None
         chunks = self.fp8.prefill.chunks
-        prefill_call = PaddedPrefill(self.impl, self.step.config, q, self.step.longest_prefill, views)
+        prefill_call = PaddedPrefill(self.impl, self.step.plan, q, self.step.longest_prefill, views)
         gathered = -1
         for rows, kernel, batch, chunk_index in self.step.launches:
             if kernel == "sparse_decode":
@@ -492,16 +508,17 @@ def view_or_new(view: torch.Tensor | None, shape: tuple[int, ...], like: torch.T
 
 class PaddedPrefill:
     """The BF16 sparse prefill kernel over one step's prefill launches, with the zero-padded q
-    (heads padded as the configuration says the kernel runs them) and the kernel's output
-    allocated once for the plan's longest prefill launch and reused by every launch, as the
-    plan's launch bytes count them."""
+    (heads padded as the plan says its launches run them: vLLM's padding, or none for a plan made
+    for native heads) and the kernel's output allocated once for the plan's longest prefill launch
+    and reused by every launch, as the plan's launch bytes count them."""
 
-    def __init__(self, impl: FlashMLASparseImpl, config: mla_planner.StepConfig, q: torch.Tensor, max_tokens: int,
+    def __init__(self, impl: FlashMLASparseImpl, plan: mla_planner.StepPlan, q: torch.Tensor, max_tokens: int,
                  views: vllm_api.WorkspaceViews) -> None:
         self.impl = impl
         self.num_heads = q.shape[1]
-        heads = config.prefill_heads
-        in_place = config.prefill_writes_in_place
+        # The plan's, not the engine configuration's: the cost model may price a step at native heads.
+        heads = plan.prefill_heads
+        in_place = plan.prefill_writes_in_place
         # On 0.33 stock reserves both in the workspace (padded to its heads): where the plan's
         # kernel heads are those, use them rather than allocate.
         self.q_padded = None

@@ -15,6 +15,7 @@ from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseMetadat
 
 import mla_planner
 from mla_planner.vllm_backend import vllm_api
+from mla_planner.vllm_backend.settings import NATIVE_VAR, SettingsError
 
 
 def device_arch() -> str:
@@ -22,19 +23,34 @@ def device_arch() -> str:
 
 
 def step_config(
-    vllm_config: VllmConfig, builder: Any, device: torch.device, scratch_budget_bytes: int, *, has_prefill_backend: bool
+    vllm_config: VllmConfig, builder: Any, device: torch.device, scratch_budget_bytes: int, *, has_prefill_backend: bool,
+    native_prefill_heads: bool = False,
 ) -> mla_planner.StepConfig:
     """The engine's step configuration: this GPU, the builder's heads per rank and top-k, the KV
     cache dtype, vLLM's workspaces (its own gather-workspace size), and vLLM's prefill routing:
     short prefills run dense MHA unless ``sparse_mla_force_mqa`` is set or there is no dense
-    prefill backend, in which case every prefill token reaches the sparse kernels."""
-    return config_for(vllm_config, builder.num_heads, builder.topk_tokens, builder.use_fp8_kv_cache, device,
-                      scratch_budget_bytes, has_prefill_backend=has_prefill_backend)
+    prefill backend, in which case every prefill token reaches the sparse kernels.
+    ``native_prefill_heads`` (``MLA_PLANNER_NATIVE_PREFILL_HEADS=1``): the prefill kernel at the
+    rank's own heads; a :class:`.SettingsError` where this vLLM, GPU or head count has no such
+    kernel."""
+    if native_prefill_heads and not vllm_api.NATIVE_PREFILL_HEADS:
+        raise SettingsError(
+            f"{NATIVE_VAR}=1: vLLM {vllm_api.VLLM_VERSION}'s FlashMLA runs the prefill kernel at 64 or 128 heads only "
+            f"(vLLM 0.33's also at 16 and 32); unset {NATIVE_VAR}"
+        )
+    try:
+        return config_for(vllm_config, builder.num_heads, builder.topk_tokens, builder.use_fp8_kv_cache, device,
+                          scratch_budget_bytes, has_prefill_backend=has_prefill_backend,
+                          native_prefill_heads=native_prefill_heads)
+    except ValueError as e:
+        if native_prefill_heads and "native_prefill_heads" in str(e):
+            raise SettingsError(f"{NATIVE_VAR}=1: {e}; or unset {NATIVE_VAR}") from None
+        raise
 
 
 def config_for(
     vllm_config: VllmConfig, num_heads: int, topk: int, fp8: bool, device: torch.device, scratch_budget_bytes: int, *,
-    has_prefill_backend: bool,
+    has_prefill_backend: bool, native_prefill_heads: bool = False,
 ) -> mla_planner.StepConfig:
     """:func:`step_config` from the values themselves, for the impl, which has no builder."""
     max_model_len = vllm_config.model_config.max_model_len
@@ -51,6 +67,7 @@ def config_for(
         indexer_workspace_rows=vllm_api.indexer_workspace_rows(vllm_config),
         force_mqa=force_mqa,
         execution="vllm",
+        native_prefill_heads=native_prefill_heads,
     )
 
 

@@ -78,18 +78,24 @@ class LaunchReservation:
         return self.launch_bytes - self.served_bytes
 
 
-def largest_launches(config: mla_planner.StepConfig, max_tokens: int, workspace_heads: int | None) -> list[LaunchReservation]:
+def largest_launches(config: mla_planner.StepConfig, max_tokens: int, workspace_heads: int | None, *,
+                     native_prefill: bool = False) -> list[LaunchReservation]:
     """For each FP8 route the engine may take (a cost profile may route a step either way), the
     largest launch of a step of ``max_tokens`` prefill tokens -- the most one launch can hold,
     since a launch is a slice of one step. ``workspace_heads``: the heads of vLLM's padded q and
     output workspace views (``None``: no such views), which the backend takes a launch's padded
-    q and kernel output from where the kernel runs those heads."""
+    q and kernel output from where the kernel runs those heads. ``native_prefill``: the separate
+    route may also run the prefill kernel at ``config``'s own heads (a cost profile may price a
+    step so): that launch holds no padded q or output, but, as its tokens cost fewer bytes, runs
+    more of them, so its own buffers may outgrow the padded launch's."""
     sparse = config.replace(force_mqa=True)  # every token through the sparse kernels: the most
     out = []
-    routes: tuple[tuple[str, Literal["sparse_decode", "sparse_prefill"]], ...] = (
-        ("mixed_batch", "sparse_decode"), ("separate_prefill_decode", "sparse_prefill"))
-    for route, kernel in routes:
-        plan = mla_planner.plan_step([max_tokens], [0], 0, sparse.replace(mode=route))
+    routes: list[tuple[str, Literal["sparse_decode", "sparse_prefill"], bool]] = [
+        ("mixed_batch", "sparse_decode", False), ("separate_prefill_decode", "sparse_prefill", False)]
+    if native_prefill:
+        routes.append(("separate_prefill_decode", "sparse_prefill", True))
+    for route, kernel, native in routes:
+        plan = mla_planner.plan_step([max_tokens], [0], 0, sparse.replace(mode=route, native_prefill_heads=native))
         tokens = plan.longest_launch(kernel)
         if route == "mixed_batch":
             heads, in_place = config.decode_heads, config.decode_writes_in_place
@@ -97,11 +103,13 @@ def largest_launches(config: mla_planner.StepConfig, max_tokens: int, workspace_
                                                  topk=config.topk, out_preallocated=in_place,
                                                  translated_indices=config.translated_indices)
         else:
-            heads, in_place = config.prefill_heads, config.prefill_writes_in_place
+            heads, in_place = plan.prefill_heads, plan.prefill_writes_in_place
             scratch = mla_planner.prefill_scratch(tokens, config.num_heads, arch=config.arch, topk=config.topk,
-                                                  out_preallocated=in_place, translated_indices=config.translated_indices)
+                                                  out_preallocated=in_place, translated_indices=config.translated_indices,
+                                                  native_heads=native)
         served = ("q_padded", "out") if heads == workspace_heads else ()
         buffers = scratch.buffers
-        out.append(LaunchReservation(route, tokens, int(plan.launch_bytes.max()), buffers,
+        out.append(LaunchReservation(f"{route} (native heads)" if native else route, tokens,
+                                     int(plan.launch_bytes.max()), buffers,
                                      tuple(name for name in served if name in buffers)))
     return out

@@ -11,6 +11,10 @@
   profile, or start-up fails; a valid profile that was measured on another machine means vLLM's
   rule, with a warning (docs/routing.md), as does the packaged one on a GPU it was not measured
   on.
+* ``MLA_PLANNER_NATIVE_PREFILL_HEADS`` -- ``1`` runs the BF16 sparse prefill kernel at the rank's
+  own 16 or 32 heads on every separate-route step (SM90, vLLM 0.33's FlashMLA; refused elsewhere
+  at start-up). Unset: vLLM's padding to 64, unless the cost profile prices native heads cheaper
+  for a step (docs/routing.md).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ MAX_SCRATCH_MB = 1 << 20
 SCRATCH_VARS = ("MLA_PLANNER_SCRATCH_MB", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB")
 REPLACE_VAR = "MLA_PLANNER_REPLACE_FLASHMLA_SPARSE"
 PROFILE_VAR = "MLA_PLANNER_COST_PROFILE"
-KNOBS = (*SCRATCH_VARS, REPLACE_VAR, PROFILE_VAR)
+NATIVE_VAR = "MLA_PLANNER_NATIVE_PREFILL_HEADS"
+KNOBS = (*SCRATCH_VARS, REPLACE_VAR, PROFILE_VAR, NATIVE_VAR)
 NO_PROFILE = "none"
 """``MLA_PLANNER_COST_PROFILE=none``: route by vLLM's rule on purpose, with no warning."""
 
@@ -58,6 +63,9 @@ class Settings:
     ``vllm_rule``."""
     vllm_rule: bool = False
     """``MLA_PLANNER_COST_PROFILE=none``: no cost profile; FP8 steps take vLLM's rule."""
+    native_prefill_heads: bool = False
+    """``MLA_PLANNER_NATIVE_PREFILL_HEADS=1``: the prefill kernel at the rank's own heads, every step
+    (checked against the heads, GPU and vLLM when the engine's configuration is made)."""
 
     @property
     def scratch_bytes(self) -> int:
@@ -87,8 +95,10 @@ def _read(env: Mapping[str, str]) -> Settings:
     source, scratch_mb = next(iter(values.items()), ("default", DEFAULT_SCRATCH_MB))
     profile = env.get(PROFILE_VAR, "").strip()
     vllm_rule = profile.lower() == NO_PROFILE
-    return Settings(scratch_mb, _flag(REPLACE_VAR, env.get(REPLACE_VAR, "")), source,
-                    None if vllm_rule else _cost_profile(profile), vllm_rule)
+    replace = _flag(REPLACE_VAR, env.get(REPLACE_VAR, ""), "replace FLASHMLA_SPARSE", "keep it")
+    native = _flag(NATIVE_VAR, env.get(NATIVE_VAR, ""), "run the prefill kernel at 16 or 32 native heads",
+                   "pad as vLLM does")
+    return Settings(scratch_mb, replace, source, None if vllm_rule else _cost_profile(profile), vllm_rule, native)
 
 
 def _scratch_mb(name: str, raw: str) -> int:
@@ -143,10 +153,10 @@ def _cost_profile(value: str) -> str | None:
     return value
 
 
-def _flag(name: str, raw: str) -> bool:
+def _flag(name: str, raw: str, on: str, off: str) -> bool:
     value = raw.strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
         return True
-    raise SettingsError(f"{name}={raw!r}: use 1 to replace FLASHMLA_SPARSE, 0 (or unset) to keep it")
+    raise SettingsError(f"{name}={raw!r}: use 1 to {on}, 0 (or unset) to {off}")

@@ -22,6 +22,8 @@ What differs (0.33.0 wheel, ``F`` = ``vllm/v1/attention/backends/mla/flashmla_sp
 * the builder keeps vLLM's route under HiSparse, PCP+DCP and DCP (F:442-486);
 * the profile run calls ``impl.reserve_workspace()`` for every layer before KV sizing
   (mla_attention.py:936-948), which 0.26 has no counterpart of;
+* FlashMLA's SM90 BF16 sparse prefill kernel (``flash_mla_sparse_fwd``) runs 16 and 32 heads
+  unpadded in 0.33's build (:data:`NATIVE_PREFILL_HEADS`); 0.26's runs 64 and 128 only;
 * masked-MHA prefill (SM100, FA4, a non-quantized KV cache): the layer asks the impl's
   ``masked_mha_workspace_fits`` and runs the prefills through its ``forward_mha``
   (mla_attention.py:990-1000, 1215-1240); 0.26 has none. The backend's part, in
@@ -72,6 +74,10 @@ FORWARD_RETURNS_LSE = V033
 RESERVES_THROUGH_PROFILE_RUN = V033
 """0.33 calls ``reserve_workspace()`` in the profile run; 0.26 needs the allocate-then-free
 reservation of :mod:`.reservation`."""
+
+NATIVE_PREFILL_HEADS = V033
+"""0.33's FlashMLA runs the SM90 sparse prefill kernel at 16 and 32 heads unpadded, so a plan made
+for native prefill heads can run; 0.26's has 64- and 128-head kernels only."""
 
 MASKED_MHA = V033
 """0.33 has masked-MHA prefill (0.26 none): the builder plans the prefills that fit in groups and

@@ -28,6 +28,13 @@ pub(crate) struct StepConfig {
     max_model_len: Option<u64>,
 }
 
+impl StepConfig {
+    /// `inner` as a configuration derived from this one (same `max_model_len`).
+    pub(crate) fn with_inner(&self, inner: core::StepConfig) -> StepConfig {
+        StepConfig { inner, max_model_len: self.max_model_len }
+    }
+}
+
 getters! { StepConfig {
     /// Query heads per rank.
     num_heads: u32 = |c| c.num_heads;
@@ -69,10 +76,18 @@ getters! { StepConfig {
     decode_takes_out: bool = |c| c.execution.decode_takes_out;
     /// The prefill kernel writes into a caller's `out=`.
     prefill_takes_out: bool = |c| c.execution.prefill_takes_out;
+    /// The prefill kernel runs the query heads unpadded (16 or 32 on sm90).
+    native_prefill_heads: bool = |c| c.execution.native_prefill_heads;
     /// Heads the sparse decode kernel runs (64 or 128).
     decode_heads: u32 = |c| c.decode_heads();
-    /// Heads the sparse prefill kernel runs.
+    /// Heads the sparse prefill kernel runs: the query heads with
+    /// `native_prefill_heads`, else `prefill_padded_heads`.
     prefill_heads: u32 = |c| c.prefill_heads();
+    /// Heads vLLM pads the prefill kernel's q to (what its own code runs).
+    prefill_padded_heads: u32 = |c| c.prefill_padded_heads();
+    /// The prefill kernel can run these heads unpadded on this GPU (16 or 32
+    /// on sm90), given a FlashMLA build with those kernels (vLLM 0.33's).
+    native_prefill_heads_possible: bool = |c| mla_planner::geometry::prefill_runs_native(c.num_heads, c.gpu.arch);
     /// The decode kernel writes straight into the step's output.
     decode_writes_in_place: bool = |c| c.decode_writes_in_place();
     /// The prefill kernel writes straight into the step's output.
@@ -95,12 +110,15 @@ impl StepConfig {
     /// wave-aligned launches, kernels that take `out=`); each of its four
     /// flags can be set on its own. `mode`: "mixed_batch" or
     /// "separate_prefill_decode" fixes the FP8 route; None follows vLLM.
+    /// `native_prefill_heads`: the prefill kernel runs 16 or 32 heads (sm90)
+    /// unpadded, as vLLM 0.33's FlashMLA can; default: vLLM's padding.
     #[new]
     #[pyo3(signature = (
         num_heads, *, arch="sm90", num_sms=None, topk=None, kv_dtype="fp8", scratch_budget_bytes=None,
         max_model_len=None, gather_workspace_rows=None, indexer_workspace_rows=None, indexer_logits_bytes=None,
         masked_mha=false, force_mqa=false, mask_workspace_bytes=None, context_chunk_rows=None, mode=None,
         execution="default", translated_indices=None, align_waves=None, decode_takes_out=None, prefill_takes_out=None,
+        native_prefill_heads=false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -124,6 +142,7 @@ impl StepConfig {
         align_waves: Option<bool>,
         decode_takes_out: Option<bool>,
         prefill_takes_out: Option<bool>,
+        native_prefill_heads: bool,
     ) -> PyResult<Self> {
         let topk = topk_or_default(topk)?;
         let kv_dtype = kv_dtype.parse::<KvDtype>().py()?;
@@ -162,6 +181,7 @@ impl StepConfig {
                 align_waves: align_waves.unwrap_or(defaults.align_waves),
                 decode_takes_out: decode_takes_out.unwrap_or(defaults.decode_takes_out),
                 prefill_takes_out: prefill_takes_out.unwrap_or(defaults.prefill_takes_out),
+                native_prefill_heads,
             },
             ..base
         };
@@ -198,6 +218,7 @@ impl StepConfig {
         d.set_item("align_waves", c.execution.align_waves)?;
         d.set_item("decode_takes_out", c.execution.decode_takes_out)?;
         d.set_item("prefill_takes_out", c.execution.prefill_takes_out)?;
+        d.set_item("native_prefill_heads", c.execution.native_prefill_heads)?;
         Ok(d)
     }
 

@@ -44,6 +44,9 @@ getters! { RouteTime {
     gathers: usize = |t| t.gathers;
     /// Prefill-kernel launches.
     prefill_launches: usize = |t| t.prefill_launches;
+    /// Heads the prefill launches were priced at: padded (64 or 128) or
+    /// native (16 or 32); 0 where the route has none.
+    prefill_heads: u32 = |t| t.prefill_heads;
 } }
 
 #[pymethods]
@@ -51,14 +54,15 @@ impl RouteTime {
     fn __repr__(&self) -> String {
         let t = &self.inner;
         format!(
-            "RouteTime(total_us={:.1}, decode_us={:.1} x{}, gather_us={:.1} x{}, prefill_us={:.1} x{})",
+            "RouteTime(total_us={:.1}, decode_us={:.1} x{}, gather_us={:.1} x{}, prefill_us={:.1} x{} at {} heads)",
             t.total_us(),
             t.decode_us,
             t.decode_launches,
             t.gather_us,
             t.gathers,
             t.prefill_us,
-            t.prefill_launches
+            t.prefill_launches,
+            t.prefill_heads
         )
     }
 }
@@ -114,6 +118,7 @@ struct RouteChoice {
     mode: StepMode,
     prediction: cost::Prediction,
     plan: step::StepPlan,
+    config: StepConfig,
 }
 
 #[pymethods]
@@ -137,6 +142,12 @@ impl RouteChoice {
     #[getter]
     fn plan(&self) -> StepPlan {
         StepPlan { inner: self.plan.clone() }
+    }
+    /// The configuration that plans it: the one given, with the route's mode
+    /// and the prefill heads it was priced at (`native_prefill_heads`).
+    #[getter]
+    fn config(&self) -> StepConfig {
+        self.config.with_inner(self.config.inner)
     }
     fn __repr__(&self) -> String {
         format!("RouteChoice(mode={:?}, {})", self.mode.name(), self.prediction().__repr__())
@@ -196,7 +207,8 @@ impl CostModel {
     fn decode_heads(&self) -> Vec<u32> {
         self.inner.decode_heads()
     }
-    /// Padded head counts with a prefill-kernel table.
+    /// Head counts with a prefill-kernel table: padded (64, 128) and, on
+    /// sm90, native (16, 32) where the kernel build runs them.
     #[getter]
     fn prefill_heads(&self) -> Vec<u32> {
         self.inner.prefill_heads()
@@ -228,10 +240,16 @@ impl CostModel {
     }
 
     /// Raise ValueError unless this profile prices steps of `config`: the
-    /// same GPU, top-k, and tables at its padded head counts.
+    /// same GPU, top-k, and tables at the head counts its kernels run.
     fn check(&self, config: &StepConfig) -> PyResult<()> {
-        let c = &config.inner;
-        self.inner.check(c.gpu, c.num_heads, c.topk).py()
+        self.inner.check(&config.inner).py()
+    }
+
+    /// Whether the profile prices the prefill kernel run natively at
+    /// `config`'s heads (a table at exactly 16 or 32 heads, sm90): then the
+    /// separate route is priced both ways and the cheaper taken.
+    fn prices_native_prefill(&self, config: &StepConfig) -> bool {
+        self.inner.prices_native_prefill(config.inner.gpu, config.inner.num_heads)
     }
 
     /// Both FP8 routes' predicted times for a step, each the sum over its
@@ -263,7 +281,7 @@ impl CostModel {
         let args = StepArgs::parse(query_lens, context_lens, num_decodes)?;
         let cfg = config.inner;
         let c = py.detach(|| self.inner.choose_route(args.step(), &cfg)).py()?;
-        Ok(RouteChoice { mode: c.mode, prediction: c.prediction, plan: c.plan })
+        Ok(RouteChoice { mode: c.mode, prediction: c.prediction, plan: c.plan, config: config.with_inner(c.config) })
     }
 
     fn __repr__(&self) -> String {

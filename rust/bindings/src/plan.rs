@@ -34,7 +34,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// `(tokens, bound)`: the most query tokens one sparse prefill launch may take
 /// within `budget_bytes`, and what caps it ("budget" or a hard limit).
 #[pyfunction]
-#[pyo3(signature = (num_heads, *, budget_bytes, arch="sm90", topk=None, out_preallocated=false, translated_indices=false))]
+#[pyo3(signature = (num_heads, *, budget_bytes, arch="sm90", topk=None, out_preallocated=false, translated_indices=false, native_heads=false))]
 fn prefill_launch_tokens(
     num_heads: &Bound<'_, PyAny>,
     budget_bytes: &Bound<'_, PyAny>,
@@ -42,6 +42,7 @@ fn prefill_launch_tokens(
     topk: Option<&Bound<'_, PyAny>>,
     out_preallocated: bool,
     translated_indices: bool,
+    native_heads: bool,
 ) -> PyResult<(u64, &'static str)> {
     let shape = PrefillShape {
         s_q: 1,
@@ -49,6 +50,7 @@ fn prefill_launch_tokens(
         topk: topk_or_default(topk)?,
         out_preallocated,
         translated_indices,
+        native_heads,
     };
     let budget = count(budget_bytes, "budget_bytes")?;
     let (n, bound) = plan::prefill_launch_tokens(arch.parse::<Arch>().py()?, shape, budget).py()?;

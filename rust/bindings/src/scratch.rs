@@ -10,6 +10,7 @@ use crate::convert::{bound_name, count, gpu, heads, topk_or_default, OrValueErro
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GLOBAL_TOPK_MASK_MAX_BYTES", scratch::GLOBAL_TOPK_MASK_MAX_BYTES)?;
+    m.add("NATIVE_PREFILL_HEADS", mla_planner::geometry::NATIVE_PREFILL_HEADS.to_vec())?;
     m.add_class::<Scratch>()?;
     m.add_function(wrap_pyfunction!(decode_scratch, m)?)?;
     m.add_function(wrap_pyfunction!(prefill_scratch, m)?)?;
@@ -89,9 +90,10 @@ fn decode_scratch(
 
 /// Every buffer one FlashMLA sparse prefill call allocates for `s_q` query tokens:
 /// padded q, out (unless `out_preallocated`), max_logits, lse, and with
-/// `translated_indices` the workspace indices and valid counts.
+/// `translated_indices` the workspace indices and valid counts. With
+/// `native_heads` the kernel runs `num_heads` unpadded (16 or 32, sm90).
 #[pyfunction]
-#[pyo3(signature = (s_q, num_heads, *, arch="sm90", topk=None, out_preallocated=false, translated_indices=false))]
+#[pyo3(signature = (s_q, num_heads, *, arch="sm90", topk=None, out_preallocated=false, translated_indices=false, native_heads=false))]
 fn prefill_scratch(
     s_q: &Bound<'_, PyAny>,
     num_heads: &Bound<'_, PyAny>,
@@ -99,6 +101,7 @@ fn prefill_scratch(
     topk: Option<&Bound<'_, PyAny>>,
     out_preallocated: bool,
     translated_indices: bool,
+    native_heads: bool,
 ) -> PyResult<Scratch> {
     let shape = PrefillShape {
         s_q: count(s_q, "s_q")?,
@@ -106,6 +109,7 @@ fn prefill_scratch(
         topk: topk_or_default(topk)?,
         out_preallocated,
         translated_indices,
+        native_heads,
     };
     Ok(scratch::prefill_scratch(arch.parse::<Arch>().py()?, shape).py()?.into())
 }

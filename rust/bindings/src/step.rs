@@ -183,6 +183,20 @@ impl StepPlan {
         self.inner.gather_workspace_bytes
     }
 
+    /// Heads the prefill launches run the kernel at: vLLM's padding, or the
+    /// query heads themselves in a plan made for native prefill heads. The
+    /// executor pads q and sizes the kernel's output to exactly this.
+    #[getter]
+    fn prefill_heads(&self) -> u32 {
+        self.inner.prefill_heads
+    }
+
+    /// The prefill launches write straight into the step's output.
+    #[getter]
+    fn prefill_writes_in_place(&self) -> bool {
+        self.inner.prefill_writes_in_place
+    }
+
     /// Tokens of the longest launch of `kernel` ("sparse_decode" or
     /// "sparse_prefill"); 0 when none. The step's shared buffers of that
     /// kernel are sized for it.

@@ -5,7 +5,7 @@
 //! restates a padding rule, a workspace factor or a reserve.
 
 use crate::error::{mul, PlanError, Result};
-use crate::geometry::{check_topk, decode_padded_heads, prefill_padded_heads, Gpu, KvDtype};
+use crate::geometry::{check_topk, decode_padded_heads, prefill_kernel_heads, prefill_padded_heads, Gpu, KvDtype};
 use crate::plan::MaskConfig;
 
 /// Held back from every scratch budget for what the byte models leave out:
@@ -84,18 +84,33 @@ pub struct Execution {
     pub decode_takes_out: bool,
     /// The prefill kernel writes into a caller's `out=`.
     pub prefill_takes_out: bool,
+    /// The prefill kernel runs the query heads as they are (16 or 32 on SM90,
+    /// which vLLM 0.33's FlashMLA build runs natively) instead of the padding
+    /// vLLM uses: no padded q, a quarter or half of the kernel's rows.
+    pub native_prefill_heads: bool,
 }
 
 impl Execution {
     /// The vLLM backend on vLLM's own FlashMLA build.
-    pub const VLLM: Execution =
-        Execution { translated_indices: true, align_waves: true, decode_takes_out: true, prefill_takes_out: true };
+    pub const VLLM: Execution = Execution {
+        translated_indices: true,
+        align_waves: true,
+        decode_takes_out: true,
+        prefill_takes_out: true,
+        native_prefill_heads: false,
+    };
 }
 
 impl Default for Execution {
     /// Kernels that take `out=`, indices translated up front, fewest launches.
     fn default() -> Self {
-        Execution { translated_indices: false, align_waves: false, decode_takes_out: true, prefill_takes_out: true }
+        Execution {
+            translated_indices: false,
+            align_waves: false,
+            decode_takes_out: true,
+            prefill_takes_out: true,
+            native_prefill_heads: false,
+        }
     }
 }
 
@@ -120,6 +135,9 @@ pub struct StepConfig {
     /// The FP8 mode every step takes; `None` follows vLLM's rule
     /// ([`vllm_step_mode`]). A cost model sets it per step.
     pub mode: Option<StepMode>,
+    /// Its `native_prefill_heads` is, like `mode`, what every step takes; a
+    /// cost model may also take native heads per step where its profile
+    /// prices them (see [`crate::cost`]).
     pub execution: Execution,
 }
 
@@ -158,9 +176,10 @@ impl StepConfig {
 
     /// Checks what no plan could use: heads outside 1..=128, a top-k the
     /// kernels refuse, an FP8 mode on a BF16 cache, a budget below the
-    /// allocator's reserve.
+    /// allocator's reserve, native prefill heads no kernel runs.
     pub fn validate(&self) -> Result<()> {
         crate::geometry::check_heads(self.num_heads)?;
+        prefill_kernel_heads(self.num_heads, self.gpu.arch, self.execution.native_prefill_heads)?;
         check_topk(self.topk, 64, "topk")?;
         if self.kv_dtype == KvDtype::Bf16 && matches!(self.mode, Some(m) if m != StepMode::Bf16) {
             return Err(PlanError::InvalidArgument {
@@ -201,6 +220,12 @@ impl StepConfig {
         StepConfig { mode: Some(mode), ..*self }
     }
 
+    /// The same configuration with the prefill kernel on native heads or on
+    /// vLLM's padding.
+    pub fn with_native_prefill_heads(&self, native: bool) -> StepConfig {
+        StepConfig { execution: Execution { native_prefill_heads: native, ..self.execution }, ..*self }
+    }
+
     /// Bytes one launch may allocate: the budget less the allocator's reserve.
     pub fn launch_budget_bytes(&self) -> u64 {
         self.scratch_budget_bytes.saturating_sub(ALLOCATOR_RESERVE_BYTES)
@@ -211,8 +236,15 @@ impl StepConfig {
         decode_padded_heads(self.num_heads).unwrap_or(128)
     }
 
-    /// Heads the sparse prefill kernel runs (a multiple of 64 on SM90, 128 on SM100).
+    /// Heads the sparse prefill kernel runs: `num_heads` with native prefill
+    /// heads, else vLLM's padding (a multiple of 64 on SM90, 128 on SM100).
     pub fn prefill_heads(&self) -> u32 {
+        prefill_kernel_heads(self.num_heads, self.gpu.arch, self.execution.native_prefill_heads).unwrap_or(128)
+    }
+
+    /// Heads vLLM pads the prefill kernel's q to, whatever this configuration
+    /// runs: what vLLM's own code (and its workspace) uses.
+    pub fn prefill_padded_heads(&self) -> u32 {
         prefill_padded_heads(self.num_heads, self.gpu.arch).unwrap_or(128)
     }
 
@@ -260,6 +292,19 @@ mod tests {
         let bf16 = StepConfig { mode: Some(StepMode::MixedBatch), ..h200(16, KvDtype::Bf16) };
         assert!(bf16.validate().is_err());
         assert!(vllm_step_mode(0, KvDtype::Fp8).is_err());
+        // Native prefill heads: 16 or 32 on sm90 only, refused (not clamped) elsewhere.
+        for heads in [16, 32] {
+            let native = h200(heads, KvDtype::Fp8).with_native_prefill_heads(true);
+            native.validate().unwrap();
+            assert_eq!((native.prefill_heads(), native.prefill_padded_heads()), (heads, 64));
+            assert!(native.prefill_writes_in_place(), "no padding: the kernel writes the caller's out=");
+            let mut sm100 = native;
+            sm100.gpu = Gpu::new(crate::geometry::Arch::Sm100, 148).unwrap();
+            let err = sm100.validate().unwrap_err().to_string();
+            assert!(err.contains("native_prefill_heads") && err.contains("sm100"), "{err}");
+        }
+        let err = h200(64, KvDtype::Fp8).with_native_prefill_heads(true).validate().unwrap_err().to_string();
+        assert!(err.contains("64 heads on sm90"), "{err}");
         assert_eq!(vllm_step_mode(16, KvDtype::Fp8).unwrap(), StepMode::MixedBatch);
     }
 }

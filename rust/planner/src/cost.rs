@@ -11,6 +11,12 @@
 //! * separate: the decode launches, one gather per gather chunk, and the
 //!   prefill launches of [`StepMode::SeparatePrefillDecode`]'s plan.
 //!
+//! The separate route is planned and priced at vLLM's padded prefill heads
+//! and, where the profile has a prefill table at exactly the query heads (16
+//! or 32 on sm90: the kernel build runs them natively), at native heads too;
+//! the cheaper of the two is the separate route (a tie keeps vLLM's padding).
+//! A configuration that asks for native heads is priced at native heads only.
+//!
 //! Left out, as they cost about the same on both routes or little: head
 //! padding of q, top-k index translation, the LSE merge of split requests.
 
@@ -23,7 +29,7 @@ pub use profile::{ENVIRONMENT_KEYS, PROFILE_FORMAT};
 pub use table::Table;
 
 use crate::error::{PlanError, Result};
-use crate::geometry::{decode_padded_heads, prefill_padded_heads, Arch, Gpu, KvDtype};
+use crate::geometry::{decode_padded_heads, prefill_kernel_heads, prefill_runs_native, Arch, Gpu, KvDtype};
 use crate::step::{plan_step, vllm_step_mode, Kernel, Step, StepConfig, StepMode, StepPlan};
 
 /// Kernel times measured on one GPU, for every padded head count calibrated.
@@ -43,6 +49,7 @@ pub struct CostModel {
 }
 
 /// The tables one configuration reads.
+#[derive(Clone, Copy)]
 struct Tables<'a> {
     decode: &'a Table,
     prefill: &'a Table,
@@ -58,6 +65,9 @@ pub struct RouteTime {
     pub decode_launches: usize,
     pub gathers: usize,
     pub prefill_launches: usize,
+    /// Heads the prefill launches were priced at (the plan's
+    /// [`StepPlan::prefill_heads`]); 0 where the route has none.
+    pub prefill_heads: u32,
 }
 
 impl RouteTime {
@@ -82,7 +92,13 @@ pub struct RouteChoice {
     pub prediction: Prediction,
     /// The chosen route's plan, so the caller need not plan again.
     pub plan: StepPlan,
+    /// The configuration that plans it: the caller's, with the route's mode
+    /// and the prefill heads it was priced at.
+    pub config: StepConfig,
 }
+
+/// A route's price, its plan and the configuration that made it.
+type Priced = (RouteTime, StepPlan, StepConfig);
 
 impl CostModel {
     /// Parse and validate a profile (format in docs/routing.md).
@@ -105,7 +121,8 @@ impl CostModel {
         self.decode.keys().copied().collect()
     }
 
-    /// Padded head counts with a prefill table.
+    /// Head counts with a prefill table: padded ones, and on sm90 the native
+    /// 16 or 32 where the kernel build runs them.
     pub fn prefill_heads(&self) -> Vec<u32> {
         self.prefill.keys().copied().collect()
     }
@@ -123,13 +140,21 @@ impl CostModel {
         &self.gather
     }
 
-    /// Whether this profile can price steps of `num_heads` heads at `topk`
-    /// on `gpu`: an error naming the difference rather than a guess.
-    pub fn check(&self, gpu: Gpu, num_heads: u32, topk: u32) -> Result<()> {
-        self.tables(gpu, num_heads, topk).map(|_| ())
+    /// Whether this profile can price the steps of `cfg` (its GPU, top-k and
+    /// the head counts its kernels run): an error naming the difference
+    /// rather than a guess.
+    pub fn check(&self, cfg: &StepConfig) -> Result<()> {
+        self.tables(cfg.gpu, cfg.num_heads, cfg.topk, cfg.execution.native_prefill_heads).map(|_| ())
     }
 
-    fn tables(&self, gpu: Gpu, num_heads: u32, topk: u32) -> Result<Tables<'_>> {
+    /// Whether this profile prices the prefill kernel at `num_heads` run
+    /// natively on `gpu`: a table at exactly those heads, on an architecture
+    /// whose kernel runs them.
+    pub fn prices_native_prefill(&self, gpu: Gpu, num_heads: u32) -> bool {
+        gpu.arch == self.arch && prefill_runs_native(num_heads, gpu.arch) && self.prefill.contains_key(&num_heads)
+    }
+
+    fn tables(&self, gpu: Gpu, num_heads: u32, topk: u32, native_prefill: bool) -> Result<Tables<'_>> {
         let mismatch = |what: String| {
             PlanError::CostProfile(format!("{what}; calibrate this configuration (`mla-planner calibrate`) instead of reusing it"))
         };
@@ -145,13 +170,14 @@ impl CostModel {
         if topk != self.topk {
             return Err(mismatch(format!("measured at topk {}, asked about topk {topk}", self.topk)));
         }
-        let (dh, ph) = (decode_padded_heads(num_heads)?, prefill_padded_heads(num_heads, gpu.arch)?);
-        let missing = |kernel: &str, heads: u32, have: Vec<u32>| {
-            mismatch(format!("has no {kernel} table at {heads} padded heads ({num_heads} heads per rank); it has {have:?}"))
+        let (dh, ph) = (decode_padded_heads(num_heads)?, prefill_kernel_heads(num_heads, gpu.arch, native_prefill)?);
+        let missing = |kernel: &str, heads: u32, run: &str, have: Vec<u32>| {
+            mismatch(format!("has no {kernel} table at {heads} {run} heads ({num_heads} heads per rank); it has {have:?}"))
         };
+        let prefill_run = if native_prefill { "native" } else { "padded" };
         Ok(Tables {
-            decode: self.decode.get(&dh).ok_or_else(|| missing("sparse_decode", dh, self.decode_heads()))?,
-            prefill: self.prefill.get(&ph).ok_or_else(|| missing("sparse_prefill", ph, self.prefill_heads()))?,
+            decode: self.decode.get(&dh).ok_or_else(|| missing("sparse_decode", dh, "padded", self.decode_heads()))?,
+            prefill: self.prefill.get(&ph).ok_or_else(|| missing("sparse_prefill", ph, prefill_run, self.prefill_heads()))?,
             gather: &self.gather,
         })
     }
@@ -161,26 +187,28 @@ impl CostModel {
     /// configuration.
     pub fn predict(&self, step: Step<'_>, cfg: &StepConfig) -> Result<Prediction> {
         let (mixed, separate) = self.plan_routes(step, cfg)?;
-        Ok(Prediction { mixed: mixed.map(|(t, _)| t), separate: separate.map(|(t, _)| t) })
+        Ok(Prediction { mixed: mixed.map(|(t, ..)| t), separate: separate.map(|(t, ..)| t) })
     }
 
     /// The faster route that fits the budget: decodes take the decode kernel
-    /// on both routes, so the choice is how the prefill tokens run. When the
+    /// on both routes, so the choice is how the prefill tokens run (the
+    /// separate route at the cheaper of its padded and native prefill heads,
+    /// where the profile prices native ones). When the
     /// two are predicted equal (a decode-only step), vLLM's rule decides; when
     /// neither fits, the error is that of vLLM's route.
     pub fn choose_route(&self, step: Step<'_>, cfg: &StepConfig) -> Result<RouteChoice> {
         let (mixed, separate) = self.plan_routes(step, cfg)?;
         let vllm = vllm_step_mode(cfg.num_heads, KvDtype::Fp8)?;
         let take_mixed = match (&mixed, &separate) {
-            (Ok((m, _)), Ok((s, _))) if m.total_us() == s.total_us() => vllm == StepMode::MixedBatch,
-            (Ok((m, _)), Ok((s, _))) => m.total_us() < s.total_us(),
+            (Ok((m, ..)), Ok((s, ..))) if m.total_us() == s.total_us() => vllm == StepMode::MixedBatch,
+            (Ok((m, ..)), Ok((s, ..))) => m.total_us() < s.total_us(),
             (Ok(_), Err(_)) => true,
             (Err(_), Ok(_)) => false,
             (Err(e), Err(_)) if vllm == StepMode::MixedBatch => return Err(e.clone()),
             (Err(_), Err(e)) => return Err(e.clone()),
         };
-        let split = |r: Result<(RouteTime, StepPlan)>| match r {
-            Ok((t, p)) => (Ok(t), Some(p)),
+        let split = |r: Result<Priced>| match r {
+            Ok((t, p, c)) => (Ok(t), Some((p, c))),
             Err(e) => (Err(e), None),
         };
         let ((mixed, mixed_plan), (separate, separate_plan)) = (split(mixed), split(separate));
@@ -189,13 +217,12 @@ impl CostModel {
         } else {
             (StepMode::SeparatePrefillDecode, separate_plan)
         };
-        let plan = plan.expect("the chosen route was planned");
-        Ok(RouteChoice { mode, prediction: Prediction { mixed, separate }, plan })
+        let (plan, config) = plan.expect("the chosen route was planned");
+        Ok(RouteChoice { mode, prediction: Prediction { mixed, separate }, plan, config })
     }
 
     /// Plan the step both ways and price each plan.
-    #[allow(clippy::type_complexity)]
-    fn plan_routes(&self, step: Step<'_>, cfg: &StepConfig) -> Result<(Result<(RouteTime, StepPlan)>, Result<(RouteTime, StepPlan)>)> {
+    fn plan_routes(&self, step: Step<'_>, cfg: &StepConfig) -> Result<(Result<Priced>, Result<Priced>)> {
         if cfg.kv_dtype != KvDtype::Fp8 {
             return Err(PlanError::InvalidArgument {
                 what: "kv_dtype",
@@ -203,12 +230,25 @@ impl CostModel {
                 got: cfg.kv_dtype.name().into(),
             });
         }
-        let tables = self.tables(cfg.gpu, cfg.num_heads, cfg.topk)?;
-        let route = |mode: StepMode| -> Result<(RouteTime, StepPlan)> {
-            let plan = plan_step(step, &cfg.with_mode(mode))?;
-            Ok((price(&tables, &plan), plan))
+        let tables = self.tables(cfg.gpu, cfg.num_heads, cfg.topk, cfg.execution.native_prefill_heads)?;
+        let route = |cfg: StepConfig, prefill: &Table| -> Result<Priced> {
+            let plan = plan_step(step, &cfg)?;
+            Ok((price(&Tables { prefill, ..tables }, &plan), plan, cfg))
         };
-        let (mixed, separate) = (route(StepMode::MixedBatch), route(StepMode::SeparatePrefillDecode));
+        let mixed = route(cfg.with_mode(StepMode::MixedBatch), tables.prefill);
+        let separate_cfg = cfg.with_mode(StepMode::SeparatePrefillDecode);
+        let mut separate = route(separate_cfg, tables.prefill);
+        // The separate route at native prefill heads, where the profile says this kernel build
+        // runs them: taken only when strictly cheaper, or when padded does not fit and it does.
+        let native_table = self.prefill.get(&cfg.num_heads).filter(|_| self.prices_native_prefill(cfg.gpu, cfg.num_heads));
+        if let (false, Some(table)) = (cfg.execution.native_prefill_heads, native_table) {
+            let native = route(separate_cfg.with_native_prefill_heads(true), table);
+            separate = match (separate, native) {
+                (Ok(padded), Ok(native)) if native.0.total_us() < padded.0.total_us() => Ok(native),
+                (Err(_), Ok(native)) => Ok(native),
+                (padded, _) => padded,
+            };
+        }
         // A step the planner refuses outright is refused by both routes alike.
         if let (Err(e), Err(_)) = (&mixed, &separate) {
             if !matches!(e, PlanError::BudgetTooSmall { .. } | PlanError::TooManyLaunches { .. } | PlanError::WorkspaceTooSmall { .. }) {
@@ -237,6 +277,9 @@ fn price(t: &Tables<'_>, plan: &StepPlan) -> RouteTime {
     for chunk in &plan.gather_chunks {
         time.gather_us += t.gather.micros(chunk.rows());
         time.gathers += 1;
+    }
+    if time.prefill_launches > 0 {
+        time.prefill_heads = plan.prefill_heads;
     }
     time
 }
@@ -308,6 +351,8 @@ mod tests {
             assert_eq!((ps.gathers, ps.prefill_launches, pm.decode_launches), (1, 1, 1));
             assert_eq!(choice.mode == StepMode::MixedBatch, mixed, "T = {t}: {pm:?} vs {ps:?}");
             assert_eq!(choice.plan.mode, choice.mode);
+            assert_eq!(choice.plan, plan_step(step, &choice.config).unwrap());
+            assert_eq!(choice.config, cfg(16).with_mode(choice.mode), "no native table: vLLM's padding");
         }
     }
 
@@ -417,6 +462,162 @@ mod tests {
         ];
         for (err, needle) in cases {
             assert!(err.starts_with("cost profile: ") && err.contains(needle), "{err:?} lacks {needle:?}");
+        }
+    }
+
+    /// [`synthetic`] with a native prefill table at `heads`: `fixed + per_token * T` us.
+    fn with_native(heads: u32, fixed: f64, per_token: f64) -> CostModel {
+        let mut v = synthetic();
+        v["sparse_prefill"][heads.to_string()] = json!([[1, fixed + per_token], [65536, fixed + per_token * 65536.0]]);
+        CostModel::from_json(&v.to_string()).unwrap()
+    }
+
+    fn separate_at(step: Step<'_>, config: &StepConfig, native: bool) -> StepPlan {
+        plan_step(step, &config.with_mode(StepMode::SeparatePrefillDecode).with_native_prefill_heads(native)).unwrap()
+    }
+
+    #[test]
+    fn native_prefill_heads_are_taken_where_cheaper() {
+        // Padded (64 heads): 200 + T/2 us. Native: 50 + T/10, cheaper at every length.
+        let (q, c) = prefill(100_000);
+        let step = Step { query_lens: &q, context_lens: &c, num_decodes: 0 };
+        for heads in [16, 32] {
+            let m = with_native(heads, 50.0, 0.1);
+            let mut config = cfg(heads);
+            config.scratch_budget_bytes = GIB;
+            let choice = m.choose_route(step, &config).unwrap();
+            assert_eq!(choice.mode, StepMode::SeparatePrefillDecode);
+            let sep = choice.prediction.separate.clone().unwrap();
+            assert_eq!((sep.prefill_heads, choice.plan.prefill_heads), (heads, heads));
+            assert_eq!(choice.prediction.mixed.clone().unwrap().prefill_heads, 0, "mixed runs no prefill kernel");
+            // The plan chosen is the native plan, launch for launch; the padded one is tighter.
+            let (native, padded) = (separate_at(step, &config, true), separate_at(step, &config, false));
+            assert_eq!(choice.plan, native);
+            assert_eq!(choice.config, config.with_mode(StepMode::SeparatePrefillDecode).with_native_prefill_heads(true));
+            assert!(native.longest_launch(Kernel::SparsePrefill) > padded.longest_launch(Kernel::SparsePrefill));
+            assert!(native.launches.len() < padded.launches.len(), "1 GiB splits 100,000 tokens at 64 padded heads");
+            let per_token = |p: &StepPlan| p.peak_bytes as f64 / p.longest_launch(Kernel::SparsePrefill) as f64;
+            assert!(per_token(&native) < per_token(&padded));
+            let expected: f64 = native.launches.iter().map(|l| 50.0 + 0.1 * l.len() as f64).sum();
+            assert!(close(sep.prefill_us, expected), "{sep:?}");
+        }
+    }
+
+    #[test]
+    fn padded_prefill_heads_are_kept_where_cheaper_or_equal() {
+        let (q, c) = prefill(32_768);
+        let step = Step { query_lens: &q, context_lens: &c, num_decodes: 0 };
+        // Native 16 heads at 500 + T us: slower than padded 64 (200 + T/2), as on the H200.
+        let choice = with_native(16, 500.0, 1.0).choose_route(step, &cfg(16)).unwrap();
+        assert_eq!(choice.prediction.separate.unwrap().prefill_heads, 64);
+        // Equal tables: a tie keeps vLLM's padding.
+        let mut tie = synthetic();
+        tie["sparse_prefill"]["16"] = tie["sparse_prefill"]["64"].clone();
+        let tie = CostModel::from_json(&tie.to_string()).unwrap();
+        let p = tie.predict(step, &cfg(16)).unwrap().separate.unwrap();
+        assert_eq!(p.prefill_heads, 64, "{p:?}");
+        // A native table prices 16 heads only, never 32 (nor 32 the other way round).
+        let other = with_native(32, 1.0, 0.0).predict(step, &cfg(16)).unwrap().separate.unwrap();
+        assert_eq!(other.prefill_heads, 64);
+    }
+
+    #[test]
+    fn native_prefill_heads_fit_where_padded_do_not() {
+        // 64 KiB reserve + 120 KiB: one padded token holds 136 KiB of padded q and output; a
+        // native one writes in place and holds its statistics and indices only.
+        let (q, c) = prefill(300);
+        let step = Step { query_lens: &q, context_lens: &c, num_decodes: 0 };
+        let mut config = cfg(16);
+        config.scratch_budget_bytes = (64 << 10) + (120 << 10);
+        config.execution.translated_indices = true;
+        assert!(matches!(model().predict(step, &config).unwrap().separate, Err(PlanError::BudgetTooSmall { .. })));
+        let choice = with_native(16, 500.0, 1.0).choose_route(step, &config).unwrap();
+        assert_eq!((choice.mode, choice.plan.prefill_heads), (StepMode::SeparatePrefillDecode, 16));
+        assert!(choice.plan.peak_bytes <= config.launch_budget_bytes());
+    }
+
+    #[test]
+    fn asking_for_native_heads_prices_them_only() {
+        let (q, c) = prefill(32_768);
+        let step = Step { query_lens: &q, context_lens: &c, num_decodes: 0 };
+        let native = cfg(16).with_native_prefill_heads(true);
+        // Native slower than padded, but asked for: priced and planned native.
+        let choice = with_native(16, 500.0, 1.0).choose_route(step, &native).unwrap();
+        assert_eq!(choice.prediction.separate.unwrap().prefill_heads, 16);
+        // A profile with no native table cannot price what is asked.
+        let err = model().check(&native).unwrap_err().to_string();
+        assert!(err.contains("no sparse_prefill table at 16 native heads"), "{err}");
+        model().check(&cfg(16)).unwrap();
+    }
+
+    #[test]
+    fn native_tables_are_for_sm90_prefill_only() {
+        let parse = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = synthetic();
+            f(&mut v);
+            CostModel::from_json(&v.to_string())
+        };
+        let m = parse(&|v| v["sparse_prefill"]["32"] = json!([[1, 5], [2, 6]])).unwrap();
+        assert_eq!(m.prefill_heads(), vec![32, 64, 128]);
+        assert!(m.prices_native_prefill(Gpu::h200(), 32) && !m.prices_native_prefill(Gpu::h200(), 16));
+        type Edit<'a> = &'a dyn Fn(&mut serde_json::Value);
+        let cases: [(Edit<'_>, &str); 4] = [
+            (&|v| {
+                v["arch"] = json!("sm100");
+                v["sparse_prefill"]["16"] = json!([[1, 5], [2, 6]]);
+            }, "sparse_prefill at 16 heads: native-head tables are for sm90 only"),
+            (&|v| v["sparse_prefill"]["48"] = json!([[1, 5], [2, 6]]), "heads must be 64 or 128 (or 16 or 32 on sm90"),
+            (&|v| v["sparse_prefill"]["8"] = json!([[1, 5], [2, 6]]), "got 8"),
+            (&|v| v["sparse_decode"]["16"] = json!([[1, 5], [2, 6]]), "sparse_decode: padded heads must be 64 or 128, got 16"),
+        ];
+        for (edit, needle) in cases {
+            let err = parse(edit).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+
+        /// Whatever the step, budget and native table: the separate route is priced at the
+        /// cheaper of padded and native heads, its plan is exactly `plan_step` at those heads and
+        /// fits the budget, and a profile without a native table never runs native heads.
+        #[test]
+        fn separate_route_takes_the_cheaper_heads(
+            reqs in proptest::collection::vec((1u64..40_000, 0u64..40_000), 1..5),
+            decodes in 0usize..3,
+            heads in proptest::prelude::prop_oneof![proptest::prelude::Just(16u32), proptest::prelude::Just(32)],
+            fixed in 0.0f64..1_000.0,
+            per_token in 0.0f64..2.0,
+            budget_mib in 8u64..4096,
+        ) {
+            let mut q: Vec<u64> = reqs.iter().map(|r| r.0).collect();
+            let c: Vec<u64> = reqs.iter().map(|r| r.1).collect();
+            let d = decodes.min(q.len());
+            for x in &mut q[..d] { *x = 1; }
+            let step = Step { query_lens: &q, context_lens: &c, num_decodes: d };
+            let mut config = cfg(heads);
+            config.scratch_budget_bytes = budget_mib << 20;
+            let native_model = with_native(heads, fixed, per_token);
+            for (m, has_native) in [(&native_model, true), (&model(), false)] {
+                let p = m.predict(step, &config).unwrap();
+                let Ok(sep) = p.separate else { continue };
+                if sep.prefill_launches == 0 {
+                    continue;
+                }
+                proptest::prop_assert!(has_native || sep.prefill_heads == 64, "{:?}", sep);
+                let plan = separate_at(step, &config, sep.prefill_heads == heads);
+                proptest::prop_assert!(plan.peak_bytes <= config.launch_budget_bytes());
+                let time = |native: bool| plan_step(step, &config.with_mode(StepMode::SeparatePrefillDecode).with_native_prefill_heads(native))
+                    .ok()
+                    .map(|plan| price(&m.tables(config.gpu, heads, 2048, native && has_native).unwrap(), &plan).total_us());
+                let (padded_us, native_us) = (time(false), if has_native { time(true) } else { None });
+                let best = padded_us.into_iter().chain(native_us).fold(f64::INFINITY, f64::min);
+                proptest::prop_assert!(close(sep.total_us(), best), "{:?} vs padded {:?} native {:?}", sep, padded_us, native_us);
+                if sep.prefill_heads == heads {
+                    proptest::prop_assert!(padded_us.map_or(true, |p| native_us.unwrap() < p), "a tie keeps padding");
+                }
+            }
         }
     }
 

@@ -134,6 +134,34 @@ pub fn prefill_padded_heads(num_heads: u32, arch: Arch) -> Result<u32> {
     Ok(num_heads.div_ceil(multiple) * multiple)
 }
 
+/// Head counts FlashMLA's SM90 BF16 sparse prefill kernel runs without
+/// padding in vLLM 0.33's build (besides its 64 and 128).
+pub const NATIVE_PREFILL_HEADS: [u32; 2] = [16, 32];
+
+/// Whether the sparse prefill kernel can run `num_heads` natively on `arch`
+/// (given a kernel build that has those kernels: vLLM 0.33's, not 0.26's).
+pub fn prefill_runs_native(num_heads: u32, arch: Arch) -> bool {
+    arch == Arch::Sm90 && NATIVE_PREFILL_HEADS.contains(&num_heads)
+}
+
+/// Heads the sparse prefill kernel runs: `num_heads` itself with `native`
+/// (refused where no kernel runs it), vLLM's padding otherwise.
+pub fn prefill_kernel_heads(num_heads: u32, arch: Arch, native: bool) -> Result<u32> {
+    if !native {
+        return prefill_padded_heads(num_heads, arch);
+    }
+    check_heads(num_heads)?;
+    if !prefill_runs_native(num_heads, arch) {
+        return Err(PlanError::InvalidArgument {
+            what: "native_prefill_heads",
+            rule: "off except at 16 or 32 heads per rank on sm90 (the head counts FlashMLA's prefill kernel \
+                   runs unpadded there); leave it off to pad q as vLLM does",
+            got: format!("{num_heads} heads on {}", arch.name()),
+        });
+    }
+    Ok(num_heads)
+}
+
 pub(crate) fn check_topk(topk: u32, multiple: u32, kernel: &'static str) -> Result<()> {
     if topk == 0 || topk % multiple != 0 {
         return Err(PlanError::InvalidArgument {
@@ -165,6 +193,14 @@ mod tests {
         assert_eq!(prefill_padded_heads(16, Arch::Sm90).unwrap(), 64);
         assert_eq!(prefill_padded_heads(96, Arch::Sm90).unwrap(), 128);
         assert_eq!(prefill_padded_heads(16, Arch::Sm100).unwrap(), 128);
+        for (heads, arch, native) in [(16, Arch::Sm90, Some(16)), (32, Arch::Sm90, Some(32)), (64, Arch::Sm90, None),
+                                      (24, Arch::Sm90, None), (16, Arch::Sm100, None), (32, Arch::Sm100, None)] {
+            assert_eq!(prefill_kernel_heads(heads, arch, true).ok(), native, "{heads} on {arch:?}");
+            assert_eq!(prefill_kernel_heads(heads, arch, false).unwrap(), prefill_padded_heads(heads, arch).unwrap());
+        }
+        let err = prefill_kernel_heads(16, Arch::Sm100, true).unwrap_err().to_string();
+        assert!(err.contains("native_prefill_heads") && err.contains("16 heads on sm100"), "{err}");
+        assert!(prefill_kernel_heads(0, Arch::Sm90, true).unwrap_err().to_string().contains("num_heads"));
     }
 
     #[test]

@@ -89,6 +89,13 @@ pub struct StepPlan {
     pub indexer_peak_bytes: u64,
     /// The gather workspace's bytes (allocated once, reserved by vLLM).
     pub gather_workspace_bytes: u64,
+    /// Heads the prefill launches run the kernel at: vLLM's padding, or the
+    /// query heads themselves where the plan was made for native heads. The
+    /// executor pads q (and sizes the kernel's output) to exactly this.
+    pub prefill_heads: u32,
+    /// The prefill launches write straight into the step's output (the
+    /// kernel takes `out=` and runs the query heads unpadded).
+    pub prefill_writes_in_place: bool,
 }
 
 impl StepPlan {
@@ -316,6 +323,8 @@ fn plan_launches(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
         gather_chunks,
         indexer_chunks,
         gather_workspace_bytes,
+        prefill_heads: cfg.prefill_heads(),
+        prefill_writes_in_place: cfg.prefill_writes_in_place(),
     })
 }
 
@@ -477,6 +486,7 @@ fn prefill_shape(cfg: &StepConfig, s_q: u64, in_place: bool) -> PrefillShape {
         topk: cfg.topk,
         out_preallocated: in_place,
         translated_indices: cfg.execution.translated_indices,
+        native_heads: cfg.execution.native_prefill_heads,
     }
 }
 
@@ -578,6 +588,37 @@ mod tests {
     }
 
     #[test]
+    fn native_prefill_heads_size_the_separate_plan() {
+        // One 65,536-token prefill on 1 GiB: at 64 padded heads a launch holds padded q and the
+        // kernel's output; at 16 or 32 native heads it writes in place and holds neither.
+        let step = Step { query_lens: &[1, 65536], context_lens: &[10, 0], num_decodes: 1 };
+        for heads in [16, 32] {
+            let padded_cfg = cfg(heads, KvDtype::Fp8).with_mode(StepMode::SeparatePrefillDecode);
+            let native_cfg = padded_cfg.with_native_prefill_heads(true);
+            let padded = plan_step(step, &padded_cfg).unwrap();
+            let native = plan_step(step, &native_cfg).unwrap();
+            assert_eq!((padded.prefill_heads, native.prefill_heads), (64, heads));
+            assert!(!padded.prefill_writes_in_place && native.prefill_writes_in_place);
+            let longest = |p: &StepPlan| p.longest_launch(Kernel::SparsePrefill);
+            assert!(longest(&native) > longest(&padded), "{heads}: {} <= {}", longest(&native), longest(&padded));
+            let prefill_bytes = |p: &StepPlan| p.launches.iter().filter(|l| l.kernel == Kernel::SparsePrefill).map(|l| l.bytes).max().unwrap();
+            let per_token = |p: &StepPlan| prefill_bytes(p) as f64 / longest(p) as f64;
+            assert!(per_token(&native) * 2.0 < per_token(&padded), "{heads}: {} vs {}", per_token(&native), per_token(&padded));
+            assert!(native.peak_bytes <= native_cfg.scratch_budget_bytes);
+            // The launches' bytes are those of the kernel at native heads, not re-derived elsewhere.
+            let l = native.launches.iter().find(|l| l.kernel == Kernel::SparsePrefill).unwrap();
+            let own = prefill_scratch(Gpu::h200().arch, prefill_shape(&native_cfg, l.len(), true)).unwrap();
+            assert_eq!(own.get("q_padded") + own.get("out"), 0);
+            assert_eq!(l.bytes, own.total().unwrap());
+        }
+        // The mixed route runs no prefill kernel; a plan still says what a prefill launch would run.
+        let mixed = plan_step(step, &cfg(16, KvDtype::Fp8).with_native_prefill_heads(true)).unwrap();
+        assert_eq!((mixed.mode, mixed.prefill_heads), (StepMode::MixedBatch, 16));
+        let err = plan_step(step, &cfg(64, KvDtype::Fp8).with_native_prefill_heads(true)).unwrap_err().to_string();
+        assert!(err.contains("native_prefill_heads"), "{err}");
+    }
+
+    #[test]
     fn dense_prefills_leave_only_decodes_sparse() {
         let plan = plan_step(Step { query_lens: &[1, 500], context_lens: &[9, 0], num_decodes: 1 }, &cfg(16, KvDtype::Fp8)).unwrap();
         assert_eq!(plan.prefill_groups[0].path, PrefillPath::DenseMha);
@@ -614,13 +655,14 @@ mod tests {
         fn launches_cover_sparse_tokens(
             reqs in prop::collection::vec((1u64..20_000, 0u64..40_000), 1..12),
             decodes in 0usize..4,
-            heads in prop_oneof![Just(16u32), Just(64), Just(128)],
+            heads in prop_oneof![Just(16u32), Just(32), Just(64), Just(128)],
             fp8 in any::<bool>(),
             sm100 in any::<bool>(),
             budget in (256u64 << 20)..(4 * GIB),
             translated in any::<bool>(),
             align_waves in any::<bool>(),
             takes_out in any::<bool>(),
+            native in any::<bool>(),
         ) {
             let mut q: Vec<u64> = reqs.iter().map(|r| r.0).collect();
             let c: Vec<u64> = reqs.iter().map(|r| r.1).collect();
@@ -629,14 +671,22 @@ mod tests {
             let mut config = cfg(heads, if fp8 { KvDtype::Fp8 } else { KvDtype::Bf16 });
             config.scratch_budget_bytes = budget;
             config.gather_workspace_rows = 30_000;
-            config.execution = Execution { translated_indices: translated, align_waves, decode_takes_out: takes_out, prefill_takes_out: takes_out };
             if sm100 {
                 config.gpu = Gpu::new(Arch::Sm100, 148).unwrap();
                 config.mask.available = true;
             }
+            let native_prefill_heads = native && crate::geometry::prefill_runs_native(heads, config.gpu.arch);
+            config.execution = Execution {
+                translated_indices: translated,
+                align_waves,
+                decode_takes_out: takes_out,
+                prefill_takes_out: takes_out,
+                native_prefill_heads,
+            };
             let plan = plan_step(Step { query_lens: &q, context_lens: &c, num_decodes: d }, &config).unwrap();
             let total: u64 = q.iter().sum();
             prop_assert_eq!(plan.num_tokens, total);
+            prop_assert_eq!(plan.prefill_heads, if native_prefill_heads { heads } else { config.prefill_padded_heads() });
             let mut count = vec![0u32; total as usize];
             for l in &plan.launches {
                 prop_assert!(!l.tokens.is_empty());

@@ -10,7 +10,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use mla_planner::error::{LaunchCount, MAX_LAUNCHES};
-use mla_planner::geometry::{decode_padded_heads, prefill_padded_heads, Arch, Gpu};
+use mla_planner::geometry::{decode_padded_heads, prefill_kernel_heads, Arch, Gpu};
 use mla_planner::limits::{max_tokens_per_launch, MAX_ROWS};
 use mla_planner::plan::{
     masked_mha_workspace_fits, plan_gather_chunks, plan_mixed_batch, plan_prefill_groups, prefill_launch_tokens, prefill_masks,
@@ -307,7 +307,7 @@ proptest! {
         if let Ok(bd) = decode_scratch(gpu, shape) {
             check_breakdown(&bd)?;
         }
-        let shape = PrefillShape { s_q, num_heads, topk, out_preallocated, translated_indices };
+        let shape = PrefillShape { s_q, num_heads, topk, out_preallocated, translated_indices, native_heads: mla_planner::geometry::prefill_runs_native(num_heads, gpu.arch) };
         if let Ok(bd) = prefill_scratch(gpu.arch, shape) {
             check_breakdown(&bd)?;
         }
@@ -320,11 +320,11 @@ proptest! {
     }
 
     #[test]
-    fn prefill_launch_tokens_any_sizes(arch in prop_oneof![Just(Arch::Sm90), Just(Arch::Sm100)], num_heads in heads(), topk in topk(), budget in huge(), flags in any::<(bool, bool)>()) {
-        let (out_preallocated, translated_indices) = flags;
-        let shape = PrefillShape { s_q: 0, num_heads, topk, out_preallocated, translated_indices };
+    fn prefill_launch_tokens_any_sizes(arch in prop_oneof![Just(Arch::Sm90), Just(Arch::Sm100)], num_heads in heads(), topk in topk(), budget in huge(), flags in any::<(bool, bool, bool)>()) {
+        let (out_preallocated, translated_indices, native_heads) = flags;
+        let shape = PrefillShape { s_q: 0, num_heads, topk, out_preallocated, translated_indices, native_heads };
         if let Ok((tokens, _)) = prefill_launch_tokens(arch, shape, budget) {
-            let cap = max_tokens_per_launch(prefill_padded_heads(num_heads, arch).unwrap()).0;
+            let cap = max_tokens_per_launch(prefill_kernel_heads(num_heads, arch, native_heads).unwrap()).0;
             prop_assert!(tokens >= 1 && tokens <= cap);
             let bytes = prefill_scratch(arch, PrefillShape { s_q: tokens, ..shape }).unwrap().total_bytes();
             prop_assert!(bytes <= budget);
@@ -441,7 +441,7 @@ fn scratch_totals_are_exact_or_refused() {
     let decode = DecodeShape { batch: 1, s_q: 50_000_000_000_000, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false };
     let err = decode_scratch(Gpu::h200(), decode).unwrap_err();
     assert!(matches!(err, PlanError::Overflow { .. }), "{err}");
-    let prefill = PrefillShape { s_q: 200_000_000_000_000, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false };
+    let prefill = PrefillShape { s_q: 200_000_000_000_000, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false, native_heads: false };
     let err = prefill_scratch(Arch::Sm90, prefill).unwrap_err();
     assert!(matches!(err, PlanError::Overflow { .. }), "{err}");
 }

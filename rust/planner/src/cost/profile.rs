@@ -7,7 +7,7 @@ use serde::Deserialize;
 
 use super::table::Table;
 use crate::error::{PlanError, Result};
-use crate::geometry::Arch;
+use crate::geometry::{prefill_runs_native, Arch, NATIVE_PREFILL_HEADS};
 
 /// The `format` a profile must name; bumped whenever the layout changes.
 pub const PROFILE_FORMAT: &str = "mla-planner.cost-profile/1";
@@ -17,7 +17,8 @@ pub const PROFILE_FORMAT: &str = "mla-planner.cost-profile/1";
 /// `mla_planner.routing`).
 pub const ENVIRONMENT_KEYS: [&str; 6] = ["gpu", "driver", "cuda", "torch", "kernels", "gather"];
 
-/// Head counts the FlashMLA sparse kernels run (queries are zero-padded up).
+/// Head counts the FlashMLA sparse kernels run with padding (queries are
+/// zero-padded up to one of them).
 const KERNEL_HEADS: [u32; 2] = [64, 128];
 
 type Points = Vec<[f64; 2]>;
@@ -35,7 +36,8 @@ struct ProfileJson {
     calibration: serde_json::Value,
     /// Padded heads -> decode kernel, `b = 1, s_q = tokens`.
     sparse_decode: BTreeMap<u32, Points>,
-    /// Padded heads -> BF16 prefill kernel by tokens.
+    /// Padded heads -> BF16 prefill kernel by tokens; on sm90 also 16 and 32
+    /// heads, where the kernel build runs them natively.
     sparse_prefill: BTreeMap<u32, Points>,
     /// FP8 cache rows -> BF16 workspace rows, by rows.
     gather_upconvert: Points,
@@ -57,16 +59,38 @@ fn bad(msg: impl Into<String>) -> PlanError {
     PlanError::CostProfile(msg.into())
 }
 
-fn tables(kernel: &str, by_heads: BTreeMap<u32, Points>) -> Result<BTreeMap<u32, Table>> {
+/// Which head counts a kernel's tables may be at: 64 and 128 for both; for
+/// the prefill kernel on sm90 also the counts it runs natively, and only
+/// those: a table at 16 heads says "this build runs 16 heads unpadded".
+fn check_table_heads(kernel: &str, heads: u32, arch: Arch) -> Result<()> {
+    if KERNEL_HEADS.contains(&heads) {
+        return Ok(());
+    }
+    let native = kernel == "sparse_prefill" && NATIVE_PREFILL_HEADS.contains(&heads);
+    if native && prefill_runs_native(heads, arch) {
+        return Ok(());
+    }
+    Err(bad(if native {
+        format!(
+            "{kernel} at {heads} heads: native-head tables are for sm90 only ({} pads the prefill kernel to 128); \
+             remove it or re-run `mla-planner calibrate`",
+            arch.name()
+        )
+    } else if kernel == "sparse_prefill" {
+        format!("{kernel}: heads must be 64 or 128 (or 16 or 32 on sm90, run natively), got {heads}")
+    } else {
+        format!("{kernel}: padded heads must be 64 or 128, got {heads}")
+    }))
+}
+
+fn tables(kernel: &str, by_heads: BTreeMap<u32, Points>, arch: Arch) -> Result<BTreeMap<u32, Table>> {
     if by_heads.is_empty() {
         return Err(bad(format!("{kernel} has no table")));
     }
     by_heads
         .into_iter()
         .map(|(heads, points)| {
-            if !KERNEL_HEADS.contains(&heads) {
-                return Err(bad(format!("{kernel}: padded heads must be 64 or 128, got {heads}")));
-            }
+            check_table_heads(kernel, heads, arch)?;
             let table = Table::new(&points).map_err(|e| bad(format!("{kernel} at {heads} heads: {e}")))?;
             Ok((heads, table))
         })
@@ -102,8 +126,8 @@ pub(super) fn parse(text: &str) -> Result<Parsed> {
         topk: p.topk,
         environment: p.environment,
         calibration: p.calibration,
-        decode: tables("sparse_decode", p.sparse_decode)?,
-        prefill: tables("sparse_prefill", p.sparse_prefill)?,
+        decode: tables("sparse_decode", p.sparse_decode, arch)?,
+        prefill: tables("sparse_prefill", p.sparse_prefill, arch)?,
         gather: Table::new(&p.gather_upconvert).map_err(|e| bad(format!("gather_upconvert: {e}")))?,
     })
 }

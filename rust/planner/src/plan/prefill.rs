@@ -4,7 +4,7 @@
 
 use super::Bound;
 use crate::error::{PlanError, Result};
-use crate::geometry::{prefill_padded_heads, Arch};
+use crate::geometry::{prefill_kernel_heads, Arch};
 use crate::limits::max_tokens_per_launch;
 use crate::scratch::{prefill_scratch, PrefillShape};
 
@@ -23,7 +23,7 @@ pub fn prefill_launch_tokens(arch: Arch, shape: PrefillShape, budget_bytes: u64)
             detail: "one token of the sparse prefill kernel (padded q, output, softmax statistics)".into(),
         });
     }
-    let (by_limit, limit) = max_tokens_per_launch(prefill_padded_heads(shape.num_heads, arch)?);
+    let (by_limit, limit) = max_tokens_per_launch(prefill_kernel_heads(shape.num_heads, arch, shape.native_heads)?);
     Ok(if by_limit < by_budget { (by_limit, Bound::Limit(limit)) } else { (by_budget, Bound::Budget) })
 }
 
@@ -32,7 +32,7 @@ mod tests {
     use super::*;
 
     fn shape(num_heads: u32, translated_indices: bool) -> PrefillShape {
-        PrefillShape { s_q: 0, num_heads, topk: 2048, out_preallocated: false, translated_indices }
+        PrefillShape { s_q: 0, num_heads, topk: 2048, out_preallocated: false, translated_indices, native_heads: false }
     }
 
     #[test]
@@ -51,6 +51,22 @@ mod tests {
         let (n, bound) = prefill_launch_tokens(Arch::Sm90, shape(64, false), 1 << 50).unwrap();
         assert!(matches!(bound, Bound::Limit(_)));
         assert_eq!(n, 58_254);
+    }
+
+    #[test]
+    fn native_heads_take_more_tokens_per_launch() {
+        // 16 native heads hold a quarter of the rows of 64 padded ones, and no padded q: more
+        // than four times the tokens fit; the int32 limit (by heads) moves up with them.
+        for heads in [16, 32] {
+            let padded = shape(heads, true);
+            let native = PrefillShape { native_heads: true, ..padded };
+            let (p, _) = prefill_launch_tokens(Arch::Sm90, padded, 1 << 30).unwrap();
+            let (n, _) = prefill_launch_tokens(Arch::Sm90, native, 1 << 30).unwrap();
+            assert!(n > p * (64 / u64::from(heads)), "{heads} heads: native {n}, padded {p}");
+            let (cap_native, _) = prefill_launch_tokens(Arch::Sm90, native, 1 << 50).unwrap();
+            let (cap_padded, _) = prefill_launch_tokens(Arch::Sm90, padded, 1 << 50).unwrap();
+            assert!(cap_native > cap_padded, "{cap_native} <= {cap_padded}");
+        }
     }
 
     #[test]

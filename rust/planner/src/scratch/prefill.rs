@@ -3,7 +3,7 @@
 
 use super::Breakdown;
 use crate::error::{mul, mul_count, Result};
-use crate::geometry::{check_topk, prefill_padded_heads, Arch, D_QK, D_V};
+use crate::geometry::{check_topk, prefill_kernel_heads, Arch, D_QK, D_V};
 
 /// One call of the sparse prefill kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,13 +16,16 @@ pub struct PrefillShape {
     /// in fresh tensors: `(s_q, topk)` int32 rows and `(s_q,)` int32 valid
     /// counts (vLLM's `triton_convert_req_index_to_global_index`).
     pub translated_indices: bool,
+    /// The kernel runs `num_heads` as they are (16 or 32 on SM90, in a
+    /// FlashMLA build that has those kernels) instead of vLLM's padding.
+    pub native_heads: bool,
 }
 
 /// Every buffer one sparse prefill call allocates. No split-KV scratch.
 pub fn prefill_scratch(arch: Arch, shape: PrefillShape) -> Result<Breakdown> {
-    let PrefillShape { s_q, num_heads, topk, out_preallocated, translated_indices } = shape;
+    let PrefillShape { s_q, num_heads, topk, out_preallocated, translated_indices, native_heads } = shape;
     check_topk(topk, 128, "topk of the sparse prefill kernel")?;
-    let h = u64::from(prefill_padded_heads(num_heads, arch)?);
+    let h = u64::from(prefill_kernel_heads(num_heads, arch, native_heads)?);
     let rows = mul("prefill rows (s_q x heads)", &[s_q, h])?;
     let mut bd = Breakdown::default();
     if u64::from(num_heads) < h {
@@ -53,7 +56,7 @@ mod tests {
     #[test]
     fn separate_path_transient_per_token() {
         // docs/kernels.md, "Sparse prefill": padded q + kernel out = 136 KiB/token at 64 heads.
-        let shape = PrefillShape { s_q: 1, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false };
+        let shape = PrefillShape { s_q: 1, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false, native_heads: false };
         let bd = prefill_scratch(Arch::Sm90, shape).unwrap();
         assert_eq!(bd.get("q_padded") + bd.get("out"), 136 * 1024);
         assert_eq!(bd.get("max_logits"), 256);
@@ -63,17 +66,31 @@ mod tests {
     fn outputs_only_with_out_given() {
         // docs/kernels.md, "Sparse prefill": 32768 tokens, out= given: 16 MiB (64 heads) / 32 (128).
         for (heads, mib) in [(64, 16), (128, 32)] {
-            let shape = PrefillShape { s_q: 32768, num_heads: heads, topk: 2048, out_preallocated: true, translated_indices: false };
+            let shape = PrefillShape { s_q: 32768, num_heads: heads, topk: 2048, out_preallocated: true, translated_indices: false, native_heads: false };
             let bd = prefill_scratch(Arch::Sm90, shape).unwrap();
             assert_eq!(bd.total_bytes(), mib << 20);
         }
     }
 
     #[test]
+    fn native_heads_hold_no_padded_q() {
+        // 16 heads native: no padded q; out, max_logits and lse at 16 rows per token, not 64.
+        let padded = PrefillShape { s_q: 1, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false, native_heads: false };
+        let native = PrefillShape { native_heads: true, ..padded };
+        let bd = prefill_scratch(Arch::Sm90, native).unwrap();
+        assert_eq!(bd.get("q_padded"), 0);
+        assert_eq!(bd.get("out"), 16 * D_V * 2);
+        assert_eq!(bd.get("lse"), 16 * 4);
+        assert_eq!(prefill_scratch(Arch::Sm90, padded).unwrap().get("out"), 64 * D_V * 2);
+        assert!(prefill_scratch(Arch::Sm100, native).is_err());
+        assert!(prefill_scratch(Arch::Sm90, PrefillShape { num_heads: 24, ..native }).is_err());
+    }
+
+    #[test]
     fn workspace_rows() {
         assert_eq!(gather_workspace_bytes(1).unwrap(), 1152);
         assert!(gather_workspace_bytes(u64::MAX).is_err());
-        let shape = PrefillShape { s_q: 1, num_heads: 16, topk: 64, out_preallocated: true, translated_indices: false };
+        let shape = PrefillShape { s_q: 1, num_heads: 16, topk: 64, out_preallocated: true, translated_indices: false, native_heads: false };
         assert!(prefill_scratch(Arch::Sm90, shape).is_err());
     }
 }
