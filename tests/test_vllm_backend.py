@@ -422,6 +422,49 @@ def test_decode_only_steps_carry_no_plan(mixed: Backend, gen: torch.Generator) -
     assert plan.launches[:, :2].tolist() == [[0, 3]]
 
 
+def test_decode_only_steps_of_several_tokens_each_are_planned(mixed: Backend, gen: torch.Generator) -> None:
+    """vLLM 0.33 counts a request of up to 128 query tokens as a decode at 16 heads, and its start-up
+    warm-up sends 32K such tokens through the decode kernel at once: a decode-only step that does not
+    fit one launch of the budget runs in the plan's launches, as a step with prefills does."""
+    mixed.builder.reorder_batch_threshold = 128  # 0.33's at 16 heads (0.26: 1)
+    lens, contexts = [100] * 9, [0, 5, 300, 40, 0, 1000, 7, 64, 129]
+    case = mixed.step(lens, contexts, gen)
+    md, q = case["metadata"], case["q"]
+    assert md.num_prefills == 0 and md.num_decodes == 9
+    assert md.planned is not None and len(md.planned.plan) > 1, "900 tokens exceed one launch of the test budget"
+    mixed.topk_buffer[: q.shape[0]] = case["positions"]
+    out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md))
+    torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
+    assert mixed.kernels.decode_calls == [], "stock's single call must not run"
+    assert len(mixed.provider.launch_q) == len(md.planned.plan)
+
+
+def test_decode_only_steps_of_several_tokens_each_are_planned_on_the_separate_route(separate: Backend,
+                                                                                   gen: torch.Generator) -> None:
+    """The same at 32 heads, where vLLM's rule takes the separate route: the decodes run in the
+    plan's decode launches, never stock's one call."""
+    separate.builder.reorder_batch_threshold = 128  # 0.33's at 32 heads
+    lens, contexts = [40] * 12, [0, 5, 300, 40, 0, 1000, 7, 64, 129, 3, 900, 50]
+    case = separate.step(lens, contexts, gen)
+    md, q = case["metadata"], case["q"]
+    assert md.num_prefills == 0 and not md.fp8_use_mixed_batch
+    assert md.planned is not None and len(md.planned.plan) > 1, "480 tokens at 32 heads exceed one launch of the budget"
+    separate.topk_buffer[: q.shape[0]] = case["positions"]
+    out = forward_out(separate.impl._forward_fp8_kv_separate_prefill_decode(
+        q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md))
+    torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
+    assert separate.kernels.decode_calls == [], "stock's single call must not run"
+
+
+def test_short_decode_steps_are_planned_where_they_can_outgrow_a_launch(mixed: Backend) -> None:
+    """16 one-token decodes (the test's max_num_seqs) fit one launch of the 64 MiB test budget, so
+    decode-only steps of up to 16 tokens run stock's code unplanned; 1,024 of them (vLLM's default
+    max_num_seqs) would not, and then every decode-only step is planned."""
+    assert mixed.builder.stock_decode_tokens == mixed.config.scheduler_config.max_num_seqs == 16
+    mixed.config.scheduler_config.max_num_seqs = 1024
+    assert mixed.builder._stock_decode_tokens(mixed.config) == 0
+
+
 def test_mixed_batch_impl_runs_the_planned_launches(mixed: Backend, gen: torch.Generator) -> None:
     case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
     md, q = case["metadata"], case["q"]
@@ -569,15 +612,20 @@ ROUTING_PROFILE = {
 }
 
 
-@pytest.fixture
-def routed(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
+def profiled(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, profile: dict[str, Any]) -> Iterator[Backend]:
+    """A 16-head backend routed by ``profile``."""
     import json
 
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps(ROUTING_PROFILE))
+    path.write_text(json.dumps(profile))
     backend = Backend(tmp_path, monkeypatch, num_heads=16, cost_profile=path)
     yield backend
     backend.close()
+
+
+@pytest.fixture
+def routed(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
+    yield from profiled(tmp_path, monkeypatch, ROUTING_PROFILE)
 
 
 def test_cost_profile_puts_a_16_head_prefill_on_the_separate_route(routed: Backend, gen: torch.Generator) -> None:
@@ -604,13 +652,7 @@ NATIVE_PROFILE = dict(ROUTING_PROFILE, sparse_prefill={
 
 @pytest.fixture
 def native_routed(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
-    import json
-
-    path = tmp_path / "profile.json"
-    path.write_text(json.dumps(NATIVE_PROFILE))
-    backend = Backend(tmp_path, monkeypatch, num_heads=16, cost_profile=path)
-    yield backend
-    backend.close()
+    yield from profiled(tmp_path, monkeypatch, NATIVE_PROFILE)
 
 
 def prefill_rows(plan: mla_planner.StepPlan) -> list[list[int]]:

@@ -37,6 +37,7 @@ import functools
 import logging
 from typing import Any, NamedTuple, cast
 
+import numpy as np
 import torch
 from vllm import _custom_ops as ops
 from vllm.config import VllmConfig, get_current_vllm_config
@@ -133,7 +134,8 @@ class PlannedStep:
 @dataclasses.dataclass
 class PlannedFlashMLASparseMetadata(FlashMLASparseMetadata):
     planned: PlannedStep | None = None
-    """FP8 steps with prefill tokens: the plan the impl executes."""
+    """FP8 steps with prefill tokens, or decodes of several tokens each: the plan the impl
+    executes."""
 
 
 class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
@@ -176,6 +178,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
                                 self.cost_profile or "(packaged)", self.step_config.num_heads, vllm_api.VLLM_VERSION,
                                 routing.VLLM_RULE)
             self.cost_model = None
+        self.stock_decode_tokens = self._stock_decode_tokens(vllm_config) if self.plans_steps else 0
         if self.plans_steps:
             # A cost profile may route a step either way; vLLM's rule takes one route.
             warmup.expect_routes({"mixed_batch", "separate_prefill_decode"} if self.cost_model is not None
@@ -204,7 +207,8 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         if vllm_api.MASKED_MHA and metadata.prefill is not None:
             # Masked MHA needs a non-quantized cache: no FP8 step has a plan from both.
             masked_mha.attach_plan(self, metadata, common_attn_metadata)
-        if not self.plans_steps or metadata.num_prefills == 0:
+        if not self.plans_steps or (metadata.num_prefills == 0
+                                    and common_attn_metadata.num_actual_tokens <= self.stock_decode_tokens):
             return metadata
         plan = self.plan(metadata, common_attn_metadata)
         mixed = self.mixed_executor if plan.mode == "mixed_batch" else None
@@ -213,6 +217,18 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             logger.debug("mla-planner step: %d tokens, %s, %d launches, peak %d B, bound %s",
                          plan.num_tokens, plan.mode, len(plan), plan.peak_bytes, plan.bound)
         return metadata
+
+    def _stock_decode_tokens(self, vllm_config: VllmConfig) -> int:
+        """The decode-only steps that run stock's code unplanned: those of at most ``max_num_seqs``
+        tokens (every step of a chat's decode phase, and the CUDA graphs vLLM captures for them),
+        where that many one-token decodes are one decode launch in the budget; 0 where they are
+        not. Longer ones are planned like any step: vLLM 0.33 counts uniform requests of up to 128
+        query tokens as decodes at 16 heads, and its start-up warm-up sends 32,768 such tokens
+        through the decode kernel at once (8 GiB of accumulators in stock's one call)."""
+        n = vllm_config.scheduler_config.max_num_seqs
+        topk = self.step_config.topk
+        plan = mla_planner.plan_step(np.ones(n, np.int64), np.full(n, topk, np.int64), n, self.step_config)
+        return n if len(plan) == 1 else 0
 
     def plan(self, metadata: PlannedFlashMLASparseMetadata, common: CommonAttentionMetadata) -> mla_planner.StepPlan:
         """The step's plan, with vLLM's FP8 metadata rebuilt for its route where that is not the
@@ -439,7 +455,10 @@ class SeparateStep:
         self.pages, self.block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
         self.provider = step.provider
 
-    def translate(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    def translate(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Slots and valid counts; a decode-only step has no prefill workspace, and no counts."""
+        if self.fp8.prefill is None:
+            return cast(torch.Tensor, translate_indices(self.md, self.topk_indices, rows, self.block_stride_rows)), None
         return cast(tuple[torch.Tensor, torch.Tensor],
                     translate_indices(self.md, self.topk_indices, rows, self.block_stride_rows, self.fp8.prefill))
 
@@ -452,15 +471,16 @@ class SeparateStep:
         # 0.33's stock writes the step's output into its workspace, so it allocates none: this
         # route must not either (the budget does not count the output).
         out = view_or_new(views.compact_out, out_shape, q)
-        assert self.fp8.prefill is not None
-        chunks = self.fp8.prefill.chunks
-        prefill_call = PaddedPrefill(self.impl, self.step.plan, q, self.step.longest_prefill, views)
+        prefill_call: PaddedPrefill | None = None  # a decode-only step has none
         gathered = -1
         for rows, kernel, batch, chunk_index in self.step.launches:
             if kernel == "sparse_decode":
                 self.decode(q[rows], rows, batch, out[rows])
                 continue
-            chunk = chunks[chunk_index]
+            assert self.fp8.prefill is not None
+            if prefill_call is None:
+                prefill_call = PaddedPrefill(self.impl, self.step.plan, q, self.step.longest_prefill, views)
+            chunk = self.fp8.prefill.chunks[chunk_index]
             workspace = gather_workspace[: chunk.chunk_tot_seqlen]
             if chunk_index != gathered:
                 ops.cp_gather_and_upconvert_fp8_kv_cache(
@@ -468,6 +488,7 @@ class SeparateStep:
                 )
                 gathered = chunk_index
             indices, lengths = self.translate(rows)
+            assert lengths is not None
             prefill_call(q[rows], workspace, indices, lengths, out[rows])
         return out
 

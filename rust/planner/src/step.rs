@@ -131,13 +131,13 @@ impl Step<'_> {
                 got: self.num_decodes.to_string(),
             });
         }
-        // vLLM's decodes share one query length: 1, or 1 + speculative tokens.
+        // vLLM's decodes share one query length (FlashMLA sparse requires uniform decodes).
         let decodes = &self.query_lens[..self.num_decodes];
         if let Some(&first) = decodes.first() {
             if first == 0 || decodes.iter().any(|&q| q != first) || first > MAX_DECODE_QUERY_LEN {
                 return Err(PlanError::InvalidArgument {
                     what: "decode query lengths",
-                    rule: "one length for every decode, between 1 and 64 (1 + speculative tokens); longer requests are prefills",
+                    rule: "one length for every decode, between 1 and 1024 (vLLM's decode threshold); longer requests are prefills",
                     got: format!("{:?}", &decodes[..decodes.len().min(8)]),
                 });
             }
@@ -166,8 +166,11 @@ impl Step<'_> {
     }
 }
 
-/// The longest decode query vLLM schedules: 1 + speculative tokens.
-pub const MAX_DECODE_QUERY_LEN: u64 = 64;
+/// The longest decode query vLLM schedules. vLLM 0.33's FlashMLA sparse builder counts a request
+/// as a decode up to a threshold of 128 to 1,024 query tokens (by heads and architecture; 128 at 16
+/// heads on SM90), one length for all (its start-up warm-up: 1,024 requests of 32); vLLM 0.26's,
+/// up to 1 + speculative tokens.
+pub const MAX_DECODE_QUERY_LEN: u64 = 1024;
 
 /// Balanced cut of `total` items into the fewest pieces of at most `max_len`
 /// (lengths differ by at most one).
