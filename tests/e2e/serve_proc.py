@@ -212,8 +212,13 @@ class Server:
         self.stopped: dict[str, Any] | None = None
 
     def start(self) -> None:
-        if not port_free(self.spec.port):
-            raise RuntimeError(f"port {self.spec.port} is taken: another server still running?")
+        # A port can be held for a moment by something short-lived (a process forked while a probe
+        # socket was open, a client's ephemeral port): only one still taken after 2 s is a server.
+        deadline = time.monotonic() + 2
+        while not port_free(self.spec.port):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"port {self.spec.port} is taken: another server still running?")
+            time.sleep(0.1)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:  # the child keeps its own descriptor
             self.proc = spawn(self.cmd, log, self.env)
