@@ -3,17 +3,19 @@
 Subclasses vLLM's ``FlashMLASparse*`` classes and changes only what the plan changes:
 
 * the builder holds one :class:`~mla_planner.StepConfig` for the engine (:mod:`.engine_config`)
-  and, once per step with prefill tokens, plans it on the CPU (:func:`mla_planner.routing.plan_step`:
-  the cost model's faster FP8 route where a profile measured on this machine exists, vLLM's rule
-  otherwise) and attaches the :class:`~mla_planner.StepPlan` to the step's metadata, shared by
-  every layer;
+  and, once per step with prefill tokens (or a long decode-only one, below), plans it on the CPU
+  (:func:`mla_planner.routing.plan_step`: the cost model's faster FP8 route where a profile
+  measured on this machine exists, vLLM's rule otherwise) and attaches the
+  :class:`~mla_planner.StepPlan` to the step's metadata, shared by every layer;
 * the impl runs that plan's launches, one kernel call each, and nothing else decides a launch
   boundary: mixed-batch steps through :class:`~mla_planner.executor.MixedBatchExecutor`, separate
   steps through :class:`SeparateStep` (decode batches, then each gather chunk's prefill launches);
   a plan of one launch is the one kernel call stock's forward makes for the step, so stock's
   code runs it, unchanged (:meth:`PlannedFlashMLASparseImpl.runs_stock_call`);
-* BF16-KV steps and decode-only steps run stock code (a decode-only step's plan is stock's one
-  call, as the CPU tests check), except, on vLLM 0.33, a step whose masked-MHA prefills do not fit
+* decode-only steps of at most ``max_num_seqs`` tokens run stock code where that many one-token
+  decodes are one launch (the builder checks once); longer ones, which vLLM 0.33's decode
+  threshold (128 to 1,024 query tokens, by heads and GPU) allows, are planned like any step;
+* BF16-KV steps run stock code, except, on vLLM 0.33, a step whose masked-MHA prefills do not fit
   vLLM's mask workspace together: the builder plans them in the planner's groups and the impl's
   ``forward_mha`` runs those that fit as masked MHA, group by group, and only the rest on sparse
   MQA, where stock runs them all on sparse MQA (:mod:`.masked_mha`).
@@ -493,7 +495,7 @@ class SeparateStep:
         return out
 
     def decode(self, q: torch.Tensor, rows: slice, batch: int, out: torch.Tensor) -> None:
-        """One decode launch of ``batch`` requests of equal query length (1 + speculative tokens):
+        """One decode launch of ``batch`` requests of equal query length (vLLM's decodes are uniform):
         q zero-padded to the kernel's heads for this launch, as the plan's bytes count it."""
         config = self.step.config
         s_q = q.shape[0] // batch
