@@ -135,6 +135,12 @@ def run_phase(args: argparse.Namespace) -> int:
     def save() -> None:
         write_json(path, data)
 
+    clients = None
+    if args.phase in ("ab", "soak"):
+        # The clients' imports happen meanwhile, and the forkserver's spawn (a fork of this process)
+        # is over before any port is probed: a child holding a probe socket would make it look taken.
+        clients = serve_bench.Clients(args.python, args.fake_bench, client_env())
+        clients.warm()
     model_dir = served_model_dir(out / "model", model_with_heads(args.model, args.heads, out))
     try:
         data["tokenizer"] = check_tokenizer(model_dir)
@@ -146,10 +152,6 @@ def run_phase(args: argparse.Namespace) -> int:
     print(f"{args.phase}: tokenizer ok ({data['tokenizer']['class']}, {data['tokenizer']['len']} tokens); "
           f"results in {path}", flush=True)
     save()
-    clients = None
-    if args.phase in ("ab", "soak"):  # their clients' imports happen while their servers start
-        clients = serve_bench.Clients(args.python, args.fake_bench, client_env())
-        clients.warm()
     ctx = sp.Ctx(out=out, python=args.python, model_dir=model_dir, deadline=start + args.deadline_s,
                  port_base=args.port_base, scratch_mb=args.scratch_mb, tp=args.tp, start_timeout_s=args.start_timeout_s,
                  request_timeout_s=args.request_timeout_s, fake_server=args.fake_server, clients=clients)
