@@ -9,8 +9,8 @@ not), on the word-level tokenizer's words (``w<id>``). It logs the lines the dri
 the plugin's budget). Like e2e_fakes, stock (FLASHMLA_SPARSE) at gpu_memory_utilization >= 0.95
 "runs out of memory" when more than 16,384 prompt tokens are in flight at once: it logs a CUDA OOM,
 answers 500 and exits, as a server whose engine died. The environment steers start-up:
-FAKE_SERVE_START_S (seconds before it listens, default 0.2), FAKE_SERVE_EXIT_AT_START=1 (exits with
-an error instead). ``bench`` writes a result JSON shaped like bench's: every prompt completed if the
+FAKE_SERVE_START_S (seconds before it listens, default 0.2), FAKE_SERVE_EXIT_AT_START=1 (logs a CUDA
+OOM and exits with an error instead). ``bench`` writes a result JSON shaped like bench's: every prompt completed if the
 server's /health answers 200, none otherwise. No number either produces means anything.
 """
 
@@ -135,6 +135,8 @@ def serve(argv: list[str]) -> int:
     server = FakeServer(args)
     server.log(f"INFO fake vllm serve {args.model} on port {args.port}, backend {args.attention_backend}")
     if os.environ.get("FAKE_SERVE_EXIT_AT_START") == "1":
+        # as stock vLLM 0.33 at 0.95 on the H200: its warm-up step runs out of memory
+        server.log("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB.")
         server.log("RuntimeError: fake start-up failure")
         return 3
     kv_gib = 60.0 - (1.0 if args.attention_backend == "CUSTOM" else 0.0)

@@ -187,17 +187,21 @@ def boundary_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
 def failrate_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
     trials = data.get("trials", [])
     engine = data.get("run", {}).get("engine")
-    lines = ["| util | trials run | 32K prompt finished | failed | engine died | CUDA OOM in log | first error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| util | trials run | 32K prompt finished | failed at start-up | failed on the 32K prompt "
+             "| engine died | CUDA OOM in log | first error |",
+             "|---|---|---|---|---|---|---|---|"]
     summary = []
     for util in sorted({t["util"] for t in trials}):
         ts = [t for t in trials if t["util"] == util and t.get("status") not in ("not run", None)]
         ok = sum(t["status"] == "ok" for t in ts)
+        at_start = sum(t["status"] == "startup failed" for t in ts)
+        on_prompt = len(ts) - ok - at_start
         died = sum(bool(t.get("engine_died")) for t in ts)
         oom = sum(bool(t.get("oom_in_log")) for t in ts)
         error = next((t.get("case", {}).get("error") or t.get("status") for t in ts if t["status"] != "ok"), "")
-        lines.append(f"| {util} | {len(ts)} | {ok} | {len(ts) - ok} | {died} | {oom} | {_cell(error, 100)} |")
-        summary.append(f"failrate ({engine}) at {util}: {len(ts) - ok} of {len(ts)} failed, engine died in {died}")
+        lines.append(f"| {util} | {len(ts)} | {ok} | {at_start} | {on_prompt} | {died} | {oom} | {_cell(error, 100)} |")
+        summary.append(f"failrate ({engine}) at {util}: {len(ts) - ok} of {len(ts)} failed ({at_start} at start-up, "
+                       f"{on_prompt} on the 32K prompt), engine died in {died}")
     skipped = [t["label"] for t in trials if t.get("status") == "not run"]
     if skipped:
         lines += ["", f"Not run (deadline): {', '.join(skipped)}."]

@@ -343,14 +343,20 @@ def test_failrate_phase(tmp_path: Path) -> None:
         assert (t["status"], t["engine_died"], t["oom_in_log"]) == (("ok", False, False) if t["util"] == 0.9
                                                                     else ("error", True, True))
     md = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert "failrate (stock) at 0.9: 0 of 2 failed, engine died in 0" in md
-    assert "failrate (stock) at 0.95: 2 of 2 failed, engine died in 2" in md
-    assert "| 0.95 | 2 | 0 | 2 | 2 | 2 | HTTP 500:" in md
-    r = driver(tmp_path, "--phase", "failrate", "--failrate-n", "1", "--failrate-utils", "0.95")  # adds to it
+    assert "failrate (stock) at 0.9: 0 of 2 failed (0 at start-up, 0 on the 32K prompt), engine died in 0" in md
+    assert "failrate (stock) at 0.95: 2 of 2 failed (0 at start-up, 2 on the 32K prompt), engine died in 2" in md
+    assert "| 0.95 | 2 | 0 | 0 | 2 | 2 | 2 | HTTP 500:" in md
+    # adds to it; this server fails its start-up (stock vLLM 0.33 at 0.95 on the H200 did, every time)
+    r = driver(tmp_path, "--phase", "failrate", "--failrate-n", "1", "--failrate-utils", "0.95",
+               env=dict(os.environ, FAKE_SERVE_EXIT_AT_START="1"))
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "failrate-stock.json").read_text())
     assert [t["label"] for t in data["trials"]][-2:] == ["failrate-stock-0.95-c1-2", "failrate-stock-0.95-c2-1"]
-    assert "failrate (stock) at 0.95: 3 of 3 failed, engine died in 3" in (tmp_path / serve_report.REPORT_MD).read_text()
+    last = data["trials"][-1]
+    assert (last["status"], last["engine_died"], last["oom_in_log"]) == ("startup failed", None, True)
+    md = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "failrate (stock) at 0.95: 3 of 3 failed (1 at start-up, 2 on the 32K prompt), engine died in 2" in md
+    assert "| 0.95 | 3 | 0 | 1 | 2 | 2 | 3 | HTTP 500:" in md
 
 
 def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
