@@ -34,6 +34,12 @@ done
 
 echo "==> cargo test (Rust planner)"
 cargo test --release --locked
+if cargo fmt --version >/dev/null 2>&1; then
+    echo "==> cargo fmt --check (rust/rustfmt.toml; \`cargo fmt\` fixes it)"
+    cargo fmt --check
+else
+    echo "==> cargo fmt --check not run: rustfmt is not installed (rustup component add rustfmt)"
+fi
 
 for version in $versions; do
     read -r venv _extra <<<"$(venv_for "$version")"

@@ -152,8 +152,26 @@ impl StepConfig {
             return Err(PyValueError::new_err("max_model_len must be at least 1"));
         }
         let base = match model_len {
-            Some(len) => core::StepConfig::vllm(gpu(arch, num_sms)?, heads(num_heads)?, topk, kv_dtype, budget, len, masked_mha, force_mqa),
-            None => core::StepConfig::vllm(gpu(arch, num_sms)?, heads(num_heads)?, topk, kv_dtype, budget, 1, masked_mha, force_mqa),
+            Some(len) => core::StepConfig::vllm(
+                gpu(arch, num_sms)?,
+                heads(num_heads)?,
+                topk,
+                kv_dtype,
+                budget,
+                len,
+                masked_mha,
+                force_mqa,
+            ),
+            None => core::StepConfig::vllm(
+                gpu(arch, num_sms)?,
+                heads(num_heads)?,
+                topk,
+                kv_dtype,
+                budget,
+                1,
+                masked_mha,
+                force_mqa,
+            ),
         }
         .py()?;
         let rows = |obj: Option<&Bound<'_, PyAny>>, name: &str, derived: u64| -> PyResult<u64> {
@@ -168,7 +186,11 @@ impl StepConfig {
         let defaults = self::execution(execution)?;
         let inner = core::StepConfig {
             gather_workspace_rows: rows(gather_workspace_rows, "gather_workspace_rows", base.gather_workspace_rows)?,
-            indexer_workspace_rows: rows(indexer_workspace_rows, "indexer_workspace_rows", base.indexer_workspace_rows)?,
+            indexer_workspace_rows: rows(
+                indexer_workspace_rows,
+                "indexer_workspace_rows",
+                base.indexer_workspace_rows,
+            )?,
             indexer_logits_bytes: count_or(indexer_logits_bytes, "indexer_logits_bytes", base.indexer_logits_bytes)?,
             mask: MaskConfig {
                 workspace_bytes: count_or(mask_workspace_bytes, "mask_workspace_bytes", GLOBAL_TOPK_MASK_MAX_BYTES)?,
@@ -254,7 +276,8 @@ impl StepConfig {
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let d = self.to_dict(py)?;
-        let parts: Vec<String> = d.iter().map(|(k, v)| format!("{k}={}", v.repr().map(|r| r.to_string()).unwrap_or_default())).collect();
+        let parts: Vec<String> =
+            d.iter().map(|(k, v)| format!("{k}={}", v.repr().map(|r| r.to_string()).unwrap_or_default())).collect();
         Ok(format!("StepConfig({})", parts.join(", ")))
     }
 }

@@ -102,7 +102,12 @@ pub(crate) fn gpu(arch: &str, num_sms: Option<&Bound<'_, PyAny>>) -> PyResult<Gp
     Gpu::new(arch.parse::<Arch>().py()?, sms).py()
 }
 
-pub(crate) fn table<'py>(py: Python<'py>, rows: usize, cols: usize, flat: Vec<i64>) -> PyResult<Bound<'py, PyArray2<i64>>> {
+pub(crate) fn table<'py>(
+    py: Python<'py>,
+    rows: usize,
+    cols: usize,
+    flat: Vec<i64>,
+) -> PyResult<Bound<'py, PyArray2<i64>>> {
     let arr = Array2::from_shape_vec((rows, cols), flat).map_err(|e| PyValueError::new_err(e.to_string()))?;
     Ok(arr.into_pyarray(py))
 }
@@ -141,7 +146,10 @@ pub(crate) fn gather_rows(chunks: &[GatherChunk], offset: i64) -> (usize, Vec<i6
     (chunks.len(), flat)
 }
 
-pub(crate) fn prefill_requests(query_lens: &Bound<'_, PyAny>, context_lens: &Bound<'_, PyAny>) -> PyResult<Vec<PrefillRequest>> {
+pub(crate) fn prefill_requests(
+    query_lens: &Bound<'_, PyAny>,
+    context_lens: &Bound<'_, PyAny>,
+) -> PyResult<Vec<PrefillRequest>> {
     let q = lengths(query_lens, "query_lens")?;
     let c = lengths(context_lens, "context_lens")?;
     if q.len() != c.len() {

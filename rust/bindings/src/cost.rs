@@ -169,7 +169,10 @@ fn text_of(obj: &Bound<'_, PyAny>) -> PyResult<String> {
         return String::from_utf8(b.as_bytes().to_vec())
             .map_err(|e| PyValueError::new_err(format!("cost profile: not UTF-8 text: {e}")));
     }
-    Err(PyValueError::new_err(format!("cost profile: expected JSON text (str or bytes), got {}", crate::convert::repr(obj))))
+    Err(PyValueError::new_err(format!(
+        "cost profile: expected JSON text (str or bytes), got {}",
+        crate::convert::repr(obj)
+    )))
 }
 
 #[pymethods]
@@ -227,15 +230,21 @@ impl CostModel {
             ("sparse_decode" | "sparse_prefill", None) => {
                 return Err(PyValueError::new_err(format!("{kernel} needs padded_heads (64 or 128)")))
             }
-            ("sparse_decode", Some(h)) => u32::try_from(h).ok().and_then(|h| self.inner.kernel_table(Kernel::SparseDecode, h)),
-            ("sparse_prefill", Some(h)) => u32::try_from(h).ok().and_then(|h| self.inner.kernel_table(Kernel::SparsePrefill, h)),
+            ("sparse_decode", Some(h)) => {
+                u32::try_from(h).ok().and_then(|h| self.inner.kernel_table(Kernel::SparseDecode, h))
+            }
+            ("sparse_prefill", Some(h)) => {
+                u32::try_from(h).ok().and_then(|h| self.inner.kernel_table(Kernel::SparsePrefill, h))
+            }
             _ => {
                 return Err(PyValueError::new_err(format!(
                     "kernel must be \"sparse_decode\", \"sparse_prefill\" or \"gather_upconvert\", got {kernel:?}"
                 )))
             }
         };
-        let table = table.ok_or_else(|| PyValueError::new_err(format!("the profile has no {kernel} table at {} padded heads", heads.unwrap_or(0))))?;
+        let table = table.ok_or_else(|| {
+            PyValueError::new_err(format!("the profile has no {kernel} table at {} padded heads", heads.unwrap_or(0)))
+        })?;
         Ok(table.micros(size))
     }
 

@@ -59,7 +59,9 @@ fn kernel(name: &str) -> PyResult<Kernel> {
     match name {
         "sparse_decode" => Ok(Kernel::SparseDecode),
         "sparse_prefill" => Ok(Kernel::SparsePrefill),
-        _ => Err(PyValueError::new_err(format!("kernel must be \"sparse_decode\" or \"sparse_prefill\", got {name:?}"))),
+        _ => {
+            Err(PyValueError::new_err(format!("kernel must be \"sparse_decode\" or \"sparse_prefill\", got {name:?}")))
+        }
     }
 }
 

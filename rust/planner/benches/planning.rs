@@ -39,7 +39,15 @@ fn bench(c: &mut Criterion) {
     }
     group.finish();
 
-    let cfg = MixedBatchConfig { gpu: Gpu::h200(), num_heads: 16, topk: 2048, budget_bytes: 1 << 30, out_preallocated: true, translated_indices: false, align_waves: false };
+    let cfg = MixedBatchConfig {
+        gpu: Gpu::h200(),
+        num_heads: 16,
+        topk: 2048,
+        budget_bytes: 1 << 30,
+        out_preallocated: true,
+        translated_indices: false,
+        align_waves: false,
+    };
     c.bench_function("plan_mixed_batch/32768", |b| b.iter(|| plan_mixed_batch(black_box(32768), &cfg).unwrap()));
 }
 

@@ -284,7 +284,8 @@ mod tests {
     #[test]
     fn refuses_what_no_plan_can_use() {
         for heads in [0, 129, 1_000_000_000] {
-            let err = StepConfig::vllm(Gpu::h200(), heads, 2048, KvDtype::Fp8, 1 << 30, 1000, false, false).unwrap_err();
+            let err =
+                StepConfig::vllm(Gpu::h200(), heads, 2048, KvDtype::Fp8, 1 << 30, 1000, false, false).unwrap_err();
             assert!(err.to_string().contains("num_heads"), "{err}");
         }
         assert!(StepConfig::vllm(Gpu::h200(), 16, 2048, KvDtype::Fp8, 1 << 10, 1000, false, false).is_err());

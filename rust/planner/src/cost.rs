@@ -156,7 +156,9 @@ impl CostModel {
 
     fn tables(&self, gpu: Gpu, num_heads: u32, topk: u32, native_prefill: bool) -> Result<Tables<'_>> {
         let mismatch = |what: String| {
-            PlanError::CostProfile(format!("{what}; calibrate this configuration (`mla-planner calibrate`) instead of reusing it"))
+            PlanError::CostProfile(format!(
+                "{what}; calibrate this configuration (`mla-planner calibrate`) instead of reusing it"
+            ))
         };
         if gpu.arch != self.arch || gpu.num_sms != self.num_sms {
             return Err(mismatch(format!(
@@ -172,12 +174,17 @@ impl CostModel {
         }
         let (dh, ph) = (decode_padded_heads(num_heads)?, prefill_kernel_heads(num_heads, gpu.arch, native_prefill)?);
         let missing = |kernel: &str, heads: u32, run: &str, have: Vec<u32>| {
-            mismatch(format!("has no {kernel} table at {heads} {run} heads ({num_heads} heads per rank); it has {have:?}"))
+            mismatch(format!(
+                "has no {kernel} table at {heads} {run} heads ({num_heads} heads per rank); it has {have:?}"
+            ))
         };
         let prefill_run = if native_prefill { "native" } else { "padded" };
         Ok(Tables {
             decode: self.decode.get(&dh).ok_or_else(|| missing("sparse_decode", dh, "padded", self.decode_heads()))?,
-            prefill: self.prefill.get(&ph).ok_or_else(|| missing("sparse_prefill", ph, prefill_run, self.prefill_heads()))?,
+            prefill: self
+                .prefill
+                .get(&ph)
+                .ok_or_else(|| missing("sparse_prefill", ph, prefill_run, self.prefill_heads()))?,
             gather: &self.gather,
         })
     }
@@ -240,7 +247,8 @@ impl CostModel {
         let mut separate = route(separate_cfg, tables.prefill);
         // The separate route at native prefill heads, where the profile says this kernel build
         // runs them: taken only when strictly cheaper, or when padded does not fit and it does.
-        let native_table = self.prefill.get(&cfg.num_heads).filter(|_| self.prices_native_prefill(cfg.gpu, cfg.num_heads));
+        let native_table =
+            self.prefill.get(&cfg.num_heads).filter(|_| self.prices_native_prefill(cfg.gpu, cfg.num_heads));
         if let (false, Some(table)) = (cfg.execution.native_prefill_heads, native_table) {
             let native = route(separate_cfg.with_native_prefill_heads(true), table);
             separate = match (separate, native) {
@@ -251,7 +259,12 @@ impl CostModel {
         }
         // A step the planner refuses outright is refused by both routes alike.
         if let (Err(e), Err(_)) = (&mixed, &separate) {
-            if !matches!(e, PlanError::BudgetTooSmall { .. } | PlanError::TooManyLaunches { .. } | PlanError::WorkspaceTooSmall { .. }) {
+            if !matches!(
+                e,
+                PlanError::BudgetTooSmall { .. }
+                    | PlanError::TooManyLaunches { .. }
+                    | PlanError::WorkspaceTooSmall { .. }
+            ) {
                 return Err(e.clone());
             }
         }
@@ -452,7 +465,10 @@ mod tests {
             (CostModel::from_json("[]").unwrap_err().to_string(), "not a cost profile"),
             (edit(|v| v["format"] = json!("mla-planner.cost-profile/0")), "re-run"),
             (edit(|v| v["arch"] = json!("sm80")), "sm80"),
-            (edit(|v| v["environment"].as_object_mut().unwrap().remove("driver").map(drop).unwrap()), "environment.driver"),
+            (
+                edit(|v| v["environment"].as_object_mut().unwrap().remove("driver").map(drop).unwrap()),
+                "environment.driver",
+            ),
             (edit(|v| v["sparse_prefill"]["64"] = json!([[64, 5], [128, 4]])), "sparse_prefill at 64 heads: point 1"),
             (edit(|v| v["sparse_decode"] = json!({"32": [[1, 1], [2, 2]]})), "64 or 128"),
             (edit(|v| v["gather_upconvert"] = json!([[1, 1]])), "gather_upconvert: needs at least 2"),
@@ -493,7 +509,10 @@ mod tests {
             // The plan chosen is the native plan, launch for launch; the padded one is tighter.
             let (native, padded) = (separate_at(step, &config, true), separate_at(step, &config, false));
             assert_eq!(choice.plan, native);
-            assert_eq!(choice.config, config.with_mode(StepMode::SeparatePrefillDecode).with_native_prefill_heads(true));
+            assert_eq!(
+                choice.config,
+                config.with_mode(StepMode::SeparatePrefillDecode).with_native_prefill_heads(true)
+            );
             assert!(native.longest_launch(Kernel::SparsePrefill) > padded.longest_launch(Kernel::SparsePrefill));
             assert!(native.launches.len() < padded.launches.len(), "1 GiB splits 100,000 tokens at 64 padded heads");
             let per_token = |p: &StepPlan| p.peak_bytes as f64 / p.longest_launch(Kernel::SparsePrefill) as f64;
@@ -562,13 +581,19 @@ mod tests {
         assert!(m.prices_native_prefill(Gpu::h200(), 32) && !m.prices_native_prefill(Gpu::h200(), 16));
         type Edit<'a> = &'a dyn Fn(&mut serde_json::Value);
         let cases: [(Edit<'_>, &str); 4] = [
-            (&|v| {
-                v["arch"] = json!("sm100");
-                v["sparse_prefill"]["16"] = json!([[1, 5], [2, 6]]);
-            }, "sparse_prefill at 16 heads: native-head tables are for sm90 only"),
+            (
+                &|v| {
+                    v["arch"] = json!("sm100");
+                    v["sparse_prefill"]["16"] = json!([[1, 5], [2, 6]]);
+                },
+                "sparse_prefill at 16 heads: native-head tables are for sm90 only",
+            ),
             (&|v| v["sparse_prefill"]["48"] = json!([[1, 5], [2, 6]]), "heads must be 64 or 128 (or 16 or 32 on sm90"),
             (&|v| v["sparse_prefill"]["8"] = json!([[1, 5], [2, 6]]), "got 8"),
-            (&|v| v["sparse_decode"]["16"] = json!([[1, 5], [2, 6]]), "sparse_decode: padded heads must be 64 or 128, got 16"),
+            (
+                &|v| v["sparse_decode"]["16"] = json!([[1, 5], [2, 6]]),
+                "sparse_decode: padded heads must be 64 or 128, got 16",
+            ),
         ];
         for (edit, needle) in cases {
             let err = parse(edit).unwrap_err().to_string();

@@ -14,19 +14,10 @@ pub enum PlanError {
     UnknownKvDtype(String),
 
     #[error("{what} must be {rule}, got {got}")]
-    InvalidArgument {
-        what: &'static str,
-        rule: &'static str,
-        got: String,
-    },
+    InvalidArgument { what: &'static str, rule: &'static str, got: String },
 
     #[error("{what} has length {got}, but {other} has length {expected}; they must match")]
-    LengthMismatch {
-        what: &'static str,
-        got: usize,
-        other: &'static str,
-        expected: usize,
-    },
+    LengthMismatch { what: &'static str, got: usize, other: &'static str, expected: usize },
 
     #[error(
         "{what} overflows 64-bit byte arithmetic (counts must stay below 2^63); the sizes asked for are \
@@ -38,14 +29,7 @@ pub enum PlanError {
         "a budget of {budget} is below the {minimum} that one launch of {tokens} token(s) needs \
          at {num_heads} heads on {arch} ({detail}); give at least {minimum}"
     )]
-    BudgetTooSmall {
-        budget: Bytes,
-        minimum: Bytes,
-        tokens: u64,
-        num_heads: u32,
-        arch: &'static str,
-        detail: String,
-    },
+    BudgetTooSmall { budget: Bytes, minimum: Bytes, tokens: u64, num_heads: u32, arch: &'static str, detail: String },
 
     #[error(
         "{what} would need {launches} launches, more than the {max} a plan may hold; {hint}",
@@ -57,13 +41,7 @@ pub enum PlanError {
         "request {request} needs {needed} rows of {what} but only {available} are available; \
          {hint}"
     )]
-    WorkspaceTooSmall {
-        request: usize,
-        what: &'static str,
-        needed: u64,
-        available: u64,
-        hint: String,
-    },
+    WorkspaceTooSmall { request: usize, what: &'static str, needed: u64, available: u64, hint: String },
 
     /// A cost profile that is malformed, or made for another GPU or model.
     #[error("cost profile: {0}")]
@@ -139,10 +117,7 @@ impl std::fmt::Display for Bytes {
 
 /// Checked arithmetic on byte counts: any overflow becomes [`PlanError::Overflow`].
 pub(crate) fn mul(what: &'static str, factors: &[u64]) -> Result<u64> {
-    factors
-        .iter()
-        .try_fold(1u64, |acc, &f| acc.checked_mul(f))
-        .ok_or(PlanError::Overflow { what })
+    factors.iter().try_fold(1u64, |acc, &f| acc.checked_mul(f)).ok_or(PlanError::Overflow { what })
 }
 
 pub(crate) fn add(what: &'static str, a: u64, b: u64) -> Result<u64> {

@@ -52,11 +52,7 @@ pub struct Gpu {
 impl Gpu {
     pub fn new(arch: Arch, num_sms: u32) -> Result<Self> {
         if num_sms == 0 {
-            return Err(PlanError::InvalidArgument {
-                what: "num_sms",
-                rule: "at least 1",
-                got: "0".into(),
-            });
+            return Err(PlanError::InvalidArgument { what: "num_sms", rule: "at least 1", got: "0".into() });
         }
         Ok(Gpu { arch, num_sms })
     }
@@ -109,7 +105,8 @@ pub fn check_heads(num_heads: u32) -> Result<()> {
     if num_heads == 0 || num_heads > 128 {
         return Err(PlanError::InvalidArgument {
             what: "num_heads (query heads per rank)",
-            rule: "between 1 and 128 (the kernels run 64 or 128 padded heads); pass the heads of one tensor-parallel rank",
+            rule:
+                "between 1 and 128 (the kernels run 64 or 128 padded heads); pass the heads of one tensor-parallel rank",
             got: num_heads.to_string(),
         });
     }
@@ -193,8 +190,14 @@ mod tests {
         assert_eq!(prefill_padded_heads(16, Arch::Sm90).unwrap(), 64);
         assert_eq!(prefill_padded_heads(96, Arch::Sm90).unwrap(), 128);
         assert_eq!(prefill_padded_heads(16, Arch::Sm100).unwrap(), 128);
-        for (heads, arch, native) in [(16, Arch::Sm90, Some(16)), (32, Arch::Sm90, Some(32)), (64, Arch::Sm90, None),
-                                      (24, Arch::Sm90, None), (16, Arch::Sm100, None), (32, Arch::Sm100, None)] {
+        for (heads, arch, native) in [
+            (16, Arch::Sm90, Some(16)),
+            (32, Arch::Sm90, Some(32)),
+            (64, Arch::Sm90, None),
+            (24, Arch::Sm90, None),
+            (16, Arch::Sm100, None),
+            (32, Arch::Sm100, None),
+        ] {
             assert_eq!(prefill_kernel_heads(heads, arch, true).ok(), native, "{heads} on {arch:?}");
             assert_eq!(prefill_kernel_heads(heads, arch, false).unwrap(), prefill_padded_heads(heads, arch).unwrap());
         }

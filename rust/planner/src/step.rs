@@ -8,8 +8,9 @@ pub use crate::config::{vllm_step_mode, Execution, StepConfig, StepMode, MIN_HEA
 use crate::error::{add, check_launches, PlanError, Result};
 use crate::geometry::KvDtype;
 use crate::plan::{
-    plan_gather_chunks, plan_mixed_batch, plan_prefill_groups, prefill_launch_tokens, split_indexer_prefill_chunks, Bound,
-    GatherChunk, IndexerChunk, MaskConfig, MixedBatchConfig, MixedBatchPlan, PrefillGroup, PrefillRequest, PrefillPath,
+    plan_gather_chunks, plan_mixed_batch, plan_prefill_groups, prefill_launch_tokens, split_indexer_prefill_chunks,
+    Bound, GatherChunk, IndexerChunk, MaskConfig, MixedBatchConfig, MixedBatchPlan, PrefillGroup, PrefillPath,
+    PrefillRequest,
 };
 use crate::scratch::{decode_scratch, gather_workspace_bytes, prefill_scratch, Breakdown, DecodeShape, PrefillShape};
 
@@ -225,9 +226,8 @@ fn plan_launches(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
     let starts = step.token_starts()?;
     let d = step.num_decodes;
     let n = step.query_lens.len();
-    let prefills: Vec<PrefillRequest> = (d..n)
-        .map(|i| PrefillRequest { query_len: step.query_lens[i], context_len: step.context_lens[i] })
-        .collect();
+    let prefills: Vec<PrefillRequest> =
+        (d..n).map(|i| PrefillRequest { query_len: step.query_lens[i], context_len: step.context_lens[i] }).collect();
     let mask = MaskConfig { available: cfg.mask.available && cfg.kv_dtype == KvDtype::Bf16, ..cfg.mask };
     let mut prefill_groups = plan_prefill_groups(&prefills, &mask)?;
     for g in &mut prefill_groups {
@@ -272,7 +272,10 @@ fn plan_launches(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
                         }
                     };
                     let index = gather_chunks.len();
-                    bound = worse(bound, plan_prefill_launches(chunk_tokens, requests, index, cfg, &tokens, &mut launches)?);
+                    bound = worse(
+                        bound,
+                        plan_prefill_launches(chunk_tokens, requests, index, cfg, &tokens, &mut launches)?,
+                    );
                     gather_chunks.push(chunk);
                 }
             }
@@ -308,11 +311,8 @@ fn plan_launches(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
             .map(|c| IndexerChunk { requests: c.requests.start + d..c.requests.end + d, ..c })
             .collect()
     };
-    let gather_workspace_bytes = if mode == StepMode::SeparatePrefillDecode {
-        gather_workspace_bytes(cfg.gather_workspace_rows)?
-    } else {
-        0
-    };
+    let gather_workspace_bytes =
+        if mode == StepMode::SeparatePrefillDecode { gather_workspace_bytes(cfg.gather_workspace_rows)? } else { 0 };
     let launches = launches.list;
     Ok(StepPlan {
         mode,
@@ -358,7 +358,9 @@ fn worse(a: Bound, b: Bound) -> Bound {
 
 fn shift(chunk: GatherChunk, by: usize) -> GatherChunk {
     match chunk {
-        GatherChunk::Requests { requests, rows } => GatherChunk::Requests { requests: requests.start + by..requests.end + by, rows },
+        GatherChunk::Requests { requests, rows } => {
+            GatherChunk::Requests { requests: requests.start + by..requests.end + by, rows }
+        }
         GatherChunk::Split { request, query, keys } => GatherChunk::Split { request: request + by, query, keys },
     }
 }
@@ -510,12 +512,19 @@ fn plan_prefill_launches(
     out: &mut Launches,
 ) -> Result<Bound> {
     let total = chunk_tokens.end - chunk_tokens.start;
-    let (max_len, cap) = prefill_launch_tokens(cfg.gpu.arch, prefill_shape(cfg, 1, prefill_in_place(cfg)), cfg.launch_budget_bytes())?;
+    let (max_len, cap) =
+        prefill_launch_tokens(cfg.gpu.arch, prefill_shape(cfg, 1, prefill_in_place(cfg)), cfg.launch_budget_bytes())?;
     out.reserve(total.div_ceil(max_len), "the prefill launches")?;
     for piece in balanced(total, max_len) {
         let range = chunk_tokens.start + piece.start..chunk_tokens.start + piece.end;
         let reqs = if requests.len() == 1 { requests.clone() } else { tokens.requests(&range) };
-        out.list.push(KernelLaunch { kernel: Kernel::SparsePrefill, tokens: range, requests: reqs, gather_chunk: Some(gather_chunk), bytes: 0 });
+        out.list.push(KernelLaunch {
+            kernel: Kernel::SparsePrefill,
+            tokens: range,
+            requests: reqs,
+            gather_chunk: Some(gather_chunk),
+            bytes: 0,
+        });
     }
     Ok(if total <= max_len { Bound::Unbounded } else { cap })
 }
@@ -525,7 +534,8 @@ fn plan_prefill_launches(
 /// those held buffers plus its own (softmax statistics, translated indices).
 fn hold_prefill_buffers(cfg: &StepConfig, launches: &mut [KernelLaunch]) -> Result<()> {
     let in_place = prefill_in_place(cfg);
-    let longest = launches.iter().filter(|l| l.kernel == Kernel::SparsePrefill).map(KernelLaunch::len).max().unwrap_or(0);
+    let longest =
+        launches.iter().filter(|l| l.kernel == Kernel::SparsePrefill).map(KernelLaunch::len).max().unwrap_or(0);
     let held = |bd: &Breakdown| bd.get("q_padded") + bd.get("out");
     let held_bytes = held(&prefill_scratch(cfg.gpu.arch, prefill_shape(cfg, longest, in_place))?);
     for l in launches.iter_mut().filter(|l| l.kernel == Kernel::SparsePrefill) {
@@ -563,7 +573,8 @@ mod tests {
     fn mixed_batch_step() {
         let q = [1, 1, 32768, 4000];
         let c = [100, 5000, 0, 3000];
-        let plan = plan_step(Step { query_lens: &q, context_lens: &c, num_decodes: 2 }, &cfg(16, KvDtype::Fp8)).unwrap();
+        let plan =
+            plan_step(Step { query_lens: &q, context_lens: &c, num_decodes: 2 }, &cfg(16, KvDtype::Fp8)).unwrap();
         assert_eq!(plan.mode, StepMode::MixedBatch);
         assert_eq!(plan.num_tokens, 36770);
         assert_eq!(plan.launches.first().unwrap().tokens.start, 0);
@@ -604,9 +615,16 @@ mod tests {
             assert!(!padded.prefill_writes_in_place && native.prefill_writes_in_place);
             let longest = |p: &StepPlan| p.longest_launch(Kernel::SparsePrefill);
             assert!(longest(&native) > longest(&padded), "{heads}: {} <= {}", longest(&native), longest(&padded));
-            let prefill_bytes = |p: &StepPlan| p.launches.iter().filter(|l| l.kernel == Kernel::SparsePrefill).map(|l| l.bytes).max().unwrap();
+            let prefill_bytes = |p: &StepPlan| {
+                p.launches.iter().filter(|l| l.kernel == Kernel::SparsePrefill).map(|l| l.bytes).max().unwrap()
+            };
             let per_token = |p: &StepPlan| prefill_bytes(p) as f64 / longest(p) as f64;
-            assert!(per_token(&native) * 2.0 < per_token(&padded), "{heads}: {} vs {}", per_token(&native), per_token(&padded));
+            assert!(
+                per_token(&native) * 2.0 < per_token(&padded),
+                "{heads}: {} vs {}",
+                per_token(&native),
+                per_token(&padded)
+            );
             assert!(native.peak_bytes <= native_cfg.scratch_budget_bytes);
             // The launches' bytes are those of the kernel at native heads, not re-derived elsewhere.
             let l = native.launches.iter().find(|l| l.kernel == Kernel::SparsePrefill).unwrap();
@@ -623,7 +641,9 @@ mod tests {
 
     #[test]
     fn dense_prefills_leave_only_decodes_sparse() {
-        let plan = plan_step(Step { query_lens: &[1, 500], context_lens: &[9, 0], num_decodes: 1 }, &cfg(16, KvDtype::Fp8)).unwrap();
+        let plan =
+            plan_step(Step { query_lens: &[1, 500], context_lens: &[9, 0], num_decodes: 1 }, &cfg(16, KvDtype::Fp8))
+                .unwrap();
         assert_eq!(plan.prefill_groups[0].path, PrefillPath::DenseMha);
         assert_eq!(plan.launches.len(), 1);
         assert_eq!(plan.launches[0].tokens, 0..1);
@@ -644,9 +664,12 @@ mod tests {
 
     #[test]
     fn bad_steps() {
-        let err = plan_step(Step { query_lens: &[1], context_lens: &[], num_decodes: 0 }, &cfg(16, KvDtype::Fp8)).unwrap_err();
+        let err = plan_step(Step { query_lens: &[1], context_lens: &[], num_decodes: 0 }, &cfg(16, KvDtype::Fp8))
+            .unwrap_err();
         assert!(err.to_string().contains("context_lens"));
-        assert!(plan_step(Step { query_lens: &[1], context_lens: &[0], num_decodes: 2 }, &cfg(16, KvDtype::Fp8)).is_err());
+        assert!(
+            plan_step(Step { query_lens: &[1], context_lens: &[0], num_decodes: 2 }, &cfg(16, KvDtype::Fp8)).is_err()
+        );
     }
 
     proptest! {

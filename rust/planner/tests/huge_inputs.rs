@@ -13,13 +13,13 @@ use mla_planner::error::{LaunchCount, MAX_LAUNCHES};
 use mla_planner::geometry::{decode_padded_heads, prefill_kernel_heads, Arch, Gpu};
 use mla_planner::limits::{max_tokens_per_launch, MAX_ROWS};
 use mla_planner::plan::{
-    masked_mha_workspace_fits, plan_gather_chunks, plan_mixed_batch, plan_prefill_groups, prefill_launch_tokens, prefill_masks,
-    request_offset, stock_prefill_groups, split_indexer_prefill_chunks, split_prefill_chunks, GatherChunk, MaskConfig,
-    MixedBatchConfig, PrefillRequest, PrefillPath,
+    masked_mha_workspace_fits, plan_gather_chunks, plan_mixed_batch, plan_prefill_groups, prefill_launch_tokens,
+    prefill_masks, request_offset, split_indexer_prefill_chunks, split_prefill_chunks, stock_prefill_groups,
+    GatherChunk, MaskConfig, MixedBatchConfig, PrefillPath, PrefillRequest,
 };
 use mla_planner::scratch::{
-    decode_scratch, gather_workspace_bytes, indexer_logits_bytes, prefill_scratch, topk_mask_bytes, topk_mask_shape, Breakdown,
-    DecodeShape, PrefillShape,
+    decode_scratch, gather_workspace_bytes, indexer_logits_bytes, prefill_scratch, topk_mask_bytes, topk_mask_shape,
+    Breakdown, DecodeShape, PrefillShape,
 };
 use mla_planner::PlanError;
 use proptest::prelude::*;
@@ -388,7 +388,8 @@ fn too_many_launches(e: PlanError) -> bool {
 
 #[test]
 fn indexer_at_zero_budget_refuses_instead_of_allocating_a_chunk_per_row() {
-    let err = timed("indexer", || split_indexer_prefill_chunks(&[100_000_000], &[100_000_000], 1_000_000, 0)).unwrap_err();
+    let err =
+        timed("indexer", || split_indexer_prefill_chunks(&[100_000_000], &[100_000_000], 1_000_000, 0)).unwrap_err();
     let msg = err.to_string();
     assert!(too_many_launches(err) && msg.contains("max_logits_bytes"), "{msg}");
 }
@@ -438,10 +439,24 @@ fn gather_refuses_a_quadratic_split_by_its_exact_count() {
 
 #[test]
 fn scratch_totals_are_exact_or_refused() {
-    let decode = DecodeShape { batch: 1, s_q: 50_000_000_000_000, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false };
+    let decode = DecodeShape {
+        batch: 1,
+        s_q: 50_000_000_000_000,
+        num_heads: 16,
+        topk: 2048,
+        out_preallocated: false,
+        translated_indices: false,
+    };
     let err = decode_scratch(Gpu::h200(), decode).unwrap_err();
     assert!(matches!(err, PlanError::Overflow { .. }), "{err}");
-    let prefill = PrefillShape { s_q: 200_000_000_000_000, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false, native_heads: false };
+    let prefill = PrefillShape {
+        s_q: 200_000_000_000_000,
+        num_heads: 16,
+        topk: 2048,
+        out_preallocated: false,
+        translated_indices: false,
+        native_heads: false,
+    };
     let err = prefill_scratch(Arch::Sm90, prefill).unwrap_err();
     assert!(matches!(err, PlanError::Overflow { .. }), "{err}");
 }

@@ -103,7 +103,9 @@ pub(super) fn parse(text: &str) -> Result<Parsed> {
     let value: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
     match value.get("format").and_then(|f| f.as_str()) {
         Some(PROFILE_FORMAT) => {}
-        Some(other) => return Err(bad(format!("format {other:?} is not {PROFILE_FORMAT:?}; re-run `mla-planner calibrate`"))),
+        Some(other) => {
+            return Err(bad(format!("format {other:?} is not {PROFILE_FORMAT:?}; re-run `mla-planner calibrate`")))
+        }
         None => return Err(bad(format!("not a cost profile: no \"format\": {PROFILE_FORMAT:?} field"))),
     }
     // Parsed again from the text, so an error names its line and column.

@@ -34,7 +34,10 @@ impl PrefillRequest {
 /// [`MAX_ROWS`](crate::limits::MAX_ROWS): within it, no row, key or token
 /// count of a plan over them can wrap or pass `i64::MAX`.
 pub(crate) fn check_requests(requests: &[PrefillRequest]) -> Result<u64> {
-    check_rows("the requests' KV rows (context_lens + query_lens, summed)", requests.iter().map(PrefillRequest::seq_len))
+    check_rows(
+        "the requests' KV rows (context_lens + query_lens, summed)",
+        requests.iter().map(PrefillRequest::seq_len),
+    )
 }
 
 /// One gather into the workspace and the prefill launch(es) that read it.
@@ -61,11 +64,7 @@ impl GatherChunk {
 
 fn check_workspace(workspace_rows: u64) -> Result<()> {
     if workspace_rows == 0 {
-        return Err(PlanError::InvalidArgument {
-            what: "workspace_rows",
-            rule: "at least 1",
-            got: "0".into(),
-        });
+        return Err(PlanError::InvalidArgument { what: "workspace_rows", rule: "at least 1", got: "0".into() });
     }
     Ok(())
 }

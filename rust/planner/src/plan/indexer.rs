@@ -82,7 +82,12 @@ pub fn split_indexer_prefill_chunks(
 /// vLLM's greedy runs: `(requests, query rows M, KV rows N)` of each, the
 /// next request joining while `N <= workspace_rows` and `M * N <= max_elems`,
 /// one request at least per run. At most one run per request.
-fn greedy_runs(seq_lens: &[u64], query_lens: &[u64], workspace_rows: u64, max_elems: u64) -> Vec<(Range<usize>, u64, u64)> {
+fn greedy_runs(
+    seq_lens: &[u64],
+    query_lens: &[u64],
+    workspace_rows: u64,
+    max_elems: u64,
+) -> Vec<(Range<usize>, u64, u64)> {
     let n = seq_lens.len();
     let mut runs = Vec::new();
     let mut end = 0;

@@ -84,9 +84,7 @@ struct Feasible {
 impl Feasible {
     fn new(cfg: &MixedBatchConfig, cap: u64) -> Result<Self> {
         let knee = u64::from(cfg.gpu.num_sms).min(cap);
-        let small = (1..=knee)
-            .map(|s| Ok(cfg.launch_bytes(s)? <= cfg.budget_bytes))
-            .collect::<Result<Vec<bool>>>()?;
+        let small = (1..=knee).map(|s| Ok(cfg.launch_bytes(s)? <= cfg.budget_bytes)).collect::<Result<Vec<bool>>>()?;
         let mut max = small.iter().rposition(|&f| f).map_or(0, |i| i as u64 + 1);
         // Past the knee the transient grows with length: binary search.
         if cap > knee && cfg.launch_bytes(knee + 1)? <= cfg.budget_bytes {
@@ -243,11 +241,7 @@ fn budget_too_small(cfg: &MixedBatchConfig, cap: u64) -> Result<PlanError> {
         tokens,
         num_heads: cfg.num_heads,
         arch: cfg.gpu.arch.name(),
-        detail: format!(
-            "mostly o_accum ({}) split over {} SM parts",
-            Bytes(bd.get("o_accum")),
-            parts
-        ),
+        detail: format!("mostly o_accum ({}) split over {} SM parts", Bytes(bd.get("o_accum")), parts),
     })
 }
 
@@ -261,7 +255,15 @@ mod tests {
     const GIB: u64 = 1 << 30;
 
     fn cfg(num_heads: u32, budget_bytes: u64) -> MixedBatchConfig {
-        MixedBatchConfig { gpu: Gpu::h200(), num_heads, topk: 2048, budget_bytes, out_preallocated: true, translated_indices: false, align_waves: false }
+        MixedBatchConfig {
+            gpu: Gpu::h200(),
+            num_heads,
+            topk: 2048,
+            budget_bytes,
+            out_preallocated: true,
+            translated_indices: false,
+            align_waves: false,
+        }
     }
 
     #[test]
@@ -342,7 +344,13 @@ mod tests {
             for &short in lens.iter().filter(|&&s| s <= long) {
                 for k in 1..=t / long {
                     let rest = t - k * long;
-                    let m = if rest == 0 { 0 } else if rest % short == 0 { rest / short } else { continue };
+                    let m = if rest == 0 {
+                        0
+                    } else if rest % short == 0 {
+                        rest / short
+                    } else {
+                        continue;
+                    };
                     best = Some(best.map_or(k + m, |b| b.min(k + m)));
                 }
             }
@@ -386,10 +394,16 @@ mod tests {
         assert!(plan.peak_bytes <= aligned.budget_bytes);
         // Never more than one launch over the minimum: at a small budget it keeps the plain plan.
         let small = MixedBatchConfig { budget_bytes: 60 << 20, ..aligned };
-        let (a, p) = (plan_mixed_batch(32768, &small).unwrap(), plan_mixed_batch(32768, &MixedBatchConfig { align_waves: false, ..small }).unwrap());
+        let (a, p) = (
+            plan_mixed_batch(32768, &small).unwrap(),
+            plan_mixed_batch(32768, &MixedBatchConfig { align_waves: false, ..small }).unwrap(),
+        );
         assert!(a.launches.len() <= p.launches.len() + 1);
         // Unbounded steps stay one call.
-        assert_eq!(plan_mixed_batch(4096, &MixedBatchConfig { budget_bytes: 1 << 40, ..aligned }).unwrap().launches.len(), 1);
+        assert_eq!(
+            plan_mixed_batch(4096, &MixedBatchConfig { budget_bytes: 1 << 40, ..aligned }).unwrap().launches.len(),
+            1
+        );
     }
 
     fn small_config() -> impl Strategy<Value = MixedBatchConfig> {
@@ -403,15 +417,19 @@ mod tests {
             (15 * MIB)..(60 * MIB),
             any::<bool>(),
         )
-            .prop_map(|(arch, num_sms, num_heads, topk, out_preallocated, budget_bytes, translated_indices)| MixedBatchConfig {
-                align_waves: false,
-                gpu: Gpu::new(arch, num_sms).unwrap(),
-                num_heads,
-                topk,
-                budget_bytes,
-                out_preallocated,
-                translated_indices,
-            })
+            .prop_map(
+                |(arch, num_sms, num_heads, topk, out_preallocated, budget_bytes, translated_indices)| {
+                    MixedBatchConfig {
+                        align_waves: false,
+                        gpu: Gpu::new(arch, num_sms).unwrap(),
+                        num_heads,
+                        topk,
+                        budget_bytes,
+                        out_preallocated,
+                        translated_indices,
+                    }
+                },
+            )
     }
 
     proptest! {

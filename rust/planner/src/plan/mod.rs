@@ -3,18 +3,19 @@
 
 mod gather;
 mod indexer;
-mod prefill_groups;
 mod mixed;
 mod prefill;
+mod prefill_groups;
 
 pub use crate::error::{LaunchCount, MAX_LAUNCHES};
 pub use gather::{plan_gather_chunks, split_prefill_chunks, GatherChunk, PrefillRequest};
 pub use indexer::{split_indexer_prefill_chunks, IndexerChunk};
-pub use prefill_groups::{
-    masked_mha_workspace_fits, plan_prefill_groups, prefill_masks, stock_prefill_groups, MaskConfig, MaskSet, PrefillGroup, PrefillPath,
-};
 pub use mixed::{plan_mixed_batch, MixedBatchConfig, MixedBatchPlan};
 pub use prefill::prefill_launch_tokens;
+pub use prefill_groups::{
+    masked_mha_workspace_fits, plan_prefill_groups, prefill_masks, stock_prefill_groups, MaskConfig, MaskSet,
+    PrefillGroup, PrefillPath,
+};
 
 use crate::error::{PlanError, Result, MAX_COUNT};
 use crate::limits::{HardLimit, MAX_ROWS};

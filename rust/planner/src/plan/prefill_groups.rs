@@ -277,7 +277,8 @@ mod tests {
 
     #[test]
     fn forced_mqa_routes_every_prefill_to_sparse_mqa() {
-        let short = [PrefillRequest { query_len: 100, context_len: 0 }, PrefillRequest { query_len: 5000, context_len: 0 }];
+        let short =
+            [PrefillRequest { query_len: 100, context_len: 0 }, PrefillRequest { query_len: 5000, context_len: 0 }];
         assert_eq!(plan_prefill_groups(&short[..1], &cfg()).unwrap()[0].path, PrefillPath::DenseMha);
         let forced = MaskConfig { force_mqa: true, ..cfg() };
         for groups in [plan_prefill_groups(&short, &forced).unwrap(), stock_prefill_groups(&short, &forced).unwrap()] {

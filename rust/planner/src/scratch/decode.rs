@@ -76,7 +76,8 @@ mod tests {
     const MIB: f64 = (1u64 << 20) as f64;
 
     fn accum(batch: u64, s_q: u64, heads: u32) -> Breakdown {
-        let shape = DecodeShape { batch, s_q, num_heads: heads, topk: 2048, out_preallocated: true, translated_indices: false };
+        let shape =
+            DecodeShape { batch, s_q, num_heads: heads, topk: 2048, out_preallocated: true, translated_indices: false };
         decode_scratch(Gpu::h200(), shape).unwrap()
     }
 
@@ -88,14 +89,9 @@ mod tests {
     /// docs/kernels.md, "Sparse decode": o_accum + lse_accum measured on the H200 by the allocator.
     #[test]
     fn reproduces_h200_measurements() {
-        for (batch, s_q, gib) in [
-            (1, 1, 0.016),
-            (1, 1024, 0.25),
-            (1, 4096, 1.002),
-            (1, 16384, 4.008),
-            (1, 32768, 8.016),
-            (8, 4096, 4.509),
-        ] {
+        for (batch, s_q, gib) in
+            [(1, 1, 0.016), (1, 1024, 0.25), (1, 4096, 1.002), (1, 16384, 4.008), (1, 32768, 8.016), (8, 4096, 4.509)]
+        {
             let got = accum_gib(batch, s_q);
             assert!((got - gib).abs() < 0.0005 + 1e-3 * gib, "b={batch} s_q={s_q}: {got} vs {gib}");
         }
@@ -123,7 +119,14 @@ mod tests {
     /// Mixed-batch mode at 16 heads: ~392.75 KiB per token all told.
     #[test]
     fn mixed_batch_transient_per_token() {
-        let shape = DecodeShape { batch: 1, s_q: 32768, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false };
+        let shape = DecodeShape {
+            batch: 1,
+            s_q: 32768,
+            num_heads: 16,
+            topk: 2048,
+            out_preallocated: false,
+            translated_indices: false,
+        };
         let bd = decode_scratch(Gpu::h200(), shape).unwrap();
         assert_eq!(bd.get("q_padded"), 32768 * 72 * 1024);
         assert_eq!(bd.get("out"), 32768 * 64 * 1024);
@@ -135,7 +138,14 @@ mod tests {
 
     #[test]
     fn translated_indices_are_int32_per_query_row() {
-        let with = |t| DecodeShape { batch: 2, s_q: 3, num_heads: 64, topk: 2048, out_preallocated: true, translated_indices: t };
+        let with = |t| DecodeShape {
+            batch: 2,
+            s_q: 3,
+            num_heads: 64,
+            topk: 2048,
+            out_preallocated: true,
+            translated_indices: t,
+        };
         let a = decode_scratch(Gpu::h200(), with(true)).unwrap();
         let b = decode_scratch(Gpu::h200(), with(false)).unwrap();
         assert_eq!(a.get("slot_indices"), 2 * 3 * 2048 * 4);
@@ -148,7 +158,14 @@ mod tests {
         assert!(bd.buffers.iter().all(|b| b.name != "out" && b.name != "q_padded"));
         // SM100 without split-KV (topk <= 640) has no accumulators.
         let gpu = Gpu::new(Arch::Sm100, 148).unwrap();
-        let shape = DecodeShape { batch: 1, s_q: 10, num_heads: 64, topk: 512, out_preallocated: true, translated_indices: false };
+        let shape = DecodeShape {
+            batch: 1,
+            s_q: 10,
+            num_heads: 64,
+            topk: 512,
+            out_preallocated: true,
+            translated_indices: false,
+        };
         let bd = decode_scratch(gpu, shape).unwrap();
         assert_eq!(bd.get("o_accum"), 0);
         assert_eq!(bd.total_bytes(), 10 * 64 * 4);
@@ -156,9 +173,23 @@ mod tests {
 
     #[test]
     fn bad_input_is_an_error() {
-        let shape = DecodeShape { batch: 1, s_q: 1, num_heads: 16, topk: 100, out_preallocated: true, translated_indices: false };
+        let shape = DecodeShape {
+            batch: 1,
+            s_q: 1,
+            num_heads: 16,
+            topk: 100,
+            out_preallocated: true,
+            translated_indices: false,
+        };
         assert!(decode_scratch(Gpu::h200(), shape).is_err());
-        let shape = DecodeShape { batch: u64::MAX, s_q: u64::MAX, num_heads: 16, topk: 2048, out_preallocated: true, translated_indices: false };
+        let shape = DecodeShape {
+            batch: u64::MAX,
+            s_q: u64::MAX,
+            num_heads: 16,
+            topk: 2048,
+            out_preallocated: true,
+            translated_indices: false,
+        };
         assert!(decode_scratch(Gpu::h200(), shape).is_err());
     }
 }

@@ -56,7 +56,14 @@ mod tests {
     #[test]
     fn separate_path_transient_per_token() {
         // docs/kernels.md, "Sparse prefill": padded q + kernel out = 136 KiB/token at 64 heads.
-        let shape = PrefillShape { s_q: 1, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false, native_heads: false };
+        let shape = PrefillShape {
+            s_q: 1,
+            num_heads: 16,
+            topk: 2048,
+            out_preallocated: false,
+            translated_indices: false,
+            native_heads: false,
+        };
         let bd = prefill_scratch(Arch::Sm90, shape).unwrap();
         assert_eq!(bd.get("q_padded") + bd.get("out"), 136 * 1024);
         assert_eq!(bd.get("max_logits"), 256);
@@ -66,7 +73,14 @@ mod tests {
     fn outputs_only_with_out_given() {
         // docs/kernels.md, "Sparse prefill": 32768 tokens, out= given: 16 MiB (64 heads) / 32 (128).
         for (heads, mib) in [(64, 16), (128, 32)] {
-            let shape = PrefillShape { s_q: 32768, num_heads: heads, topk: 2048, out_preallocated: true, translated_indices: false, native_heads: false };
+            let shape = PrefillShape {
+                s_q: 32768,
+                num_heads: heads,
+                topk: 2048,
+                out_preallocated: true,
+                translated_indices: false,
+                native_heads: false,
+            };
             let bd = prefill_scratch(Arch::Sm90, shape).unwrap();
             assert_eq!(bd.total_bytes(), mib << 20);
         }
@@ -75,7 +89,14 @@ mod tests {
     #[test]
     fn native_heads_hold_no_padded_q() {
         // 16 heads native: no padded q; out, max_logits and lse at 16 rows per token, not 64.
-        let padded = PrefillShape { s_q: 1, num_heads: 16, topk: 2048, out_preallocated: false, translated_indices: false, native_heads: false };
+        let padded = PrefillShape {
+            s_q: 1,
+            num_heads: 16,
+            topk: 2048,
+            out_preallocated: false,
+            translated_indices: false,
+            native_heads: false,
+        };
         let native = PrefillShape { native_heads: true, ..padded };
         let bd = prefill_scratch(Arch::Sm90, native).unwrap();
         assert_eq!(bd.get("q_padded"), 0);
@@ -90,7 +111,14 @@ mod tests {
     fn workspace_rows() {
         assert_eq!(gather_workspace_bytes(1).unwrap(), 1152);
         assert!(gather_workspace_bytes(u64::MAX).is_err());
-        let shape = PrefillShape { s_q: 1, num_heads: 16, topk: 64, out_preallocated: true, translated_indices: false, native_heads: false };
+        let shape = PrefillShape {
+            s_q: 1,
+            num_heads: 16,
+            topk: 64,
+            out_preallocated: true,
+            translated_indices: false,
+            native_heads: false,
+        };
         assert!(prefill_scratch(Arch::Sm90, shape).is_err());
     }
 }
