@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import mla_planner
 from mla_planner.cli import main, presets
 from mla_planner.cli.atomic import atomic_files
 from mla_planner.cli.config import CliError
@@ -220,6 +221,17 @@ def test_plan_spec_tokens_allow_longer_decodes() -> None:
     r = run_cli(*args, "--spec-tokens", "2")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["step"]["num_decodes"] == 2
+
+
+def test_plan_spec_tokens_reach_the_planners_longest_decode() -> None:
+    """--spec-tokens is bounded by the planner core's own limit, not a second copy of it: the longest
+    decode it admits plans, one token more is refused by the option."""
+    longest = mla_planner.MAX_DECODE_QUERY_LEN
+    args = ["plan", "--json", "--query-lens", f"{longest},{longest}", "--context-lens", "100,200", "--num-decodes", "2"]
+    r = run_cli(*args, "--spec-tokens", str(longest - 1))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["step"]["num_tokens"] == 2 * longest
+    assert f"--spec-tokens: must be between 0 and {longest - 1:,}, got {longest}" in refused(*args, "--spec-tokens", str(longest))
 
 
 def test_simulate_trace_checked_against_the_model(tmp_path: Path) -> None:

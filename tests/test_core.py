@@ -83,7 +83,7 @@ def test_65536_tokens_in_one_call_is_impossible() -> None:
         (lambda: mp.decode_scratch(-1, 1, 16), "batch must be a non-negative integer"),
         (lambda: mp.decode_scratch(1, 1.5, 16), "s_q must be a non-negative integer"),  # type: ignore[arg-type]
         (lambda: mp.decode_scratch(1, 1, 0), "num_heads"),
-        (lambda: mp.decode_scratch(1, 1, 129), "between 1 and 128"),
+        (lambda: mp.decode_scratch(1, 1, mp.MAX_HEADS + 1), f"between 1 and {mp.MAX_HEADS}"),
         (lambda: mp.decode_scratch(1, 1, 16, arch="sm80"), "unknown architecture"),
         (lambda: mp.decode_scratch(1, 1, 16, topk=100), "multiple of 64"),
         (lambda: mp.decode_scratch(2**40, 2**40, 16), "overflows"),
@@ -99,7 +99,8 @@ def test_65536_tokens_in_one_call_is_impossible() -> None:
         (lambda: mp.plan_step([1], [0], 2, mp.StepConfig(16, gather_workspace_rows=10, indexer_workspace_rows=10)), "num_decodes"),
         (lambda: mp.plan_step([1], [0], 0, mp.StepConfig(16, kv_dtype="int4", gather_workspace_rows=10, indexer_workspace_rows=10)), "kv_dtype"),
         (lambda: mp.plan_step([1, 2], [0, 0], 2, mp.StepConfig(16, max_model_len=1000)), "decode query lengths"),
-        (lambda: mp.plan_step([1025], [0], 1, mp.StepConfig(16, max_model_len=2000)), "between 1 and 1024"),
+        (lambda: mp.plan_step([mp.MAX_DECODE_QUERY_LEN + 1], [0], 1, mp.StepConfig(16, max_model_len=2000)),
+         f"between 1 and {mp.MAX_DECODE_QUERY_LEN}"),
         (lambda: mp.plan_step([0], [0], 1, mp.StepConfig(16, max_model_len=1000)), "between 1 and 1024"),
         (lambda: mp.plan_step([1, 0], [0, 0], 1, mp.StepConfig(16, max_model_len=1000)), "prefill query lengths must be at least 1"),
         (lambda: mp.step_mode(0), "between 1 and 128"),

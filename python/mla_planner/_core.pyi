@@ -13,6 +13,10 @@ NATIVE_PREFILL_HEADS: list[int]
 ALLOCATOR_RESERVE_BYTES: int
 DEFAULT_TOPK: int
 H200_NUM_SMS: int
+MAX_HEADS: int
+"""Most query heads per rank a plan takes (the widest FlashMLA sparse kernels run 128)."""
+MAX_DECODE_QUERY_LEN: int
+"""Longest decode query a step may hold (one length for every decode of a step)."""
 
 IntArray = npt.NDArray[np.int64]
 ArrayLike = npt.ArrayLike

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from operator import add
 from typing import TYPE_CHECKING
 
+from mla_planner import MAX_DECODE_QUERY_LEN
+
 if TYPE_CHECKING:  # steps imports config, and config imports this module
     from .steps import Step
 
@@ -22,8 +24,8 @@ if TYPE_CHECKING:  # steps imports config, and config imports this module
 MAX_MODEL_LEN = 1 << 30
 MAX_TOPK = 1 << 20
 MAX_NUM_SMS = 4096
-MAX_SPEC_TOKENS = 64
-MAX_HEADS = 128  # what the planner core and the FlashMLA kernels take
+# The planner core's own limits.
+MAX_SPEC_TOKENS = MAX_DECODE_QUERY_LEN - 1  # a decode is 1 + N speculative tokens
 
 
 def shorten(text: str, limit: int = 24) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from mla_planner import H200_NUM_SMS, StepConfig
+from mla_planner import H200_NUM_SMS, MAX_HEADS, StepConfig
 
 from . import checks, presets
 from .units import GIB, format_bytes, size_arg
@@ -32,7 +32,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and GPU")
     g.add_argument("--preset", help=f"model preset: {', '.join(presets.PRESETS)} (default {presets.DEFAULT_PRESET})")
     g.add_argument("--tp", type=_positive_int, help=f"tensor-parallel size for the preset (default {presets.DEFAULT_TP})")
-    g.add_argument("--heads", type=checks.int_in(1, checks.MAX_HEADS), help="query heads per rank, instead of --preset/--tp")
+    g.add_argument("--heads", type=checks.int_in(1, MAX_HEADS), help="query heads per rank, instead of --preset/--tp")
     g.add_argument("--topk", type=checks.int_in(1, checks.MAX_TOPK), default=2048, help="KV tokens each query attends to (default 2048)")
     g.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8", help="KV cache dtype (default fp8)")
     g.add_argument("--arch", choices=("sm90", "sm100"), default="sm90", help="GPU architecture (default sm90)")

@@ -11,7 +11,7 @@ mod plan;
 mod scratch;
 mod step;
 
-use mla_planner::geometry::{DEFAULT_TOPK, H200_NUM_SMS};
+use mla_planner::geometry::{DEFAULT_TOPK, H200_NUM_SMS, MAX_HEADS};
 use pyo3::prelude::*;
 
 #[pymodule]
@@ -19,6 +19,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DEFAULT_TOPK", DEFAULT_TOPK)?;
     m.add("H200_NUM_SMS", H200_NUM_SMS)?;
+    m.add("MAX_HEADS", MAX_HEADS)?;
     config::register(m)?;
     scratch::register(m)?;
     plan::register(m)?;

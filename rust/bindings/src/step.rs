@@ -13,6 +13,7 @@ use crate::convert::{bound_name, count, gather_rows, heads, indexer_rows, length
 use crate::plan::PrefillGroups;
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("MAX_DECODE_QUERY_LEN", mla_planner::step::MAX_DECODE_QUERY_LEN)?;
     m.add_class::<StepPlan>()?;
     m.add_function(wrap_pyfunction!(plan_step, m)?)?;
     m.add_function(wrap_pyfunction!(step_mode, m)?)?;

@@ -12,6 +12,8 @@ pub const D_QK: u64 = 576;
 pub const DEFAULT_TOPK: u32 = 2048;
 /// Streaming multiprocessors of an H200 (and H100 SXM).
 pub const H200_NUM_SMS: u32 = 132;
+/// Most query heads per rank: the widest FlashMLA sparse kernels run 128 heads.
+pub const MAX_HEADS: u32 = 128;
 
 /// GPU architecture families with different FlashMLA kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -102,7 +104,7 @@ impl FromStr for KvDtype {
 /// Query heads per rank must be 1 to 128: the kernels run 64 or 128 padded
 /// heads. Every planner taking a head count checks it with this.
 pub fn check_heads(num_heads: u32) -> Result<()> {
-    if num_heads == 0 || num_heads > 128 {
+    if num_heads == 0 || num_heads > MAX_HEADS {
         return Err(PlanError::InvalidArgument {
             what: "num_heads (query heads per rank)",
             rule:
