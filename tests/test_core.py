@@ -391,6 +391,34 @@ def test_native_prefill_heads_size_the_plan(heads: int) -> None:
         mp.prefill_scratch(10, 64, native_heads=True)
 
 
+def test_prefill_padding_is_vllms_own() -> None:
+    """vLLM 0.26 pads the prefill kernel's q to 128 heads on sm100, 0.33 to 64 (its FlashMLA has the
+    64-head Blackwell kernel): the configuration carries the padding its backend uses, and the
+    plan's heads, launches and bytes follow it."""
+    v026 = mp.StepConfig(16, arch="sm100", max_model_len=70_000, execution="vllm", mode="separate_prefill_decode")
+    v033 = v026.replace(prefill_padding=64)
+    assert (v026.prefill_padding, v026.prefill_padded_heads, v026.to_dict()["prefill_padding"]) == (128, 128, None)
+    assert (v033.prefill_padding, v033.prefill_padded_heads, v033.prefill_heads) == (64, 64, 64)
+    assert mp.StepConfig(16, max_model_len=1).prefill_padding == 64  # sm90: 64 under both
+    q, c = [1, 40_000], [10, 0]
+    p026, p033 = mp.plan_step(q, c, 1, v026), mp.plan_step(q, c, 1, v033)
+    assert (p026.prefill_heads, p033.prefill_heads) == (128, 64)
+    assert p033.longest_launch("sparse_prefill") > p026.longest_launch("sparse_prefill")
+    assert max(p026.peak_bytes, p033.peak_bytes) <= v026.launch_budget_bytes
+    assert mp.prefill_scratch(1000, 16, arch="sm100", padding=64).buffers == mp.prefill_scratch(1000, 16).buffers
+    assert mp.prefill_scratch(1000, 16, arch="sm100").buffers["lse"] == 1000 * 128 * 4
+    assert mp.padded_heads(16, kernel="sparse_prefill", arch="sm100", padding=64) == 64
+    assert mp.padded_heads(16, kernel="sparse_prefill", arch="sm100") == 128
+    assert (mp.prefill_launch_tokens(16, budget_bytes=1 << 30, arch="sm100", padding=64)
+            == mp.prefill_launch_tokens(16, budget_bytes=1 << 30))
+    for bad, message in [(0, "64 or 128"), (96, "64 or 128"), (256, "64 or 128"), (2**40, "64 or 128"),
+                         (-1, "a non-negative integer"), (1.5, "a non-negative integer")]:
+        with pytest.raises(ValueError, match=f"prefill_padding must be {message}"):
+            mp.StepConfig(16, max_model_len=1, prefill_padding=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=f"prefill_padding must be {message}"):
+            mp.prefill_scratch(10, 16, padding=bad)  # type: ignore[arg-type]
+
+
 def test_step_config_budget_just_above_the_reserve_is_accepted() -> None:
     c = mp.StepConfig(16, max_model_len=1000, scratch_budget_bytes=(64 << 10) + 1)
     assert c.launch_budget_bytes == 1

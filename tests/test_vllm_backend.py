@@ -705,6 +705,27 @@ def test_a_one_launch_native_plan_is_not_stocks_call(native_routed: Backend, gen
     assert native_routed.kernels.prefill_calls == [(520, 16, 576)]
 
 
+@pytest.mark.parametrize("family", [90, 100])
+def test_prefill_padding_is_the_impls(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, family: int) -> None:
+    """The plan pads the prefill kernel's q as this vLLM's impl does: 64 heads on Hopper; on
+    Blackwell 128 under 0.26 and 64 under 0.33 (its FlashMLA has the 64-head kernel there)."""
+    from vllm.platforms import current_platform
+
+    from mla_planner.vllm_backend import vllm_api
+
+    monkeypatch.setattr(current_platform, "is_device_capability_family", lambda f, device_id=0: f == family)
+    backend = Backend(tmp_path, monkeypatch, num_heads=16)
+    try:
+        config = backend.builder.step_config
+        assert config.arch == ("sm100" if family == 100 else "sm90")
+        assert config.prefill_padding == backend.impl.prefill_padding
+        assert config.prefill_padded_heads == (128 if family == 100 and not vllm_api.V033 else 64)
+        plan = mla_planner.plan_step([40_000], [0], 0, config.replace(mode="separate_prefill_decode"))
+        assert plan.prefill_heads == config.prefill_padded_heads
+    finally:
+        backend.close()
+
+
 @pytest.mark.parametrize("num_heads", [32, 64])
 def test_asking_for_native_prefill_heads(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator,
                                          num_heads: int) -> None:

@@ -53,6 +53,7 @@ class StepConfig:
         decode_takes_out: bool | None = None,
         prefill_takes_out: bool | None = None,
         native_prefill_heads: bool = False,
+        prefill_padding: int | None = None,
     ) -> None: ...
     def replace(self, **changes: object) -> StepConfig: ...
     def to_dict(self) -> dict[str, object]: ...
@@ -114,6 +115,10 @@ class StepConfig:
     @property
     def prefill_padded_heads(self) -> int:
         """Heads vLLM pads the prefill kernel's q to: what its own code runs."""
+    @property
+    def prefill_padding(self) -> int:
+        """vLLM's ``prefill_padding``, the head multiple it pads the prefill kernel's q to: the one
+        given, else vLLM 0.26's (64 on sm90, 128 on sm100); vLLM 0.33 pads to 64 on both."""
     @property
     def native_prefill_heads_possible(self) -> bool:
         """The prefill kernel can run ``num_heads`` unpadded on this GPU (16 or 32 on sm90), given
@@ -214,6 +219,7 @@ def prefill_scratch(
     out_preallocated: bool = False,
     translated_indices: bool = False,
     native_heads: bool = False,
+    padding: int | None = None,
 ) -> Scratch: ...
 def prefill_launch_tokens(
     num_heads: int,
@@ -224,6 +230,7 @@ def prefill_launch_tokens(
     out_preallocated: bool = False,
     translated_indices: bool = False,
     native_heads: bool = False,
+    padding: int | None = None,
 ) -> tuple[int, Bound]:
     """The most query tokens one sparse prefill launch may take within the budget, and what
     caps it (``"budget"`` or a hard limit)."""
@@ -236,8 +243,11 @@ def topk_mask_bytes(
 def gather_workspace_bytes(rows: int) -> int: ...
 def indexer_logits_bytes(query_rows: int, kv_rows: int) -> int: ...
 def max_tokens_per_launch(num_heads: int) -> tuple[int, Bound]: ...
-def padded_heads(num_heads: int, *, kernel: Kernel = "sparse_decode", arch: str = "sm90") -> int:
-    """Heads ``kernel`` runs for ``num_heads`` query heads per rank (q is zero-padded up to it)."""
+def padded_heads(
+    num_heads: int, *, kernel: Kernel = "sparse_decode", arch: str = "sm90", padding: int | None = None
+) -> int:
+    """Heads ``kernel`` runs for ``num_heads`` query heads per rank (q is zero-padded up to it);
+    ``padding``: vLLM's ``prefill_padding`` for the prefill kernel (default 0.26's for ``arch``)."""
 def plan_mixed_batch(
     num_tokens: int,
     *,

@@ -97,7 +97,8 @@ class Scratches:
 
     def _prefill(self, s_q: int, out_preallocated: bool) -> Scratch:
         c = self.cfg.step
-        return prefill_scratch(s_q, c.num_heads, arch=c.arch, topk=c.topk, out_preallocated=out_preallocated)
+        return prefill_scratch(s_q, c.num_heads, arch=c.arch, topk=c.topk, out_preallocated=out_preallocated,
+                               padding=c.prefill_padding)
 
     def failure(self, launch: LaunchRow) -> str | None:
         """The hard limit a launch crosses, if any (docs/kernels.md, "Hard limits": b = 1 strides)."""
@@ -193,7 +194,7 @@ def planned_launches(step: Step, p: StepPlan, s: Scratches) -> list[LaunchRow]:
             in_place = p.prefill_writes_in_place and p.mode != "bf16"
             scratch = prefill_scratch(s_q, c.num_heads, arch=c.arch, topk=c.topk, out_preallocated=in_place,
                                       translated_indices=c.translated_indices and p.mode != "bf16",
-                                      native_heads=c.native_prefill_heads)
+                                      native_heads=c.native_prefill_heads, padding=c.prefill_padding)
         bytes_ = planned_bytes if p.mode != "bf16" else None
         launches.append(LaunchRow(kernel, (t0, t1), (r0, r1), batch, s_q, scratch, bytes_))
     return launches

@@ -68,6 +68,7 @@ def config_for(
         force_mqa=force_mqa,
         execution="vllm",
         native_prefill_heads=native_prefill_heads,
+        prefill_padding=vllm_api.PREFILL_PADDING,
     )
 
 

@@ -106,7 +106,7 @@ def largest_launches(config: mla_planner.StepConfig, max_tokens: int, workspace_
             heads, in_place = plan.prefill_heads, plan.prefill_writes_in_place
             scratch = mla_planner.prefill_scratch(tokens, config.num_heads, arch=config.arch, topk=config.topk,
                                                   out_preallocated=in_place, translated_indices=config.translated_indices,
-                                                  native_heads=native)
+                                                  native_heads=native, padding=config.prefill_padding)
         served = ("q_padded", "out") if heads == workspace_heads else ()
         buffers = scratch.buffers
         out.append(LaunchReservation(f"{route} (native heads)" if native else route, tokens,

@@ -75,6 +75,11 @@ RESERVES_THROUGH_PROFILE_RUN = V033
 """0.33 calls ``reserve_workspace()`` in the profile run; 0.26 needs the allocate-then-free
 reservation of :mod:`.reservation`."""
 
+PREFILL_PADDING: int | None = 64 if V033 else None
+"""The head multiple vLLM pads the sparse prefill kernel's q to (its impl's ``prefill_padding``, set
+in ``__init__``, so not readable before an impl exists): 0.33 pads to 64 on Hopper and Blackwell
+alike; ``None`` leaves the planner's default, 0.26's rule (64 on Hopper, 128 on Blackwell)."""
+
 NATIVE_PREFILL_HEADS = V033
 """0.33's FlashMLA runs the SM90 sparse prefill kernel at 16 and 32 heads unpadded, so a plan made
 for native prefill heads can run; 0.26's has 64- and 128-head kernels only."""

@@ -9,7 +9,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::convert::{count, count_or, getters, gpu, heads, topk_or_default, OrValueError};
+use crate::convert::{self, count, count_or, getters, gpu, heads, topk_or_default, OrValueError};
 use crate::plan::DEFAULT_CONTEXT_CHUNK_ROWS;
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -78,6 +78,9 @@ getters! { StepConfig {
     prefill_takes_out: bool = |c| c.execution.prefill_takes_out;
     /// The prefill kernel runs the query heads unpadded (16 or 32 on sm90).
     native_prefill_heads: bool = |c| c.execution.native_prefill_heads;
+    /// vLLM's `prefill_padding`, the head multiple it pads the prefill
+    /// kernel's q to: the one given, else vLLM 0.26's (64 on sm90, 128 on sm100).
+    prefill_padding: u32 = |c| c.prefill_padding();
     /// Heads the sparse decode kernel runs (64 or 128).
     decode_heads: u32 = |c| c.decode_heads();
     /// Heads the sparse prefill kernel runs: the query heads with
@@ -112,13 +115,15 @@ impl StepConfig {
     /// "separate_prefill_decode" fixes the FP8 route; None follows vLLM.
     /// `native_prefill_heads`: the prefill kernel runs 16 or 32 heads (sm90)
     /// unpadded, as vLLM 0.33's FlashMLA can; default: vLLM's padding.
+    /// `prefill_padding`: that padding's head multiple (64 or 128); default
+    /// vLLM 0.26's by architecture, while vLLM 0.33 pads to 64 on sm100 too.
     #[new]
     #[pyo3(signature = (
         num_heads, *, arch="sm90", num_sms=None, topk=None, kv_dtype="fp8", scratch_budget_bytes=None,
         max_model_len=None, gather_workspace_rows=None, indexer_workspace_rows=None, indexer_logits_bytes=None,
         masked_mha=false, force_mqa=false, mask_workspace_bytes=None, context_chunk_rows=None, mode=None,
         execution="default", translated_indices=None, align_waves=None, decode_takes_out=None, prefill_takes_out=None,
-        native_prefill_heads=false,
+        native_prefill_heads=false, prefill_padding=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -143,6 +148,7 @@ impl StepConfig {
         decode_takes_out: Option<bool>,
         prefill_takes_out: Option<bool>,
         native_prefill_heads: bool,
+        prefill_padding: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let topk = topk_or_default(topk)?;
         let kv_dtype = kv_dtype.parse::<KvDtype>().py()?;
@@ -204,6 +210,7 @@ impl StepConfig {
                 decode_takes_out: decode_takes_out.unwrap_or(defaults.decode_takes_out),
                 prefill_takes_out: prefill_takes_out.unwrap_or(defaults.prefill_takes_out),
                 native_prefill_heads,
+                prefill_padding: convert::prefill_padding(prefill_padding)?,
             },
             ..base
         };
@@ -241,6 +248,7 @@ impl StepConfig {
         d.set_item("decode_takes_out", c.execution.decode_takes_out)?;
         d.set_item("prefill_takes_out", c.execution.prefill_takes_out)?;
         d.set_item("native_prefill_heads", c.execution.native_prefill_heads)?;
+        d.set_item("prefill_padding", c.execution.prefill_padding)?;
         Ok(d)
     }
 

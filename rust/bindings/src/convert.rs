@@ -89,6 +89,15 @@ pub(crate) fn heads(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
     u32::try_from(n).map_err(|_| PyValueError::new_err(format!("num_heads must be between 1 and 128, got {n}")))
 }
 
+/// vLLM's `prefill_padding` where given (the planner checks it is 64 or 128).
+pub(crate) fn prefill_padding(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u32>> {
+    obj.map(|o| {
+        let n = count(o, "prefill_padding")?;
+        u32::try_from(n).map_err(|_| PyValueError::new_err(format!("prefill_padding must be 64 or 128, got {n}")))
+    })
+    .transpose()
+}
+
 /// `topk`, or DeepSeek-V3.2's 2048 when not given.
 pub(crate) fn topk_or_default(obj: Option<&Bound<'_, PyAny>>) -> PyResult<u32> {
     let n = count_or(obj, "topk", u64::from(DEFAULT_TOPK))?;

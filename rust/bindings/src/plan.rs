@@ -4,14 +4,14 @@
 
 use std::ops::Range;
 
-use mla_planner::geometry::Arch;
+use mla_planner::geometry::{default_prefill_padding, Arch};
 use mla_planner::plan::{self, MaskConfig};
 use mla_planner::scratch::{PrefillShape, GLOBAL_TOPK_MASK_MAX_BYTES};
 use numpy::{PyArray1, PyArray2};
 use pyo3::prelude::*;
 
 use crate::convert::{
-    bound_name, count, count_or, gather_rows, gpu, heads, indexer_rows, lengths, prefill_requests, ranges, table,
+    self, bound_name, count, count_or, gather_rows, gpu, heads, indexer_rows, lengths, prefill_requests, ranges, table,
     topk_or_default, OrValueError,
 };
 
@@ -33,8 +33,10 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 /// `(tokens, bound)`: the most query tokens one sparse prefill launch may take
 /// within `budget_bytes`, and what caps it ("budget" or a hard limit).
+/// `padding`: vLLM's `prefill_padding` (default vLLM 0.26's for `arch`).
 #[pyfunction]
-#[pyo3(signature = (num_heads, *, budget_bytes, arch="sm90", topk=None, out_preallocated=false, translated_indices=false, native_heads=false))]
+#[pyo3(signature = (num_heads, *, budget_bytes, arch="sm90", topk=None, out_preallocated=false, translated_indices=false, native_heads=false, padding=None))]
+#[allow(clippy::too_many_arguments)]
 fn prefill_launch_tokens(
     num_heads: &Bound<'_, PyAny>,
     budget_bytes: &Bound<'_, PyAny>,
@@ -43,7 +45,9 @@ fn prefill_launch_tokens(
     out_preallocated: bool,
     translated_indices: bool,
     native_heads: bool,
+    padding: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(u64, &'static str)> {
+    let arch = arch.parse::<Arch>().py()?;
     let shape = PrefillShape {
         s_q: 1,
         num_heads: heads(num_heads)?,
@@ -51,9 +55,10 @@ fn prefill_launch_tokens(
         out_preallocated,
         translated_indices,
         native_heads,
+        padding: convert::prefill_padding(padding)?.unwrap_or_else(|| default_prefill_padding(arch)),
     };
     let budget = count(budget_bytes, "budget_bytes")?;
-    let (n, bound) = plan::prefill_launch_tokens(arch.parse::<Arch>().py()?, shape, budget).py()?;
+    let (n, bound) = plan::prefill_launch_tokens(arch, shape, budget).py()?;
     Ok((n, bound_name(bound)))
 }
 

@@ -1,12 +1,12 @@
 //! Byte models of the kernels' buffers (`mla_planner::scratch`).
 
-use mla_planner::geometry::Arch;
+use mla_planner::geometry::{default_prefill_padding, Arch};
 use mla_planner::plan::Bound as PlanBound;
 use mla_planner::scratch::{self, Breakdown, DecodeShape, PrefillShape};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::convert::{bound_name, count, gpu, heads, topk_or_default, OrValueError};
+use crate::convert::{self, bound_name, count, gpu, heads, topk_or_default, OrValueError};
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GLOBAL_TOPK_MASK_MAX_BYTES", scratch::GLOBAL_TOPK_MASK_MAX_BYTES)?;
@@ -91,9 +91,12 @@ fn decode_scratch(
 /// Every buffer one FlashMLA sparse prefill call allocates for `s_q` query tokens:
 /// padded q, out (unless `out_preallocated`), max_logits, lse, and with
 /// `translated_indices` the workspace indices and valid counts. With
-/// `native_heads` the kernel runs `num_heads` unpadded (16 or 32, sm90).
+/// `native_heads` the kernel runs `num_heads` unpadded (16 or 32, sm90); else
+/// q is padded to a multiple of `padding` (vLLM's `prefill_padding`; default
+/// vLLM 0.26's for `arch`).
 #[pyfunction]
-#[pyo3(signature = (s_q, num_heads, *, arch="sm90", topk=None, out_preallocated=false, translated_indices=false, native_heads=false))]
+#[pyo3(signature = (s_q, num_heads, *, arch="sm90", topk=None, out_preallocated=false, translated_indices=false, native_heads=false, padding=None))]
+#[allow(clippy::too_many_arguments)]
 fn prefill_scratch(
     s_q: &Bound<'_, PyAny>,
     num_heads: &Bound<'_, PyAny>,
@@ -102,7 +105,9 @@ fn prefill_scratch(
     out_preallocated: bool,
     translated_indices: bool,
     native_heads: bool,
+    padding: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Scratch> {
+    let arch = arch.parse::<Arch>().py()?;
     let shape = PrefillShape {
         s_q: count(s_q, "s_q")?,
         num_heads: heads(num_heads)?,
@@ -110,8 +115,9 @@ fn prefill_scratch(
         out_preallocated,
         translated_indices,
         native_heads,
+        padding: convert::prefill_padding(padding)?.unwrap_or_else(|| default_prefill_padding(arch)),
     };
-    Ok(scratch::prefill_scratch(arch.parse::<Arch>().py()?, shape).py()?.into())
+    Ok(scratch::prefill_scratch(arch, shape).py()?.into())
 }
 
 fn mask_shape(
@@ -176,14 +182,26 @@ fn max_tokens_per_launch(num_heads: &Bound<'_, PyAny>) -> PyResult<(u64, &'stati
 }
 
 /// Heads `kernel` ("sparse_decode" or "sparse_prefill") runs for `num_heads`
-/// query heads per rank: the caller zero-pads q up to it.
+/// query heads per rank: the caller zero-pads q up to it. `padding`: vLLM's
+/// `prefill_padding` for the prefill kernel (default vLLM 0.26's for `arch`).
 #[pyfunction]
-#[pyo3(signature = (num_heads, *, kernel="sparse_decode", arch="sm90"))]
-fn padded_heads(num_heads: &Bound<'_, PyAny>, kernel: &str, arch: &str) -> PyResult<u32> {
+#[pyo3(signature = (num_heads, *, kernel="sparse_decode", arch="sm90", padding=None))]
+fn padded_heads(
+    num_heads: &Bound<'_, PyAny>,
+    kernel: &str,
+    arch: &str,
+    padding: Option<&Bound<'_, PyAny>>,
+) -> PyResult<u32> {
     let n = heads(num_heads)?;
     match kernel {
         "sparse_decode" => mla_planner::geometry::decode_padded_heads(n).py(),
-        "sparse_prefill" => mla_planner::geometry::prefill_padded_heads(n, arch.parse::<Arch>().py()?).py(),
+        "sparse_prefill" => {
+            let padding = match convert::prefill_padding(padding)? {
+                Some(p) => p,
+                None => default_prefill_padding(arch.parse::<Arch>().py()?),
+            };
+            mla_planner::geometry::prefill_padded_heads(n, padding).py()
+        }
         _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
             "kernel must be \"sparse_decode\" or \"sparse_prefill\", got {kernel:?}"
         ))),

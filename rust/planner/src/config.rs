@@ -5,7 +5,9 @@
 //! restates a padding rule, a workspace factor or a reserve.
 
 use crate::error::{mul, PlanError, Result};
-use crate::geometry::{check_topk, decode_padded_heads, prefill_kernel_heads, prefill_padded_heads, Gpu, KvDtype};
+use crate::geometry::{
+    check_topk, decode_padded_heads, default_prefill_padding, prefill_kernel_heads, prefill_padded_heads, Gpu, KvDtype,
+};
 use crate::plan::MaskConfig;
 
 /// Held back from every scratch budget for what the byte models leave out:
@@ -88,6 +90,10 @@ pub struct Execution {
     /// which vLLM 0.33's FlashMLA build runs natively) instead of the padding
     /// vLLM uses: no padded q, a quarter or half of the kernel's rows.
     pub native_prefill_heads: bool,
+    /// vLLM's `prefill_padding`, the head multiple it pads the prefill
+    /// kernel's q to (64 or 128); `None`: vLLM 0.26's, by architecture
+    /// ([`default_prefill_padding`]). vLLM 0.33 pads to 64 on Blackwell too.
+    pub prefill_padding: Option<u32>,
 }
 
 impl Execution {
@@ -98,6 +104,7 @@ impl Execution {
         decode_takes_out: true,
         prefill_takes_out: true,
         native_prefill_heads: false,
+        prefill_padding: None,
     };
 }
 
@@ -110,6 +117,7 @@ impl Default for Execution {
             decode_takes_out: true,
             prefill_takes_out: true,
             native_prefill_heads: false,
+            prefill_padding: None,
         }
     }
 }
@@ -179,7 +187,13 @@ impl StepConfig {
     /// allocator's reserve, native prefill heads no kernel runs.
     pub fn validate(&self) -> Result<()> {
         crate::geometry::check_heads(self.num_heads)?;
-        prefill_kernel_heads(self.num_heads, self.gpu.arch, self.execution.native_prefill_heads)?;
+        prefill_padded_heads(self.num_heads, self.prefill_padding())?;
+        prefill_kernel_heads(
+            self.num_heads,
+            self.gpu.arch,
+            self.execution.native_prefill_heads,
+            self.prefill_padding(),
+        )?;
         check_topk(self.topk, 64, "topk")?;
         if self.kv_dtype == KvDtype::Bf16 && matches!(self.mode, Some(m) if m != StepMode::Bf16) {
             return Err(PlanError::InvalidArgument {
@@ -236,16 +250,23 @@ impl StepConfig {
         decode_padded_heads(self.num_heads).unwrap_or(128)
     }
 
+    /// vLLM's `prefill_padding`: the execution's, else vLLM 0.26's for the
+    /// architecture (64 on SM90, 128 on SM100).
+    pub fn prefill_padding(&self) -> u32 {
+        self.execution.prefill_padding.unwrap_or_else(|| default_prefill_padding(self.gpu.arch))
+    }
+
     /// Heads the sparse prefill kernel runs: `num_heads` with native prefill
-    /// heads, else vLLM's padding (a multiple of 64 on SM90, 128 on SM100).
+    /// heads, else padded to a multiple of [`Self::prefill_padding`].
     pub fn prefill_heads(&self) -> u32 {
-        prefill_kernel_heads(self.num_heads, self.gpu.arch, self.execution.native_prefill_heads).unwrap_or(128)
+        prefill_kernel_heads(self.num_heads, self.gpu.arch, self.execution.native_prefill_heads, self.prefill_padding())
+            .unwrap_or(128)
     }
 
     /// Heads vLLM pads the prefill kernel's q to, whatever this configuration
     /// runs: what vLLM's own code (and its workspace) uses.
     pub fn prefill_padded_heads(&self) -> u32 {
-        prefill_padded_heads(self.num_heads, self.gpu.arch).unwrap_or(128)
+        prefill_padded_heads(self.num_heads, self.prefill_padding()).unwrap_or(128)
     }
 
     /// The decode kernel writes straight into the step's output: it takes

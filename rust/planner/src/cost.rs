@@ -144,7 +144,7 @@ impl CostModel {
     /// the head counts its kernels run): an error naming the difference
     /// rather than a guess.
     pub fn check(&self, cfg: &StepConfig) -> Result<()> {
-        self.tables(cfg.gpu, cfg.num_heads, cfg.topk, cfg.execution.native_prefill_heads).map(|_| ())
+        self.tables(cfg).map(|_| ())
     }
 
     /// Whether this profile prices the prefill kernel at `num_heads` run
@@ -154,7 +154,9 @@ impl CostModel {
         gpu.arch == self.arch && prefill_runs_native(num_heads, gpu.arch) && self.prefill.contains_key(&num_heads)
     }
 
-    fn tables(&self, gpu: Gpu, num_heads: u32, topk: u32, native_prefill: bool) -> Result<Tables<'_>> {
+    fn tables(&self, cfg: &StepConfig) -> Result<Tables<'_>> {
+        let (gpu, num_heads, topk, native_prefill) =
+            (cfg.gpu, cfg.num_heads, cfg.topk, cfg.execution.native_prefill_heads);
         let mismatch = |what: String| {
             PlanError::CostProfile(format!(
                 "{what}; calibrate this configuration (`mla-planner calibrate`) instead of reusing it"
@@ -172,7 +174,10 @@ impl CostModel {
         if topk != self.topk {
             return Err(mismatch(format!("measured at topk {}, asked about topk {topk}", self.topk)));
         }
-        let (dh, ph) = (decode_padded_heads(num_heads)?, prefill_kernel_heads(num_heads, gpu.arch, native_prefill)?);
+        let (dh, ph) = (
+            decode_padded_heads(num_heads)?,
+            prefill_kernel_heads(num_heads, gpu.arch, native_prefill, cfg.prefill_padding())?,
+        );
         let missing = |kernel: &str, heads: u32, run: &str, have: Vec<u32>| {
             mismatch(format!(
                 "has no {kernel} table at {heads} {run} heads ({num_heads} heads per rank); it has {have:?}"
@@ -237,7 +242,7 @@ impl CostModel {
                 got: cfg.kv_dtype.name().into(),
             });
         }
-        let tables = self.tables(cfg.gpu, cfg.num_heads, cfg.topk, cfg.execution.native_prefill_heads)?;
+        let tables = self.tables(cfg)?;
         let route = |cfg: StepConfig, prefill: &Table| -> Result<Priced> {
             let plan = plan_step(step, &cfg)?;
             Ok((price(&Tables { prefill, ..tables }, &plan), plan, cfg))
@@ -635,7 +640,7 @@ mod tests {
                 proptest::prop_assert!(plan.peak_bytes <= config.launch_budget_bytes());
                 let time = |native: bool| plan_step(step, &config.with_mode(StepMode::SeparatePrefillDecode).with_native_prefill_heads(native))
                     .ok()
-                    .map(|plan| price(&m.tables(config.gpu, heads, 2048, native && has_native).unwrap(), &plan).total_us());
+                    .map(|plan| price(&m.tables(&config.with_native_prefill_heads(native && has_native)).unwrap(), &plan).total_us());
                 let (padded_us, native_us) = (time(false), if has_native { time(true) } else { None });
                 let best = padded_us.into_iter().chain(native_us).fold(f64::INFINITY, f64::min);
                 proptest::prop_assert!(close(sep.total_us(), best), "{:?} vs padded {:?} native {:?}", sep, padded_us, native_us);

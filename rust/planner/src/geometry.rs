@@ -122,15 +122,30 @@ pub fn decode_padded_heads(num_heads: u32) -> Result<u32> {
     Ok(if num_heads <= 64 { 64 } else { 128 })
 }
 
-/// Heads the BF16 sparse prefill kernel runs: vLLM pads to a multiple of
-/// 64 on Hopper (`prefill_padding = 64`) and of 128 on Blackwell.
-pub fn prefill_padded_heads(num_heads: u32, arch: Arch) -> Result<u32> {
-    check_heads(num_heads)?;
-    let multiple = match arch {
+/// vLLM's `prefill_padding` where the caller names none: the head multiple
+/// vLLM 0.26 pads the BF16 sparse prefill kernel's q to, 64 on Hopper and 128
+/// on Blackwell. vLLM 0.33 pads to 64 on both (its FlashMLA build has 64-head
+/// Blackwell prefill kernels); its backend passes that.
+pub fn default_prefill_padding(arch: Arch) -> u32 {
+    match arch {
         Arch::Sm90 => 64,
         Arch::Sm100 => 128,
-    };
-    Ok(num_heads.div_ceil(multiple) * multiple)
+    }
+}
+
+/// Heads the BF16 sparse prefill kernel runs: `num_heads` padded to a
+/// multiple of `padding` (vLLM's `prefill_padding`: 64 or 128, the kernels'
+/// head counts).
+pub fn prefill_padded_heads(num_heads: u32, padding: u32) -> Result<u32> {
+    check_heads(num_heads)?;
+    if padding != 64 && padding != 128 {
+        return Err(PlanError::InvalidArgument {
+            what: "prefill_padding",
+            rule: "64 or 128 (the head counts of FlashMLA's sparse prefill kernels)",
+            got: padding.to_string(),
+        });
+    }
+    Ok(num_heads.div_ceil(padding) * padding)
 }
 
 /// Head counts FlashMLA's SM90 BF16 sparse prefill kernel runs without
@@ -144,10 +159,10 @@ pub fn prefill_runs_native(num_heads: u32, arch: Arch) -> bool {
 }
 
 /// Heads the sparse prefill kernel runs: `num_heads` itself with `native`
-/// (refused where no kernel runs it), vLLM's padding otherwise.
-pub fn prefill_kernel_heads(num_heads: u32, arch: Arch, native: bool) -> Result<u32> {
+/// (refused where no kernel runs it), padded to `padding` otherwise.
+pub fn prefill_kernel_heads(num_heads: u32, arch: Arch, native: bool, padding: u32) -> Result<u32> {
     if !native {
-        return prefill_padded_heads(num_heads, arch);
+        return prefill_padded_heads(num_heads, padding);
     }
     check_heads(num_heads)?;
     if !prefill_runs_native(num_heads, arch) {
@@ -189,9 +204,15 @@ mod tests {
         assert_eq!(decode_padded_heads(128).unwrap(), 128);
         assert!(decode_padded_heads(0).is_err());
         assert!(decode_padded_heads(129).is_err());
-        assert_eq!(prefill_padded_heads(16, Arch::Sm90).unwrap(), 64);
-        assert_eq!(prefill_padded_heads(96, Arch::Sm90).unwrap(), 128);
-        assert_eq!(prefill_padded_heads(16, Arch::Sm100).unwrap(), 128);
+        assert_eq!(prefill_padded_heads(16, default_prefill_padding(Arch::Sm90)).unwrap(), 64);
+        assert_eq!(prefill_padded_heads(96, default_prefill_padding(Arch::Sm90)).unwrap(), 128);
+        assert_eq!(prefill_padded_heads(16, default_prefill_padding(Arch::Sm100)).unwrap(), 128);
+        assert_eq!(prefill_padded_heads(16, 64).unwrap(), 64); // vLLM 0.33 on Blackwell
+        assert_eq!(prefill_padded_heads(65, 128).unwrap(), 128);
+        for bad in [0, 32, 96, 256] {
+            let err = prefill_padded_heads(16, bad).unwrap_err().to_string();
+            assert!(err.contains("prefill_padding") && err.contains("64 or 128"), "{err}");
+        }
         for (heads, arch, native) in [
             (16, Arch::Sm90, Some(16)),
             (32, Arch::Sm90, Some(32)),
@@ -200,12 +221,16 @@ mod tests {
             (16, Arch::Sm100, None),
             (32, Arch::Sm100, None),
         ] {
-            assert_eq!(prefill_kernel_heads(heads, arch, true).ok(), native, "{heads} on {arch:?}");
-            assert_eq!(prefill_kernel_heads(heads, arch, false).unwrap(), prefill_padded_heads(heads, arch).unwrap());
+            let padding = default_prefill_padding(arch);
+            assert_eq!(prefill_kernel_heads(heads, arch, true, padding).ok(), native, "{heads} on {arch:?}");
+            assert_eq!(
+                prefill_kernel_heads(heads, arch, false, padding).unwrap(),
+                prefill_padded_heads(heads, padding).unwrap()
+            );
         }
-        let err = prefill_kernel_heads(16, Arch::Sm100, true).unwrap_err().to_string();
+        let err = prefill_kernel_heads(16, Arch::Sm100, true, 64).unwrap_err().to_string();
         assert!(err.contains("native_prefill_heads") && err.contains("16 heads on sm100"), "{err}");
-        assert!(prefill_kernel_heads(0, Arch::Sm90, true).unwrap_err().to_string().contains("num_heads"));
+        assert!(prefill_kernel_heads(0, Arch::Sm90, true, 64).unwrap_err().to_string().contains("num_heads"));
     }
 
     #[test]

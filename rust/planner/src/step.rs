@@ -492,6 +492,7 @@ fn prefill_shape(cfg: &StepConfig, s_q: u64, in_place: bool) -> PrefillShape {
         out_preallocated: in_place,
         translated_indices: cfg.execution.translated_indices,
         native_heads: cfg.execution.native_prefill_heads,
+        padding: cfg.prefill_padding(),
     }
 }
 
@@ -689,6 +690,7 @@ mod tests {
             align_waves in any::<bool>(),
             takes_out in any::<bool>(),
             native in any::<bool>(),
+            prefill_padding in prop_oneof![Just(None), Just(Some(64u32)), Just(Some(128))],
         ) {
             let mut q: Vec<u64> = reqs.iter().map(|r| r.0).collect();
             let c: Vec<u64> = reqs.iter().map(|r| r.1).collect();
@@ -708,11 +710,13 @@ mod tests {
                 decode_takes_out: takes_out,
                 prefill_takes_out: takes_out,
                 native_prefill_heads,
+                prefill_padding,
             };
             let plan = plan_step(Step { query_lens: &q, context_lens: &c, num_decodes: d }, &config).unwrap();
             let total: u64 = q.iter().sum();
             prop_assert_eq!(plan.num_tokens, total);
-            prop_assert_eq!(plan.prefill_heads, if native_prefill_heads { heads } else { config.prefill_padded_heads() });
+            let padding = prefill_padding.unwrap_or(if sm100 { 128 } else { 64 });
+            prop_assert_eq!(plan.prefill_heads, if native_prefill_heads { heads } else { heads.div_ceil(padding) * padding });
             let mut count = vec![0u32; total as usize];
             for l in &plan.launches {
                 prop_assert!(!l.tokens.is_empty());

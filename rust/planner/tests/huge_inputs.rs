@@ -307,7 +307,7 @@ proptest! {
         if let Ok(bd) = decode_scratch(gpu, shape) {
             check_breakdown(&bd)?;
         }
-        let shape = PrefillShape { s_q, num_heads, topk, out_preallocated, translated_indices, native_heads: mla_planner::geometry::prefill_runs_native(num_heads, gpu.arch) };
+        let shape = PrefillShape { s_q, num_heads, topk, out_preallocated, translated_indices, native_heads: mla_planner::geometry::prefill_runs_native(num_heads, gpu.arch), padding: 64 };
         if let Ok(bd) = prefill_scratch(gpu.arch, shape) {
             check_breakdown(&bd)?;
         }
@@ -320,11 +320,11 @@ proptest! {
     }
 
     #[test]
-    fn prefill_launch_tokens_any_sizes(arch in prop_oneof![Just(Arch::Sm90), Just(Arch::Sm100)], num_heads in heads(), topk in topk(), budget in huge(), flags in any::<(bool, bool, bool)>()) {
+    fn prefill_launch_tokens_any_sizes(arch in prop_oneof![Just(Arch::Sm90), Just(Arch::Sm100)], num_heads in heads(), topk in topk(), budget in huge(), flags in any::<(bool, bool, bool)>(), padding in prop_oneof![Just(64u32), Just(128)]) {
         let (out_preallocated, translated_indices, native_heads) = flags;
-        let shape = PrefillShape { s_q: 0, num_heads, topk, out_preallocated, translated_indices, native_heads };
+        let shape = PrefillShape { s_q: 0, num_heads, topk, out_preallocated, translated_indices, native_heads, padding };
         if let Ok((tokens, _)) = prefill_launch_tokens(arch, shape, budget) {
-            let cap = max_tokens_per_launch(prefill_kernel_heads(num_heads, arch, native_heads).unwrap()).0;
+            let cap = max_tokens_per_launch(prefill_kernel_heads(num_heads, arch, native_heads, padding).unwrap()).0;
             prop_assert!(tokens >= 1 && tokens <= cap);
             let bytes = prefill_scratch(arch, PrefillShape { s_q: tokens, ..shape }).unwrap().total_bytes();
             prop_assert!(bytes <= budget);
@@ -456,6 +456,7 @@ fn scratch_totals_are_exact_or_refused() {
         out_preallocated: false,
         translated_indices: false,
         native_heads: false,
+        padding: 64,
     };
     let err = prefill_scratch(Arch::Sm90, prefill).unwrap_err();
     assert!(matches!(err, PlanError::Overflow { .. }), "{err}");

@@ -23,7 +23,8 @@ pub fn prefill_launch_tokens(arch: Arch, shape: PrefillShape, budget_bytes: u64)
             detail: "one token of the sparse prefill kernel (padded q, output, softmax statistics)".into(),
         });
     }
-    let (by_limit, limit) = max_tokens_per_launch(prefill_kernel_heads(shape.num_heads, arch, shape.native_heads)?);
+    let (by_limit, limit) =
+        max_tokens_per_launch(prefill_kernel_heads(shape.num_heads, arch, shape.native_heads, shape.padding)?);
     Ok(if by_limit < by_budget { (by_limit, Bound::Limit(limit)) } else { (by_budget, Bound::Budget) })
 }
 
@@ -32,7 +33,15 @@ mod tests {
     use super::*;
 
     fn shape(num_heads: u32, translated_indices: bool) -> PrefillShape {
-        PrefillShape { s_q: 0, num_heads, topk: 2048, out_preallocated: false, translated_indices, native_heads: false }
+        PrefillShape {
+            s_q: 0,
+            num_heads,
+            topk: 2048,
+            out_preallocated: false,
+            translated_indices,
+            native_heads: false,
+            padding: 64,
+        }
     }
 
     #[test]
