@@ -38,19 +38,21 @@ def step_config(
             f"{NATIVE_VAR}=1: vLLM {vllm_api.VLLM_VERSION}'s FlashMLA runs the prefill kernel at 64 or 128 heads only "
             f"(vLLM 0.33's also at 16 and 32); unset {NATIVE_VAR}"
         )
-    try:
-        return config_for(vllm_config, builder.num_heads, builder.topk_tokens, builder.use_fp8_kv_cache, device,
-                          scratch_budget_bytes, has_prefill_backend=has_prefill_backend,
-                          native_prefill_heads=native_prefill_heads)
-    except ValueError as e:
-        if native_prefill_heads and "native_prefill_heads" in str(e):
-            raise SettingsError(f"{NATIVE_VAR}=1: {e}; or unset {NATIVE_VAR}") from None
-        raise
+    config = config_for(vllm_config, builder.num_heads, builder.topk_tokens, builder.use_fp8_kv_cache, device,
+                        scratch_budget_bytes, has_prefill_backend=has_prefill_backend)
+    if not native_prefill_heads:
+        return config
+    if not config.native_prefill_heads_possible:
+        raise SettingsError(
+            f"{NATIVE_VAR}=1: the prefill kernel runs 16 or 32 heads per rank unpadded, on sm90 only; this engine "
+            f"has {config.num_heads} heads per rank on {config.arch}; unset {NATIVE_VAR}"
+        )
+    return config.replace(native_prefill_heads=True)
 
 
 def config_for(
     vllm_config: VllmConfig, num_heads: int, topk: int, fp8: bool, device: torch.device, scratch_budget_bytes: int, *,
-    has_prefill_backend: bool, native_prefill_heads: bool = False,
+    has_prefill_backend: bool,
 ) -> mla_planner.StepConfig:
     """:func:`step_config` from the values themselves, for the impl, which has no builder."""
     max_model_len = vllm_config.model_config.max_model_len
@@ -67,7 +69,6 @@ def config_for(
         indexer_workspace_rows=vllm_api.indexer_workspace_rows(vllm_config),
         force_mqa=force_mqa,
         execution="vllm",
-        native_prefill_heads=native_prefill_heads,
         prefill_padding=vllm_api.PREFILL_PADDING,
     )
 
