@@ -5,8 +5,9 @@
 
 use std::ops::Range;
 
-use mla_planner::geometry::{Arch, Gpu, DEFAULT_TOPK, H200_NUM_SMS};
+use mla_planner::geometry::{default_prefill_padding, Arch, Gpu, DEFAULT_TOPK, H200_NUM_SMS};
 use mla_planner::plan::{self, Bound as PlanBound, GatherChunk, PrefillRequest};
+use mla_planner::scratch::PrefillShape;
 use mla_planner::PlanError;
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray2, PyReadonlyArray1};
@@ -96,6 +97,37 @@ pub(crate) fn prefill_padding(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option
         u32::try_from(n).map_err(|_| PyValueError::new_err(format!("prefill_padding must be 64 or 128, got {n}")))
     })
     .transpose()
+}
+
+/// [`prefill_padding`], or vLLM 0.26's for `arch` when not given.
+pub(crate) fn prefill_padding_or_default(obj: Option<&Bound<'_, PyAny>>, arch: Arch) -> PyResult<u32> {
+    Ok(prefill_padding(obj)?.unwrap_or_else(|| default_prefill_padding(arch)))
+}
+
+/// One sparse prefill call as `prefill_scratch` and `prefill_launch_tokens`
+/// take it from Python, with its architecture.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prefill_shape(
+    s_q: u64,
+    num_heads: &Bound<'_, PyAny>,
+    arch: &str,
+    topk: Option<&Bound<'_, PyAny>>,
+    out_preallocated: bool,
+    translated_indices: bool,
+    native_heads: bool,
+    padding: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(Arch, PrefillShape)> {
+    let arch = arch.parse::<Arch>().py()?;
+    let shape = PrefillShape {
+        s_q,
+        num_heads: heads(num_heads)?,
+        topk: topk_or_default(topk)?,
+        out_preallocated,
+        translated_indices,
+        native_heads,
+        padding: prefill_padding_or_default(padding, arch)?,
+    };
+    Ok((arch, shape))
 }
 
 /// `topk`, or DeepSeek-V3.2's 2048 when not given.

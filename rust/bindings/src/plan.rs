@@ -4,9 +4,8 @@
 
 use std::ops::Range;
 
-use mla_planner::geometry::{default_prefill_padding, Arch};
 use mla_planner::plan::{self, MaskConfig};
-use mla_planner::scratch::{PrefillShape, GLOBAL_TOPK_MASK_MAX_BYTES};
+use mla_planner::scratch::GLOBAL_TOPK_MASK_MAX_BYTES;
 use numpy::{PyArray1, PyArray2};
 use pyo3::prelude::*;
 
@@ -47,16 +46,8 @@ fn prefill_launch_tokens(
     native_heads: bool,
     padding: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(u64, &'static str)> {
-    let arch = arch.parse::<Arch>().py()?;
-    let shape = PrefillShape {
-        s_q: 1,
-        num_heads: heads(num_heads)?,
-        topk: topk_or_default(topk)?,
-        out_preallocated,
-        translated_indices,
-        native_heads,
-        padding: convert::prefill_padding(padding)?.unwrap_or_else(|| default_prefill_padding(arch)),
-    };
+    let (arch, shape) =
+        convert::prefill_shape(1, num_heads, arch, topk, out_preallocated, translated_indices, native_heads, padding)?;
     let budget = count(budget_bytes, "budget_bytes")?;
     let (n, bound) = plan::prefill_launch_tokens(arch, shape, budget).py()?;
     Ok((n, bound_name(bound)))

@@ -1,8 +1,8 @@
 //! Byte models of the kernels' buffers (`mla_planner::scratch`).
 
-use mla_planner::geometry::{default_prefill_padding, Arch};
+use mla_planner::geometry::Arch;
 use mla_planner::plan::Bound as PlanBound;
-use mla_planner::scratch::{self, Breakdown, DecodeShape, PrefillShape};
+use mla_planner::scratch::{self, Breakdown, DecodeShape};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -107,16 +107,17 @@ fn prefill_scratch(
     native_heads: bool,
     padding: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Scratch> {
-    let arch = arch.parse::<Arch>().py()?;
-    let shape = PrefillShape {
-        s_q: count(s_q, "s_q")?,
-        num_heads: heads(num_heads)?,
-        topk: topk_or_default(topk)?,
+    let s_q = count(s_q, "s_q")?;
+    let (arch, shape) = convert::prefill_shape(
+        s_q,
+        num_heads,
+        arch,
+        topk,
         out_preallocated,
         translated_indices,
         native_heads,
-        padding: convert::prefill_padding(padding)?.unwrap_or_else(|| default_prefill_padding(arch)),
-    };
+        padding,
+    )?;
     Ok(scratch::prefill_scratch(arch, shape).py()?.into())
 }
 
@@ -196,10 +197,7 @@ fn padded_heads(
     match kernel {
         "sparse_decode" => mla_planner::geometry::decode_padded_heads(n).py(),
         "sparse_prefill" => {
-            let padding = match convert::prefill_padding(padding)? {
-                Some(p) => p,
-                None => default_prefill_padding(arch.parse::<Arch>().py()?),
-            };
+            let padding = convert::prefill_padding_or_default(padding, arch.parse::<Arch>().py()?)?;
             mla_planner::geometry::prefill_padded_heads(n, padding).py()
         }
         _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
