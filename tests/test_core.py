@@ -417,6 +417,8 @@ def test_prefill_padding_is_vllms_own() -> None:
             mp.StepConfig(16, max_model_len=1, prefill_padding=bad)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=f"prefill_padding must be {message}"):
             mp.prefill_scratch(10, 16, padding=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=f"prefill_padding must be {message}"):
+            mp.prefill_scratch(10, 16, native_heads=True, padding=bad)  # type: ignore[arg-type]
 
 
 def test_step_config_budget_just_above_the_reserve_is_accepted() -> None:

@@ -184,10 +184,10 @@ impl StepConfig {
 
     /// Checks what no plan could use: heads outside 1..=128, a top-k the
     /// kernels refuse, an FP8 mode on a BF16 cache, a budget below the
-    /// allocator's reserve, native prefill heads no kernel runs.
+    /// allocator's reserve, a prefill padding no kernel runs, native prefill
+    /// heads no kernel runs.
     pub fn validate(&self) -> Result<()> {
         crate::geometry::check_heads(self.num_heads)?;
-        prefill_padded_heads(self.num_heads, self.prefill_padding())?;
         prefill_kernel_heads(
             self.num_heads,
             self.gpu.arch,

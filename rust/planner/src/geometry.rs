@@ -159,12 +159,13 @@ pub fn prefill_runs_native(num_heads: u32, arch: Arch) -> bool {
 }
 
 /// Heads the sparse prefill kernel runs: `num_heads` itself with `native`
-/// (refused where no kernel runs it), padded to `padding` otherwise.
+/// (refused where no kernel runs it), padded to `padding` otherwise. The
+/// padding is checked either way: it is vLLM's, whatever this call runs.
 pub fn prefill_kernel_heads(num_heads: u32, arch: Arch, native: bool, padding: u32) -> Result<u32> {
+    let padded = prefill_padded_heads(num_heads, padding)?;
     if !native {
-        return prefill_padded_heads(num_heads, padding);
+        return Ok(padded);
     }
-    check_heads(num_heads)?;
     if !prefill_runs_native(num_heads, arch) {
         return Err(PlanError::InvalidArgument {
             what: "native_prefill_heads",
@@ -231,6 +232,9 @@ mod tests {
         let err = prefill_kernel_heads(16, Arch::Sm100, true, 64).unwrap_err().to_string();
         assert!(err.contains("native_prefill_heads") && err.contains("16 heads on sm100"), "{err}");
         assert!(prefill_kernel_heads(0, Arch::Sm90, true, 64).unwrap_err().to_string().contains("num_heads"));
+        // Native heads still need vLLM's padding to be one the kernels run.
+        let err = prefill_kernel_heads(16, Arch::Sm90, true, 96).unwrap_err().to_string();
+        assert!(err.contains("prefill_padding"), "{err}");
     }
 
     #[test]
