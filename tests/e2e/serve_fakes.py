@@ -10,8 +10,9 @@ the plugin's budget). Like e2e_fakes, stock (FLASHMLA_SPARSE) at gpu_memory_util
 "runs out of memory" when more than 16,384 prompt tokens are in flight at once: it logs a CUDA OOM,
 answers 500 and exits, as a server whose engine died. The environment steers start-up:
 FAKE_SERVE_START_S (seconds before it listens, default 0.2), FAKE_SERVE_EXIT_AT_START=1 (logs a CUDA
-OOM and exits with an error instead). ``bench`` writes a result JSON shaped like bench's: every prompt completed if the
-server's /health answers 200, none otherwise. No number either produces means anything.
+OOM and exits with an error instead). ``bench`` writes a result JSON shaped like bench's: every
+prompt completed if the server's /health answers 200, none otherwise. No number either produces
+means anything.
 """
 
 from __future__ import annotations
