@@ -371,9 +371,12 @@ def test_simulate_ctrl_c_stops_cleanly(tmp_path: Path) -> None:
     trace = tmp_path / "trace.fifo"
     os.mkfifo(trace)
     out = tmp_path / "out"
+    # Ctrl-C's disposition as a terminal gives it: a test run started in the background inherits
+    # SIGINT ignored, and Python then installs no handler in the child.
     p = subprocess.Popen(
         [sys.executable, "-m", "mla_planner.cli", "simulate", str(trace), "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     with open(trace, "w") as f:
         f.write('{"requests":[{"query_len":8192,"context_len":0}]}\n' * 100)
