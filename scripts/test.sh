@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Install mla-planner with its test dependencies into one virtual environment per vLLM version the
-# backend supports -- .venv: vLLM 0.26.0 and torch 2.11.0 (extra `test`); .venv33: vLLM 0.33.0 and
-# torch 2.14.0 (extra `test-vllm033`) -- then run every test this machine can: the Rust planner's
-# tests once, and in each environment the Python tests (GPU tests skip, saying why) and the type
-# check. Exits non-zero on any failure.
+# Run every test this machine can: the Rust planner's tests once, then, for each vLLM version the
+# backend supports, install mla-planner with its test dependencies into that version's virtual
+# environment -- .venv: vLLM 0.26.0 and torch 2.11.0 (extra `test`); .venv33: vLLM 0.33.0 and
+# torch 2.14.0 (extra `test-vllm033`) -- and run the Python tests (GPU tests skip, saying why) and
+# the type check there. Exits non-zero on any failure.
 #
 # VLLM_VERSIONS picks a subset, e.g. VLLM_VERSIONS=0.26 ./scripts/test.sh (default: "0.26 0.33").
+# REMOVE_ENVS=1 deletes each environment once its tests pass. The two hold ~18 GB between them
+# (torch and its CUDA libraries, twice); CI sets it so that only one is ever on its disk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,18 +21,7 @@ venv_for() {  # vLLM minor version -> its environment and requirements extra
         *) echo "unknown vLLM version '$1' in VLLM_VERSIONS (supported: 0.26 0.33)" >&2; exit 2 ;;
     esac
 }
-
-# Environments first, one after the other (CI has 2 cores; pip and the Rust build would compete).
-for version in $versions; do
-    read -r venv extra <<<"$(venv_for "$version")"
-    if [ ! -x "$venv/bin/python" ]; then
-        echo "==> creating $venv with $($python --version)"
-        "$python" -m venv "$venv"
-    fi
-    echo "==> installing mla-planner[$extra] into $venv (the first run downloads vLLM $version and torch: minutes)"
-    "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q ".[$extra]"
-done
+for version in $versions; do venv_for "$version" >/dev/null; done  # a bad version fails before any work
 
 echo "==> cargo test (Rust planner)"
 cargo test --release --locked
@@ -41,10 +32,24 @@ else
     echo "==> cargo fmt --check not run: rustfmt is not installed (rustup component add rustfmt)"
 fi
 
+# One environment at a time, install then test (CI has 2 cores; pip and a test run would compete).
 for version in $versions; do
-    read -r venv _extra <<<"$(venv_for "$version")"
+    read -r venv extra <<<"$(venv_for "$version")"
+    if [ ! -x "$venv/bin/python" ]; then
+        echo "==> creating $venv with $($python --version)"
+        "$python" -m venv "$venv"
+    fi
+    echo "==> installing mla-planner[$extra] into $venv (the first run downloads vLLM $version and torch," \
+        "~9 GB: minutes; $(df -h --output=avail . | tail -1 | tr -d ' ') free here)"
+    # No pip cache: a wheel cache would keep a second copy of torch and its CUDA libraries on disk.
+    "$venv/bin/python" -m pip install -q --no-cache-dir --upgrade pip
+    "$venv/bin/python" -m pip install -q --no-cache-dir ".[$extra]"
     echo "==> pytest, vLLM $version ($venv)"
     "$venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir=. -c pyproject.toml tests
     echo "==> mypy, vLLM $version ($venv)"
     "$venv/bin/python" -m mypy
+    if [ "${REMOVE_ENVS:-0}" = 1 ]; then
+        echo "==> removing $venv (REMOVE_ENVS=1)"
+        rm -rf "$venv"
+    fi
 done
