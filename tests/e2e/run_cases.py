@@ -25,11 +25,11 @@ from typing import Any, Callable
 
 MODEL_DIR = Path(__file__).resolve().parent / "tiny-deepseek-v32"
 BACKENDS = {"stock": "FLASHMLA_SPARSE", "planned": "CUSTOM"}
-ENV_DEFAULTS = {  # what vLLM 0.26.0 needed on the H200 (docs/e2e.md)
+ENV_DEFAULTS = {  # what vLLM needed on the H200, set unless already set
     "HF_HUB_OFFLINE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in this process: torch.cuda peak stats see it
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
-    "CUDA_HOME": "/usr/local/cuda",
+    "CUDA_HOME": "/usr/local/cuda",  # DeepGEMM compiles the indexer's kernels at first use with nvcc
     "VLLM_NO_USAGE_STATS": "1",  # the GPU machine has no network
 }
 REPLACE_VAR = "MLA_PLANNER_REPLACE_FLASHMLA_SPARSE"
