@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -249,6 +250,38 @@ def test_plan_step_separate() -> None:
     assert plan.longest_launch("sparse_prefill") == max(int(launches[i, 1] - launches[i, 0]) for i in prefill)
     assert (plan.gather_chunks[:, 6] <= 40_000).all()
     assert plan.gather_workspace_bytes == mp.gather_workspace_bytes(40_000)
+
+
+@pytest.mark.parametrize("mode", ["mixed_batch", "separate_prefill_decode"])
+def test_launch_scratch_is_what_each_launch_holds(mode: str) -> None:
+    # Launches of unequal length: each holds the padded q (separate: and the kernel output) sized
+    # for the longest, and its own buffers at its own length; together, its launch_bytes.
+    config = mp.StepConfig(16, scratch_budget_bytes=GIB, max_model_len=70_000, mode=mode)
+    plan = mp.plan_step([1, 1, 65_533], [100, 5000, 0], 2, config)
+    kernel: Literal["sparse_decode", "sparse_prefill"] = "sparse_decode" if mode == "mixed_batch" else "sparse_prefill"
+    longest = plan.longest_launch(kernel)
+
+    def own(tokens: int) -> dict[str, int]:
+        if kernel == "sparse_decode":
+            return mp.decode_scratch(1, tokens, 16, out_preallocated=config.decode_writes_in_place).buffers
+        return mp.prefill_scratch(tokens, 16, out_preallocated=plan.prefill_writes_in_place,
+                                  padding=config.prefill_padding).buffers
+
+    shared = {"q_padded"} if kernel == "sparse_decode" else {"q_padded", "out"}
+    lengths = set()
+    for i, ((t0, t1, *_), k) in enumerate(zip(plan.launches.tolist(), plan.launch_kernels)):
+        scratch = plan.launch_scratch(i)
+        assert scratch.total_bytes == plan.launch_bytes[i]
+        if k != kernel:
+            continue
+        lengths.add(t1 - t0)
+        expected = {name: own(longest if name in shared else t1 - t0)[name] for name in own(t1 - t0)}
+        assert scratch.buffers == expected
+    assert len(lengths) > 1, "launches of one length would not tell held buffers from own ones"
+    with pytest.raises(ValueError, match=f"0 to {len(plan) - 1}"):
+        plan.launch_scratch(len(plan))
+    with pytest.raises(ValueError, match="non-negative integer"):
+        plan.launch_scratch(-1)
 
 
 def test_step_mode_is_the_plans_mode() -> None:

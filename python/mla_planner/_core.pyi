@@ -173,6 +173,10 @@ class StepPlan:
     def launch_kernels(self) -> list[Kernel]: ...
     @property
     def launch_bytes(self) -> IntArray: ...
+    def launch_scratch(self, index: int) -> Scratch:
+        """The buffers live while launch ``index`` runs: its own, and those the step holds once
+        for its longest launch of that kernel (the padded q; on the separate route the kernel's
+        output too), at that size. Their total is ``launch_bytes[index]``."""
     @property
     def bound(self) -> Bound: ...
     @property

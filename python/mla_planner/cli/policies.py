@@ -42,19 +42,18 @@ FAILURES = ("int32_stride", "grid", "workspace_assert")
 
 @dataclass(frozen=True)
 class LaunchRow:
-    """One sparse-attention kernel call as a policy reports it (its own buffers and the bytes it holds)."""
+    """One sparse-attention kernel call as a policy reports it, with the buffers live while it runs."""
 
     kernel: str  # "sparse_decode" or "sparse_prefill"
     tokens: tuple[int, int]  # [start, end) query tokens of the step
     requests: tuple[int, int]  # [start, end) requests of the step
     batch: int
     s_q: int  # query tokens per batch entry
-    scratch: Scratch  # the launch's own buffers
-    planned_bytes: int | None = None  # the plan's bytes: its own and the step's shared buffers
+    scratch: Scratch  # stock: the call's buffers; planned: the plan's (`StepPlan.launch_scratch`)
 
     @property
     def bytes(self) -> int:
-        return self.scratch.total_bytes if self.planned_bytes is None else self.planned_bytes
+        return self.scratch.total_bytes
 
 
 @dataclass(frozen=True)
@@ -169,34 +168,24 @@ def planned(step: Step, s: Scratches, *, detail: bool = False) -> Outcome:
     p = plan(step, s)
     groups = p.prefill_groups
     path_tokens = _path_tokens(step, groups.requests, groups.paths, 0) if len(groups) else dict.fromkeys(PATHS, 0)
-    launches = planned_launches(step, p, s) if detail or s.cfg.mode == "bf16" else []
+    launches = planned_launches(step, p) if detail or s.cfg.mode == "bf16" else []
     # The planner cuts mixed and separate steps under the hard limits; its
     # bf16 mode runs each run of sparse tokens in one call, as stock does.
     failure = next((f for f in map(s.failure, launches) if f), None)
     return Outcome(launches, len(p.launch_kernels), p.peak_bytes, failure, path_tokens, p)
 
 
-def planned_launches(step: Step, p: StepPlan, s: Scratches) -> list[LaunchRow]:
-    """The plan's launches, each with its own buffers' breakdown and the plan's bytes (which add
-    the buffers the step shares across launches, sized for the longest)."""
+def planned_launches(step: Step, p: StepPlan) -> list[LaunchRow]:
+    """The plan's launches, each with the buffers the plan holds while it runs (its own, and
+    those the step shares across launches, sized for the longest)."""
     mixed = p.mode == "mixed_batch"
-    c = s.cfg.planned
     launches = []
-    rows = zip(p.launches.tolist(), p.launch_kernels, p.launch_bytes.tolist())
-    for (t0, t1, r0, r1, _chunk), kernel, planned_bytes in rows:
-        if kernel == "sparse_decode":
-            batch = 1 if mixed else r1 - r0
-            s_q = t1 - t0 if mixed else max(step.query_lens[: step.num_decodes])
-            scratch = decode_scratch(batch, s_q, c.num_heads, arch=c.arch, num_sms=c.num_sms, topk=c.topk,
-                                     out_preallocated=c.decode_writes_in_place, translated_indices=c.translated_indices)
-        else:
+    for i, ((t0, t1, r0, r1, _chunk), kernel) in enumerate(zip(p.launches.tolist(), p.launch_kernels)):
+        if kernel == "sparse_decode" and not mixed:  # a batch of decode requests
+            batch, s_q = r1 - r0, max(step.query_lens[: step.num_decodes])
+        else:  # one run of tokens
             batch, s_q = 1, t1 - t0
-            in_place = p.prefill_writes_in_place and p.mode != "bf16"
-            scratch = prefill_scratch(s_q, c.num_heads, arch=c.arch, topk=c.topk, out_preallocated=in_place,
-                                      translated_indices=c.translated_indices and p.mode != "bf16",
-                                      native_heads=c.native_prefill_heads, padding=c.prefill_padding)
-        bytes_ = planned_bytes if p.mode != "bf16" else None
-        launches.append(LaunchRow(kernel, (t0, t1), (r0, r1), batch, s_q, scratch, bytes_))
+        launches.append(LaunchRow(kernel, (t0, t1), (r0, r1), batch, s_q, p.launch_scratch(i)))
     return launches
 
 

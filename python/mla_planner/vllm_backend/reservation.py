@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Literal
 
 import torch
 
@@ -63,7 +62,7 @@ class LaunchReservation:
     launch_bytes: int
     """What the plan says it allocates (its ``launch_bytes``)."""
     buffers: dict[str, int]
-    """The planner's buffers of that launch (``decode_scratch``/``prefill_scratch``)."""
+    """The buffers the plan holds while that launch runs (``StepPlan.launch_scratch``)."""
     served: tuple[str, ...]
     """Those the caller's workspace holds already (vLLM 0.33's padded q and output views)."""
 
@@ -90,26 +89,17 @@ def largest_launches(config: mla_planner.StepConfig, max_tokens: int, workspace_
     more of them, so its own buffers may outgrow the padded launch's."""
     sparse = config.replace(force_mqa=True)  # every token through the sparse kernels: the most
     out = []
-    routes: list[tuple[str, Literal["sparse_decode", "sparse_prefill"], bool]] = [
-        ("mixed_batch", "sparse_decode", False), ("separate_prefill_decode", "sparse_prefill", False)]
+    routes = [("mixed_batch", False), ("separate_prefill_decode", False)]
     if native_prefill:
-        routes.append(("separate_prefill_decode", "sparse_prefill", True))
-    for route, kernel, native in routes:
+        routes.append(("separate_prefill_decode", True))
+    for route, native in routes:
         plan = mla_planner.plan_step([max_tokens], [0], 0, sparse.replace(mode=route, native_prefill_heads=native))
-        tokens = plan.longest_launch(kernel)
-        if route == "mixed_batch":
-            heads, in_place = config.decode_heads, config.decode_writes_in_place
-            scratch = mla_planner.decode_scratch(1, tokens, config.num_heads, arch=config.arch, num_sms=config.num_sms,
-                                                 topk=config.topk, out_preallocated=in_place,
-                                                 translated_indices=config.translated_indices)
-        else:
-            heads, in_place = plan.prefill_heads, plan.prefill_writes_in_place
-            scratch = mla_planner.prefill_scratch(tokens, config.num_heads, arch=config.arch, topk=config.topk,
-                                                  out_preallocated=in_place, translated_indices=config.translated_indices,
-                                                  native_heads=native, padding=config.prefill_padding)
+        largest = int(plan.launch_bytes.argmax())
+        start, end = plan.launches[largest, :2].tolist()
+        heads = config.decode_heads if route == "mixed_batch" else plan.prefill_heads
         served = ("q_padded", "out") if heads == workspace_heads else ()
+        scratch = plan.launch_scratch(largest)
         buffers = scratch.buffers
-        out.append(LaunchReservation(f"{route} (native heads)" if native else route, tokens,
-                                     int(plan.launch_bytes.max()), buffers,
-                                     tuple(name for name in served if name in buffers)))
+        out.append(LaunchReservation(f"{route} (native heads)" if native else route, end - start,
+                                     scratch.total_bytes, buffers, tuple(name for name in served if name in buffers)))
     return out

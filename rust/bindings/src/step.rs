@@ -9,8 +9,9 @@ use pyo3::prelude::*;
 use crate::config::StepConfig;
 use mla_planner::geometry::KvDtype;
 
-use crate::convert::{bound_name, count, gather_rows, heads, indexer_rows, lengths, table, OrValueError};
+use crate::convert::{bound_name, count, gather_rows, heads, indexer_rows, lengths, repr, table, OrValueError};
 use crate::plan::PrefillGroups;
+use crate::scratch::Scratch;
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_DECODE_QUERY_LEN", mla_planner::step::MAX_DECODE_QUERY_LEN)?;
@@ -140,6 +141,19 @@ impl StepPlan {
     #[getter]
     fn launch_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
         PyArray1::from_vec(py, self.inner.launches.iter().map(|l| l.bytes as i64).collect())
+    }
+
+    /// The buffers live while launch `index` runs, by name: its own, and those the step holds
+    /// once for its longest launch of that kernel (the padded q; on the separate route the
+    /// kernel's output too), at that size. Their total is `launch_bytes[index]`.
+    fn launch_scratch(&self, index: &Bound<'_, PyAny>) -> PyResult<Scratch> {
+        let n = self.inner.launches.len();
+        let launch = usize::try_from(count(index, "index")?).ok().and_then(|i| self.inner.launches.get(i));
+        let launch = launch.ok_or_else(|| {
+            let which = if n == 0 { "this plan has no launches".into() } else { format!("0 to {}", n - 1) };
+            PyValueError::new_err(format!("index must be a launch of this plan ({which}), got {}", repr(index)))
+        })?;
+        Ok(launch.buffers.clone().into())
     }
 
     /// What kept the sparse tokens from fewer launches: "none", "budget", "int32_stride" or "grid".

@@ -12,7 +12,9 @@ use crate::plan::{
     Bound, GatherChunk, IndexerChunk, MaskConfig, MixedBatchConfig, MixedBatchPlan, PrefillGroup, PrefillPath,
     PrefillRequest,
 };
-use crate::scratch::{decode_scratch, gather_workspace_bytes, prefill_scratch, Breakdown, DecodeShape, PrefillShape};
+use crate::scratch::{
+    decode_scratch, gather_workspace_bytes, prefill_scratch, Breakdown, Buffer, DecodeShape, PrefillShape,
+};
 
 /// A breakdown's bytes all live at once, summed with overflow checked.
 trait Total {
@@ -23,6 +25,17 @@ impl Total for Breakdown {
     fn total(&self) -> Result<u64> {
         self.buffers.iter().try_fold(0u64, |acc, b| add("launch bytes", acc, b.bytes))
     }
+}
+
+/// `own` with its buffers the step shares across launches (`shared`, by name) at the sizes the
+/// step holds them at: those of its longest launch.
+fn with_shared(own: Breakdown, shared: &Breakdown, names: &[&str]) -> Breakdown {
+    let buffers = own
+        .buffers
+        .into_iter()
+        .map(|b| if names.contains(&b.name) { Buffer { bytes: shared.get(b.name), ..b } } else { b })
+        .collect();
+    Breakdown { buffers }
 }
 
 /// The kernel a launch calls.
@@ -52,8 +65,12 @@ pub struct KernelLaunch {
     /// Separate path, prefill launches: the gather chunk whose workspace the
     /// launch reads (an index into [`StepPlan::gather_chunks`]).
     pub gather_chunk: Option<usize>,
-    /// Bytes live while it runs: its own buffers and the step's buffers
-    /// sized for the longest launch and reused by every launch.
+    /// The buffers live while it runs, by name: its own, and those the step
+    /// allocates once for its longest launch of this kernel and reuses in
+    /// every launch (the padded q; on the separate path the kernel's output
+    /// too), at that size.
+    pub buffers: Breakdown,
+    /// Their bytes together.
     pub bytes: u64,
 }
 
@@ -286,14 +303,15 @@ fn plan_launches(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
             for run in &sparse_runs {
                 let run_tokens = tokens.of(run);
                 let shape = prefill_shape(cfg, run_tokens.end - run_tokens.start, false);
-                let bytes = prefill_scratch(cfg.gpu.arch, shape)?.total()?;
+                let buffers = prefill_scratch(cfg.gpu.arch, shape)?;
                 launches.reserve(1, "the BF16 step")?;
                 launches.list.push(KernelLaunch {
                     kernel: Kernel::SparsePrefill,
                     tokens: run_tokens,
                     requests: run.clone(),
                     gather_chunk: None,
-                    bytes,
+                    bytes: buffers.total()?,
+                    buffers,
                 });
             }
         }
@@ -377,17 +395,18 @@ fn mixed_config(cfg: &StepConfig, budget_bytes: u64) -> MixedBatchConfig {
     }
 }
 
-/// Bytes of a mixed-batch plan as the executor runs it: each launch's kernel
-/// buffers, plus the zero-padded q, allocated once for the longest launch and
-/// reused by every launch.
-fn held_mixed_bytes(plan: &MixedBatchPlan, mixed: &MixedBatchConfig) -> Result<Vec<u64>> {
+/// The buffers of a mixed-batch plan's launches as the executor runs them: each launch's kernel
+/// buffers, the zero-padded q among them allocated once for the longest launch and reused by
+/// every launch.
+fn held_mixed_buffers(plan: &MixedBatchPlan, mixed: &MixedBatchConfig) -> Result<Vec<(Breakdown, u64)>> {
     let longest = plan.launches.iter().map(|l| l.len()).max().unwrap_or(0);
-    let held_q = mixed.launch_scratch(longest)?.get("q_padded");
+    let shared = mixed.launch_scratch(longest)?;
     plan.launches
         .iter()
         .map(|l| {
-            let own = mixed.launch_scratch(l.len())?;
-            add("mixed-batch launch bytes", own.total()? - own.get("q_padded"), held_q)
+            let buffers = with_shared(mixed.launch_scratch(l.len())?, &shared, &["q_padded"]);
+            let bytes = buffers.total()?;
+            Ok((buffers, bytes))
         })
         .collect()
 }
@@ -401,17 +420,18 @@ fn plan_mixed_run(run: Range<u64>, cfg: &StepConfig, tokens: &Tokens<'_>, out: &
     let mut mixed = mixed_config(cfg, budget);
     for _ in 0..8 {
         let plan = plan_mixed_batch(run.end - run.start, &mixed)?;
-        let bytes = held_mixed_bytes(&plan, &mixed)?;
-        let peak = bytes.iter().copied().max().unwrap_or(0);
+        let held = held_mixed_buffers(&plan, &mixed)?;
+        let peak = held.iter().map(|(_, bytes)| *bytes).max().unwrap_or(0);
         if peak <= budget {
             out.reserve(plan.launches.len() as u64, "the mixed-batch step")?;
-            for (l, bytes) in plan.launches.iter().zip(bytes) {
+            for (l, (buffers, bytes)) in plan.launches.iter().zip(held) {
                 let range = run.start + l.start..run.start + l.end;
                 out.list.push(KernelLaunch {
                     kernel: Kernel::SparseDecode,
                     requests: tokens.requests(&range),
                     tokens: range,
                     gather_chunk: None,
+                    buffers,
                     bytes,
                 });
             }
@@ -434,7 +454,7 @@ fn plan_mixed_run(run: Range<u64>, cfg: &StepConfig, tokens: &Tokens<'_>, out: &
 fn plan_decodes(step: &Step<'_>, cfg: &StepConfig, tokens: &Tokens<'_>, out: &mut Launches) -> Result<Bound> {
     let d = step.num_decodes as u64;
     let s_q = step.query_lens[0];
-    let bytes = |batch: u64| -> Result<u64> {
+    let buffers = |batch: u64| -> Result<Breakdown> {
         decode_scratch(
             cfg.gpu,
             DecodeShape {
@@ -445,9 +465,9 @@ fn plan_decodes(step: &Step<'_>, cfg: &StepConfig, tokens: &Tokens<'_>, out: &mu
                 out_preallocated: cfg.decode_writes_in_place(),
                 translated_indices: cfg.execution.translated_indices,
             },
-        )?
-        .total()
+        )
     };
+    let bytes = |batch: u64| buffers(batch)?.total();
     let budget = cfg.launch_budget_bytes();
     if bytes(1)? > budget {
         return Err(PlanError::BudgetTooSmall {
@@ -473,12 +493,14 @@ fn plan_decodes(step: &Step<'_>, cfg: &StepConfig, tokens: &Tokens<'_>, out: &mu
     out.reserve(d.div_ceil(lo), "the decode launches")?;
     for r in balanced(d, lo) {
         let requests = r.start as usize..r.end as usize;
+        let buffers = buffers(r.end - r.start)?;
         out.list.push(KernelLaunch {
             kernel: Kernel::SparseDecode,
             tokens: tokens.of(&requests),
             requests,
             gather_chunk: None,
-            bytes: bytes(r.end - r.start)?,
+            bytes: buffers.total()?,
+            buffers,
         });
     }
     Ok(if lo < d { Bound::Budget } else { Bound::Unbounded })
@@ -523,7 +545,9 @@ fn plan_prefill_launches(
             kernel: Kernel::SparsePrefill,
             tokens: range,
             requests: reqs,
+            // Sized by `hold_prefill_buffers` once every prefill launch of the step is known.
             gather_chunk: Some(gather_chunk),
+            buffers: Breakdown::default(),
             bytes: 0,
         });
     }
@@ -531,17 +555,17 @@ fn plan_prefill_launches(
 }
 
 /// The separate path's prefill launches share one zero-padded q and one
-/// kernel output, sized for the longest launch: each launch's bytes are
-/// those held buffers plus its own (softmax statistics, translated indices).
+/// kernel output, sized for the longest launch: each launch's buffers are
+/// those held ones plus its own (softmax statistics, translated indices).
 fn hold_prefill_buffers(cfg: &StepConfig, launches: &mut [KernelLaunch]) -> Result<()> {
     let in_place = prefill_in_place(cfg);
     let longest =
         launches.iter().filter(|l| l.kernel == Kernel::SparsePrefill).map(KernelLaunch::len).max().unwrap_or(0);
-    let held = |bd: &Breakdown| bd.get("q_padded") + bd.get("out");
-    let held_bytes = held(&prefill_scratch(cfg.gpu.arch, prefill_shape(cfg, longest, in_place))?);
+    let shared = prefill_scratch(cfg.gpu.arch, prefill_shape(cfg, longest, in_place))?;
     for l in launches.iter_mut().filter(|l| l.kernel == Kernel::SparsePrefill) {
         let own = prefill_scratch(cfg.gpu.arch, prefill_shape(cfg, l.len(), in_place))?;
-        l.bytes = add("prefill launch bytes", own.total()? - held(&own), held_bytes)?;
+        l.buffers = with_shared(own, &shared, &["q_padded", "out"]);
+        l.bytes = l.buffers.total()?;
     }
     Ok(())
 }
@@ -641,6 +665,42 @@ mod tests {
     }
 
     #[test]
+    fn launches_name_the_buffers_they_hold() {
+        // A 65,536-token prompt cut into launches of unequal length: each launch holds the padded
+        // q (and, on the separate route, the kernel output) sized for the longest, the rest its own.
+        let step = Step { query_lens: &[65_535], context_lens: &[0], num_decodes: 0 };
+        for mode in [StepMode::MixedBatch, StepMode::SeparatePrefillDecode] {
+            let config = cfg(16, KvDtype::Fp8).with_mode(mode);
+            let plan = plan_step(step, &config).unwrap();
+            let kernel = plan.launches[0].kernel;
+            let longest = plan.longest_launch(kernel);
+            let (short, long) = (plan.launches.iter().map(KernelLaunch::len).min().unwrap(), longest);
+            assert!(short < long, "{mode:?}: launches of equal length ({short}) prove nothing here");
+            let own = |len: u64| match kernel {
+                Kernel::SparseDecode => {
+                    mixed_config(&config, config.launch_budget_bytes()).launch_scratch(len).unwrap()
+                }
+                Kernel::SparsePrefill => {
+                    prefill_scratch(config.gpu.arch, prefill_shape(&config, len, config.prefill_writes_in_place()))
+                        .unwrap()
+                }
+            };
+            let shared: &[&str] = if kernel == Kernel::SparseDecode { &["q_padded"] } else { &["q_padded", "out"] };
+            for l in &plan.launches {
+                let mine = own(l.len());
+                assert_eq!(l.buffers.buffers.len(), mine.buffers.len(), "{mode:?}: the same buffers, by name");
+                for b in &l.buffers.buffers {
+                    let expected = if shared.contains(&b.name) { own(longest).get(b.name) } else { mine.get(b.name) };
+                    assert_eq!(b.bytes, expected, "{mode:?}: {} of a {}-token launch", b.name, l.len());
+                }
+                assert_eq!(l.bytes, l.buffers.total_bytes());
+            }
+            assert!(plan.launches.iter().all(|l| l.buffers.get("q_padded") == own(longest).get("q_padded")));
+            assert!(own(short).get("q_padded") < own(longest).get("q_padded"));
+        }
+    }
+
+    #[test]
     fn dense_prefills_leave_only_decodes_sparse() {
         let plan =
             plan_step(Step { query_lens: &[1, 500], context_lens: &[9, 0], num_decodes: 1 }, &cfg(16, KvDtype::Fp8))
@@ -723,6 +783,7 @@ mod tests {
                 if plan.mode != StepMode::Bf16 {
                     prop_assert!(l.bytes <= config.launch_budget_bytes());
                 }
+                prop_assert_eq!(l.bytes, l.buffers.total_bytes());
                 prop_assert_eq!(l.gather_chunk.is_some(), plan.mode == StepMode::SeparatePrefillDecode && l.kernel == Kernel::SparsePrefill);
                 for t in l.tokens.clone() { count[t as usize] += 1; }
             }
