@@ -162,7 +162,7 @@ def test_server_and_bench_command_lines_parse_with_vllms_parsers() -> None:
     long, doc = got["long"], got["mix-doc"]
     assert (long["backend"], long["dataset_name"], long["endpoint"]) == ("vllm", "random", "/v1/completions")
     assert (long["random_input_len"], long["random_output_len"], long["num_prompts"], long["max_concurrency"]) == \
-        (32768, 16, 32, 2)
+        (32768, 16, 32, 16)
     assert long["model"] == "tiny-deepseek-v32" and long["tokenizer"] == "/m" and long["seed"] == 7
     assert long["ignore_eos"] and long["temperature"] == 0 and long["save_result"] and long["num_warmups"] == 1
     assert (long["result_dir"], long["result_filename"], long["metadata"]) == ("/r", "x.json", ["engine=plugin"])
