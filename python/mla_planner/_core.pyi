@@ -174,9 +174,10 @@ class StepPlan:
     @property
     def launch_bytes(self) -> IntArray: ...
     def launch_scratch(self, index: int) -> Scratch:
-        """The buffers live while launch ``index`` runs: its own, and those the step holds once
-        for its longest launch of that kernel (the padded q; on the separate route the kernel's
-        output too), at that size. Their total is ``launch_bytes[index]``."""
+        """The buffers live while launch ``index`` runs; their total is ``launch_bytes[index]``.
+        Those the step holds once for every launch of the kernel are at its longest launch's
+        size: the mixed route's padded q, the separate route's prefill padded q and kernel
+        output. The rest are the launch's own."""
     @property
     def bound(self) -> Bound: ...
     @property

@@ -143,9 +143,9 @@ impl StepPlan {
         PyArray1::from_vec(py, self.inner.launches.iter().map(|l| l.bytes as i64).collect())
     }
 
-    /// The buffers live while launch `index` runs, by name: its own, and those the step holds
-    /// once for its longest launch of that kernel (the padded q; on the separate route the
-    /// kernel's output too), at that size. Their total is `launch_bytes[index]`.
+    /// The buffers live while launch `index` runs, by name; their total is `launch_bytes[index]`.
+    /// Those the step holds once for every launch of the kernel are at its longest launch's size:
+    /// the mixed route's padded q, the separate route's prefill padded q and kernel output.
     fn launch_scratch(&self, index: &Bound<'_, PyAny>) -> PyResult<Scratch> {
         let n = self.inner.launches.len();
         let launch = usize::try_from(count(index, "index")?).ok().and_then(|i| self.inner.launches.get(i));

@@ -65,10 +65,11 @@ pub struct KernelLaunch {
     /// Separate path, prefill launches: the gather chunk whose workspace the
     /// launch reads (an index into [`StepPlan::gather_chunks`]).
     pub gather_chunk: Option<usize>,
-    /// The buffers live while it runs, by name: its own, and those the step
-    /// allocates once for its longest launch of this kernel and reuses in
-    /// every launch (the padded q; on the separate path the kernel's output
-    /// too), at that size.
+    /// The buffers live while it runs, by name. Those the step allocates once
+    /// and reuses in every launch of the kernel are at the longest launch's
+    /// size: on the mixed path the padded q, on the separate path the prefill
+    /// launches' padded q and kernel output. The rest (and all of a separate
+    /// path decode launch's or a BF16 call's) are the launch's own.
     pub buffers: Breakdown,
     /// Their bytes together.
     pub bytes: u64,
