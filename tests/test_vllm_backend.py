@@ -895,6 +895,63 @@ def test_profile_run_reserves_what_the_planner_says(tmp_path: pathlib.Path, monk
     assert q_dtype == o_dtype == torch.bfloat16
 
 
+class KvBProj(torch.nn.Module):
+    """The layer's kv_b_proj as far as the profile run uses it (not at all)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (x,)
+
+
+@needs_033
+def test_vllms_profile_forward_reaches_the_reservation(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.33's profile run through vLLM's own ``MLAAttention`` on the FP8 cache: a forward with no
+    metadata (what the profile run's dummy step hands every layer) calls the backend's
+    ``reserve_workspace``, which requests stock's workspace and allocates the largest launch's
+    transient bytes."""
+    import vllm.v1.worker.workspace as workspace
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+
+    from mla_planner.vllm_backend.backend import PlannedFlashMLASparseBackend
+
+    backend = Backend(tmp_path, monkeypatch, num_heads=16)  # the CPU stand-ins, the config, the workspace manager
+    manager = FakeWorkspaceManager()
+    monkeypatch.setattr(workspace, "current_workspace_manager", lambda: manager)
+    try:
+        backend.config.compilation_config.static_forward_context.clear()
+        with set_current_vllm_config(backend.config):
+            layer: Any = MLAAttention(  # Any: the impl is the backend's; vLLM types no metadata as impossible
+                num_heads=16, scale=0.1, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=None,
+                kv_lora_rank=512, kv_b_proj=KvBProj(), cache_config=backend.config.cache_config,  # type: ignore[arg-type]
+                prefix="layers.9.attn", attn_backend=PlannedFlashMLASparseBackend, use_sparse=True,
+                topk_indices_buffer=backend.topk_buffer, prefill_backend_cls=CPUSDPAMLAPrefillBackend,
+            )
+            launches = layer.impl.profile_launches
+            assert launches, "the impl knows its largest launches from construction on"
+            allocations: list[int] = []
+            empty = torch.empty
+
+            def recording_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+                tensor = empty(*args, **kwargs)
+                allocations.append(tensor.numel() * tensor.element_size())
+                return tensor
+
+            tokens = 8
+            q = torch.zeros((tokens, 16, 192), dtype=torch.bfloat16)
+            output = torch.empty((tokens, 16 * 128), dtype=torch.bfloat16)
+            with set_forward_context(None, backend.config):
+                monkeypatch.setattr(torch, "empty", recording_empty)
+                layer.forward_impl(q, torch.zeros((tokens, 512), dtype=torch.bfloat16),
+                                   torch.zeros((tokens, 1, 64), dtype=torch.bfloat16), torch.zeros(1), None, output)
+                monkeypatch.setattr(torch, "empty", empty)
+    finally:
+        backend.close()
+    assert len(manager.requests) == 1, "stock's workspace requested once, in the profile run"
+    assert max(launch.transient_bytes for launch in launches) in allocations
+
+
 def test_the_process_settings_are_read_once_per_set_of_values(monkeypatch: pytest.MonkeyPatch) -> None:
     import mla_planner.vllm_backend.settings as settings_module
 
