@@ -21,6 +21,7 @@ venv_for() {  # vLLM minor version -> its environment and requirements extra
         *) echo "unknown vLLM version '$1' in VLLM_VERSIONS (supported: 0.26 0.33)" >&2; exit 2 ;;
     esac
 }
+[ -n "${versions// /}" ] || { echo "VLLM_VERSIONS is empty (supported: 0.26 0.33)" >&2; exit 2; }
 for version in $versions; do venv_for "$version" >/dev/null; done  # a bad version fails before any work
 
 echo "==> cargo test (Rust planner)"

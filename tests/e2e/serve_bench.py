@@ -52,9 +52,9 @@ class Client:
 WORKLOADS: dict[str, tuple[Client, ...]] = {
     # long and chat runs of 8 and 128 prompts lasted 1 s and 2-3 s on the H200, and one run's
     # throughput moved by up to 25%; four times as many make each run last several seconds.
-    # long, prefill-heavy: a request is in flight for 16 steps, one of them its prefill, so 16
-    # concurrent keep a prompt waiting at every step and every step prefills (32K tokens a step);
-    # at 2 concurrent, 14 of every 16 steps were decode-only.
+    # long, prefill-heavy: a request is in flight for about 17 steps (its prompt, the rest of it
+    # beside the others' decodes, 15 decode tokens), so at 16 concurrent nearly every step
+    # prefills; at 2 concurrent most steps were decode-only.
     "long": (Client("long", 32768, 16, num_prompts=32, concurrency=16),),
     "chat": (Client("chat", 1024, 256, num_prompts=512, concurrency=64, warmups=8),),
     "mix": (Client("mix-chat", 6528, 320, num_prompts=64, concurrency=24, warmups=4,
