@@ -1,9 +1,7 @@
-"""What the command line accepts: numbers in a sane range, and steps that
-the model they describe could run (each request within `--max-model-len`,
-each decode one token, or 1 + `--spec-tokens` with speculative decoding).
+"""What the command line accepts: numbers in a sane range.
 
-Checked here so that a message names the option or trace line at fault,
-instead of the planner core's parameter names or a Python traceback.
+Checked here so that a message names the option at fault, instead of the
+planner core's parameter names or a Python traceback.
 """
 
 from __future__ import annotations
@@ -11,13 +9,8 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
-from operator import add
-from typing import TYPE_CHECKING
 
 from mla_planner import MAX_DECODE_QUERY_LEN
-
-if TYPE_CHECKING:  # steps imports config, and config imports this module
-    from .steps import Step
 
 # Beyond any real deployment, and small enough that nothing overflows the
 # planner core's integers.
@@ -74,25 +67,3 @@ def add_spec_tokens(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
         metavar="N",
         help="speculative tokens per decode: a decode then has up to 1 + N query tokens (default 0)",
     )
-
-
-def step_problem(step: Step, max_model_len: int, max_decode_len: int) -> str | None:
-    """Why the model could not run `step`, or None. Messages use the trace's
-    field names; callers add the file and line or the options."""
-    q, c, d = step.query_lens, step.context_lens, step.num_decodes
-    if not q:
-        return None
-    # The common case in two C-level passes: simulate checks every step.
-    if max(map(add, q, c)) <= max_model_len and max(q[:d], default=1) <= max_decode_len:
-        return None
-    for i, (qi, ci) in enumerate(zip(q, c)):
-        if i < d and qi > max_decode_len:
-            allowed = "1 token" if max_decode_len == 1 else f"at most {max_decode_len} tokens (1 + --spec-tokens)"
-            hint = "" if max_decode_len > 1 else "; mark it a prefill, or pass --spec-tokens for speculative decoding"
-            return f"request {i} is a decode of {qi:,} query tokens, but a decode has {allowed}{hint}"
-        if qi + ci > max_model_len:
-            return (
-                f"request {i}: context_len {ci:,} + query_len {qi:,} = {qi + ci:,} tokens, more than the model's "
-                f"--max-model-len {max_model_len:,}"
-            )
-    return None

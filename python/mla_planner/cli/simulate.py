@@ -71,7 +71,7 @@ def replay(
     rec = Records()
     stock_rec, planned_rec = rec.policies["stock"], rec.policies["planned"]
     for line, step in steps:
-        problem = checks.step_problem(step, cfg.max_model_len, max_decode_len)
+        problem = step.problem(cfg.max_model_len, max_decode_len)
         if problem is not None:
             raise CliError(f"{label}:{line}: {problem}")
         try:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from itertools import repeat
-from operator import itemgetter
+from operator import add, itemgetter
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,6 +35,28 @@ class Step:
     @property
     def prefill_tokens(self) -> int:
         return sum(self.query_lens[self.num_decodes :])
+
+    def problem(self, max_model_len: int, max_decode_len: int) -> str | None:
+        """Why the model could not run this step, or None: each request within `--max-model-len`,
+        each decode one token, or 1 + `--spec-tokens` with speculative decoding. Messages use the
+        trace's field names; callers add the file and line or the options."""
+        q, c, d = self.query_lens, self.context_lens, self.num_decodes
+        if not q:
+            return None
+        # The common case in two C-level passes: simulate checks every step.
+        if max(map(add, q, c)) <= max_model_len and max(q[:d], default=1) <= max_decode_len:
+            return None
+        for i, (qi, ci) in enumerate(zip(q, c)):
+            if i < d and qi > max_decode_len:
+                allowed = "1 token" if max_decode_len == 1 else f"at most {max_decode_len} tokens (1 + --spec-tokens)"
+                hint = "" if max_decode_len > 1 else "; mark it a prefill, or pass --spec-tokens for speculative decoding"
+                return f"request {i} is a decode of {qi:,} query tokens, but a decode has {allowed}{hint}"
+            if qi + ci > max_model_len:
+                return (
+                    f"request {i}: context_len {ci:,} + query_len {qi:,} = {qi + ci:,} tokens, more than the model's "
+                    f"--max-model-len {max_model_len:,}"
+                )
+        return None
 
     @classmethod
     def from_requests(cls, requests: list[tuple[int, int, bool]]) -> Step:
