@@ -508,22 +508,31 @@ def chat(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ba
 CHAT_QUERY_LENS, CHAT_CONTEXT_LENS = [1, 1, 1, 40], [70, 200, 5, 0]
 
 
-def test_a_chat_step_runs_stocks_one_call(chat: Backend, gen: torch.Generator) -> None:
-    """Decodes next to a dense prefill: the plan is one decode-kernel launch over the decode tokens,
-    exactly the call stock makes, so stock's code runs it unchanged on every layer."""
+def test_a_chat_step_runs_stocks_code_unplanned(chat: Backend, gen: torch.Generator) -> None:
+    """Decodes next to a prefill vLLM runs dense: only the decode tokens reach the sparse kernels,
+    as in a decode-only step, so the builder plans nothing and stock's code runs the step (its
+    plan would be one decode launch, exactly stock's call)."""
     case = chat.step(CHAT_QUERY_LENS, CHAT_CONTEXT_LENS, gen)
     md = case["metadata"]
-    step = md.planned
-    assert not chat.builder.force_mqa and md.fp8_use_mixed_batch
-    assert step.plan.launches.tolist() == [[0, 3, 0, 3, -1]] and step.sparse_tokens == 3
-    assert step.stock_call_bytes == int(step.plan.launch_bytes[0]) <= chat.impl.stock_call_allowance
+    assert not chat.builder.force_mqa and md.fp8_use_mixed_batch and md.num_prefills == 1
+    assert getattr(md, "planned", None) is None
+    plan = mla_planner.plan_step(CHAT_QUERY_LENS, CHAT_CONTEXT_LENS, 3, chat.builder.step_config)
+    assert plan.launches.tolist() == [[0, 3, 0, 3, -1]] and 3 <= chat.builder.stock_decode_tokens
     q = case["q"][:3]  # vLLM hands the sparse kernels the decode tokens only
     chat.topk_buffer[:3] = case["positions"][:3]
     for _ in range(2):
         out = forward_out(chat.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], chat.topk_buffer[:3], md))
         torch.testing.assert_close(out, case["expected"][:3], rtol=1e-5, atol=1e-5)
-    assert chat.kernels.decode_calls == [(1, 3, 64, 576)] * 2, "the plan's one launch, as stock's one call per layer"
+    assert chat.kernels.decode_calls == [(1, 3, 64, 576)] * 2, "stock's one call per layer"
     assert chat.provider.launch_q == []
+
+
+def test_a_prefill_past_top_k_beside_decodes_is_planned(chat: Backend, gen: torch.Generator) -> None:
+    """The same engine, a prefill longer than top-k: vLLM sends every token to the sparse kernels,
+    so the step is planned."""
+    case = chat.step([1, 1, 1, TOPK + 1], CHAT_CONTEXT_LENS, gen)
+    step = case["metadata"].planned
+    assert step is not None and step.sparse_tokens == 3 + TOPK + 1
 
 
 def test_a_plan_of_one_launch_runs_as_stocks_call(mixed: Backend, gen: torch.Generator) -> None:
@@ -551,10 +560,10 @@ def test_a_launch_over_the_stock_allowance_runs_the_planned_launches(mixed: Back
 
 
 def test_tokens_the_plan_does_not_cover_are_refused(chat: Backend, gen: torch.Generator) -> None:
-    case = chat.step(CHAT_QUERY_LENS, CHAT_CONTEXT_LENS, gen)
-    chat.topk_buffer[:43] = case["positions"]
-    with pytest.raises(RuntimeError, match="vLLM hands the sparse kernels 43 tokens, the plan covers 3"):
-        chat.impl._forward_fp8_kv_mixed_batch(case["q"], case["kv_cache"], chat.topk_buffer[:43], case["metadata"])
+    case = chat.step([1, 1, 1, TOPK + 1], CHAT_CONTEXT_LENS, gen)  # every token sparse: 132
+    chat.topk_buffer[:3] = case["positions"][:3]
+    with pytest.raises(RuntimeError, match="vLLM hands the sparse kernels 3 tokens, the plan covers 132"):
+        chat.impl._forward_fp8_kv_mixed_batch(case["q"][:3], case["kv_cache"], chat.topk_buffer[:3], case["metadata"])
 
 
 def test_separate_decodes_next_to_a_dense_prefill_run_stocks_call(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
@@ -563,7 +572,7 @@ def test_separate_decodes_next_to_a_dense_prefill_run_stocks_call(tmp_path: path
     try:
         case = backend.step(CHAT_QUERY_LENS, CHAT_CONTEXT_LENS, gen)
         md = case["metadata"]
-        assert not md.fp8_use_mixed_batch and md.planned.plan.launches.tolist() == [[0, 3, 0, 3, -1]]
+        assert not md.fp8_use_mixed_batch and getattr(md, "planned", None) is None  # decodes only: unplanned
         backend.topk_buffer[:3] = case["positions"][:3]
         out = forward_out(backend.impl._forward_fp8_kv_separate_prefill_decode(
             case["q"][:3], case["kv_cache"], backend.topk_buffer[:3], md))

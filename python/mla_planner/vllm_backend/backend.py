@@ -209,8 +209,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         if vllm_api.MASKED_MHA and metadata.prefill is not None:
             # Masked MHA needs a non-quantized cache: no FP8 step has a plan from both.
             masked_mha.attach_plan(self, metadata, common_attn_metadata)
-        if not self.plans_steps or (metadata.num_prefills == 0
-                                    and common_attn_metadata.num_actual_tokens <= self.stock_decode_tokens):
+        if not self.plans_steps or self.runs_stock_decodes(metadata):
             return metadata
         plan = self.plan(metadata, common_attn_metadata)
         mixed = self.mixed_executor if plan.mode == "mixed_batch" else None
@@ -219,6 +218,16 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             logger.debug("mla-planner step: %d tokens, %s, %d launches, peak %d B, bound %s",
                          plan.num_tokens, plan.mode, len(plan), plan.peak_bytes, plan.bound)
         return metadata
+
+    def runs_stock_decodes(self, metadata: PlannedFlashMLASparseMetadata) -> bool:
+        """Whether the step's sparse tokens are decodes only, no more than ``stock_decode_tokens``:
+        a decode-only step, or decodes beside prefills that vLLM runs dense (a chat step with a new
+        short prompt). Stock's one decode call then holds them within the budget, and the step
+        runs vLLM's code with no plan: planning it would cost the builder its time and change
+        nothing."""
+        if metadata.num_decode_tokens > self.stock_decode_tokens:
+            return False
+        return metadata.num_prefills == 0 or (not self.force_mqa and vllm_api.prefills_run_dense(metadata))
 
     def _stock_decode_tokens(self, vllm_config: VllmConfig) -> int:
         """The decode-only steps that run stock's code unplanned: those of at most ``max_num_seqs``

@@ -111,6 +111,18 @@ def stock_route_reason(builder: Any) -> str | None:
     return None
 
 
+def prefills_run_dense(metadata: Any) -> bool:
+    """vLLM's own verdict, from a step's metadata, that its prefills run dense MHA (every prefill
+    sequence within top-k tokens), so that only its decodes reach the sparse kernels. Whether a
+    dense prefill backend exists, or ``sparse_mla_force_mqa`` overrides it, is the caller's
+    (``StepConfig.force_mqa``). 0.33's builder records it (``prefill.use_dense_mha``,
+    sparse_mla_attention.py:408-413); 0.26's layer decides from the metadata's longest prefill
+    sequence and top-k (mla_attention.py:756-765)."""
+    if V033:
+        return metadata.prefill is not None and bool(metadata.prefill.use_dense_mha)
+    return bool(metadata.num_prefills > 0 and metadata.prefill_max_seq_len <= metadata.topk_tokens)
+
+
 def build_fp8_mixed(builder: Any, common: Any) -> Any:
     """vLLM's mixed-batch FP8 metadata for a step (0.33 builds it from nothing: its scheduler
     initialises lazily from the query shape)."""
