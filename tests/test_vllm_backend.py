@@ -465,6 +465,21 @@ def test_short_decode_steps_are_planned_where_they_can_outgrow_a_launch(mixed: B
     assert mixed.builder._stock_decode_tokens(mixed.config) == 0
 
 
+def test_decode_steps_run_unplanned_only_where_every_decode_shape_fits_a_launch(separate: Backend) -> None:
+    """One-token decodes do not bound a decode batch's bytes on the separate route: at 32 heads and
+    the 64 MiB test budget, 168 of them are one launch, but one request of 167 tokens (a decode
+    to vLLM 0.33, or with speculative decoding) fits no launch. Then no decode-only step runs
+    stock's code unplanned."""
+    config, topk = separate.builder.step_config, separate.builder.step_config.topk
+    assert len(mla_planner.plan_step([1] * 168, [topk] * 168, 168, config)) == 1
+    with pytest.raises(ValueError, match="one decode request"):
+        mla_planner.plan_step([167], [topk], 1, config)
+    separate.config.scheduler_config.max_num_seqs = 168
+    assert separate.builder._stock_decode_tokens(separate.config) == 0
+    separate.config.scheduler_config.max_num_seqs = 16
+    assert separate.builder._stock_decode_tokens(separate.config) == 16
+
+
 def test_mixed_batch_impl_runs_the_planned_launches(mixed: Backend, gen: torch.Generator) -> None:
     case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
     md, q = case["metadata"], case["q"]

@@ -230,16 +230,27 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         return metadata.num_prefills == 0 or (not self.force_mqa and vllm_api.prefills_run_dense(metadata))
 
     def _stock_decode_tokens(self, vllm_config: VllmConfig) -> int:
-        """The decode-only steps that run stock's code unplanned: those of at most ``max_num_seqs``
-        tokens (every step of a chat's decode phase, and the CUDA graphs vLLM captures for them),
-        where that many one-token decodes are one decode launch in the budget; 0 where they are
-        not. Longer ones are planned like any step: vLLM 0.33 counts uniform requests of up to 128
-        query tokens as decodes at 16 heads, and its start-up warm-up sends 32,768 such tokens
-        through the decode kernel at once (8 GiB of accumulators in stock's one call)."""
+        """The decode tokens a step may hand the sparse kernels and still run stock's code unplanned:
+        ``max_num_seqs`` (every step of a chat's decode phase, and the CUDA graphs vLLM captures for
+        them) where every uniform decode batch of that many tokens -- one-token decodes, or fewer
+        requests of more tokens each (speculative decoding; vLLM 0.33 counts requests of up to 128
+        query tokens as decodes at 16 heads) -- is one decode launch in the budget; 0 where one is
+        not. A batch's bytes grow with its query length as well as its token count, so one-token
+        decodes alone do not bound them. Longer steps are planned like any step: vLLM 0.33's
+        start-up warm-up sends 32,768 decode tokens through the kernel at once (8 GiB of
+        accumulators in stock's one call)."""
         n = vllm_config.scheduler_config.max_num_seqs
         topk = self.step_config.topk
-        plan = mla_planner.plan_step(np.ones(n, np.int64), np.full(n, topk, np.int64), n, self.step_config)
-        return n if len(plan) == 1 else 0
+        for s_q in range(1, min(n, mla_planner.MAX_DECODE_QUERY_LEN) + 1):
+            batch = n // s_q  # the most requests of s_q tokens; fewer cost less
+            try:
+                plan = mla_planner.plan_step(np.full(batch, s_q, np.int64), np.full(batch, topk, np.int64), batch,
+                                             self.step_config)
+            except ValueError:  # not even one request of s_q tokens fits: planned, and refused, per step
+                return 0
+            if len(plan) != 1:
+                return 0
+        return n
 
     def plan(self, metadata: PlannedFlashMLASparseMetadata, common: CommonAttentionMetadata) -> mla_planner.StepPlan:
         """The step's plan, with vLLM's FP8 metadata rebuilt for its route where that is not the
