@@ -467,17 +467,40 @@ def test_short_decode_steps_are_planned_where_they_can_outgrow_a_launch(mixed: B
 
 def test_decode_steps_run_unplanned_only_where_every_decode_shape_fits_a_launch(separate: Backend) -> None:
     """One-token decodes do not bound a decode batch's bytes on the separate route: at 32 heads and
-    the 64 MiB test budget, 168 of them are one launch, but one request of 167 tokens (a decode
-    to vLLM 0.33, or with speculative decoding) fits no launch. Then no decode-only step runs
+    the 64 MiB test budget, 168 of them are one launch, but one request of 167 tokens fits no
+    launch. Where vLLM counts such requests as decodes (its decode threshold), no decode step runs
     stock's code unplanned."""
-    config, topk = separate.builder.step_config, separate.builder.step_config.topk
-    assert len(mla_planner.plan_step([1] * 168, [topk] * 168, 168, config)) == 1
+    builder, config = separate.builder, separate.builder.step_config
+    assert len(mla_planner.plan_step([1] * 168, [config.topk] * 168, 168, config)) == 1
     with pytest.raises(ValueError, match="one decode request"):
-        mla_planner.plan_step([167], [topk], 1, config)
+        mla_planner.plan_step([167], [config.topk], 1, config)
     separate.config.scheduler_config.max_num_seqs = 168
-    assert separate.builder._stock_decode_tokens(separate.config) == 0
-    separate.config.scheduler_config.max_num_seqs = 16
-    assert separate.builder._stock_decode_tokens(separate.config) == 16
+    builder.stock_call_allowance = 1 << 40  # the budget alone decides here
+    builder.reorder_batch_threshold = 1
+    assert builder._stock_decode_tokens(separate.config) == 168
+    builder.reorder_batch_threshold = 167
+    assert builder._stock_decode_tokens(separate.config) == 0
+
+
+@pytest.mark.parametrize("heads", [16, 32])
+def test_decode_steps_run_unplanned_only_within_the_stock_call_allowance(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, heads: int) -> None:
+    """Stock's decode call allocates its padded q and output itself: on vLLM 0.33 that must fit
+    what the profile run holds beyond the workspace (the impl's allowance, which the builder
+    computes alike), on 0.26 the whole budget."""
+    backend = Backend(tmp_path, monkeypatch, num_heads=heads)
+    try:
+        builder = backend.builder
+        assert builder.stock_call_allowance == backend.impl.stock_call_allowance
+        n = backend.config.scheduler_config.max_num_seqs
+        builder.reorder_batch_threshold = 1
+        peak = mla_planner.plan_step([1] * n, [builder.step_config.topk] * n, n, builder.step_config).peak_bytes
+        builder.stock_call_allowance = peak
+        assert builder._stock_decode_tokens(backend.config) == n
+        builder.stock_call_allowance = peak - 1
+        assert builder._stock_decode_tokens(backend.config) == 0
+    finally:
+        backend.close()
 
 
 def test_mixed_batch_impl_runs_the_planned_launches(mixed: Backend, gen: torch.Generator) -> None:

@@ -180,6 +180,12 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
                                 self.cost_profile or "(packaged)", self.step_config.num_heads, vllm_api.VLLM_VERSION,
                                 routing.VLLM_RULE)
             self.cost_model = None
+        # What the impls allow a stock call (they compute it alike, from stock's workspace spec:
+        # its padded q's heads are vLLM's prefill padding of the rank's heads).
+        launches = (largest_engine_launches(vllm_config, self.step_config.num_heads, device, self.scratch_budget_bytes,
+                                            self.step_config.prefill_padded_heads)
+                    if self.plans_steps and vllm_api.RESERVES_THROUGH_PROFILE_RUN else None)
+        self.stock_call_allowance = stock_call_allowance(launches, self.scratch_budget_bytes)
         self.stock_decode_tokens = self._stock_decode_tokens(vllm_config) if self.plans_steps else 0
         if self.plans_steps:
             # A cost profile may route a step either way; vLLM's rule takes one route.
@@ -232,23 +238,25 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
     def _stock_decode_tokens(self, vllm_config: VllmConfig) -> int:
         """The decode tokens a step may hand the sparse kernels and still run stock's code unplanned:
         ``max_num_seqs`` (every step of a chat's decode phase, and the CUDA graphs vLLM captures for
-        them) where every uniform decode batch of that many tokens -- one-token decodes, or fewer
-        requests of more tokens each (speculative decoding; vLLM 0.33 counts requests of up to 128
-        query tokens as decodes at 16 heads) -- is one decode launch in the budget; 0 where one is
-        not. A batch's bytes grow with its query length as well as its token count, so one-token
-        decodes alone do not bound them. Longer steps are planned like any step: vLLM 0.33's
-        start-up warm-up sends 32,768 decode tokens through the kernel at once (8 GiB of
-        accumulators in stock's one call)."""
+        them) where every uniform decode batch of that many tokens vLLM may send -- one-token
+        decodes, or fewer requests of more tokens each, up to its decode threshold (speculative
+        decoding; vLLM 0.33 counts requests of up to 128 query tokens as decodes at 16 heads) -- is
+        one decode launch in the budget whose bytes stock's call may allocate
+        (``stock_call_allowance``); 0 where one is not. A batch's bytes grow with its query length
+        as well as its token count, so one-token decodes alone do not bound them. Longer steps are
+        planned like any step: vLLM 0.33's start-up warm-up sends 32,768 decode tokens through the
+        kernel at once (8 GiB of accumulators in stock's one call)."""
         n = vllm_config.scheduler_config.max_num_seqs
         topk = self.step_config.topk
-        for s_q in range(1, min(n, mla_planner.MAX_DECODE_QUERY_LEN) + 1):
+        longest = min(n, self.reorder_batch_threshold or 1, mla_planner.MAX_DECODE_QUERY_LEN)
+        for s_q in range(1, longest + 1):
             batch = n // s_q  # the most requests of s_q tokens; fewer cost less
             try:
                 plan = mla_planner.plan_step(np.full(batch, s_q, np.int64), np.full(batch, topk, np.int64), batch,
                                              self.step_config)
             except ValueError:  # not even one request of s_q tokens fits: planned, and refused, per step
                 return 0
-            if len(plan) != 1:
+            if len(plan) != 1 or plan.peak_bytes > self.stock_call_allowance:
                 return 0
         return n
 
@@ -308,6 +316,27 @@ def translate_indices(
     ))
 
 
+def largest_engine_launches(vllm_config: VllmConfig, num_heads: int, device: torch.device, scratch_bytes: int,
+                     workspace_heads: int | None) -> list[reservation.LaunchReservation]:
+    """vLLM 0.33: the largest launch each FP8 route may run in this engine, which the profile run
+    reserves (:func:`.reservation.largest_launches`). ``workspace_heads``: the heads of stock's
+    padded q and output workspace views. With or without ``MLA_PLANNER_NATIVE_PREFILL_HEADS``, a
+    cost profile may run a step at native prefill heads wherever this vLLM and these heads have
+    the kernel: reserved for too."""
+    config = engine_config.config_for(vllm_config, num_heads, vllm_config.model_config.hf_text_config.index_topk,
+                                      True, device, scratch_bytes, has_prefill_backend=False)
+    return reservation.largest_launches(config, vllm_config.scheduler_config.max_num_batched_tokens, workspace_heads,
+                                        native_prefill=vllm_api.NATIVE_PREFILL_HEADS and config.native_prefill_heads_possible)
+
+
+def stock_call_allowance(launches: list[reservation.LaunchReservation] | None, scratch_bytes: int) -> int:
+    """The most one stock kernel call may allocate and stay within what the backend reserved. Stock
+    allocates the whole call itself, padded q and kernel output too, where this backend's
+    executors take those from vLLM 0.33's workspace views: on 0.33 it is what the profile run
+    holds beyond the workspace (``launches``); on 0.26 the reservation holds the whole budget."""
+    return scratch_bytes if launches is None else max(launch.transient_bytes for launch in launches)
+
+
 class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         FlashMLASparseImpl.__init__(self, *args, **kwargs)
@@ -316,10 +345,9 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         settings = read_settings()
         if vllm_api.RESERVES_THROUGH_PROFILE_RUN:
             self.profile_launches = self.largest_launches(settings.scratch_bytes)
-            # What the profile run holds beyond vLLM's workspace: all a stock call may allocate.
-            self.stock_call_allowance = max(launch.transient_bytes for launch in self.profile_launches)
+            self.stock_call_allowance = stock_call_allowance(self.profile_launches, settings.scratch_bytes)
             return  # reserve_workspace() reserves them, in the profile run
-        self.stock_call_allowance = settings.scratch_bytes  # the reservation below holds the whole budget
+        self.stock_call_allowance = stock_call_allowance(None, settings.scratch_bytes)
         # Model construction: vLLM counts this as model memory, so the KV cache leaves room.
         device = get_current_vllm_config().device_config.device  # resolved from "auto" by now
         if reservation.reserve(settings.scratch_bytes, torch.device(device or "cuda")):  # once per process
@@ -353,13 +381,8 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         vllm_config = get_current_vllm_config()
         device = torch.device(vllm_config.device_config.device or "cuda")
         self.profile_device = device  # the profile run need not have the config current
-        config = engine_config.config_for(vllm_config, self.num_heads, vllm_config.model_config.hf_text_config.index_topk,
-                                          True, device, scratch_bytes, has_prefill_backend=False)
-        # With or without MLA_PLANNER_NATIVE_PREFILL_HEADS, a cost profile may run a step at native
-        # prefill heads wherever this vLLM and these heads have the kernel: reserve for that too.
-        return reservation.largest_launches(config, vllm_config.scheduler_config.max_num_batched_tokens,
-                                            vllm_api.workspace_padded_heads(self),
-                                            native_prefill=vllm_api.NATIVE_PREFILL_HEADS and config.native_prefill_heads_possible)
+        return largest_engine_launches(vllm_config, self.num_heads, device, scratch_bytes,
+                                       vllm_api.workspace_padded_heads(self))
 
     def reserve_workspace(self) -> None:
         """vLLM 0.33's profile run, every layer, before KV sizing: the budget's launches must fit
