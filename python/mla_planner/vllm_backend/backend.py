@@ -346,6 +346,9 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         if vllm_api.RESERVES_THROUGH_PROFILE_RUN:
             self.profile_launches = self.largest_launches(settings.scratch_bytes)
             self.stock_call_allowance = stock_call_allowance(self.profile_launches, settings.scratch_bytes)
+            logger.info_once("mla-planner: sparse MLA scratch budget %d MiB (%s), its largest launch to be held in "
+                             "vLLM's profile run (%d MiB beyond vLLM's workspace); %d heads per rank",
+                             settings.scratch_mb, settings.source, self.stock_call_allowance >> 20, self.num_heads)
             return  # reserve_workspace() reserves them, in the profile run
         self.stock_call_allowance = stock_call_allowance(None, settings.scratch_bytes)
         # Model construction: vLLM counts this as model memory, so the KV cache leaves room.
