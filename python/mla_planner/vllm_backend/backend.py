@@ -317,7 +317,7 @@ def translate_indices(
 
 
 def largest_engine_launches(vllm_config: VllmConfig, num_heads: int, device: torch.device, scratch_bytes: int,
-                     workspace_heads: int | None) -> list[reservation.LaunchReservation]:
+                            workspace_heads: int | None) -> list[reservation.LaunchReservation]:
     """vLLM 0.33: the largest launch each FP8 route may run in this engine, which the profile run
     reserves (:func:`.reservation.largest_launches`). ``workspace_heads``: the heads of stock's
     padded q and output workspace views. With or without ``MLA_PLANNER_NATIVE_PREFILL_HEADS``, a
