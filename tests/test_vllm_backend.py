@@ -296,7 +296,7 @@ def test_seam_follows_the_installed_vllm(tmp_path: pathlib.Path) -> None:
     installed = importlib.metadata.version("vllm")
     assert vllm_api.VLLM_VERSION == installed and installed.startswith(vllm_api.MINOR + ".")
     assert vllm_api.V033 == installed.startswith("0.33.")
-    assert vllm_api.FORWARD_RETURNS_LSE == vllm_api.RESERVES_THROUGH_PROFILE_RUN == vllm_api.V033
+    assert vllm_api.FORWARD_RETURNS_LSE == vllm_api.STOCK_WORKSPACE == vllm_api.V033
     # vLLM's own gather-workspace rows: 5 x max_model_len by default in both versions.
     config = vllm_config(model_dir(tmp_path, num_heads=16, topk=TOPK), max_model_len=4096)
     assert vllm_api.prefill_workspace_rows(config) == 5 * 4096
@@ -345,7 +345,13 @@ class Backend:
         # No profile unless the test gives one: the packaged H200 profile must not leak in (it
         # would, with no GPU to say the machine differs).
         monkeypatch.setenv("MLA_PLANNER_COST_PROFILE", str(cost_profile or "none"))
-        monkeypatch.setattr(reservation, "reserve", lambda num_bytes, device: False)
+        self.reserved: list[int] = []  # what the impl asks the reservation to hold, per call
+
+        def reserve(num_bytes: int, device: torch.device) -> bool:
+            self.reserved.append(num_bytes)
+            return False  # nothing held: the tests run in one process
+
+        monkeypatch.setattr(reservation, "reserve", reserve)
         self.num_heads = num_heads
         self.provider = RecordingProvider()
         self.kernels = KernelRecorder()
@@ -486,7 +492,7 @@ def test_decode_steps_run_unplanned_only_where_every_decode_shape_fits_a_launch(
 def test_decode_steps_run_unplanned_only_within_the_stock_call_allowance(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, heads: int) -> None:
     """Stock's decode call allocates its padded q and output itself: on vLLM 0.33 that must fit
-    what the profile run holds beyond the workspace (the impl's allowance, which the builder
+    what the reservation holds beyond the workspace (the impl's allowance, which the builder
     computes alike), on 0.26 the whole budget."""
     backend = Backend(tmp_path, monkeypatch, num_heads=heads)
     try:
@@ -586,7 +592,7 @@ def test_a_plan_of_one_launch_runs_as_stocks_call(mixed: Backend, gen: torch.Gen
 
 def test_a_launch_over_the_stock_allowance_runs_the_planned_launches(mixed: Backend, gen: torch.Generator) -> None:
     """Where stock's call would allocate more than the reservation holds for it (vLLM 0.33: the
-    profile run holds what this backend allocates beyond vLLM's workspace, not the padded q and
+    reservation holds what this backend allocates beyond vLLM's workspace, not the padded q and
     output stock allocates itself), the executor runs the plan's one launch."""
     case = mixed.step([1, 1, 100], [70, 9, 0], gen)
     md, q = case["metadata"], case["q"]
@@ -827,10 +833,10 @@ def test_packaged_profile_for_another_machine_is_vllms_rule_with_one_warning(
     assert len(warnings) == 1 and str(packaged) in warnings[0] and "'NVIDIA H100' here" in warnings[0]
 
 
-# -- vLLM 0.33: the workspace manager's views and the profile run's reservation -------------------
+# -- vLLM 0.33: the workspace manager's views; the reservation on either vLLM --------------------
 
 needs_033 = pytest.mark.skipif(not __import__("mla_planner.vllm_backend.vllm_api", fromlist=["V033"]).V033,
-                               reason="vLLM 0.33's workspace views and reserve_workspace; 0.26 has neither")
+                               reason="vLLM 0.33's workspace; 0.26 has none")
 
 
 def bf16_case(backend: Backend, gen: torch.Generator) -> dict[str, Any]:
@@ -875,43 +881,39 @@ def test_separate_route_runs_in_stocks_workspace_views(separate: Backend, gen: t
 
 
 class FakeWorkspaceManager:
-    """vLLM's workspace manager as far as reserve_workspace uses it: records each request."""
+    """vLLM's workspace manager as far as stock's impl uses it at construction: records each request."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[tuple[tuple[int, ...], torch.dtype], ...]] = []
 
     def get_simultaneous(self, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
         self.requests.append(specs)
-        # Not torch.empty: the fake profiler below counts the backend's own allocations only.
         return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
+
+
+def test_construction_reserves_the_whole_budget_where_vllm_has_no_workspace(mixed: Backend) -> None:
+    from mla_planner.vllm_backend import vllm_api
+
+    if vllm_api.STOCK_WORKSPACE:
+        pytest.skip("vLLM 0.33's impl reserves a workspace: the next test")
+    assert mixed.reserved == [SCRATCH_MB << 20]
+    assert mixed.impl.stock_call_allowance == SCRATCH_MB << 20
 
 
 @needs_033
 @pytest.mark.parametrize("num_heads", [16, 32])
-def test_profile_run_reserves_what_the_planner_says(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
-                                                    num_heads: int) -> None:
-    """reserve_workspace, as 0.33's profile run calls it: stock's workspace requested (its padded q
-    and output views hold the largest launch's), and the rest of the largest launch the planner
-    allows allocated at once (what the memory profiler sees)."""
-    import vllm.v1.worker.workspace as workspace
+def test_construction_reserves_the_largest_launch_beyond_stocks_workspace(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, num_heads: int) -> None:
+    """At construction (vLLM counts it as model memory; 0.33's DeepSeek-V3.2 layer calls no impl
+    hook in the profile run) stock's impl requests its workspace, whose padded q and output views
+    hold the largest launch's, and the backend reserves the rest of the largest launch the
+    planner allows on either route."""
+    manager = FakeWorkspaceManager()
+    import vllm.v1.attention.backends.mla.flashmla_sparse as stock_module
 
+    monkeypatch.setattr(stock_module, "current_workspace_manager", lambda: manager)
     backend = Backend(tmp_path, monkeypatch, num_heads=num_heads)
-    try:
-        manager = FakeWorkspaceManager()
-        monkeypatch.setattr(workspace, "current_workspace_manager", lambda: manager)
-        allocations: list[int] = []  # the fake memory profiler: every allocation's bytes
-        empty = torch.empty
-
-        def recording_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-            tensor = empty(*args, **kwargs)
-            allocations.append(tensor.numel() * tensor.element_size())
-            return tensor
-
-        monkeypatch.setattr(torch, "empty", recording_empty)
-        backend.impl.reserve_workspace()
-        monkeypatch.setattr(torch, "empty", empty)
-    finally:
-        backend.close()
+    backend.close()
 
     # The planner's largest launch of each route at this budget, for a step of the engine's
     # max_num_batched_tokens (2048); padded q and output come from stock's views.
@@ -930,73 +932,17 @@ def test_profile_run_reserves_what_the_planner_says(tmp_path: pathlib.Path, monk
     native_plan = mla_planner.plan_step([2048], [0], 0, config.replace(mode="separate_prefill_decode", native_prefill_heads=True))
     native_rest = int(native_plan.launch_bytes.max())
     assert native_rest > separate_rest, "the native launch's own buffers outgrow the padded one's"
-    assert [launch.route for launch in backend.impl.profile_launches or []] == [
+    assert [launch.route for launch in backend.impl.reserved_launches or []] == [
         "mixed_batch", "separate_prefill_decode", "separate_prefill_decode (native heads)"]
-    assert allocations == [max(mixed_rest, separate_rest, native_rest)]
+    assert backend.reserved == [max(mixed_rest, separate_rest, native_rest)]
+    assert backend.impl.stock_call_allowance == backend.reserved[0]
 
     specs: Any = getattr(backend.impl, "workspace_specs")  # 0.33's; mypy reads 0.26's class
-    assert manager.requests == [tuple(specs)]
+    assert manager.requests == [tuple(specs)], "stock's impl reserves its whole workspace at construction"
     (q_rows, q_heads, q_width), q_dtype = specs[-3]
     (o_rows, o_heads, o_width), o_dtype = specs[-2]
     assert (q_heads, q_width, o_heads, o_width) == (64, 576, 64, 512) and q_rows >= max(n, m) and o_rows >= max(n, m)
     assert q_dtype == o_dtype == torch.bfloat16
-
-
-class KvBProj(torch.nn.Module):
-    """The layer's kv_b_proj as far as the profile run uses it (not at all)."""
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
-        return (x,)
-
-
-@needs_033
-def test_vllms_profile_forward_reaches_the_reservation(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """0.33's profile run through vLLM's own ``MLAAttention`` on the FP8 cache: a forward with no
-    metadata (what the profile run's dummy step hands every layer) calls the backend's
-    ``reserve_workspace``, which requests stock's workspace and allocates the largest launch's
-    transient bytes."""
-    import vllm.v1.worker.workspace as workspace
-    from vllm.config import set_current_vllm_config
-    from vllm.forward_context import set_forward_context
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
-
-    from mla_planner.vllm_backend.backend import PlannedFlashMLASparseBackend
-
-    backend = Backend(tmp_path, monkeypatch, num_heads=16)  # the CPU stand-ins, the config, the workspace manager
-    manager = FakeWorkspaceManager()
-    monkeypatch.setattr(workspace, "current_workspace_manager", lambda: manager)
-    try:
-        backend.config.compilation_config.static_forward_context.clear()
-        with set_current_vllm_config(backend.config):
-            layer: Any = MLAAttention(  # Any: the impl is the backend's; vLLM types no metadata as impossible
-                num_heads=16, scale=0.1, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=None,
-                kv_lora_rank=512, kv_b_proj=KvBProj(), cache_config=backend.config.cache_config,  # type: ignore[arg-type]
-                prefix="layers.9.attn", attn_backend=PlannedFlashMLASparseBackend, use_sparse=True,
-                topk_indices_buffer=backend.topk_buffer, prefill_backend_cls=CPUSDPAMLAPrefillBackend,
-            )
-            launches = layer.impl.profile_launches
-            assert launches, "the impl knows its largest launches from construction on"
-            allocations: list[int] = []
-            empty = torch.empty
-
-            def recording_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-                tensor = empty(*args, **kwargs)
-                allocations.append(tensor.numel() * tensor.element_size())
-                return tensor
-
-            tokens = 8
-            q = torch.zeros((tokens, 16, 192), dtype=torch.bfloat16)
-            output = torch.empty((tokens, 16 * 128), dtype=torch.bfloat16)
-            with set_forward_context(None, backend.config):
-                monkeypatch.setattr(torch, "empty", recording_empty)
-                layer.forward_impl(q, torch.zeros((tokens, 512), dtype=torch.bfloat16),
-                                   torch.zeros((tokens, 1, 64), dtype=torch.bfloat16), torch.zeros(1), None, output)
-                monkeypatch.setattr(torch, "empty", empty)
-    finally:
-        backend.close()
-    assert len(manager.requests) == 1, "stock's workspace requested once, in the profile run"
-    assert max(launch.transient_bytes for launch in launches) in allocations
 
 
 def test_the_process_settings_are_read_once_per_set_of_values(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,8 +28,8 @@ back to stock's behaviour when ``self`` lacks this backend's state: vLLM's own t
 methods on the class with a stand-in ``self`` (tests/test_vllm_own_tests.py runs them).
 
 Where vLLM 0.26 and 0.33 differ, the backend goes through :mod:`.vllm_api` (the version seam).
-The budget is reserved from vLLM's KV-cache sizing by :mod:`.reservation` on 0.26 and by the impl's
-``reserve_workspace`` on 0.33.
+The budget is reserved from vLLM's KV-cache sizing by :mod:`.reservation`: all of it on 0.26, on 0.33
+what its largest launch allocates beyond the workspace stock's impl reserves at construction.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         # its padded q's heads are vLLM's prefill padding of the rank's heads).
         launches = (largest_engine_launches(vllm_config, self.step_config.num_heads, device, self.scratch_budget_bytes,
                                             self.step_config.prefill_padded_heads)
-                    if self.plans_steps and vllm_api.RESERVES_THROUGH_PROFILE_RUN else None)
+                    if self.plans_steps and vllm_api.STOCK_WORKSPACE else None)
         self.stock_call_allowance = stock_call_allowance(launches, self.scratch_budget_bytes)
         self.stock_decode_tokens = self._stock_decode_tokens(vllm_config) if self.plans_steps else 0
         if self.plans_steps:
@@ -207,9 +207,10 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         # stock's build, with no plan and no process-wide effect.
         if getattr(self, "step_config", None) is None:
             return FlashMLASparseMetadataBuilder.build(self, common_prefix_len, common_attn_metadata, fast_build)
-        # The first step comes after vLLM has sized and allocated the KV cache.
+        # Model loading, which counted the reservation as model memory, is over: from the first
+        # build on (CUDA-graph warm-up, then steps) the kernels' scratch may take its bytes.
         if reservation.release():
-            logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels", self.scratch_budget_bytes >> 20)
+            logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels", reservation.reserved_bytes() >> 20)
         metadata = FlashMLASparseMetadataBuilder.build(self, common_prefix_len, common_attn_metadata, fast_build)
         assert isinstance(metadata, PlannedFlashMLASparseMetadata)
         if vllm_api.MASKED_MHA and metadata.prefill is not None:
@@ -318,11 +319,11 @@ def translate_indices(
 
 def largest_engine_launches(vllm_config: VllmConfig, num_heads: int, device: torch.device, scratch_bytes: int,
                             workspace_heads: int | None) -> list[reservation.LaunchReservation]:
-    """vLLM 0.33: the largest launch each FP8 route may run in this engine, which the profile run
-    reserves (:func:`.reservation.largest_launches`). ``workspace_heads``: the heads of stock's
-    padded q and output workspace views. With or without ``MLA_PLANNER_NATIVE_PREFILL_HEADS``, a
-    cost profile may run a step at native prefill heads wherever this vLLM and these heads have
-    the kernel: reserved for too."""
+    """vLLM 0.33: the largest launch each FP8 route may run in this engine, whose bytes beyond
+    stock's workspace the impl reserves (:func:`.reservation.largest_launches`).
+    ``workspace_heads``: the heads of stock's padded q and output workspace views. With or without
+    ``MLA_PLANNER_NATIVE_PREFILL_HEADS``, a cost profile may run a step at native prefill heads
+    wherever this vLLM and these heads have the kernel: reserved for too."""
     config = engine_config.config_for(vllm_config, num_heads, vllm_config.model_config.hf_text_config.index_topk,
                                       True, device, scratch_bytes, has_prefill_backend=False)
     return reservation.largest_launches(config, vllm_config.scheduler_config.max_num_batched_tokens, workspace_heads,
@@ -332,7 +333,7 @@ def largest_engine_launches(vllm_config: VllmConfig, num_heads: int, device: tor
 def stock_call_allowance(launches: list[reservation.LaunchReservation] | None, scratch_bytes: int) -> int:
     """The most one stock kernel call may allocate and stay within what the backend reserved. Stock
     allocates the whole call itself, padded q and kernel output too, where this backend's
-    executors take those from vLLM 0.33's workspace views: on 0.33 it is what the profile run
+    executors take those from vLLM 0.33's workspace views: on 0.33 it is what the reservation
     holds beyond the workspace (``launches``); on 0.26 the reservation holds the whole budget."""
     return scratch_bytes if launches is None else max(launch.transient_bytes for launch in launches)
 
@@ -343,22 +344,27 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         if self.kv_cache_dtype != FP8_KV:
             return
         settings = read_settings()
-        if vllm_api.RESERVES_THROUGH_PROFILE_RUN:
-            self.profile_launches = self.largest_launches(settings.scratch_bytes)
-            self.stock_call_allowance = stock_call_allowance(self.profile_launches, settings.scratch_bytes)
-            logger.info_once("mla-planner: sparse MLA scratch budget %d MiB (%s), its largest launch to be held in "
-                             "vLLM's profile run (%d MiB beyond vLLM's workspace); %d heads per rank",
-                             settings.scratch_mb, settings.source, self.stock_call_allowance >> 20, self.num_heads)
-            return  # reserve_workspace() reserves them, in the profile run
-        self.stock_call_allowance = stock_call_allowance(None, settings.scratch_bytes)
-        # Model construction: vLLM counts this as model memory, so the KV cache leaves room.
+        # On 0.33 stock's __init__ has just reserved its workspace, whose padded q and output views
+        # hold those of any launch: the KV cache need leave room only for the rest.
+        self.reserved_launches = self.largest_launches(settings.scratch_bytes) if vllm_api.STOCK_WORKSPACE else None
+        self.stock_call_allowance = stock_call_allowance(self.reserved_launches, settings.scratch_bytes)
+        # Model construction: vLLM counts this as model memory, so the KV cache leaves room. Not
+        # the profile run: vLLM 0.33's DeepSeek-V3.2 layer returns there before any impl hook.
         device = get_current_vllm_config().device_config.device  # resolved from "auto" by now
-        if reservation.reserve(settings.scratch_bytes, torch.device(device or "cuda")):  # once per process
-            logger.info("mla-planner: sparse MLA scratch budget %d MiB (%s), reserved from the KV cache; %d heads per rank",
-                        settings.scratch_mb, settings.source, self.num_heads)
+        if reservation.reserve(self.stock_call_allowance, torch.device(device or "cuda")):  # once per process
+            if self.reserved_launches is None:
+                logger.info("mla-planner: sparse MLA scratch budget %d MiB (%s), reserved from the KV cache; "
+                            "%d heads per rank", settings.scratch_mb, settings.source, self.num_heads)
+            else:
+                logger.info("mla-planner: sparse MLA scratch budget %d MiB (%s), %d MiB of it reserved from the KV "
+                            "cache, the rest held in vLLM's workspace (largest launches: %s); %d heads per rank",
+                            settings.scratch_mb, settings.source, self.stock_call_allowance >> 20,
+                            ", ".join(f"{l.route}: {l.tokens} tokens, {l.transient_bytes >> 20} MiB"
+                                      for l in self.reserved_launches), self.num_heads)
 
-    profile_launches: list[reservation.LaunchReservation] | None = None
-    """vLLM 0.33, FP8 cache: the largest launch of each route, reserved in the profile run."""
+    reserved_launches: list[reservation.LaunchReservation] | None = None
+    """vLLM 0.33, FP8 cache: the largest launch of each route, whose bytes beyond stock's workspace
+    the reservation holds."""
 
     stock_call_allowance = 0
     """The most a one-launch plan may take and still run as stock's own call: stock allocates the
@@ -383,28 +389,8 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
     def largest_launches(self, scratch_bytes: int) -> list[reservation.LaunchReservation]:
         vllm_config = get_current_vllm_config()
         device = torch.device(vllm_config.device_config.device or "cuda")
-        self.profile_device = device  # the profile run need not have the config current
         return largest_engine_launches(vllm_config, self.num_heads, device, scratch_bytes,
                                        vllm_api.workspace_padded_heads(self))
-
-    def reserve_workspace(self) -> None:
-        """vLLM 0.33's profile run, every layer, before KV sizing: the budget's launches must fit
-        in what the KV cache leaves. The padded q and kernel output come from stock's workspace
-        (requested here; the mixed route takes views stock reserves for the BF16 prefill and never
-        uses on that route); the rest of the largest launch -- the kernel's accumulators, LSE, the
-        translated indices -- is allocated and dropped at once, so the profiler's peak holds it."""
-        vllm_api.stock_reserve_workspace(self)
-        launches = getattr(self, "profile_launches", None)
-        if not launches:
-            return
-        vllm_api.request_workspace(self)
-        transient = max(launch.transient_bytes for launch in launches)
-        held = torch.empty(transient, dtype=torch.uint8, device=self.profile_device)
-        del held
-        logger.info_once("mla-planner: profile run holds %d MiB for the largest launch beyond vLLM's workspace "
-                         "(%s); %d heads per rank", transient >> 20,
-                         ", ".join(f"{l.route}: {l.tokens} tokens, {l.transient_bytes >> 20} MiB" for l in launches),
-                         self.num_heads)
 
     @staticmethod
     def masked_mha_workspace_fits(prefill: Any) -> bool:
@@ -461,7 +447,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
             return cast(torch.Tensor, translate_indices(attn_metadata, topk_indices, rows, block_stride_rows))
 
         # On 0.33 the padded q and kernel output go in stock's BF16-prefill workspace views, which
-        # this route never otherwise uses: reserve_workspace counted them as served.
+        # this route never otherwise uses: the reservation counts them as served.
         views = vllm_api.workspace_views(self)
         launches, heads = step.mixed_launches, step.decode_heads
         step.mixed.softmax_scale = self.softmax_scale

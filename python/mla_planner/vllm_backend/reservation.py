@@ -1,15 +1,18 @@
 """Make vLLM's KV-cache sizing leave room for the scratch budget.
 
-vLLM 0.33 runs ``reserve_workspace()`` of every attention impl in its profile run, before it sizes
-the KV cache; :func:`largest_launches` says what the backend's impl asks for there (the planner's
-buffers of the largest launch each FP8 route may run, less those vLLM's workspace already holds).
+vLLM sizes the KV cache from what model loading allocated plus the peak of a profile run in which
+the attention layers return before calling the kernels, so kernel scratch is never seen (stock
+never reserves it: that is the OOM). vLLM 0.33's ``reserve_workspace()`` hook does not help here:
+its DeepSeek-V3.2 layer returns in the profile run before calling it. This module allocates the
+bytes the KV cache must leave while the model is built -- vLLM counts them as model memory -- and
+frees them at the first metadata build after model loading: the caching allocator then hands
+them to the kernels' scratch. One reservation per process, whatever the number of layers, since
+layers run one at a time.
 
-vLLM 0.26 has no such hook. It sizes the KV cache from what model loading allocated plus the peak of a profile run in
-which the attention layers return before calling the kernels, so kernel scratch is never seen
-(stock never reserves it: that is the OOM). This module allocates the budget while the model is
-built -- vLLM counts it as model memory -- and frees it when the first real step is planned,
-after the KV cache exists: the caching allocator then hands those bytes to the kernels' scratch.
-One reservation per process, whatever the number of layers, since layers run one at a time.
+How much: on vLLM 0.26 the whole budget. On 0.33 stock's impl reserves a workspace at
+construction whose padded q and output views the backend's launches use, so only the rest of the
+largest launch each FP8 route may run (:func:`largest_launches`: the kernel's accumulators, LSE
+and the translated indices).
 """
 
 from __future__ import annotations

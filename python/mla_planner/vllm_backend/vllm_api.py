@@ -20,8 +20,8 @@ What differs (0.33.0 wheel, ``F`` = ``vllm/v1/attention/backends/mla/flashmla_sp
   (indexer.py:916) follows the same factor;
 * the builder's FP8 path (``use_fp8_kv_cache``) also covers ``nvfp4_ds_mla`` (F:391);
 * the builder keeps vLLM's route under HiSparse, PCP+DCP and DCP (F:442-486);
-* the profile run calls ``impl.reserve_workspace()`` for every layer before KV sizing
-  (mla_attention.py:936-948), which 0.26 has no counterpart of;
+* the impl reserves a workspace at construction, from vLLM's workspace manager (F:793-832), whose
+  padded q and output views the backend's launches use; 0.26 has none;
 * FlashMLA's SM90 BF16 sparse prefill kernel (``flash_mla_sparse_fwd``) runs 16 and 32 heads
   unpadded in 0.33's build (:data:`NATIVE_PREFILL_HEADS`); 0.26's runs 64 and 128 only;
 * masked-MHA prefill (SM100, FA4, a non-quantized KV cache): the layer asks the impl's
@@ -71,9 +71,10 @@ and its gather. 0.33's nvfp4_ds_mla takes vLLM's FP8 path too, and runs stock's 
 FORWARD_RETURNS_LSE = V033
 """0.33's FP8 forwards return ``(out, lse | None)``; 0.26's return ``out``."""
 
-RESERVES_THROUGH_PROFILE_RUN = V033
-"""0.33 calls ``reserve_workspace()`` in the profile run; 0.26 needs the allocate-then-free
-reservation of :mod:`.reservation`."""
+STOCK_WORKSPACE = V033
+"""0.33's impl reserves its workspace at construction (model memory, so the KV cache leaves it):
+the backend's reservation (:mod:`.reservation`) holds only what a launch needs beyond it. 0.26's
+has none: the reservation holds the whole budget."""
 
 PREFILL_PADDING: int | None = 64 if V033 else None
 """The head multiple vLLM pads the sparse prefill kernel's q to (its impl's ``prefill_padding``, set
@@ -218,15 +219,3 @@ def workspace_padded_heads(impl: Any) -> int | None:
     return int(shape[1])
 
 
-def request_workspace(impl: Any) -> None:
-    """Ask the workspace manager for the impl's whole workspace now (0.33, in the profile run:
-    the buffer is then sized before the KV cache, and locked after CUDA-graph capture)."""
-    from vllm.v1.worker.workspace import current_workspace_manager
-
-    current_workspace_manager().get_simultaneous(*impl.workspace_specs)
-
-
-def stock_reserve_workspace(impl: Any) -> None:
-    """Stock's ``reserve_workspace`` (0.33; 0.26 has none), called by class as every override is."""
-    if V033:
-        stock.FlashMLASparseImpl.reserve_workspace(impl)
