@@ -5,6 +5,7 @@
     PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_serve.py --phase failrate --out /tmp/serve
     PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_serve.py --phase soak --detach --out /tmp/serve
     PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_serve.py --phase soak --follow --out /tmp/serve   # next call
+    ... --phase ab --detach ...; ... --phase ab --follow ...   # any phase that outlasts one call
     python3 tests/e2e/run_serve.py --report-only /tmp/serve
 
 Each phase (serve_phases.py) ends by ``--deadline-s`` and writes ``DIR/<phase>[-<engine>].json``,
@@ -12,8 +13,9 @@ rewritten after every step, server logs under ``DIR/logs``, bench results under 
 ``DIR/serve.md`` (serve_report.py) over every phase file in DIR. The tiny model gets a generated
 tokenizer in ``DIR/model`` (serve_tokenizer.py), checked before any server starts.
 
-A soak of 600 s does not fit in one 10-minute device call with a server's start-up: ``--detach``
-runs it in a process of its own session (which the device machine keeps while it stays warm) and
+A soak of 600 s does not fit in one 10-minute device call with a server's start-up, nor does
+``ab`` at its default counts with two servers' start-ups on a fresh machine: ``--detach`` runs the
+phase in a process of its own session (which the device machine keeps while it stays warm) and
 follows it until the deadline; ``--follow`` in the next call picks it up until it finishes.
 """
 
@@ -46,6 +48,7 @@ PHASE_DEFAULTS = {  # engine, util
     "soak": ("plugin", 0.95),
 }
 DETACHED_MARGIN_S = 600  # a detached soak's own deadline: --soak-s plus this (start-up, last iteration)
+DETACHED_DEADLINE_S = 1500  # any other detached phase's: within the 30 minutes a device machine is held
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,8 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--failrate-n", type=int, default=2, help="failrate: servers per utilization")
     ap.add_argument("--soak-s", type=float, default=600, help="soak: how long to repeat the mix (default 600)")
     ap.add_argument("--sample-s", type=float, default=5, help="soak: seconds between memory samples")
-    ap.add_argument("--detach", action="store_true", help="soak: run in a session of its own, follow it until the deadline")
-    ap.add_argument("--follow", action="store_true", help="soak: follow a detached soak in DIR until it ends or the deadline")
+    ap.add_argument("--detach", action="store_true",
+                    help="run the phase in a session of its own (its own deadline), follow it until --deadline-s")
+    ap.add_argument("--follow", action="store_true",
+                    help="follow the phase detached in DIR until it ends or --deadline-s")
     ap.add_argument("--scratch-mb", type=int, help="the plugin's budget (MLA_PLANNER_SCRATCH_MB; default: its own)")
     ap.add_argument("--port-base", type=int, default=8100, help="servers listen on this port and above (0: any free)")
     ap.add_argument("--start-timeout-s", type=float, default=240, help="a server's start-up limit (default 240)")
@@ -97,8 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--repeats and --failrate-n must be at least 1, --prompt-scale and --sample-s positive")
     if args.tp < 1 or (args.heads is not None and args.heads < 1):
         ap.error("--tp and --heads must be at least 1")
-    if (args.detach or args.follow) and args.phase != "soak":
-        ap.error("--detach and --follow are for --phase soak")
+    if args.detach and args.follow:
+        ap.error("--detach follows the phase itself: give one of --detach and --follow")
     return args
 
 
@@ -176,26 +181,32 @@ def write_report(out: Path) -> str:
     return text
 
 
+def driver_files(args: argparse.Namespace) -> tuple[Path, Path]:
+    """A detached phase's log and pid file in DIR."""
+    out: Path = args.out
+    return out / f"{args.phase}-driver.log", out / f"{args.phase}-driver.pid"
+
+
 def detach(args: argparse.Namespace, argv: list[str]) -> None:
     """The same command without --detach, in a session of its own, with a deadline of its own."""
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    deadline = args.soak_s + DETACHED_MARGIN_S if args.phase == "soak" else DETACHED_DEADLINE_S
     cmd = [sys.executable, str(Path(__file__).resolve()), *[a for a in argv if a != "--detach"],
-           "--deadline-s", str(args.soak_s + DETACHED_MARGIN_S)]  # argparse takes the last --deadline-s
-    with (out / "soak-driver.log").open("w") as log:
+           "--deadline-s", str(deadline)]  # argparse takes the last --deadline-s
+    log_path, pid_path = driver_files(args)
+    with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    (out / "soak-driver.pid").write_text(f"{proc.pid}\n")
-    print(f"soak: detached as pid {proc.pid} (log {out / 'soak-driver.log'})", flush=True)
+    pid_path.write_text(f"{proc.pid}\n")
+    print(f"{args.phase}: detached as pid {proc.pid} (log {log_path})", flush=True)
 
 
 def follow(args: argparse.Namespace) -> int:
-    """Prints the detached soak's log as it grows, until it ends or this call's deadline."""
+    """Prints the detached phase's log as it grows, until it ends or this call's deadline."""
     start = time.monotonic()
-    out: Path = args.out
-    log, pid_file = out / "soak-driver.log", out / "soak-driver.pid"
+    log, pid_file = driver_files(args)
     if not pid_file.is_file():
-        print(f"no detached soak in {out}", file=sys.stderr)
+        print(f"no detached {args.phase} in {args.out}", file=sys.stderr)
         return 2
     pid = int(pid_file.read_text())
     shown = 0
@@ -205,11 +216,11 @@ def follow(args: argparse.Namespace) -> int:
             print(f"  | {line}", flush=True)
         shown = len(lines)
         if not pid_alive(pid):
-            print(f"soak: finished (pid {pid} ended)", flush=True)
+            print(f"{args.phase}: finished (pid {pid} ended)", flush=True)
             return 0
         if time.monotonic() - start > args.deadline_s:
-            print(f"soak: still running (pid {pid}); call again with --phase soak --follow within the machine's "
-                  "warm time", flush=True)
+            print(f"{args.phase}: still running (pid {pid}); call again with --phase {args.phase} --follow within "
+                  "the machine's warm time", flush=True)
             return 0
         time.sleep(5)
 

@@ -463,6 +463,20 @@ def test_soak_detaches_and_is_followed(tmp_path: Path) -> None:
     assert data["finished"] and data["run"]["deadline_s"] > 600 and data["iterations"]
 
 
+def test_ab_detaches_and_is_followed(tmp_path: Path) -> None:
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1", "--detach",
+               "--deadline-s", "0.5")
+    assert r.returncode == 0 and "ab: still running" in r.stdout, r.stdout + r.stderr
+    pid = int((tmp_path / "ab-driver.pid").read_text())
+    r = driver(tmp_path, "--phase", "ab", "--follow", "--deadline-s", "120")
+    assert r.returncode == 0 and f"ab: finished (pid {pid} ended)" in r.stdout, r.stdout + r.stderr
+    data = json.loads((tmp_path / "ab.json").read_text())
+    assert data["finished"] and data["run"]["deadline_s"] == run_serve.DETACHED_DEADLINE_S
+    assert [run["status"] for run in data["runs"]] == ["ok", "ok"]
+    r = driver(tmp_path, "--phase", "boundary", "--follow", "--deadline-s", "1")
+    assert r.returncode == 2 and "no detached boundary in" in r.stderr
+
+
 # --- the report ------------------------------------------------------------------------------------
 
 
@@ -516,7 +530,7 @@ def test_arguments() -> None:
     args = run_serve.parse_args(["--phase", "ab", "--out", "x", "--workloads", "mix,long"])
     assert (args.util, args.workloads, args.repeats, args.deadline_s) == (0.40, ["mix", "long"], 3, 540)
     assert run_serve.parse_args(["--phase", "soak", "--out", "x"]).engine == "plugin"
-    for bad in (["--workloads", "huge"], ["--util", "1.5"], ["--detach"], ["--repeats", "0"]):
+    for bad in (["--workloads", "huge"], ["--util", "1.5"], ["--detach", "--follow"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
             run_serve.parse_args(["--phase", "ab", "--out", "x", *bad])
     with pytest.raises(SystemExit):
