@@ -4,6 +4,8 @@ stands in for vLLM's GPU-only pieces)."""
 
 from __future__ import annotations
 
+import importlib
+import logging
 import pathlib
 from collections.abc import Iterator
 from typing import Any
@@ -426,6 +428,31 @@ def test_decode_only_steps_carry_no_plan(mixed: Backend, gen: torch.Generator) -
     # Stock's one call for them is the planner's plan of such a step too.
     plan = mla_planner.plan_step([1, 1, 1], [40, 9, 300], 3, mixed.builder.step_config)
     assert plan.launches[:, :2].tolist() == [[0, 3]]
+
+
+def test_every_fp8_step_is_logged_for_the_step_log(mixed: Backend, gen: torch.Generator,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """At debug level the builder logs planned and unplanned steps alike, in the form
+    tests/e2e/step_log.py reads."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent / "e2e"))
+    step_log = importlib.import_module("step_log")
+    messages: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.mla_planner")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        mixed.step([1, 1, 1], [40, 9, 300], gen)
+        mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    lines = [f"DEBUG 12-02 02:30:00.00{i} [backend.py:1] {m}" for i, m in enumerate(messages)]
+    steps = step_log.parse("\n".join(lines))
+    assert [(s.tokens, s.decode_tokens, s.prefills, s.kind) for s in steps] == [
+        (3, 3, 0, step_log.DECODE_ONLY), (sum(QUERY_LENS), 3, 2, "planned: mixed_batch")], lines
 
 
 def test_decode_only_steps_of_several_tokens_each_are_planned(mixed: Backend, gen: torch.Generator) -> None:

@@ -524,6 +524,62 @@ def test_report_from_hand_made_results(tmp_path: Path) -> None:
     assert "boundary (plugin, util 0.95): not finished: case 1 (32768), 2 (32768)" in md
 
 
+def step_line(t: str, detail: str) -> str:
+    return f"(EngineCore pid=7) DEBUG 12-02 02:30:{t} [backend.py:225] mla-planner step: {detail}"
+
+
+def test_step_log_breakdown() -> None:
+    import step_log
+
+    decode = "32 tokens, 32 decode tokens, 0 prefills, stock's code"
+    lines = ["(EngineCore pid=7) INFO 12-02 02:29:59.000 [backend.py:1] mla-planner: FP8 steps routed by x"]
+    # Five decode-only steps 5 ms apart, a planned prefill step that lasts 100 ms, two decode steps,
+    # then 3 s idle (between bench runs: not busy time) and a decode step beside a dense prefill.
+    times = ["00.000", "00.005", "00.010", "00.015", "00.020", "00.025", "00.125", "00.130", "03.130"]
+    details = [decode] * 5 + ["32000 tokens, 31 decode tokens, 1 prefills, separate_prefill_decode, 5 launches, "
+                              "peak 969808488 B, bound budget"] + [decode] * 2 + [
+        "600 tokens, 31 decode tokens, 1 prefills, stock's code"]
+    lines += [step_line(t, d) for t, d in zip(times, details)]
+    steps = step_log.parse("\n".join(lines))
+    assert [s.kind for s in steps] == [step_log.DECODE_ONLY] * 5 + ["planned: separate_prefill_decode"] + [
+        step_log.DECODE_ONLY] * 2 + ["decodes + dense prefills, stock's code"]
+    assert steps[-1].at_s == pytest.approx(3.13) and steps[5].tokens == 32000
+    out = step_log.breakdown(steps)
+    assert out[0] == "9 steps logged, 0.13 s busy (gaps under 0.5 s); by the kind of step:"
+    assert "| decode-only, stock's code | 7 | 224 | 224 | 0.03 |" in out  # six 5 ms gaps; the 3 s one is idle
+    assert "| planned: separate_prefill_decode | 1 | 32,000 | 31 | 0.10 |" in out
+    assert "| decodes + dense prefills, stock's code | 1 | 600 | 31 | 0.00 |" in out
+    # Inside runs of decode-only steps (the gaps after steps 1-3) the median is 5 ms: 7 x 5 ms.
+    assert out[-1].startswith("decode-only steps: median 5.00 ms inside runs of them (3 gaps), so 7 take about 0.04 s")
+    assert step_log.breakdown(steps[:1])[0].startswith("1 step line(s): nothing to measure")
+
+
+def test_step_log_config_logs_the_plugin_alone(tmp_path: Path) -> None:
+    """The configuration, applied by vLLM itself (VLLM_LOGGING_CONFIG_PATH), lets the plugin's debug
+    lines through with millisecond timestamps and no other vLLM logger's."""
+    import step_log
+
+    path = tmp_path / "logging.json"
+    assert step_log.main(["config", str(path)]) == 0
+    # vLLM 0.26 applies it when vllm.logger is imported, 0.33 when a process configures its logging.
+    code = """if True:
+        import logging
+        import vllm.logger
+        if hasattr(vllm.logger, "configure_logging"):
+            from vllm.config.logging import LoggingConfig
+            vllm.logger.configure_logging(LoggingConfig())
+        logging.getLogger("vllm.mla_planner").debug("mla-planner step: 1 tokens, 1 decode tokens, 0 prefills, stock's code")
+        logging.getLogger("vllm.engine").debug("not shown")
+        logging.getLogger("vllm.engine").info("shown")
+    """
+    env = dict(os.environ, VLLM_LOGGING_CONFIG_PATH=str(path))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "not shown" not in run.stdout and "shown" in run.stdout
+    steps = step_log.parse(run.stdout)
+    assert [(s.tokens, s.kind) for s in steps] == [(1, step_log.DECODE_ONLY)]
+
+
 def test_arguments() -> None:
     args = run_serve.parse_args(["--phase", "failrate", "--out", "x"])
     assert (args.engine, args.failrate_utils, args.failrate_n) == ("stock", [0.9, 0.95], 2)

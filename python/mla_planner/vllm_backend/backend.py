@@ -216,14 +216,20 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         if vllm_api.MASKED_MHA and metadata.prefill is not None:
             # Masked MHA needs a non-quantized cache: no FP8 step has a plan from both.
             masked_mha.attach_plan(self, metadata, common_attn_metadata)
-        if not self.plans_steps or self.runs_stock_decodes(metadata):
+        if not self.plans_steps:
+            return metadata
+        if self.runs_stock_decodes(metadata):
+            # Logged like a plan, so that a step log (tests/e2e/step_log.py) sees every FP8 step.
+            logger.debug("mla-planner step: %d tokens, %d decode tokens, %d prefills, stock's code",
+                         common_attn_metadata.num_actual_tokens, metadata.num_decode_tokens, metadata.num_prefills)
             return metadata
         plan = self.plan(metadata, common_attn_metadata)
         mixed = self.mixed_executor if plan.mode == "mixed_batch" else None
         metadata.planned = PlannedStep(plan, self.step_config, self.provider, mixed)
         if logger.isEnabledFor(logging.DEBUG):  # the arguments are calls into the plan: none unless logged
-            logger.debug("mla-planner step: %d tokens, %s, %d launches, peak %d B, bound %s",
-                         plan.num_tokens, plan.mode, len(plan), plan.peak_bytes, plan.bound)
+            logger.debug("mla-planner step: %d tokens, %d decode tokens, %d prefills, %s, %d launches, peak %d B, "
+                         "bound %s", plan.num_tokens, metadata.num_decode_tokens, metadata.num_prefills, plan.mode,
+                         len(plan), plan.peak_bytes, plan.bound)
         return metadata
 
     def runs_stock_decodes(self, metadata: PlannedFlashMLASparseMetadata) -> bool:
