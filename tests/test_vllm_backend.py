@@ -455,6 +455,20 @@ def test_every_fp8_step_is_logged_for_the_step_log(mixed: Backend, gen: torch.Ge
         (3, 3, 0, step_log.DECODE_ONLY), (sum(QUERY_LENS), 3, 2, "planned: mixed_batch")], lines
 
 
+def test_the_first_planned_step_frees_the_reservation(mixed: Backend, gen: torch.Generator,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps that run stock's code unplanned -- the decode steps vLLM's CUDA-graph memory profiling
+    builds before it sizes the KV cache -- leave the reservation held, so vLLM's estimate does not
+    absorb its bytes; the first planned step frees it, once."""
+    monkeypatch.setattr(reservation, "_held", torch.empty(1 << 20, dtype=torch.uint8))
+    monkeypatch.setattr(reservation, "_reserved_bytes", 1 << 20)
+    assert mixed.step([1, 1, 1], [40, 9, 300], gen)["metadata"].planned is None
+    assert reservation._held is not None, "a stock decode step must not free the reservation"
+    assert mixed.step(QUERY_LENS, CONTEXT_LENS, gen)["metadata"].planned is not None
+    assert reservation._held is None
+    assert mixed.step(QUERY_LENS, CONTEXT_LENS, gen)["metadata"].planned is not None  # nothing left to free
+
+
 def test_decode_only_steps_of_several_tokens_each_are_planned(mixed: Backend, gen: torch.Generator) -> None:
     """vLLM 0.33 counts a request of up to 128 query tokens as a decode at 16 heads, and its start-up
     warm-up sends 32K such tokens through the decode kernel at once: a decode-only step that does not

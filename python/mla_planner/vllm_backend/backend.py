@@ -207,22 +207,25 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         # stock's build, with no plan and no process-wide effect.
         if getattr(self, "step_config", None) is None:
             return FlashMLASparseMetadataBuilder.build(self, common_prefix_len, common_attn_metadata, fast_build)
-        # Model loading, which counted the reservation as model memory, is over: from the first
-        # build on (CUDA-graph warm-up, then steps) the kernels' scratch may take its bytes.
-        if reservation.release():
-            logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels", reservation.reserved_bytes() >> 20)
         metadata = FlashMLASparseMetadataBuilder.build(self, common_prefix_len, common_attn_metadata, fast_build)
         assert isinstance(metadata, PlannedFlashMLASparseMetadata)
         if vllm_api.MASKED_MHA and metadata.prefill is not None:
             # Masked MHA needs a non-quantized cache: no FP8 step has a plan from both.
             masked_mha.attach_plan(self, metadata, common_attn_metadata)
         if not self.plans_steps:
+            hand_over_reservation()  # stock's code runs every step: its calls may have the bytes
             return metadata
         if self.runs_stock_decodes(metadata):
             # Logged like a plan, so that a step log (tests/e2e/step_log.py) sees every FP8 step.
             logger.debug("mla-planner step: %d tokens, %d decode tokens, %d prefills, stock's code",
                          common_attn_metadata.num_actual_tokens, metadata.num_decode_tokens, metadata.num_prefills)
             return metadata
+        # The reservation is freed for the first planned step, not at the first build: vLLM's
+        # CUDA-graph memory profiling builds decode steps before it sizes the KV cache, and bytes
+        # freed inside it lower its estimate by as much, so the KV cache would not shrink (on the
+        # H200, vLLM 0.33: estimate 0.64 GiB below stock's, KV cache equal). Those steps run
+        # stock's code unplanned (``runs_stock_decodes``); the first planned step comes after.
+        hand_over_reservation()
         plan = self.plan(metadata, common_attn_metadata)
         mixed = self.mixed_executor if plan.mode == "mixed_batch" else None
         metadata.planned = PlannedStep(plan, self.step_config, self.provider, mixed)
@@ -289,6 +292,13 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         if not mixed:
             engine_config.check_gather_chunks(plan, metadata.fp8_extra_metadata, metadata.num_decodes)
         return plan
+
+
+def hand_over_reservation() -> None:
+    """Free the process's scratch reservation into PyTorch's caching allocator, where the kernels'
+    scratch allocations find it; once per process (:mod:`.reservation`)."""
+    if reservation.release():
+        logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels", reservation.reserved_bytes() >> 20)
 
 
 def warm_up(md: FlashMLASparseMetadata, kv_cache: torch.Tensor, topk_indices: torch.Tensor) -> None:

@@ -5,9 +5,9 @@ the attention layers return before calling the kernels, so kernel scratch is nev
 never reserves it: that is the OOM). vLLM 0.33's ``reserve_workspace()`` hook does not help here:
 its DeepSeek-V3.2 layer returns in the profile run before calling it. This module allocates the
 bytes the KV cache must leave while the model is built -- vLLM counts them as model memory -- and
-frees them at the first metadata build after model loading: the caching allocator then hands
-them to the kernels' scratch. One reservation per process, whatever the number of layers, since
-layers run one at a time.
+the builder frees them for the first step it plans, after vLLM has sized the KV cache: the
+caching allocator then hands them to the kernels' scratch. One reservation per process, whatever
+the number of layers, since layers run one at a time.
 
 How much: on vLLM 0.26 the whole budget. On 0.33 stock's impl reserves a workspace at
 construction whose padded q and output views the backend's launches use, so only the rest of the
