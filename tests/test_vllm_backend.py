@@ -440,15 +440,19 @@ def test_every_fp8_step_is_logged_for_the_step_log(mixed: Backend, gen: torch.Ge
     handler = logging.Handler(logging.DEBUG)
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
     logger = logging.getLogger("vllm.mla_planner")
-    level = logger.level
-    logger.addHandler(handler)
+    # vLLM 0.26's suppress_logging() leaves logging.disable(INFO) on when its body raises, as when
+    # test_doctor probes vLLM's serve parser on a machine without a GPU: undone for this test.
+    disabled, level = logging.root.manager.disable, logger.level
+    logging.disable(logging.NOTSET)
     logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
     try:
         mixed.step([1, 1, 1], [40, 9, 300], gen)
         mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+        logging.disable(disabled)
     lines = [f"DEBUG 12-02 02:30:00.00{i} [backend.py:1] {m}" for i, m in enumerate(messages)]
     steps = step_log.parse("\n".join(lines))
     assert [(s.tokens, s.decode_tokens, s.prefills, s.kind) for s in steps] == [
