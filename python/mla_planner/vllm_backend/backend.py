@@ -222,7 +222,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             return metadata
         # The reservation is freed for the first planned step, not at the first build: vLLM's
         # CUDA-graph memory profiling builds decode steps before it sizes the KV cache, and bytes
-        # freed inside it lower its estimate by as much, so the KV cache would not shrink (on the
+        # freed inside it lower its estimate, so the KV cache shrinks by less or not at all (on the
         # H200, vLLM 0.33: estimate 0.64 GiB below stock's, KV cache equal). Those steps run
         # stock's code unplanned (``runs_stock_decodes``); the first planned step comes after.
         hand_over_reservation()
