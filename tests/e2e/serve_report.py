@@ -125,8 +125,30 @@ def workload_lines(workload: str, title: str, wruns: list[dict[str, Any]]) -> tu
         samples = {e: " ".join(_num(row.get("total_token_throughput")) for row in
                                _client_rows(by_engine[e], labels[-1])) or "–" for e in by_engine}
         lines += ["", f"Total tokens/s per repeat ({labels[-1]}): stock {samples['stock']}; plugin {samples['plugin']}."]
+        paired = paired_ratios(wruns, labels[-1])
+        if paired:
+            mid = statistics.median(paired)
+            spread = f", {min(paired):.3f}–{max(paired):.3f}" if len(paired) > 1 else ""
+            lines.append(f"Plugin/stock total tokens/s per repeat (same seed, back to back): "
+                         f"{' '.join(f'{r:.3f}' for r in paired)}; median {mid:.3f}.")
+            summary.append(f"{workload}: plugin/stock total tokens/s per repeat, median {mid:.3f} "
+                           f"({len(paired)} pairs{spread})")
     lines += [f"- {r['tag']}: {r.get('status')}: {_cell(r.get('error'), 160)}" for r in wruns if r.get("status") != "ok"]
     return [*lines, ""], summary
+
+
+def paired_ratios(wruns: list[dict[str, Any]], label: str) -> list[float]:
+    """Plugin/stock total tokens/s of each repeat both engines finished, in repeat order. The two
+    runs of a repeat share a seed (the same prompts) and ran back to back, so their ratio leaves
+    out what moves from one repeat to the next (the prompts, the machine), which the ratio of
+    the medians keeps."""
+    tok: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
+    for r in wruns:
+        rows = _client_rows([r], label)
+        value = rows[0].get("total_token_throughput") if rows else None
+        if r.get("engine") in tok and isinstance(value, (int, float)):
+            tok[r["engine"]][(r.get("call"), r.get("seed"))] = value
+    return [tok["plugin"][k] / tok["stock"][k] for k in tok["stock"] if k in tok["plugin"] and tok["stock"][k]]
 
 
 def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -217,11 +239,23 @@ def memory_flatness(samples: list[dict[str, Any]], after_s: float) -> dict[str, 
     return {"samples": len(used), "min_mib": min(used), "max_mib": max(used), "spread_mib": max(used) - min(used)}
 
 
+STEP_MIB = 16  # a change between two samples at least this large is a step, not sampling noise
+
+
+def memory_steps(samples: list[dict[str, Any]], after_s: float) -> list[tuple[float, int]]:
+    """(time, change in MiB) wherever used memory (the first GPU) moved by ``STEP_MIB`` or more
+    from one sample to the next, from ``after_s`` on: the allocator growing to a larger shape
+    shows as a few steps that stop, a leak as steps that go on."""
+    used = [(s["t_s"], s["used_mib"][0]) for s in samples if s.get("used_mib") and s["t_s"] >= after_s]
+    return [(t, b - a) for (_, a), (t, b) in zip(used, used[1:]) if abs(b - a) >= STEP_MIB]
+
+
 def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
     its = data.get("iterations", [])
     samples = data.get("samples", [])
     warm = its[0]["t_end_s"] if its else 0.0  # after the first iteration: kernels compiled, pools grown
     flat = memory_flatness(samples, warm)
+    after = settled(samples, warm)
     every = memory_flatness(samples, 0.0)
     done = sum(int((i.get("combined") or {}).get("completed") or 0) for i in its)
     failed = sum(int((i.get("combined") or {}).get("failed") or 0) for i in its)
@@ -244,6 +278,7 @@ def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
              f"{_num(every.get('min_mib'))}–{_num(every.get('max_mib'))} MiB |",
              f"| after warm-up (from {warm:.0f} s, the first iteration's end) | {flat.get('samples')} samples, "
              f"{_num(flat.get('min_mib'))}–{_num(flat.get('max_mib'))} MiB, **max − min {_num(flat.get('spread_mib'))} MiB** |",
+             steps_row(after),
              f"| processes holding GPU memory (nvidia-smi) | at most {_num(most)} in a sample, "
              f"{_num(len(pids) if seen else None)} distinct pids |",
              f"| /health not 200 | {unhealthy} of {len(samples)} samples |",
@@ -251,10 +286,35 @@ def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
              f"{'the same' if data.get('same_processes') else '**not the same**'} |",
              f"| CUDA errors in the server log | {', '.join(f'{k} ×{v}' for k, v in errors.items()) or 'none'} |", ""]
     summary = [f"soak ({data.get('run', {}).get('engine')}, {_num(data.get('soak_elapsed_s'))} s): {failed} failed requests, "
-               f"memory spread after warm-up {_num(flat.get('spread_mib'))} MiB, "
+               f"memory spread after warm-up {_num(flat.get('spread_mib'))} MiB"
+               + (f" (last step {after['change_mib']:+,} MiB at {after['at_s']:.0f} s, then "
+                  f"{_num(after['spread_mib'])} MiB over {after['span_s']:.0f} s)" if after else "") + ", "
                f"{'same processes' if data.get('same_processes') else 'processes changed or died'}, "
                f"{sum(errors.values())} CUDA error lines"]
     return lines, summary
+
+
+def settled(samples: list[dict[str, Any]], warm: float) -> dict[str, Any] | None:
+    """After warm-up's last memory step: when it came, what it was, and the flatness from then to
+    the end; None without a step."""
+    steps = memory_steps(samples, warm)
+    if not steps:
+        return None
+    at, change = steps[-1]
+    return {"steps": steps, "at_s": at, "change_mib": change, "span_s": samples[-1]["t_s"] - at,
+            **memory_flatness(samples, at)}
+
+
+def steps_row(after: dict[str, Any] | None) -> str:
+    head = f"| steps of {STEP_MIB} MiB or more between samples after warm-up |"
+    if after is None:
+        return f"{head} none |"
+    steps = after["steps"]
+    listed = ", ".join(f"{d:+,} MiB at {t:.0f} s" for t, d in steps[:8])
+    listed += f", … ({len(steps)} in all)" if len(steps) > 8 else ""
+    return (f"{head} {listed}; from the last ({after['at_s']:.0f} s) to the end ({after['span_s']:.0f} s, "
+            f"{after['samples']} samples): {_num(after['min_mib'])}–{_num(after['max_mib'])} MiB, "
+            f"max − min {_num(after['spread_mib'])} MiB |")
 
 
 SECTIONS = {"ab": ("Throughput A/B (`vllm bench serve`)", ab_section),

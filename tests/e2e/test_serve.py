@@ -449,6 +449,20 @@ def test_soak_phase(tmp_path: Path) -> None:
     assert f"**max − min {flat['spread_mib']:,} MiB**" in md and "same processes" in md
     assert all(s["processes"] == [[4242, 900]] for s in samples)
     assert "| processes holding GPU memory (nvidia-smi) | at most 1 in a sample, 1 distinct pids |" in md
+    assert "| steps of 16 MiB or more between samples after warm-up | none |" in md  # 10 MiB a sample
+
+
+def test_memory_steps_show_where_growth_stops() -> None:
+    used = [1000, 1000, 2000, 2004, 2520, 2521, 2522, 2524, 2523]  # warm-up, a larger shape, then flat
+    samples = [{"t_s": 5.0 * i, "used_mib": [u]} for i, u in enumerate(used)]
+    assert serve_report.memory_steps(samples, 0.0) == [(10.0, 1000), (20.0, 516)]
+    assert serve_report.memory_steps(samples, 12.0) == [(20.0, 516)]  # only steps from a sample at 12 s on
+    after = serve_report.settled(samples, 12.0)
+    assert after is not None and (after["at_s"], after["span_s"], after["spread_mib"]) == (20.0, 20.0, 4)
+    assert serve_report.steps_row(after) == (
+        "| steps of 16 MiB or more between samples after warm-up | +516 MiB at 20 s; from the last (20 s) to the "
+        "end (20 s, 5 samples): 2,520–2,524 MiB, max − min 4 MiB |")
+    assert serve_report.settled(samples, 21.0) is None
 
 
 def test_soak_detaches_and_is_followed(tmp_path: Path) -> None:
@@ -515,6 +529,9 @@ def test_report_from_hand_made_results(tmp_path: Path) -> None:
     assert "| chat | stock | 50.0 | 100.0 | 4.00 | 8.00 | 20 | 200 | 1 |" in md  # medians; failures summed
     assert "| chat | plugin/stock | 0.800 | 0.800 | 1.000 | 1.000 | 1.300 | 1.300 | |" in md
     assert "Total tokens/s per repeat (chat): stock 100 300 200; plugin 130 330 260." in md
+    # each repeat's pair (same seed), then their median: not the ratio of the medians above
+    assert "Plugin/stock total tokens/s per repeat (same seed, back to back): 1.300 1.100 1.300; median 1.300." in md
+    assert "chat: plugin/stock total tokens/s per repeat, median 1.300 (3 pairs, 1.100–1.300)" in md
     assert "- ab0-r4-chat-plugin: not run: deadline: 12 s left" in md
     assert "**ab0-plugin: plugin server logged 0 mla-planner lines**" in md
     assert "KV cache stock 50.00 GiB, plugin 49.00 GiB (stock − plugin 1,024 MiB)" in md
