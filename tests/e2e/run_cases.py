@@ -95,14 +95,21 @@ def engine_kwargs(backend: str, util: float, mnbt: int, *, model: Path = MODEL_D
     }
 
 
-def model_with_heads(model: Path, heads: int | None, where: Path) -> Path:
-    """``model`` as is, or a copy of its config with ``heads`` attention heads under ``where``: the
-    tiny model scaled so that tensor parallelism leaves 16 heads per rank (32 at TP 2, 64 at TP 4)."""
+# what model_variant may change, and the suffix each gives the copy's folder
+VARIANT_KEYS = {"num_attention_heads": "h", "num_hidden_layers": "l"}
+
+
+def model_variant(model: Path, where: Path, heads: int | None = None, layers: int | None = None) -> Path:
+    """``model`` as is, or a copy of its config under ``where`` with ``heads`` attention heads (the
+    tiny model scaled so that tensor parallelism leaves 16 heads per rank: 32 at TP 2, 64 at TP 4)
+    and ``layers`` hidden layers (attention a larger share of each step, as in the real model's 61)."""
     config = json.loads((model / "config.json").read_text())
-    if heads is None or heads == config["num_attention_heads"]:
+    asked = {"num_attention_heads": heads, "num_hidden_layers": layers}
+    changes = {k: v for k, v in asked.items() if v is not None and v != config[k]}
+    if not changes:
         return model
-    config["num_attention_heads"] = heads
-    scaled = where / f"{model.name}-{heads}h"
+    config.update(changes)
+    scaled = where / (model.name + "".join(f"-{v}{VARIANT_KEYS[k]}" for k, v in changes.items()))
     scaled.mkdir(parents=True, exist_ok=True)
     (scaled / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return scaled
@@ -488,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["MLA_PLANNER_SCRATCH_MB"] = str(args.scratch_mb)
     if args.backend == "stock":  # with it set, our backend would stand in for FLASHMLA_SPARSE
         os.environ.pop(REPLACE_VAR, None)
-    model = model_with_heads(args.model, args.heads, args.out.parent)
+    model = model_variant(args.model, args.out.parent, heads=args.heads)
     kwargs = engine_kwargs(args.backend, args.util, args.mnbt, model=model, tp=args.tp)
     data: dict[str, Any] = {
         "schema": 1,

@@ -34,7 +34,7 @@ from typing import Any
 import serve_bench
 import serve_phases as sp
 import serve_report
-from run_cases import CASE_TITLES, ENV_DEFAULTS, MODEL_DIR, PLANNER_VARS, model_with_heads, write_json
+from run_cases import CASE_TITLES, ENV_DEFAULTS, MODEL_DIR, PLANNER_VARS, model_variant, write_json
 from serve_proc import client_env, install_cleanup
 from serve_tokenizer import check_tokenizer, served_model_dir
 
@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tp", type=int, default=1, help="every server's --tensor-parallel-size (one GPU per worker)")
     ap.add_argument("--heads", type=int, help="the model's attention heads (default: its config's; 16 x --tp keeps "
                                                 "16 per rank, as DeepSeek-V3.2 at TP 8)")
+    ap.add_argument("--layers", type=int, help="the model's hidden layers (default: its config's, 2; more put more "
+                                                 "of each step in attention, as in the real model's 61)")
     ap.add_argument("--report-only", type=Path, metavar="DIR", help="only write DIR/serve.md from DIR's JSON")
     ap.add_argument("--fake-server", action="store_true", help=argparse.SUPPRESS)  # CPU tests: serve_fakes.py
     ap.add_argument("--fake-bench", action="store_true", help=argparse.SUPPRESS)
@@ -100,8 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"utilization {u} is not in (0, 1]")
     if args.repeats < 1 or args.failrate_n < 1 or args.prompt_scale <= 0 or args.sample_s <= 0:
         ap.error("--repeats and --failrate-n must be at least 1, --prompt-scale and --sample-s positive")
-    if args.tp < 1 or (args.heads is not None and args.heads < 1):
-        ap.error("--tp and --heads must be at least 1")
+    if args.tp < 1 or any(n is not None and n < 1 for n in (args.heads, args.layers)):
+        ap.error("--tp, --heads and --layers must be at least 1")
     if args.detach and args.follow:
         ap.error("--detach follows the phase itself: give one of --detach and --follow")
     return args
@@ -124,6 +126,10 @@ def versions() -> dict[str, str]:
     return found
 
 
+# the arguments that change what a server runs: a phase file adds only runs that agree on them
+MODEL_ARGS = ("tp", "heads", "layers")
+
+
 def run_phase(args: argparse.Namespace) -> int:
     start = time.monotonic()
     out: Path = args.out
@@ -132,6 +138,12 @@ def run_phase(args: argparse.Namespace) -> int:
     # ab and failrate add to an earlier call's file (serve_phases.py says how); the others start afresh.
     data: dict[str, Any] = json.loads(path.read_text()) if args.phase in ("ab", "failrate") and path.is_file() else {}
     run = {k: v for k, v in vars(args).items() if k not in ("out", "model", "report_only") and not k.startswith("fake")}
+    earlier = {k: data.get("run", {}).get(k) for k in MODEL_ARGS}
+    if data and earlier != {k: run[k] for k in MODEL_ARGS}:  # one file, one report: of one model
+        print(f"{path} holds runs of another model or parallelism "
+              f"({' '.join(f'--{k} {v}' for k, v in earlier.items() if v is not None)}"
+              f"); give another --out", file=sys.stderr)
+        return 2
     data.update(schema=1, phase=args.phase, run=run, finished=False, versions=versions(),
                 started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 env={k: os.environ.get(k) for k in ("PYTHONPATH", *ENV_DEFAULTS, *PLANNER_VARS)},
@@ -146,7 +158,7 @@ def run_phase(args: argparse.Namespace) -> int:
         # is over before any port is probed: a child holding a probe socket would make it look taken.
         clients = serve_bench.Clients(args.python, args.fake_bench, client_env())
         clients.warm()
-    model_dir = served_model_dir(out / "model", model_with_heads(args.model, args.heads, out))
+    model_dir = served_model_dir(out / "model", model_variant(args.model, out, heads=args.heads, layers=args.layers))
     try:
         data["tokenizer"] = check_tokenizer(model_dir)
     except Exception as exc:  # no server is started on a tokenizer that would fail them

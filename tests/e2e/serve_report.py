@@ -328,8 +328,11 @@ def render(phases: dict[str, dict[str, Any]]) -> str:
     first = next(iter(phases.values()), None)
     if first:
         v = first.get("versions", {})
+        run = first.get("run", {})
+        scaled = "".join(f", {run[k]} {what}" for k, what in (("layers", "hidden layers"), ("heads", "attention heads"))
+                         if run.get(k) is not None)
         out += [f"vLLM {v.get('vllm')}, torch {v.get('torch')}, mla-planner {v.get('mla-planner')}, transformers "
-                f"{v.get('transformers')}. Model: tests/e2e/tiny-deepseek-v32 (dummy weights) with a generated "
+                f"{v.get('transformers')}. Model: tests/e2e/tiny-deepseek-v32 (dummy weights{scaled}) with a generated "
                 "word-level tokenizer; `vllm serve` with vLLM's defaults (CUDA graphs, engine process) and "
                 "`--kv-cache-dtype fp8_ds_mla --block-size 64 --max-model-len 70000 --no-enable-prefix-caching`.", ""]
     summary: list[str] = []

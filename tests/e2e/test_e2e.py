@@ -290,11 +290,13 @@ def test_tensor_parallel_runs_scale_the_model_to_16_heads_per_rank(tmp_path: Pat
     args = run_e2e.parse_args(["--group", "T", "--out", str(tmp_path)])
     cmd = run_e2e.command(run_e2e.RUNS_BY_NAME["planned-tp2-0.95-32k"], tmp_path, args)
     assert cmd[cmd.index("--tp") + 1] == "2" and cmd[cmd.index("--heads") + 1] == "32"
-    scaled = run_cases.model_with_heads(run_cases.MODEL_DIR, 32, tmp_path)
+    scaled = run_cases.model_variant(run_cases.MODEL_DIR, tmp_path, heads=32)
     config = json.loads((scaled / "config.json").read_text())
     original = json.loads((run_cases.MODEL_DIR / "config.json").read_text())
     assert config["num_attention_heads"] == 32 and config == {**original, "num_attention_heads": 32}
-    assert run_cases.model_with_heads(run_cases.MODEL_DIR, None, tmp_path) == run_cases.MODEL_DIR
+    assert scaled.name == "tiny-deepseek-v32-32h"
+    assert run_cases.model_variant(run_cases.MODEL_DIR, tmp_path) == run_cases.MODEL_DIR
+    assert run_cases.model_variant(run_cases.MODEL_DIR, tmp_path, heads=16, layers=2) == run_cases.MODEL_DIR
     assert run_cases.engine_kwargs("planned", 0.95, 32768, tp=2)["tensor_parallel_size"] == 2
 
 

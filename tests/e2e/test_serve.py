@@ -330,7 +330,35 @@ def test_tensor_parallel_servers_get_the_scaled_model(tmp_path: Path) -> None:
         assert json.loads((model / "config.json").read_text())["num_attention_heads"] == 32
         assert (model / "tokenizer.json").is_file()
     r = driver(tmp_path, "--phase", "boundary", "--tp", "0")
-    assert r.returncode == 2 and "--tp and --heads must be at least 1" in r.stderr
+    assert r.returncode == 2 and "--tp, --heads and --layers must be at least 1" in r.stderr
+
+
+def test_layers_give_the_servers_a_deeper_model(tmp_path: Path) -> None:
+    """--layers 8: every server loads a copy of the model with 8 hidden layers, nothing else changed,
+    and the report says which model ran."""
+    r = driver(tmp_path, "--phase", "boundary", "--layers", "8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "boundary-plugin.json").read_text())
+    original = json.loads((MODEL_DIR / "config.json").read_text())
+    for server in data["servers"]:
+        cmd = server["cmd"]
+        model = Path(cmd[cmd.index("serve") + 1])
+        assert model.name == "tiny-deepseek-v32-8l"
+        assert json.loads((model / "config.json").read_text()) == {**original, "num_hidden_layers": 8}
+    assert "8 hidden layers" in (tmp_path / serve_report.REPORT_MD).read_text()
+    r = driver(tmp_path, "--phase", "boundary", "--layers", "0")
+    assert r.returncode == 2 and "--tp, --heads and --layers must be at least 1" in r.stderr
+
+
+def test_a_phase_file_holds_one_model(tmp_path: Path) -> None:
+    """ab adds to an earlier call's ab.json, but not runs of another model: one report, one model."""
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    before = (tmp_path / "ab.json").read_text()
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1", "--layers", "8")
+    assert r.returncode == 2 and "holds runs of another model or parallelism (--tp 1); give another --out" \
+        in r.stderr, r.stdout + r.stderr
+    assert (tmp_path / "ab.json").read_text() == before
 
 
 def test_failrate_phase(tmp_path: Path) -> None:
