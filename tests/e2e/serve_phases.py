@@ -4,7 +4,8 @@ when its deadline comes (what it cut is recorded as not run) and stops its serve
 
 - ``ab``: stock and plugin servers up at once (started one after the other: vLLM's start-up
   measures the GPU's free memory, which a second server starting beside it would disturb), then the
-  workloads in interleaved repeats: for each repeat, each workload, stock then plugin, same seed.
+  workloads in interleaved repeats: for each repeat, each workload, both engines with the same seed,
+  stock first in odd repeats, the plugin first in even ones.
 - ``boundary``: one server at 0.95 (plugin unless ``--engine stock``) through run_cases' cases 1, 2
   and 5, then one at max_num_batched_tokens 65536 through cases 4 and 5: ok or error per case, and
   /health after each.
@@ -133,6 +134,9 @@ def run_line(tag: str, run: dict[str, Any]) -> str:
             f"ms, TPOT p50 {first.get('p50_tpot_ms') or 0:.1f} ms ({c.get('duration', 0):.0f} s)")
 
 
+ENGINES = ("stock", "plugin")
+
+
 def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloads: list[str], repeats: int,
              scale: float) -> None:
     records: dict[str, dict[str, Any]] = {}
@@ -143,7 +147,7 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
     data["runs"] = [r for r in data.get("runs", []) if r["workload"] not in workloads]
     servers: dict[str, Server] = {}
     try:
-        for k, engine in enumerate(("stock", "plugin")):
+        for k, engine in enumerate(ENGINES):
             server, record = start_server(ctx, ctx.spec(engine, util, 100 * k), f"ab{call['id']}-{engine}")
             servers[engine] = server
             records[engine] = record
@@ -154,7 +158,10 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
         for r in range(repeats):
             for w in workloads:
                 seed = SEED_BASE + 100 * r + 10 * list(sb.WORKLOADS).index(w)
-                for engine in ("stock", "plugin"):
+                # Which engine goes first alternates by repeat, so that a drift over the call (the
+                # machine warming, stock's runs rose 150K -> 210K tokens/s over one on the H200)
+                # favours neither engine's side of the per-repeat ratio.
+                for engine in ENGINES if r % 2 == 0 else ENGINES[::-1]:
                     tag = f"ab{call['id']}-r{r + 1}-{w}-{engine}"
                     run: dict[str, Any] = {"workload": w, "engine": engine, "repeat": r + 1, "seed": seed,
                                            "call": call["id"], "tag": tag}
