@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--util", type=float, help="--gpu-memory-utilization (ab: 0.40 each; boundary, soak: 0.95)")
     ap.add_argument("--workloads", default="long,chat,mix", help=f"ab: of {', '.join(serve_bench.WORKLOADS)}")
     ap.add_argument("--repeats", type=int, default=3, help="ab: interleaved repeats per engine and workload")
+    ap.add_argument("--warmup-rounds", type=int, default=1,
+                    help="ab: rounds of every workload on both servers before the repeats, left out of the medians "
+                         "(default 1: a server's first run of a workload pays first-use costs)")
     ap.add_argument("--prompt-scale", type=float, default=1.0, help="ab, soak: scales every client's prompt count")
     ap.add_argument("--failrate-utils", default="0.90,0.95", help="failrate: utilizations, in turn")
     ap.add_argument("--failrate-n", type=int, default=2, help="failrate: servers per utilization")
@@ -102,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"utilization {u} is not in (0, 1]")
     if args.repeats < 1 or args.failrate_n < 1 or args.prompt_scale <= 0 or args.sample_s <= 0:
         ap.error("--repeats and --failrate-n must be at least 1, --prompt-scale and --sample-s positive")
+    if args.warmup_rounds < 0:
+        ap.error("--warmup-rounds must be 0 or more")
     if args.tp < 1 or any(n is not None and n < 1 for n in (args.heads, args.layers)):
         ap.error("--tp, --heads and --layers must be at least 1")
     if args.detach and args.follow:
@@ -174,7 +179,7 @@ def run_phase(args: argparse.Namespace) -> int:
                  request_timeout_s=args.request_timeout_s, fake_server=args.fake_server, clients=clients)
     if args.phase == "ab":
         sp.phase_ab(ctx, data, save, util=args.util, workloads=args.workloads, repeats=args.repeats,
-                    scale=args.prompt_scale)
+                    scale=args.prompt_scale, warmup_rounds=args.warmup_rounds)
     elif args.phase == "boundary":
         sp.phase_boundary(ctx, data, save, engine=args.engine, util=args.util)
     elif args.phase == "failrate":

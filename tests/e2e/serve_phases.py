@@ -4,8 +4,9 @@ when its deadline comes (what it cut is recorded as not run) and stops its serve
 
 - ``ab``: stock and plugin servers up at once (started one after the other: vLLM's start-up
   measures the GPU's free memory, which a second server starting beside it would disturb), then the
-  workloads in interleaved repeats: for each repeat, each workload, both engines with the same seed,
-  stock first in odd repeats, the plugin first in even ones.
+  workloads in interleaved repeats after warm-up rounds (``--warmup-rounds``, left out of the
+  medians): for each repeat, each workload, both engines with the same seed, stock first in odd
+  repeats, the plugin first in even ones.
 - ``boundary``: one server at 0.95 (plugin unless ``--engine stock``) through run_cases' cases 1, 2
   and 5, then one at max_num_batched_tokens 65536 through cases 4 and 5: ok or error per case, and
   /health after each.
@@ -138,10 +139,10 @@ ENGINES = ("stock", "plugin")
 
 
 def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloads: list[str], repeats: int,
-             scale: float) -> None:
+             scale: float, warmup_rounds: int) -> None:
     records: dict[str, dict[str, Any]] = {}
     call = {"id": len(data.setdefault("calls", [])), "workloads": workloads, "repeats": repeats, "scale": scale,
-            "util": util, "servers": records}
+            "warmup_rounds": warmup_rounds, "util": util, "servers": records}
     data["calls"].append(call)
     # An earlier call's runs of these workloads are replaced; its other workloads stay.
     data["runs"] = [r for r in data.get("runs", []) if r["workload"] not in workloads]
@@ -155,16 +156,21 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
             if not server_up(record):
                 call["error"] = f"{engine} server did not start: {record['startup'].get('status')}"
                 return
-        for r in range(repeats):
+        # Warm-up rounds first, left out of the medians: a server's first run of a workload pays
+        # first-use costs (on the H200, chat's TTFT p99 was 1.5-1.9 s in the first repeat and
+        # 0.24-0.30 s after, in both engines), and kernels JIT-compiled to disk are compiled by the
+        # first engine and loaded by the second.
+        for r in range(-warmup_rounds, repeats):
             for w in workloads:
-                seed = SEED_BASE + 100 * r + 10 * list(sb.WORKLOADS).index(w)
+                seed = SEED_BASE + 100 * r + 10 * list(sb.WORKLOADS).index(w)  # warm-ups: below SEED_BASE
                 # Which engine goes first alternates by repeat, so that a drift over the call (the
                 # machine warming, stock's runs rose 150K -> 210K tokens/s over one on the H200)
                 # favours neither engine's side of the per-repeat ratio.
-                for engine in ENGINES if r % 2 == 0 else ENGINES[::-1]:
-                    tag = f"ab{call['id']}-r{r + 1}-{w}-{engine}"
-                    run: dict[str, Any] = {"workload": w, "engine": engine, "repeat": r + 1, "seed": seed,
-                                           "call": call["id"], "tag": tag}
+                for engine in ENGINES[::-1] if r % 2 and r > 0 else ENGINES:  # warm-ups: stock first
+                    name = f"w{-r}" if r < 0 else f"r{r + 1}"
+                    tag = f"ab{call['id']}-{name}-{w}-{engine}"
+                    run: dict[str, Any] = {"workload": w, "engine": engine, "repeat": r + 1 if r >= 0 else None,
+                                           "seed": seed, "call": call["id"], "tag": tag, "warmup": r < 0}
                     server = servers[engine]
                     if ctx.left() < MIN_BENCH_S:
                         run.update(status="not run", error=f"deadline: {ctx.left():.0f} s left")

@@ -93,9 +93,11 @@ def _client_rows(runs: list[dict[str, Any]], label: str) -> list[dict[str, Any]]
             if r.get("status") == "ok" and (r["clients"].get(label) or {}).get("result")]
 
 
-def workload_lines(workload: str, title: str, wruns: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     """One workload's table: per client (and all clients combined), each engine's medians over its
-    finished repeats, then plugin/stock."""
+    finished repeats, then plugin/stock. Warm-up rounds are listed, not counted."""
+    wruns = [r for r in every if not r.get("warmup")]
+    warmups = [r for r in every if r.get("warmup")]
     labels = list(dict.fromkeys(label for r in wruns for label in r.get("clients", {})))
     if len(labels) > 1:
         labels.append("combined")
@@ -125,6 +127,12 @@ def workload_lines(workload: str, title: str, wruns: list[dict[str, Any]]) -> tu
         samples = {e: " ".join(_num(row.get("total_token_throughput")) for row in
                                _client_rows(by_engine[e], labels[-1])) or "–" for e in by_engine}
         lines += ["", f"Total tokens/s per repeat ({labels[-1]}): stock {samples['stock']}; plugin {samples['plugin']}."]
+        if warmups:
+            warm = {e: " ".join(_num(row.get("total_token_throughput")) for row in
+                                _client_rows([r for r in warmups if r["engine"] == e], labels[-1])) or "–"
+                    for e in by_engine}
+            lines.append(f"Warm-up rounds, not in the medians ({labels[-1]}): stock {warm['stock']}; "
+                         f"plugin {warm['plugin']}.")
         paired = paired_ratios(wruns, labels[-1])
         if paired:
             mid = statistics.median(paired)
@@ -133,7 +141,7 @@ def workload_lines(workload: str, title: str, wruns: list[dict[str, Any]]) -> tu
                          f"{' '.join(f'{r:.3f}' for r in paired)}; median {mid:.3f}.")
             summary.append(f"{workload}: plugin/stock total tokens/s per repeat, median {mid:.3f} "
                            f"({len(paired)} pairs{spread})")
-    lines += [f"- {r['tag']}: {r.get('status')}: {_cell(r.get('error'), 160)}" for r in wruns if r.get("status") != "ok"]
+    lines += [f"- {r['tag']}: {r.get('status')}: {_cell(r.get('error'), 160)}" for r in every if r.get("status") != "ok"]
     return [*lines, ""], summary
 
 

@@ -393,15 +393,18 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     assert "ab0-r1-long-stock: 32 done, 0 failed" in r.stdout
     data = json.loads((tmp_path / "ab.json").read_text())
     order = [(run["repeat"], run["workload"], run["engine"]) for run in data["runs"]]
-    # stock first in repeat 1, the plugin first in repeat 2: a drift over the call favours neither
-    assert order == [(rep, w, e) for rep in (1, 2) for w in ("long", "chat", "mix")
-                     for e in (("stock", "plugin") if rep == 1 else ("plugin", "stock"))]
+    # a warm-up round (repeat None), then stock first in repeat 1 and the plugin first in repeat 2:
+    # a drift over the call favours neither
+    assert order == [(rep, w, e) for rep in (None, 1, 2) for w in ("long", "chat", "mix")
+                     for e in (("plugin", "stock") if rep == 2 else ("stock", "plugin"))]
+    assert [run["warmup"] for run in data["runs"]] == [True] * 6 + [False] * 12
+    assert data["runs"][0]["tag"] == "ab0-w1-long-stock" and data["runs"][6]["tag"] == "ab0-r1-long-stock"
     seeds: dict[tuple[int, str], set[int]] = {(run["repeat"], run["workload"]): set() for run in data["runs"]}
     for run in data["runs"]:
         seeds[(run["repeat"], run["workload"])].add(run["seed"])
         assert run["status"] == "ok" and run["healthy_after"]
-    assert all(len(s) == 1 for s in seeds.values()) and len({min(s) for s in seeds.values()}) == 6
-    mix = data["runs"][4]
+    assert all(len(s) == 1 for s in seeds.values()) and len({min(s) for s in seeds.values()}) == 9
+    mix = data["runs"][10]
     assert mix["workload"] == "mix" and set(mix["clients"]) == {"mix-chat", "mix-doc"} and mix["combined"]["completed"] == 64 + 24
     servers = data["calls"][0]["servers"]
     assert [s["stop"]["left_running"] for s in servers.values()] == [False, False]
@@ -409,7 +412,10 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     assert "chat: plugin/stock total tokens/s 1.24" in md  # the stand-in's plugin is 1.25x faster
     assert "ab servers at util 0.4: KV cache stock 60.00 GiB, plugin 59.00 GiB (stock − plugin 1,024 MiB)" in md
     assert "| combined | plugin/stock | – | – | – | – | 1.24" in md
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "1", "--workloads", "long")
+    assert "Median over repeats (2 stock, 2 plugin finished; seeds [1020, 1120]" in md  # not the warm-up's 920
+    assert "Warm-up rounds, not in the medians (combined): stock " in md
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "1", "--workloads", "long",
+               "--warmup-rounds", "0")
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "ab.json").read_text())
     assert [(run["call"], run["workload"]) for run in data["runs"]].count((1, "long")) == 2
@@ -432,7 +438,7 @@ def test_ab_deadline_leaves_runs_not_run(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "ab.json").read_text())
     assert data["finished"] and {run["status"] for run in data["runs"]} == {"not run"}
-    assert "ab0-r1-long-stock: not run: deadline" in r.stdout
+    assert "ab0-w1-long-stock: not run: deadline" in r.stdout
     md = (tmp_path / serve_report.REPORT_MD).read_text()
     assert "- ab0-r1-mix-plugin: not run: deadline" in md
 
@@ -441,8 +447,8 @@ def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
     """vLLM's `bench serve` itself, against the stand-in server: its command line, the tokenizer it
     loads, the prompts it sends (exactly 32,768 tokens each) and the result file the driver reads."""
     pytest.importorskip("vllm")
-    r = driver(tmp_path, "--phase", "ab", "--workloads", "long", "--repeats", "1", "--prompt-scale", "0.0625",
-               timeout=400)
+    r = driver(tmp_path, "--phase", "ab", "--workloads", "long", "--repeats", "1", "--warmup-rounds", "0",
+               "--prompt-scale", "0.0625", timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "ab.json").read_text())
     for run in data["runs"]:
@@ -508,8 +514,8 @@ def test_soak_detaches_and_is_followed(tmp_path: Path) -> None:
 
 
 def test_ab_detaches_and_is_followed(tmp_path: Path) -> None:
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1", "--detach",
-               "--deadline-s", "0.5")
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1",
+               "--warmup-rounds", "0", "--detach", "--deadline-s", "0.5")
     assert r.returncode == 0 and "ab: still running" in r.stdout, r.stdout + r.stderr
     pid = int((tmp_path / "ab-driver.pid").read_text())
     r = driver(tmp_path, "--phase", "ab", "--follow", "--deadline-s", "120")
@@ -631,9 +637,11 @@ def test_arguments() -> None:
     args = run_serve.parse_args(["--phase", "failrate", "--out", "x"])
     assert (args.engine, args.failrate_utils, args.failrate_n) == ("stock", [0.9, 0.95], 2)
     args = run_serve.parse_args(["--phase", "ab", "--out", "x", "--workloads", "mix,long"])
-    assert (args.util, args.workloads, args.repeats, args.deadline_s) == (0.40, ["mix", "long"], 3, 540)
+    assert (args.util, args.workloads, args.repeats, args.warmup_rounds, args.deadline_s) == (
+        0.40, ["mix", "long"], 3, 1, 540)
     assert run_serve.parse_args(["--phase", "soak", "--out", "x"]).engine == "plugin"
-    for bad in (["--workloads", "huge"], ["--util", "1.5"], ["--detach", "--follow"], ["--repeats", "0"]):
+    for bad in (["--workloads", "huge"], ["--util", "1.5"], ["--detach", "--follow"], ["--repeats", "0"],
+                ["--warmup-rounds", "-1"]):
         with pytest.raises(SystemExit):
             run_serve.parse_args(["--phase", "ab", "--out", "x", *bad])
     with pytest.raises(SystemExit):
