@@ -6,7 +6,10 @@ steps, decodes beside prefills vLLM runs dense). With the timestamps in millisec
 between those lines are the steps' durations, to within the engine's one-step lead of the GPU
 (async scheduling builds step N+1 while step N runs), which shifts a gap onto the next step.
 Hence the decode-only time is estimated from steps inside runs of decode-only steps, where the
-shift does not matter: their median gap times the number of decode-only steps.
+shift does not matter: their mean gap times the number of decode-only steps. The mean, not the
+median: the timestamps are whole milliseconds, so the gaps of ~3 ms steps are 2, 3, 4 or 5 ms and
+their median a whole number, off by up to half a millisecond (on the H200: a median of 3 ms where
+the mean was 3.32), while the truncation errors cancel in the mean.
 
     python3 tests/e2e/step_log.py config /tmp/step-logging.json   # then VLLM_LOGGING_CONFIG_PATH=/tmp/step-logging.json
     python3 tests/e2e/step_log.py report /tmp/serve/logs/plugin-0.40-32k-p8001.log
@@ -97,9 +100,10 @@ def breakdown(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> list[str]:
     decode_only = sum(s.kind == DECODE_ONLY for s in steps)
     lines.append("")
     if inner:
-        median = statistics.median(inner)
-        estimate = decode_only * median
-        lines.append(f"decode-only steps: median {median * 1e3:.2f} ms inside runs of them ({len(inner):,} gaps), "
+        mean = statistics.mean(inner)
+        estimate = decode_only * mean
+        lines.append(f"decode-only steps: mean {mean * 1e3:.2f} ms inside runs of them ({len(inner):,} gaps; "
+                     f"median {statistics.median(inner) * 1e3:.2f} ms), "
                      f"so {decode_only:,} take about {estimate:.2f} s, {estimate / busy:.1%} of the busy time; "
                      f"the other steps about {busy - estimate:.2f} s")
     else:

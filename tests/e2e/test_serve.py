@@ -586,9 +586,10 @@ def test_step_log_breakdown() -> None:
 
     decode = "32 tokens, 32 decode tokens, 0 prefills, stock's code"
     lines = ["(EngineCore pid=7) INFO 12-02 02:29:59.000 [backend.py:1] mla-planner: FP8 steps routed by x"]
-    # Five decode-only steps 5 ms apart, a planned prefill step that lasts 100 ms, two decode steps,
-    # then 3 s idle (between bench runs: not busy time) and a decode step beside a dense prefill.
-    times = ["00.000", "00.005", "00.010", "00.015", "00.020", "00.025", "00.125", "00.130", "03.130"]
+    # Five decode-only steps (gaps of 5, 2, 3, 8 and 5 ms), a planned prefill step that lasts 100 ms,
+    # two decode steps, then 3 s idle (between bench runs: not busy time) and a decode step beside
+    # a dense prefill.
+    times = ["00.000", "00.005", "00.007", "00.010", "00.018", "00.023", "00.123", "00.128", "03.128"]
     details = [decode] * 5 + ["32000 tokens, 31 decode tokens, 1 prefills, separate_prefill_decode, 5 launches, "
                               "peak 969808488 B, bound budget"] + [decode] * 2 + [
         "600 tokens, 31 decode tokens, 1 prefills, stock's code"]
@@ -596,14 +597,16 @@ def test_step_log_breakdown() -> None:
     steps = step_log.parse("\n".join(lines))
     assert [s.kind for s in steps] == [step_log.DECODE_ONLY] * 5 + ["planned: separate_prefill_decode"] + [
         step_log.DECODE_ONLY] * 2 + ["decodes + dense prefills, stock's code"]
-    assert steps[-1].at_s == pytest.approx(3.13) and steps[5].tokens == 32000
+    assert steps[-1].at_s == pytest.approx(3.128) and steps[5].tokens == 32000
     out = step_log.breakdown(steps)
     assert out[0] == "9 steps logged, 0.13 s busy (gaps under 0.5 s); by the kind of step:"
-    assert "| decode-only, stock's code | 7 | 224 | 224 | 0.03 |" in out  # six 5 ms gaps; the 3 s one is idle
+    assert "| decode-only, stock's code | 7 | 224 | 224 | 0.03 |" in out  # 28 ms of gaps; the 3 s one is idle
     assert "| planned: separate_prefill_decode | 1 | 32,000 | 31 | 0.10 |" in out
     assert "| decodes + dense prefills, stock's code | 1 | 600 | 31 | 0.00 |" in out
-    # Inside runs of decode-only steps (the gaps after steps 1-3) the median is 5 ms: 7 x 5 ms.
-    assert out[-1].startswith("decode-only steps: median 5.00 ms inside runs of them (3 gaps), so 7 take about 0.04 s")
+    # Inside runs of decode-only steps (the gaps after steps 1-3: 2, 3 and 8 ms) the mean is 4.33 ms,
+    # the median 3 ms: 7 x 4.33 ms.
+    assert out[-1].startswith("decode-only steps: mean 4.33 ms inside runs of them (3 gaps; median 3.00 ms), so 7 "
+                              "take about 0.03 s, 23.7% of the busy time")
     assert step_log.breakdown(steps[:1])[0].startswith("1 step line(s): nothing to measure")
 
 
