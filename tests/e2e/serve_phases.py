@@ -161,13 +161,14 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
         # 0.24-0.30 s after, in both engines), and kernels JIT-compiled to disk are compiled by the
         # first engine and loaded by the second.
         for r in range(-warmup_rounds, repeats):
+            name = f"w{-r}" if r < 0 else f"r{r + 1}"
+            # Which engine goes first alternates by repeat, so that a drift over the call (the
+            # machine warming, stock's runs rose 150K -> 210K tokens/s over one on the H200)
+            # favours neither engine's side of the per-repeat ratio. Warm-ups: stock first.
+            order = ENGINES[::-1] if r > 0 and r % 2 else ENGINES
             for w in workloads:
                 seed = SEED_BASE + 100 * r + 10 * list(sb.WORKLOADS).index(w)  # warm-ups: below SEED_BASE
-                # Which engine goes first alternates by repeat, so that a drift over the call (the
-                # machine warming, stock's runs rose 150K -> 210K tokens/s over one on the H200)
-                # favours neither engine's side of the per-repeat ratio.
-                for engine in ENGINES[::-1] if r % 2 and r > 0 else ENGINES:  # warm-ups: stock first
-                    name = f"w{-r}" if r < 0 else f"r{r + 1}"
+                for engine in order:
                     tag = f"ab{call['id']}-{name}-{w}-{engine}"
                     run: dict[str, Any] = {"workload": w, "engine": engine, "repeat": r + 1 if r >= 0 else None,
                                            "seed": seed, "call": call["id"], "tag": tag, "warmup": r < 0}

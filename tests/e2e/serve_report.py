@@ -124,13 +124,10 @@ def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tu
         for name, key in (("total tokens/s", "total_token_throughput"), ("output tokens/s", "output_throughput")):
             summary.append(f"{workload}: plugin/stock {name} {_ratio(meds['plugin'][key], meds['stock'][key])} "
                            f"(medians of {done['plugin']} and {done['stock']} repeats)")
-        samples = {e: " ".join(_num(row.get("total_token_throughput")) for row in
-                               _client_rows(by_engine[e], labels[-1])) or "–" for e in by_engine}
+        samples = {e: _totals(rs, labels[-1]) for e, rs in by_engine.items()}
         lines += ["", f"Total tokens/s per repeat ({labels[-1]}): stock {samples['stock']}; plugin {samples['plugin']}."]
         if warmups:
-            warm = {e: " ".join(_num(row.get("total_token_throughput")) for row in
-                                _client_rows([r for r in warmups if r["engine"] == e], labels[-1])) or "–"
-                    for e in by_engine}
+            warm = {e: _totals([r for r in warmups if r["engine"] == e], labels[-1]) for e in by_engine}
             lines.append(f"Warm-up rounds, not in the medians ({labels[-1]}): stock {warm['stock']}; "
                          f"plugin {warm['plugin']}.")
         paired = paired_ratios(wruns, labels[-1])
@@ -143,6 +140,11 @@ def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tu
                            f"({len(paired)} pairs{spread})")
     lines += [f"- {r['tag']}: {r.get('status')}: {_cell(r.get('error'), 160)}" for r in every if r.get("status") != "ok"]
     return [*lines, ""], summary
+
+
+def _totals(runs: list[dict[str, Any]], label: str) -> str:
+    """The runs' total tokens/s of one client (or ``combined``), in run order."""
+    return " ".join(_num(row.get("total_token_throughput")) for row in _client_rows(runs, label)) or "–"
 
 
 def paired_ratios(wruns: list[dict[str, Any]], label: str) -> list[float]:
