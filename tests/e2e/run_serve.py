@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--follow", action="store_true",
                     help="follow the phase detached in DIR until it ends or --deadline-s")
     ap.add_argument("--scratch-mb", type=int, help="the plugin's budget (MLA_PLANNER_SCRATCH_MB; default: its own)")
+    ap.add_argument("--log-iterations", action="store_true",
+                    help="every server logs each engine step (vLLM's --enable-logging-iteration-details), "
+                         "for step_log.py compare")
     ap.add_argument("--port-base", type=int, default=8100, help="servers listen on this port and above (0: any free)")
     ap.add_argument("--start-timeout-s", type=float, default=240, help="a server's start-up limit (default 240)")
     ap.add_argument("--request-timeout-s", type=float, default=120, help="a boundary request's limit (default 120)")
@@ -175,8 +178,9 @@ def run_phase(args: argparse.Namespace) -> int:
           f"results in {path}", flush=True)
     save()
     ctx = sp.Ctx(out=out, python=args.python, model_dir=model_dir, deadline=start + args.deadline_s,
-                 port_base=args.port_base, scratch_mb=args.scratch_mb, tp=args.tp, start_timeout_s=args.start_timeout_s,
-                 request_timeout_s=args.request_timeout_s, fake_server=args.fake_server, clients=clients)
+                 port_base=args.port_base, scratch_mb=args.scratch_mb, tp=args.tp, log_iterations=args.log_iterations,
+                 start_timeout_s=args.start_timeout_s, request_timeout_s=args.request_timeout_s,
+                 fake_server=args.fake_server, clients=clients)
     if args.phase == "ab":
         sp.phase_ab(ctx, data, save, util=args.util, workloads=args.workloads, repeats=args.repeats,
                     scale=args.prompt_scale, warmup_rounds=args.warmup_rounds)

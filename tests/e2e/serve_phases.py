@@ -48,6 +48,7 @@ class Ctx:
     port_base: int = 8100  # 0: any free ports
     scratch_mb: int | None = None
     tp: int = 1  # every server's --tensor-parallel-size
+    log_iterations: bool = False  # every server's --enable-logging-iteration-details
     start_timeout_s: float = 240
     request_timeout_s: float = 120
     fake_server: bool = False
@@ -61,7 +62,7 @@ class Ctx:
 
     def spec(self, engine: str, util: float, k: int, mnbt: int = 32768) -> ServerSpec:
         return ServerSpec(engine, util, self.port(k), mnbt, scratch_mb=self.scratch_mb if engine == "plugin" else None,
-                          tp=self.tp)
+                          tp=self.tp, log_iterations=self.log_iterations)
 
 
 def start_server(ctx: Ctx, spec: ServerSpec, label: str) -> tuple[Server, dict[str, Any]]:

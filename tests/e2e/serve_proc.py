@@ -49,6 +49,7 @@ class ServerSpec:
     max_model_len: int = 70000
     scratch_mb: int | None = None  # the plugin's budget (MLA_PLANNER_SCRATCH_MB); None: its default
     tp: int = 1  # --tensor-parallel-size: one worker process per GPU
+    log_iterations: bool = False  # vLLM logs every engine step (tests/e2e/step_log.py compare)
 
     @property
     def name(self) -> str:
@@ -68,7 +69,8 @@ def server_args(spec: ServerSpec, model_dir: Path) -> list[str]:
             "--generation-config", "vllm",
             "--attention-backend", ENGINES[spec.engine], "--host", HOST, "--port", str(spec.port),
             "--disable-uvicorn-access-log",  # one log line per request (and per /health poll) otherwise
-            *(["--tensor-parallel-size", str(spec.tp)] if spec.tp > 1 else [])]
+            *(["--tensor-parallel-size", str(spec.tp)] if spec.tp > 1 else []),
+            *(["--enable-logging-iteration-details"] if spec.log_iterations else [])]
 
 
 def server_command(spec: ServerSpec, model_dir: Path, python: str, fake: bool = False) -> list[str]:

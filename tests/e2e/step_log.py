@@ -1,4 +1,4 @@
-"""Where a plugin server's time goes, step by step, from its log.
+"""Where a server's time goes, step by step, from its log.
 
 The backend logs every FP8 step its metadata builder sees at debug level (``mla-planner step:
 ...``): the steps it plans, with their route, and the steps it leaves to stock's code (decode-only
@@ -11,8 +11,20 @@ median: the timestamps are whole milliseconds, so the gaps of ~3 ms steps are 2,
 their median a whole number, off by up to half a millisecond (on the H200: a median of 3 ms where
 the mean was 3.32), while the truncation errors cancel in the mean.
 
+Stock's engine logs no such lines. Started with ``--enable-logging-iteration-details``
+(``run_serve.py --log-iterations``), every server, stock's too, logs vLLM's own line per engine
+step ("Iteration(N): C context requests, T context tokens, G generation requests, D generation
+tokens, iteration elapsed time: E ms"), from its API server as each step's output arrives; a step
+with no context tokens is decode-only. ``compare`` measures both engines of an ``ab`` with those
+lines alike: the decode-only steps' mean gap (the per-step cost the chat workload sees; any
+difference is work the plugin adds) and the time of the other steps per context token (how much
+faster the plugin's prefills are). E is the engine's wait for a step's output: with async
+scheduling the next step's host work runs before that wait, so E is what the GPU had left, and the
+gaps, not E, are the steps' durations.
+
     python3 tests/e2e/step_log.py config /tmp/step-logging.json   # then VLLM_LOGGING_CONFIG_PATH=/tmp/step-logging.json
-    python3 tests/e2e/step_log.py report /tmp/serve/logs/plugin-0.40-32k-p8001.log
+    python3 tests/e2e/step_log.py report /tmp/serve/logs/ab0-plugin.log
+    python3 tests/e2e/step_log.py compare /tmp/serve/logs/ab0-stock.log /tmp/serve/logs/ab0-plugin.log
 
 ``config`` writes vLLM's own logging configuration (so it needs vLLM) with milliseconds in the
 timestamps and the plugin's logger at debug level; every other vLLM logger stays at INFO.
@@ -33,8 +45,12 @@ from pathlib import Path
 PLUGIN_LOGGER = "vllm.mla_planner"
 STEP = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) .*mla-planner step: (\d+) tokens, (\d+) decode tokens, "
                   r"(\d+) prefills, (stock's code|\w+)")
+ITERATION = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) .*Iteration\((\d+)\): (\d+) context requests, "
+                       r"(\d+) context tokens, (\d+) generation requests, (\d+) generation tokens, "
+                       r"iteration elapsed time: ([\d.]+) ms(?! \(dummy\))")
 DECODE_ONLY = "decode-only, stock's code"
 KINDS = (DECODE_ONLY, "decodes + dense prefills, stock's code", "planned: mixed_batch", "planned: separate_prefill_decode")
+ITERATION_KINDS = ("decode-only", "with context tokens")
 DEFAULT_GAP_S = 0.5
 
 
@@ -43,8 +59,34 @@ class Step:
     at_s: float  # seconds since the first step line
     tokens: int
     decode_tokens: int
-    prefills: int
+    prefills: int  # requests with prompt tokens in the step
     kind: str
+    elapsed_ms: float | None = None  # vLLM's iteration lines: the engine's wait for the step's output
+
+    @property
+    def decode_only(self) -> bool:
+        return self.prefills == 0
+
+
+@dataclass(frozen=True)
+class Split:
+    """A log's busy time, and the part of it the decode-only steps take."""
+
+    steps: int
+    busy_s: float
+    decode_only: int  # steps
+    inner_gaps: list[float]  # the gaps inside runs of decode-only steps, s
+    other_tokens: int  # the tokens of the steps that are not decode-only (prompt and decode)
+
+    @property
+    def decode_gap_s(self) -> float | None:
+        return statistics.mean(self.inner_gaps) if self.inner_gaps else None
+
+    @property
+    def decode_s(self) -> float | None:
+        """The decode-only steps' time: their mean gap inside runs of them times their count."""
+        gap = self.decode_gap_s
+        return None if gap is None else gap * self.decode_only
 
 
 def logging_config() -> dict[str, object]:
@@ -66,48 +108,123 @@ def kind_of(detail: str, prefills: int) -> str:
     return f"planned: {detail}"
 
 
+class _Clock:
+    """Seconds since the first timestamp it was given."""
+
+    def __init__(self) -> None:
+        self.start: datetime | None = None
+
+    def __call__(self, stamp: str) -> float:
+        at = datetime.strptime(stamp, "%m-%d %H:%M:%S.%f")
+        self.start = self.start or at
+        return (at - self.start).total_seconds()
+
+
 def parse(text: str) -> list[Step]:
+    """The plugin's step lines."""
     steps: list[Step] = []
-    start: datetime | None = None
+    clock = _Clock()
     for line in text.splitlines():
         m = STEP.search(line)
         if m is None:
             continue
-        at = datetime.strptime(m.group(1), "%m-%d %H:%M:%S.%f")
-        start = start or at
         tokens, decode_tokens, prefills = int(m.group(2)), int(m.group(3)), int(m.group(4))
-        steps.append(Step((at - start).total_seconds(), tokens, decode_tokens, prefills, kind_of(m.group(5), prefills)))
+        steps.append(Step(clock(m.group(1)), tokens, decode_tokens, prefills, kind_of(m.group(5), prefills)))
     return steps
 
 
-def breakdown(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> list[str]:
-    """The report's lines. Gaps of ``gap_s`` or more are idle time (between bench runs, start-up)."""
-    if len(steps) < 2:
-        return [f"{len(steps)} step line(s): nothing to measure (was the plugin's logger at DEBUG?)"]
+def parse_iterations(text: str) -> list[Step]:
+    """vLLM's iteration lines (``--enable-logging-iteration-details``), any engine's."""
+    steps: list[Step] = []
+    clock = _Clock()
+    for line in text.splitlines():
+        m = ITERATION.search(line)
+        if m is None:
+            continue
+        context_requests, context_tokens, decode_tokens = int(m.group(3)), int(m.group(4)), int(m.group(6))
+        steps.append(Step(clock(m.group(1)), context_tokens + decode_tokens, decode_tokens, context_requests,
+                          ITERATION_KINDS[context_requests > 0], float(m.group(7))))
+    return steps
+
+
+def split(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> Split:
+    """Gaps of ``gap_s`` or more are idle time (between bench runs, start-up), not a step's."""
     gaps = [b.at_s - a.at_s for a, b in zip(steps, steps[1:])]
-    busy = sum(g for g in gaps if g < gap_s)
+    inner = [gaps[i] for i in range(1, len(gaps))
+             if gaps[i] < gap_s and all(steps[j].decode_only for j in (i - 1, i, i + 1))]
+    return Split(len(steps), sum(g for g in gaps if g < gap_s), sum(s.decode_only for s in steps), inner,
+                 sum(s.tokens for s in steps if not s.decode_only))
+
+
+def breakdown(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> list[str]:
+    """The report's lines, by the kind of step."""
+    if len(steps) < 2:
+        return [f"{len(steps)} step line(s): nothing to measure (was the plugin's logger at DEBUG, or the server "
+                "started with --enable-logging-iteration-details?)"]
+    gaps = [b.at_s - a.at_s for a, b in zip(steps, steps[1:])]
+    whole = split(steps, gap_s)
+    busy = whole.busy_s
     lines = [f"{len(steps):,} steps logged, {busy:.2f} s busy (gaps under {gap_s} s); by the kind of step:",
              "",
              "| kind | steps | tokens | decode tokens | gaps after them, s |",
              "|---|---:|---:|---:|---:|"]
-    for kind in sorted({s.kind for s in steps}, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k)):
+    order = KINDS + ITERATION_KINDS
+    for kind in sorted({s.kind for s in steps}, key=lambda k: (order.index(k) if k in order else len(order), k)):
         mine = [i for i, s in enumerate(steps) if s.kind == kind]
         after = sum(gaps[i] for i in mine if i < len(gaps) and gaps[i] < gap_s)
         lines.append(f"| {kind} | {len(mine):,} | {sum(steps[i].tokens for i in mine):,} | "
                      f"{sum(steps[i].decode_tokens for i in mine):,} | {after:.2f} |")
-    inner = [gaps[i] for i in range(1, len(gaps))
-             if gaps[i] < gap_s and all(steps[j].kind == DECODE_ONLY for j in (i - 1, i, i + 1))]
-    decode_only = sum(s.kind == DECODE_ONLY for s in steps)
     lines.append("")
-    if inner:
-        mean = statistics.mean(inner)
-        estimate = decode_only * mean
-        lines.append(f"decode-only steps: mean {mean * 1e3:.2f} ms inside runs of them ({len(inner):,} gaps; "
-                     f"median {statistics.median(inner) * 1e3:.2f} ms), "
-                     f"so {decode_only:,} take about {estimate:.2f} s, {estimate / busy:.1%} of the busy time; "
-                     f"the other steps about {busy - estimate:.2f} s")
+    if whole.decode_s is not None and whole.decode_gap_s is not None:
+        lines.append(f"decode-only steps: mean {whole.decode_gap_s * 1e3:.2f} ms inside runs of them "
+                     f"({len(whole.inner_gaps):,} gaps; median {statistics.median(whole.inner_gaps) * 1e3:.2f} ms), "
+                     f"so {whole.decode_only:,} take about {whole.decode_s:.2f} s, {whole.decode_s / busy:.1%} of the "
+                     f"busy time; the other steps about {busy - whole.decode_s:.2f} s")
     else:
         lines.append("no runs of decode-only steps: their time is not estimated")
+    return lines
+
+
+def compare(stock: list[Step], plugin: list[Step], gap_s: float = DEFAULT_GAP_S) -> list[str]:
+    """Both engines of an ``ab`` from vLLM's iteration lines: the same work (the same bench runs),
+    split into decode-only steps and the rest."""
+    if len(stock) < 2 or len(plugin) < 2:
+        return [f"iteration lines: stock {len(stock)}, plugin {len(plugin)}: nothing to compare (were the servers "
+                "started with --enable-logging-iteration-details, and VLLM_LOGGING_CONFIG_PATH from `config`?)"]
+    a, b = split(stock, gap_s), split(plugin, gap_s)
+
+    def waits(steps: list[Step]) -> float | None:
+        mine = [s.elapsed_ms for s in steps if s.decode_only and s.elapsed_ms is not None]
+        return statistics.mean(mine) if mine else None
+
+    def row(label: str, x: float | None, y: float | None, fmt: str, ratio: bool = True) -> str:
+        cells = [format(v, fmt) if v is not None else "-" for v in (x, y)]
+        r = f"{y / x:.3f}" if ratio and x and y is not None else ""
+        return f"| {label} | {cells[0]} | {cells[1]} | {r} |"
+
+    def per_k(sp: Split) -> float | None:
+        other = None if sp.decode_s is None else sp.busy_s - sp.decode_s
+        return None if other is None or not sp.other_tokens else other / sp.other_tokens * 1e6
+
+    lines = [f"vLLM's iteration lines, gaps under {gap_s} s:", "",
+             "| | stock | plugin | plugin/stock |", "|---|---:|---:|---:|",
+             row("steps", a.steps, b.steps, ",", ratio=False),
+             row("busy s", a.busy_s, b.busy_s, ".2f"),
+             row("decode-only steps", a.decode_only, b.decode_only, ",", ratio=False),
+             row("decode-only: mean gap inside runs of them, ms",
+                 None if a.decode_gap_s is None else a.decode_gap_s * 1e3,
+                 None if b.decode_gap_s is None else b.decode_gap_s * 1e3, ".3f"),
+             row("decode-only: mean iteration elapsed time, ms", waits(stock), waits(plugin), ".3f"),
+             row("decode-only: their time (mean gap x count), s", a.decode_s, b.decode_s, ".2f"),
+             row("other steps", a.steps - a.decode_only, b.steps - b.decode_only, ",", ratio=False),
+             row("other steps: tokens", a.other_tokens, b.other_tokens, ",", ratio=False),
+             row("other steps: time per 1K tokens, ms", per_k(a), per_k(b), ".3f"), ""]
+    if a.decode_gap_s and b.decode_gap_s:
+        lines.append(f"decode-only steps: the plugin's {b.decode_gap_s / a.decode_gap_s - 1:+.1%} against stock's "
+                     f"({len(a.inner_gaps):,} and {len(b.inner_gaps):,} gaps)")
+    ka, kb = per_k(a), per_k(b)
+    if ka and kb:
+        lines.append(f"other steps: stock's time per token {ka / kb:.3f}x the plugin's (r)")
     return lines
 
 
@@ -118,13 +235,23 @@ def main(argv: list[str] | None = None) -> int:
     cfg.add_argument("path", type=Path)
     rep = sub.add_parser("report", help="the step breakdown of a server log")
     rep.add_argument("log", type=Path)
-    rep.add_argument("--gap-s", type=float, default=DEFAULT_GAP_S, help="gaps this long are idle time (default 0.5)")
+    rep.add_argument("--iterations", action="store_true", help="from vLLM's iteration lines, not the plugin's")
+    cmp = sub.add_parser("compare", help="stock's and the plugin's steps in an ab, from vLLM's iteration lines")
+    cmp.add_argument("stock_log", type=Path)
+    cmp.add_argument("plugin_log", type=Path)
+    for p in (rep, cmp):
+        p.add_argument("--gap-s", type=float, default=DEFAULT_GAP_S, help="gaps this long are idle time (default 0.5)")
     args = ap.parse_args(argv)
     if args.command == "config":
         args.path.write_text(json.dumps(logging_config(), indent=1) + "\n")
         print(f"VLLM_LOGGING_CONFIG_PATH={args.path}")
         return 0
-    print("\n".join(breakdown(parse(args.log.read_text(errors="replace")), args.gap_s)))
+    if args.command == "compare":
+        stock, plugin = (parse_iterations(p.read_text(errors="replace")) for p in (args.stock_log, args.plugin_log))
+        print("\n".join(compare(stock, plugin, args.gap_s)))
+        return 0
+    text = args.log.read_text(errors="replace")
+    print("\n".join(breakdown(parse_iterations(text) if args.iterations else parse(text), args.gap_s)))
     return 0
 
 

@@ -125,9 +125,11 @@ for engine in ("stock", "plugin"):
     out[engine]["force_mqa"] = ea.attention_config.sparse_mla_force_mqa
     out[engine].update(port=ns.port, host=ns.host, access_log_off=ns.disable_uvicorn_access_log)
     out[engine]["tp"] = ns.tensor_parallel_size
-tp_spec = serve_proc.ServerSpec("plugin", 0.95, 8201, tp=2)
-out["tp2"] = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(
-    serve_proc.server_args(tp_spec, Path("/m"))).tensor_parallel_size
+    out[engine]["iterations"] = ea.enable_logging_iteration_details
+tp_spec = serve_proc.ServerSpec("plugin", 0.95, 8201, tp=2, log_iterations=True)
+ns = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(serve_proc.server_args(tp_spec, Path("/m")))
+ns.model = ns.model_tag
+out["tp2"] = [ns.tensor_parallel_size, AsyncEngineArgs.from_cli_args(ns).enable_logging_iteration_details]
 parser = FlexibleArgumentParser()
 add_cli_args(parser)
 for client in sum(serve_bench.WORKLOADS.values(), ()):
@@ -157,8 +159,8 @@ def test_server_and_bench_command_lines_parse_with_vllms_parsers() -> None:
         assert s["enforce_eager"] == "False" and s["force_mqa"] is False
         assert s["served_model_name"] == "['tiny-deepseek-v32']"
         assert (s["port"], s["host"], s["access_log_off"]) == (8200, "127.0.0.1", True)
-        assert s["tp"] == 1
-    assert got["tp2"] == 2
+        assert s["tp"] == 1 and s["iterations"] is False
+    assert got["tp2"] == [2, True]  # --tensor-parallel-size, --enable-logging-iteration-details
     long, doc = got["long"], got["mix-doc"]
     assert (long["backend"], long["dataset_name"], long["endpoint"]) == ("vllm", "random", "/v1/completions")
     assert (long["random_input_len"], long["random_output_len"], long["num_prompts"], long["max_concurrency"]) == \
@@ -608,6 +610,50 @@ def test_step_log_breakdown() -> None:
     assert out[-1].startswith("decode-only steps: mean 4.33 ms inside runs of them (3 gaps; median 3.00 ms), so 7 "
                               "take about 0.03 s, 23.7% of the busy time")
     assert step_log.breakdown(steps[:1])[0].startswith("1 step line(s): nothing to measure")
+
+
+def iteration_line(ms: int, context: int, decode: int, elapsed: float, dummy: bool = False) -> str:
+    """vLLM's line (LoggingStatLogger._log_iteration_details, 0.26 and 0.33) at 12-02 02:30:00 + ms."""
+    return (f"(APIServer pid=5) INFO 12-02 02:30:{ms // 1000:02d}.{ms % 1000:03d} [loggers.py:181] Engine 000: "
+            f"Iteration(7): {int(context > 0)} context requests, {context} context tokens, {decode} generation "
+            f"requests, {decode} generation tokens, iteration elapsed time: {elapsed:.2f} ms"
+            f"{' (dummy)' if dummy else ''}, GPU KV cache usage: 1.0%")
+
+
+def engine_log(gap_ms: int, prefill_ms: int, elapsed: float) -> str:
+    """Five decode-only steps, a step with 8,000 context tokens beside 63 decodes, two decode-only
+    steps, 3 s idle and one more (a DP dummy iteration is not a step)."""
+    times = [k * gap_ms for k in range(6)]
+    times += [times[-1] + prefill_ms, times[-1] + prefill_ms + gap_ms]
+    times.append(times[-1] + 3000)
+    lines = [iteration_line(t, 8000 if k == 5 else 0, 63 if k == 5 else 64, elapsed) for k, t in enumerate(times)]
+    return "\n".join(lines[:2] + [iteration_line(times[1], 0, 0, 0.0, dummy=True)] + lines[2:])
+
+
+def test_step_log_compares_the_engines_from_vllms_iteration_lines(tmp_path: Path) -> None:
+    import step_log
+
+    stock = step_log.parse_iterations(engine_log(3, 100, 2.0))
+    plugin = step_log.parse_iterations(engine_log(4, 80, 1.5))
+    assert [s.kind for s in stock] == ["decode-only"] * 5 + ["with context tokens"] + ["decode-only"] * 3
+    assert stock[5].tokens == 8063 and stock[5].decode_tokens == 63 and stock[0].elapsed_ms == 2.0
+    # stock: busy 5 x 3 + 100 + 3 = 118 ms; inside runs of decode-only steps 3 ms (the 3 s gap is idle),
+    # so its 8 take 24 ms and the other step 94 ms for 8,063 tokens; the plugin: 104 ms, 4 ms, 32 and 72 ms.
+    out = step_log.compare(stock, plugin)
+    assert "| busy s | 0.12 | 0.10 | 0.881 |" in out
+    assert "| decode-only: mean gap inside runs of them, ms | 3.000 | 4.000 | 1.333 |" in out
+    assert "| decode-only: mean iteration elapsed time, ms | 2.000 | 1.500 | 0.750 |" in out
+    assert "| other steps: time per 1K tokens, ms | 11.658 | 8.930 | 0.766 |" in out
+    assert "decode-only steps: the plugin's +33.3% against stock's (3 and 3 gaps)" in out
+    assert "other steps: stock's time per token 1.306x the plugin's (r)" in out
+    assert step_log.compare(stock, [])[0].startswith("iteration lines: stock 9, plugin 0: nothing to compare")
+    # the command line, and a report of one engine's iteration lines
+    (tmp_path / "s.log").write_text(engine_log(3, 100, 2.0))
+    (tmp_path / "p.log").write_text(engine_log(4, 80, 1.5))
+    assert step_log.main(["compare", str(tmp_path / "s.log"), str(tmp_path / "p.log")]) == 0
+    report = step_log.breakdown(stock)
+    assert "| with context tokens | 1 | 8,063 | 63 | 0.10 |" in report
+    assert report[-1].startswith("decode-only steps: mean 3.00 ms inside runs of them (3 gaps")
 
 
 def test_step_log_config_logs_the_plugin_alone(tmp_path: Path) -> None:
