@@ -656,6 +656,41 @@ def test_step_log_compares_the_engines_from_vllms_iteration_lines(tmp_path: Path
     assert report[-1].startswith("decode-only steps: mean 3.00 ms inside runs of them (3 gaps")
 
 
+VLLM_ITERATION_LINES = """
+import logging, types
+from vllm.v1.metrics import loggers
+from vllm.v1.metrics.stats import SchedulerIterationDetails, SchedulerStats
+lines = []
+handler = logging.Handler()
+handler.emit = lambda record: lines.append(handler.format(record))
+handler.setFormatter(logging.Formatter("(APIServer pid=5) %(levelname)s %(asctime)s.%(msecs)03d %(message)s",
+                                       "%m-%d %H:%M:%S"))
+loggers.logger.addHandler(handler)
+loggers.logger.setLevel(logging.INFO)  # 0.33 configures vLLM's loggers in a server's processes only
+# the logger's own method, on a stand-in for the LoggingStatLogger that vllm serve's API server holds
+me = types.SimpleNamespace(_log_prefix_for_engine=lambda i: "Engine 000: ", kv_cache_device="GPU")
+for context, dummy in ((1000, False), (0, False), (0, True)):
+    stats = SchedulerStats()
+    stats.iteration_details = SchedulerIterationDetails(
+        iteration_index=3, num_ctx_requests=int(context > 0), num_ctx_tokens=context, num_generation_requests=5,
+        num_generation_tokens=5, elapsed_ms=1.25, is_dummy=dummy)
+    loggers.LoggingStatLogger._log_iteration_details(me, stats, 0)
+print("RESULT " + "\\n".join(lines))
+"""
+
+
+def test_step_log_reads_the_lines_vllm_writes() -> None:
+    """The installed vLLM's own iteration line (0.26 and 0.33 word it alike up to the KV cache usage)."""
+    pytest.importorskip("vllm")
+    import step_log
+
+    r = subprocess.run([sys.executable, "-c", VLLM_ITERATION_LINES], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = step_log.parse_iterations(r.stdout.split("RESULT ", 1)[1])
+    assert [(s.tokens, s.decode_tokens, s.prefills, s.kind, s.elapsed_ms) for s in steps] == [
+        (1005, 5, 1, "with context tokens", 1.25), (5, 5, 0, "decode-only", 1.25)]  # the dummy is no step
+
+
 def test_step_log_config_logs_the_plugin_alone(tmp_path: Path) -> None:
     """The configuration, applied by vLLM itself (VLLM_LOGGING_CONFIG_PATH), lets the plugin's debug
     lines through with millisecond timestamps and no other vLLM logger's."""
