@@ -27,7 +27,8 @@ gaps, not E, are the steps' durations.
     python3 tests/e2e/step_log.py compare /tmp/serve/logs/ab0-stock.log /tmp/serve/logs/ab0-plugin.log
 
 ``config`` writes vLLM's own logging configuration (so it needs vLLM) with milliseconds in the
-timestamps and the plugin's logger at debug level; every other vLLM logger stays at INFO.
+timestamps and the plugin's logger at debug level (``--no-plugin-steps``: at INFO, as stock's engine
+logs nothing per step); every other vLLM logger stays at INFO.
 """
 
 from __future__ import annotations
@@ -89,8 +90,10 @@ class Split:
         return None if gap is None else gap * self.decode_only
 
 
-def logging_config() -> dict[str, object]:
-    """vLLM's default logging configuration with millisecond timestamps and the plugin at DEBUG."""
+def logging_config(plugin_steps: bool = True) -> dict[str, object]:
+    """vLLM's default logging configuration with millisecond timestamps and, with ``plugin_steps``,
+    the plugin at DEBUG. Its step lines are written by the engine process between steps, a cost
+    stock's engine does not pay: a per-step comparison of the two engines leaves them out."""
     from vllm.logger import DEFAULT_LOGGING_CONFIG
 
     config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
@@ -98,7 +101,8 @@ def logging_config() -> dict[str, object]:
         formatter["format"] = formatter["format"].replace("%(asctime)s", "%(asctime)s.%(msecs)03d")
     config["handlers"]["vllm"]["level"] = "DEBUG"
     config["loggers"]["vllm"]["level"] = "INFO"
-    config["loggers"][PLUGIN_LOGGER] = {"level": "DEBUG"}  # propagates to the "vllm" handler
+    if plugin_steps:
+        config["loggers"][PLUGIN_LOGGER] = {"level": "DEBUG"}  # propagates to the "vllm" handler
     return config
 
 
@@ -233,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     cfg = sub.add_parser("config", help="write the logging configuration (VLLM_LOGGING_CONFIG_PATH)")
     cfg.add_argument("path", type=Path)
+    cfg.add_argument("--no-plugin-steps", action="store_true",
+                     help="milliseconds only: the plugin's step lines stay off (for compare: both engines log alike)")
     rep = sub.add_parser("report", help="the step breakdown of a server log")
     rep.add_argument("log", type=Path)
     rep.add_argument("--iterations", action="store_true", help="from vLLM's iteration lines, not the plugin's")
@@ -243,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--gap-s", type=float, default=DEFAULT_GAP_S, help="gaps this long are idle time (default 0.5)")
     args = ap.parse_args(argv)
     if args.command == "config":
-        args.path.write_text(json.dumps(logging_config(), indent=1) + "\n")
+        args.path.write_text(json.dumps(logging_config(plugin_steps=not args.no_plugin_steps), indent=1) + "\n")
         print(f"VLLM_LOGGING_CONFIG_PATH={args.path}")
         return 0
     if args.command == "compare":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -696,8 +697,9 @@ def test_step_log_config_logs_the_plugin_alone(tmp_path: Path) -> None:
     lines through with millisecond timestamps and no other vLLM logger's."""
     import step_log
 
-    path = tmp_path / "logging.json"
+    path, quiet = tmp_path / "logging.json", tmp_path / "quiet.json"
     assert step_log.main(["config", str(path)]) == 0
+    assert step_log.main(["config", str(quiet), "--no-plugin-steps"]) == 0
     # vLLM 0.26 applies it when vllm.logger is imported, 0.33 when a process configures its logging.
     code = """if True:
         import logging
@@ -709,12 +711,16 @@ def test_step_log_config_logs_the_plugin_alone(tmp_path: Path) -> None:
         logging.getLogger("vllm.engine").debug("not shown")
         logging.getLogger("vllm.engine").info("shown")
     """
-    env = dict(os.environ, VLLM_LOGGING_CONFIG_PATH=str(path))
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr
-    assert "not shown" not in run.stdout and "shown" in run.stdout
-    steps = step_log.parse(run.stdout)
-    assert [(s.tokens, s.kind) for s in steps] == [(1, step_log.DECODE_ONLY)]
+    runs = {}
+    for config in (path, quiet):
+        env = dict(os.environ, VLLM_LOGGING_CONFIG_PATH=str(config))
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert run.returncode == 0, run.stderr
+        assert "not shown" not in run.stdout and "shown" in run.stdout
+        assert re.search(r"INFO \d\d-\d\d \d\d:\d\d:\d\d\.\d{3} .*shown", run.stdout)  # milliseconds
+        runs[config] = step_log.parse(run.stdout)
+    assert [(s.tokens, s.kind) for s in runs[path]] == [(1, step_log.DECODE_ONLY)]
+    assert runs[quiet] == []  # --no-plugin-steps: the plugin's debug line is not written
 
 
 def test_arguments() -> None:
