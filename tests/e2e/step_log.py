@@ -42,6 +42,7 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Iterator
 
 PLUGIN_LOGGER = "vllm.mla_planner"
 STEP = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) .*mla-planner step: (\d+) tokens, (\d+) decode tokens, "
@@ -112,43 +113,28 @@ def kind_of(detail: str, prefills: int) -> str:
     return f"planned: {detail}"
 
 
-class _Clock:
-    """Seconds since the first timestamp it was given."""
-
-    def __init__(self) -> None:
-        self.start: datetime | None = None
-
-    def __call__(self, stamp: str) -> float:
-        at = datetime.strptime(stamp, "%m-%d %H:%M:%S.%f")
-        self.start = self.start or at
-        return (at - self.start).total_seconds()
+def _matches(text: str, pattern: re.Pattern[str]) -> Iterator[tuple[float, re.Match[str]]]:
+    """The lines ``pattern`` matches (its first group a timestamp), with their time in seconds since
+    the first of them."""
+    start: datetime | None = None
+    for line in text.splitlines():
+        m = pattern.search(line)
+        if m is not None:
+            at = datetime.strptime(m.group(1), "%m-%d %H:%M:%S.%f")
+            start = start or at
+            yield (at - start).total_seconds(), m
 
 
 def parse(text: str) -> list[Step]:
     """The plugin's step lines."""
-    steps: list[Step] = []
-    clock = _Clock()
-    for line in text.splitlines():
-        m = STEP.search(line)
-        if m is None:
-            continue
-        tokens, decode_tokens, prefills = int(m.group(2)), int(m.group(3)), int(m.group(4))
-        steps.append(Step(clock(m.group(1)), tokens, decode_tokens, prefills, kind_of(m.group(5), prefills)))
-    return steps
+    return [Step(at, int(m[2]), int(m[3]), int(m[4]), kind_of(m[5], int(m[4]))) for at, m in _matches(text, STEP)]
 
 
 def parse_iterations(text: str) -> list[Step]:
-    """vLLM's iteration lines (``--enable-logging-iteration-details``), any engine's."""
-    steps: list[Step] = []
-    clock = _Clock()
-    for line in text.splitlines():
-        m = ITERATION.search(line)
-        if m is None:
-            continue
-        context_requests, context_tokens, decode_tokens = int(m.group(3)), int(m.group(4)), int(m.group(6))
-        steps.append(Step(clock(m.group(1)), context_tokens + decode_tokens, decode_tokens, context_requests,
-                          ITERATION_KINDS[context_requests > 0], float(m.group(7))))
-    return steps
+    """vLLM's iteration lines (``--enable-logging-iteration-details``), any engine's: tokens are the
+    context (prompt) tokens and the generation (decode) tokens together."""
+    return [Step(at, int(m[4]) + int(m[6]), int(m[6]), int(m[3]), ITERATION_KINDS[int(m[3]) > 0], float(m[7]))
+            for at, m in _matches(text, ITERATION)]
 
 
 def split(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> Split:
