@@ -67,7 +67,8 @@ class Step:
 
     @property
     def decode_only(self) -> bool:
-        return self.prefills == 0
+        """No prompt tokens, and (the plugin's lines) not planned: the steps both engines run alike."""
+        return self.kind in (DECODE_ONLY, ITERATION_KINDS[0])
 
 
 @dataclass(frozen=True)

@@ -611,6 +611,9 @@ def test_step_log_breakdown() -> None:
     assert out[-1].startswith("decode-only steps: mean 4.33 ms inside runs of them (3 gaps; median 3.00 ms), so 7 "
                               "take about 0.03 s, 23.7% of the busy time")
     assert step_log.breakdown(steps[:1])[0].startswith("1 step line(s): nothing to measure")
+    # a planned step of decodes alone (a budget too small for stock's decode call) is not one stock runs alike
+    assert not step_log.parse(step_line("00.000", "2048 tokens, 2048 decode tokens, 0 prefills, mixed_batch, "
+                                        "3 launches, peak 1 B, bound budget"))[0].decode_only
 
 
 def iteration_line(ms: int, context: int, decode: int, elapsed: float, dummy: bool = False) -> str:
