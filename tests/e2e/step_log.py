@@ -17,8 +17,8 @@ step ("Iteration(N): C context requests, T context tokens, G generation requests
 tokens, iteration elapsed time: E ms"), from its API server as each step's output arrives; a step
 with no context tokens is decode-only. ``compare`` measures both engines of an ``ab`` with those
 lines alike: the decode-only steps' mean gap (the per-step cost the chat workload sees; any
-difference is work the plugin adds) and the time of the other steps per context token (how much
-faster the plugin's prefills are). E is the engine's wait for a step's output: with async
+difference is work the plugin adds) and the other steps' time per token (their context and
+generation tokens: how much faster the steps that prefill are). E is the engine's wait for a step's output: with async
 scheduling the next step's host work runs before that wait, so E is what the GPU had left, and the
 gaps, not E, are the steps' durations.
 
