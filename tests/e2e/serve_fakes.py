@@ -6,7 +6,8 @@
 ``serve`` answers what the driver and vLLM's bench client use: ``/health``, ``/v1/models``,
 ``/tokenize`` and ``/v1/completions`` (token-id or text prompts, streamed as server-sent events or
 not), on the word-level tokenizer's words (``w<id>``). It logs the lines the driver reads (KV cache,
-the plugin's budget). Like e2e_fakes, stock (FLASHMLA_SPARSE) at gpu_memory_utilization >= 0.95
+the plugin's budget) and, under ``--enable-logging-iteration-details``, vLLM's line per engine step
+(two a request). Like e2e_fakes, stock (FLASHMLA_SPARSE) at gpu_memory_utilization >= 0.95
 "runs out of memory" when more than 16,384 prompt tokens are in flight at once: it logs a CUDA OOM,
 answers 500 and exits, as a server whose engine died. The environment steers start-up:
 FAKE_SERVE_START_S (seconds before it listens, default 0.2), FAKE_SERVE_EXIT_AT_START=1 (logs a CUDA
@@ -27,6 +28,8 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from step_log import stamp
+
 OOM_TOKENS = 16384
 SPECIALS = {"<s>": 0, "</s>": 1, "<unk>": 2}
 
@@ -43,9 +46,23 @@ class FakeServer:
         self.oom_over = OOM_TOKENS if stock and args.gpu_memory_utilization >= 0.95 else None
         self.in_flight = 0
         self.lock = threading.Lock()
+        self.log_iterations = args.enable_logging_iteration_details
+        self.iteration = 0
 
     def log(self, line: str) -> None:
         print(line, flush=True)
+
+    def step(self, context_tokens: int, decode_tokens: int) -> None:
+        """vLLM's line per engine step under --enable-logging-iteration-details (a request here is two
+        steps: its prompt, then its decodes as one)."""
+        if not self.log_iterations:
+            return
+        with self.lock:
+            self.iteration += 1
+            self.log(f"(APIServer pid={os.getpid()}) INFO {stamp()} [loggers.py:181] Engine 000: "
+                     f"Iteration({self.iteration}): {int(context_tokens > 0)} context requests, {context_tokens} "
+                     f"context tokens, 1 generation requests, {decode_tokens} generation tokens, iteration elapsed "
+                     "time: 1.00 ms, GPU KV cache usage: 0.1%")
 
     def die(self) -> None:
         self.log("ERROR [core.py] EngineCore encountered a fatal error.")
@@ -105,6 +122,8 @@ def handler(server: FakeServer) -> type[BaseHTTPRequestHandler]:
                 self.send_json(500, {"error": "EngineCore encountered an issue. See stack trace above."})
                 return
             n = int(body.get("max_tokens") or 16)
+            server.step(len(ids), 1)
+            server.step(0, n - 1)
             usage = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
             if not body.get("stream"):
                 self.send_json(200, {"choices": [{"index": 0, "text": " w7" * n, "finish_reason": "length"}],
@@ -132,6 +151,7 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("--attention-backend")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     ap.add_argument("--served-model-name")
+    ap.add_argument("--enable-logging-iteration-details", action="store_true")
     args, _ = ap.parse_known_args(argv)  # the other flags are vLLM's business
     server = FakeServer(args)
     server.log(f"INFO fake vllm serve {args.model} on port {args.port}, backend {args.attention_backend}")

@@ -28,6 +28,7 @@ import serve_bench as sb
 from serve_proc import (Server, ServerSpec, check_stop, free_port, gpu_memory_used_mib, gpu_processes, group_pids,
                         log_facts, server_command, server_env, wait_gpu_idle)
 from serve_requests import run_case
+from step_log import stamp
 
 Save = Callable[[], None]
 MIN_BENCH_S = 30  # a bench client takes some seconds to start (prompt sampling): start none with less left
@@ -179,8 +180,9 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
                     elif not server.healthy():
                         run.update(status="not run", error="server not healthy", alive=server.alive())
                     else:
+                        began = stamp()  # the run's lines in the server logs (step_log.py compare --ab)
                         run.update(bench_workload(ctx, server, w, seed, tag, scale, ctx.left() - 10))
-                        run["healthy_after"] = server.healthy()
+                        run.update(window=[began, stamp()], healthy_after=server.healthy())
                     data["runs"].append(run)
                     save()
                     say(run_line(tag, run))

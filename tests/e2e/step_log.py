@@ -25,6 +25,7 @@ gaps, not E, are the steps' durations.
     python3 tests/e2e/step_log.py config /tmp/step-logging.json   # then VLLM_LOGGING_CONFIG_PATH=/tmp/step-logging.json
     python3 tests/e2e/step_log.py report /tmp/serve/logs/ab0-plugin.log
     python3 tests/e2e/step_log.py compare /tmp/serve/logs/ab0-stock.log /tmp/serve/logs/ab0-plugin.log
+    python3 tests/e2e/step_log.py compare --ab /tmp/serve   # each workload's timed runs apart
 
 ``config`` writes vLLM's own logging configuration (so it needs vLLM) with milliseconds in the
 timestamps and the plugin's logger at debug level (``--no-plugin-steps``: at INFO, as stock's engine
@@ -54,6 +55,7 @@ DECODE_ONLY = "decode-only, stock's code"
 KINDS = (DECODE_ONLY, "decodes + dense prefills, stock's code", "planned: mixed_batch", "planned: separate_prefill_decode")
 ITERATION_KINDS = ("decode-only", "with context tokens")
 DEFAULT_GAP_S = 0.5
+STAMP = "%m-%d %H:%M:%S.%f"  # vLLM's log time under `config` (local time), to the microsecond; lines show ms
 
 
 @dataclass(frozen=True)
@@ -114,16 +116,26 @@ def kind_of(detail: str, prefills: int) -> str:
     return f"planned: {detail}"
 
 
-def _matches(text: str, pattern: re.Pattern[str]) -> Iterator[tuple[float, re.Match[str]]]:
-    """The lines ``pattern`` matches (its first group a timestamp), with their time in seconds since
-    the first of them."""
+def stamp() -> str:
+    """Now, as vLLM stamps its log lines under `config`: the driver marks each bench run's window."""
+    return datetime.now().strftime(STAMP)[:-3]
+
+
+Window = tuple[str, str]  # stamps, first and last
+
+
+def _matches(text: str, pattern: re.Pattern[str],
+             windows: list[Window] | None = None) -> Iterator[tuple[float, re.Match[str]]]:
+    """The lines ``pattern`` matches (its first group a timestamp; inside one of ``windows``, if
+    given), with their time in seconds since the first of them."""
     start: datetime | None = None
     for line in text.splitlines():
         m = pattern.search(line)
-        if m is not None:
-            at = datetime.strptime(m.group(1), "%m-%d %H:%M:%S.%f")
-            start = start or at
-            yield (at - start).total_seconds(), m
+        if m is None or windows is not None and not any(a <= m[1] <= b for a, b in windows):
+            continue  # the stamps have one fixed width: as strings they order as times (within a year)
+        at = datetime.strptime(m[1], STAMP)
+        start = start or at
+        yield (at - start).total_seconds(), m
 
 
 def parse(text: str) -> list[Step]:
@@ -131,11 +143,12 @@ def parse(text: str) -> list[Step]:
     return [Step(at, int(m[2]), int(m[3]), int(m[4]), kind_of(m[5], int(m[4]))) for at, m in _matches(text, STEP)]
 
 
-def parse_iterations(text: str) -> list[Step]:
-    """vLLM's iteration lines (``--enable-logging-iteration-details``), any engine's: tokens are the
-    context (prompt) tokens and the generation (decode) tokens together."""
+def parse_iterations(text: str, windows: list[Window] | None = None) -> list[Step]:
+    """vLLM's iteration lines (``--enable-logging-iteration-details``), any engine's, inside
+    ``windows`` if given: tokens are the context (prompt) tokens and the generation (decode)
+    tokens together."""
     return [Step(at, int(m[4]) + int(m[6]), int(m[6]), int(m[3]), ITERATION_KINDS[int(m[3]) > 0], float(m[7]))
-            for at, m in _matches(text, ITERATION)]
+            for at, m in _matches(text, ITERATION, windows)]
 
 
 def split(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> Split:
@@ -219,6 +232,27 @@ def compare(stock: list[Step], plugin: list[Step], gap_s: float = DEFAULT_GAP_S)
     return lines
 
 
+def compare_ab(out: Path, gap_s: float = DEFAULT_GAP_S) -> list[str]:
+    """``compare`` for each call and workload of ``out/ab.json``, on the lines inside that
+    workload's timed runs (warm-up rounds left out) in each engine's server log."""
+    data = json.loads((out / "ab.json").read_text())
+    lines: list[str] = []
+    for call in data.get("calls", []):
+        servers = call.get("servers", {})
+        if set(servers) != {"stock", "plugin"}:
+            continue
+        texts = {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
+                 for e, rec in servers.items()}
+        for workload in call["workloads"]:
+            runs = [r for r in data["runs"] if r["call"] == call["id"] and r["workload"] == workload
+                    and not r["warmup"] and r.get("window")]
+            steps = {e: parse_iterations(texts[e], [tuple(r["window"]) for r in runs if r["engine"] == e])
+                     for e in servers}
+            lines += [f"### call {call['id']}, {workload} ({len(runs)} timed runs)", ""]
+            lines += compare(steps["stock"], steps["plugin"], gap_s) + [""]
+    return lines or [f"{out / 'ab.json'}: no call with both servers"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -229,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="the step breakdown of a server log")
     rep.add_argument("log", type=Path)
     rep.add_argument("--iterations", action="store_true", help="from vLLM's iteration lines, not the plugin's")
-    cmp = sub.add_parser("compare", help="stock's and the plugin's steps in an ab, from vLLM's iteration lines")
-    cmp.add_argument("stock_log", type=Path)
-    cmp.add_argument("plugin_log", type=Path)
+    cmp = sub.add_parser("compare", help="stock's and the plugin's steps in an ab, from vLLM's iteration lines: "
+                                          "two server logs, or --ab DIR for each workload's timed runs")
+    cmp.add_argument("logs", type=Path, nargs="*", metavar="LOG", help="stock's server log, then the plugin's")
+    cmp.add_argument("--ab", type=Path, metavar="DIR", help="run_serve.py's folder of an ab phase")
     for p in (rep, cmp):
         p.add_argument("--gap-s", type=float, default=DEFAULT_GAP_S, help="gaps this long are idle time (default 0.5)")
     args = ap.parse_args(argv)
@@ -240,7 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"VLLM_LOGGING_CONFIG_PATH={args.path}")
         return 0
     if args.command == "compare":
-        stock, plugin = (parse_iterations(p.read_text(errors="replace")) for p in (args.stock_log, args.plugin_log))
+        if len(args.logs) != (2 if args.ab is None else 0):
+            cmp.error("give two logs (stock's, then the plugin's) or --ab DIR")
+        if args.ab is not None:
+            print("\n".join(compare_ab(args.ab, args.gap_s)))
+            return 0
+        stock, plugin = (parse_iterations(p.read_text(errors="replace")) for p in args.logs)
         print("\n".join(compare(stock, plugin, args.gap_s)))
         return 0
     text = args.log.read_text(errors="replace")

@@ -27,6 +27,7 @@ import run_serve
 import serve_bench as sb
 import serve_proc as proc
 import serve_report
+import step_log
 from run_cases import CASE_PROMPTS, MODEL_DIR, REPLACE_VAR
 from serve_tokenizer import check_tokenizer, served_model_dir
 from test_e2e import e2e_unavailable
@@ -451,10 +452,11 @@ def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
     loads, the prompts it sends (exactly 32,768 tokens each) and the result file the driver reads."""
     pytest.importorskip("vllm")
     r = driver(tmp_path, "--phase", "ab", "--workloads", "long", "--repeats", "1", "--warmup-rounds", "0",
-               "--prompt-scale", "0.0625", timeout=400)
+               "--prompt-scale", "0.0625", "--log-iterations", timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "ab.json").read_text())
     for run in data["runs"]:
+        assert run["window"][0] < run["window"][1]  # stamps as vLLM's log lines have them
         result = run["clients"]["long"]["result"]
         assert run["status"] == "ok" and run["clients"]["long"]["rc"] == 0, run
         assert (result["completed"], result["failed"], result["num_prompts"]) == (2, 0, 2)
@@ -465,6 +467,11 @@ def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
         log = (tmp_path / server["log"]).read_text()
         # one warm-up request and the two prompts, each exactly as long as asked
         assert log.count("completion request of 32768 prompt tokens") == log.count("completion request of") == 3
+        assert "--enable-logging-iteration-details" in server["cmd"]
+    # each workload's timed runs from the two servers' iteration lines (the stand-in's: two a request)
+    compared = step_log.compare_ab(tmp_path)
+    assert compared[0] == "### call 0, long (2 timed runs)"
+    assert "| steps | 6 | 6 |  |" in compared and "| other steps: tokens | 98,307 | 98,307 |  |" in compared
 
 
 def test_soak_phase(tmp_path: Path) -> None:
@@ -585,8 +592,6 @@ def step_line(t: str, detail: str) -> str:
 
 
 def test_step_log_breakdown() -> None:
-    import step_log
-
     decode = "32 tokens, 32 decode tokens, 0 prefills, stock's code"
     lines = ["(EngineCore pid=7) INFO 12-02 02:29:59.000 [backend.py:1] mla-planner: FP8 steps routed by x"]
     # Five decode-only steps (gaps of 5, 2, 3, 8 and 5 ms), a planned prefill step that lasts 100 ms,
@@ -635,8 +640,6 @@ def engine_log(gap_ms: int, prefill_ms: int, elapsed: float) -> str:
 
 
 def test_step_log_compares_the_engines_from_vllms_iteration_lines(tmp_path: Path) -> None:
-    import step_log
-
     stock = step_log.parse_iterations(engine_log(3, 100, 2.0))
     plugin = step_log.parse_iterations(engine_log(4, 80, 1.5))
     assert [s.kind for s in stock] == ["decode-only"] * 5 + ["with context tokens"] + ["decode-only"] * 3
@@ -683,11 +686,43 @@ print("RESULT " + "\\n".join(lines))
 """
 
 
+def test_step_log_compares_each_workloads_timed_runs(tmp_path: Path) -> None:
+    """compare --ab: the lines inside a workload's timed runs, per engine; warm-ups and the other
+    workload's runs left out."""
+    def window(a_ms: int, b_ms: int) -> list[str]:
+        return [f"12-02 02:30:{t // 1000:02d}.{t % 1000:03d}" for t in (a_ms, b_ms)]
+
+    runs = [  # (workload, engine, warm-up, window in ms after 02:30:00)
+        ("chat", "stock", True, (0, 999)), ("chat", "plugin", True, (1000, 1999)),
+        ("chat", "stock", False, (2000, 2999)), ("chat", "plugin", False, (3000, 3999)),
+        ("mix", "stock", False, (4000, 4999)), ("mix", "plugin", False, (5000, 5999))]
+    data = {"calls": [{"id": 0, "workloads": ["chat", "mix"], "servers": {
+        "stock": {"log": "logs/s.log"}, "plugin": {"log": "logs/p.log"}}}],
+        "runs": [{"call": 0, "workload": w, "engine": e, "warmup": warm, "window": window(*ms)}
+                 for w, e, warm, ms in runs]}
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "ab.json").write_text(json.dumps(data))
+    # every run's lines: decode-only steps 3 ms apart (stock) or 4 ms (plugin), one with context tokens
+    for name, engine, gap in (("s.log", "stock", 3), ("p.log", "plugin", 4)):
+        lines = []
+        for w, e, _, (a, _b) in runs:
+            if e == engine:
+                lines += [iteration_line(a + k * gap, 100 if k == 0 else 0, 8 if w == "chat" else 2, 1.0)
+                          for k in range(10)]
+        (tmp_path / "logs" / name).write_text("\n".join(lines))
+    out = step_log.compare_ab(tmp_path)
+    chat, mix = out.index("### call 0, chat (2 timed runs)"), out.index("### call 0, mix (2 timed runs)")
+    assert "| steps | 10 | 10 |  |" in out[chat:mix]  # the timed run's ten, not the warm-up's
+    assert "| decode-only: mean gap inside runs of them, ms | 3.000 | 4.000 | 1.333 |" in out[chat:mix]
+    assert "| other steps: tokens | 108 | 108 |  |" in out[chat:mix] and "| other steps: tokens | 102 | 102 |  |" in out[mix:]
+    assert step_log.main(["compare", "--ab", str(tmp_path)]) == 0
+    with pytest.raises(SystemExit):
+        step_log.main(["compare", "--ab", str(tmp_path), str(tmp_path / "logs" / "s.log")])
+
+
 def test_step_log_reads_the_lines_vllm_writes() -> None:
     """The installed vLLM's own iteration line (0.26 and 0.33 word it alike up to the KV cache usage)."""
     pytest.importorskip("vllm")
-    import step_log
-
     r = subprocess.run([sys.executable, "-c", VLLM_ITERATION_LINES], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     steps = step_log.parse_iterations(r.stdout.split("RESULT ", 1)[1])
@@ -698,8 +733,6 @@ def test_step_log_reads_the_lines_vllm_writes() -> None:
 def test_step_log_config_logs_the_plugin_alone(tmp_path: Path) -> None:
     """The configuration, applied by vLLM itself (VLLM_LOGGING_CONFIG_PATH), lets the plugin's debug
     lines through with millisecond timestamps and no other vLLM logger's."""
-    import step_log
-
     path, quiet = tmp_path / "logging.json", tmp_path / "quiet.json"
     assert step_log.main(["config", str(path)]) == 0
     assert step_log.main(["config", str(quiet), "--no-plugin-steps"]) == 0
