@@ -28,7 +28,7 @@ import serve_bench as sb
 from serve_proc import (Server, ServerSpec, check_stop, free_port, gpu_memory_used_mib, gpu_processes, group_pids,
                         log_facts, server_command, server_env, wait_gpu_idle)
 from serve_requests import run_case
-from step_log import stamp
+from step_log import ab_steps, stamp
 
 Save = Callable[[], None]
 MIN_BENCH_S = 30  # a bench client takes some seconds to start (prompt sampling): start none with less left
@@ -190,6 +190,8 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
     finally:
         for engine, server in servers.items():
             finish_server(server, records[engine])
+        if ctx.log_iterations:  # the logs are whole once the servers have stopped
+            call["steps"] = ab_steps(ctx.out, data, call)
         save()
 
 

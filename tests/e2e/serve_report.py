@@ -12,6 +12,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from step_log import verdict
+
 REPORT_MD = "serve.md"
 PHASES = ("ab", "boundary", "failrate", "soak")
 # (title, bench key, digits): the per-workload columns, medians over repeats.
@@ -179,6 +181,12 @@ def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
                                     [r for r in runs if r["workload"] == workload])
         lines += more
         summary += said
+    for call in calls:  # servers started with --log-iterations: both engines' steps, per workload
+        for workload, engines in (call.get("steps") or {}).items():
+            if set(engines) == {"stock", "plugin"}:
+                said = verdict(engines["stock"], engines["plugin"]) or ["too few steps to compare"]
+                summary.append(f"{workload}, vLLM's iteration lines of the timed runs (call {call.get('id')}): "
+                               + "; ".join(said))
     failures = sum(int((r.get("combined") or {}).get("failed") or 0) for r in runs)
     summary.append(f"ab: {failures} failed requests over {sum(r.get('status') == 'ok' for r in runs)} finished "
                    f"bench runs ({len(runs)} planned)")

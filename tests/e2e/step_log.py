@@ -43,7 +43,7 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 PLUGIN_LOGGER = "vllm.mla_planner"
 STEP = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) .*mla-planner step: (\d+) tokens, (\d+) decode tokens, "
@@ -189,67 +189,89 @@ def breakdown(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> list[str]:
     return lines
 
 
-def compare(stock: list[Step], plugin: list[Step], gap_s: float = DEFAULT_GAP_S) -> list[str]:
-    """Both engines of an ``ab`` from vLLM's iteration lines: the same work (the same bench runs),
-    split into decode-only steps and the rest."""
-    if len(stock) < 2 or len(plugin) < 2:
-        return [f"iteration lines: stock {len(stock)}, plugin {len(plugin)}: nothing to compare (were the servers "
+Summary = dict[str, Any]  # one engine's steps, split as ``compare`` shows them (JSON-ready)
+
+
+def summarize(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> Summary:
+    """The figures ``compare`` puts side by side, for one engine's steps."""
+    sp = split(steps, gap_s)
+    waits = [s.elapsed_ms for s in steps if s.decode_only and s.elapsed_ms is not None]
+    other_s = None if sp.decode_s is None else sp.busy_s - sp.decode_s
+    return {"steps": sp.steps, "busy_s": sp.busy_s, "decode_only": sp.decode_only, "inner_gaps": len(sp.inner_gaps),
+            "decode_gap_ms": None if sp.decode_gap_s is None else sp.decode_gap_s * 1e3,
+            "decode_wait_ms": statistics.mean(waits) if waits else None, "decode_s": sp.decode_s,
+            "other_tokens": sp.other_tokens,
+            "other_ms_per_1k": other_s / sp.other_tokens * 1e6 if other_s is not None and sp.other_tokens else None}
+
+
+def compare(a: Summary, b: Summary, gap_s: float = DEFAULT_GAP_S) -> list[str]:
+    """Stock's steps (``a``) beside the plugin's (``b``), from vLLM's iteration lines of the same
+    work (the same bench runs), split into decode-only steps and the rest."""
+    if a["steps"] < 2 or b["steps"] < 2:
+        return [f"iteration lines: stock {a['steps']}, plugin {b['steps']}: nothing to compare (were the servers "
                 "started with --enable-logging-iteration-details, and VLLM_LOGGING_CONFIG_PATH from `config`?)"]
-    a, b = split(stock, gap_s), split(plugin, gap_s)
 
-    def waits(steps: list[Step]) -> float | None:
-        mine = [s.elapsed_ms for s in steps if s.decode_only and s.elapsed_ms is not None]
-        return statistics.mean(mine) if mine else None
-
-    def row(label: str, x: float | None, y: float | None, fmt: str, ratio: bool = True) -> str:
+    def row(label: str, key: str, fmt: str, ratio: bool = True) -> str:
+        x, y = a[key], b[key]
         cells = [format(v, fmt) if v is not None else "-" for v in (x, y)]
         r = f"{y / x:.3f}" if ratio and x and y is not None else ""
         return f"| {label} | {cells[0]} | {cells[1]} | {r} |"
 
-    def per_k(sp: Split) -> float | None:
-        other = None if sp.decode_s is None else sp.busy_s - sp.decode_s
-        return None if other is None or not sp.other_tokens else other / sp.other_tokens * 1e6
-
     lines = [f"vLLM's iteration lines, gaps under {gap_s} s:", "",
              "| | stock | plugin | plugin/stock |", "|---|---:|---:|---:|",
-             row("steps", a.steps, b.steps, ",", ratio=False),
-             row("busy s", a.busy_s, b.busy_s, ".2f"),
-             row("decode-only steps", a.decode_only, b.decode_only, ",", ratio=False),
-             row("decode-only: mean gap inside runs of them, ms",
-                 None if a.decode_gap_s is None else a.decode_gap_s * 1e3,
-                 None if b.decode_gap_s is None else b.decode_gap_s * 1e3, ".3f"),
-             row("decode-only: mean iteration elapsed time, ms", waits(stock), waits(plugin), ".3f"),
-             row("decode-only: their time (mean gap x count), s", a.decode_s, b.decode_s, ".2f"),
-             row("other steps", a.steps - a.decode_only, b.steps - b.decode_only, ",", ratio=False),
-             row("other steps: tokens", a.other_tokens, b.other_tokens, ",", ratio=False),
-             row("other steps: time per 1K tokens, ms", per_k(a), per_k(b), ".3f"), ""]
-    if a.decode_gap_s and b.decode_gap_s:
-        lines.append(f"decode-only steps: the plugin's {b.decode_gap_s / a.decode_gap_s - 1:+.1%} against stock's "
-                     f"({len(a.inner_gaps):,} and {len(b.inner_gaps):,} gaps)")
-    ka, kb = per_k(a), per_k(b)
-    if ka and kb:
-        lines.append(f"other steps: stock's time per token {ka / kb:.3f}x the plugin's (r)")
+             row("steps", "steps", ",", ratio=False),
+             row("busy s", "busy_s", ".2f"),
+             row("decode-only steps", "decode_only", ",", ratio=False),
+             row("decode-only: mean gap inside runs of them, ms", "decode_gap_ms", ".3f"),
+             row("decode-only: mean iteration elapsed time, ms", "decode_wait_ms", ".3f"),
+             row("decode-only: their time (mean gap x count), s", "decode_s", ".2f"),
+             f"| other steps | {a['steps'] - a['decode_only']:,} | {b['steps'] - b['decode_only']:,} |  |",
+             row("other steps: tokens", "other_tokens", ",", ratio=False),
+             row("other steps: time per 1K tokens, ms", "other_ms_per_1k", ".3f"), ""]
+    return lines + verdict(a, b)
+
+
+def verdict(a: Summary, b: Summary) -> list[str]:
+    """The two figures to quote: the plugin's decode-only steps against stock's, and r."""
+    lines = []
+    if a["decode_gap_ms"] and b["decode_gap_ms"]:
+        lines.append(f"decode-only steps: the plugin's {b['decode_gap_ms'] / a['decode_gap_ms'] - 1:+.1%} against "
+                     f"stock's ({a['inner_gaps']:,} and {b['inner_gaps']:,} gaps)")
+    if a["other_ms_per_1k"] and b["other_ms_per_1k"]:
+        lines.append(f"other steps: stock's time per token {a['other_ms_per_1k'] / b['other_ms_per_1k']:.3f}x "
+                     "the plugin's (r)")
     return lines
 
 
+def ab_steps(out: Path, data: dict[str, Any], call: dict[str, Any],
+             gap_s: float = DEFAULT_GAP_S) -> dict[str, dict[str, Summary]]:
+    """Per workload of one ab call, per engine: the summary of the iteration lines inside that
+    workload's timed runs (warm-up rounds left out) in the engine's server log."""
+    servers = call.get("servers", {})
+    found: dict[str, dict[str, Summary]] = {}
+    texts = {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
+             for e, rec in servers.items() if rec.get("log")}
+    for workload in call["workloads"]:
+        runs = [r for r in data.get("runs", []) if r["call"] == call["id"] and r["workload"] == workload
+                and not r["warmup"] and r.get("window")]
+        found[workload] = {e: summarize(parse_iterations(text, [(r["window"][0], r["window"][1]) for r in runs
+                                                                 if r["engine"] == e]), gap_s)
+                           for e, text in texts.items()}
+    return found
+
+
 def compare_ab(out: Path, gap_s: float = DEFAULT_GAP_S) -> list[str]:
-    """``compare`` for each call and workload of ``out/ab.json``, on the lines inside that
-    workload's timed runs (warm-up rounds left out) in each engine's server log."""
+    """``compare`` for each call and workload of ``out/ab.json``."""
     data = json.loads((out / "ab.json").read_text())
     lines: list[str] = []
     for call in data.get("calls", []):
-        servers = call.get("servers", {})
-        if set(servers) != {"stock", "plugin"}:
+        if set(call.get("servers", {})) != {"stock", "plugin"}:
             continue
-        texts = {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
-                 for e, rec in servers.items()}
-        for workload in call["workloads"]:
-            runs = [r for r in data["runs"] if r["call"] == call["id"] and r["workload"] == workload
-                    and not r["warmup"] and r.get("window")]
-            steps = {e: parse_iterations(texts[e], [tuple(r["window"]) for r in runs if r["engine"] == e])
-                     for e in servers}
-            lines += [f"### call {call['id']}, {workload} ({len(runs)} timed runs)", ""]
-            lines += compare(steps["stock"], steps["plugin"], gap_s) + [""]
+        for workload, engines in ab_steps(out, data, call, gap_s).items():
+            timed = sum(r["call"] == call["id"] and r["workload"] == workload and not r["warmup"]
+                        for r in data["runs"])
+            lines += [f"### call {call['id']}, {workload} ({timed} timed runs)", ""]
+            lines += compare(engines["stock"], engines["plugin"], gap_s) + [""]
     return lines or [f"{out / 'ab.json'}: no call with both servers"]
 
 
@@ -280,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ab is not None:
             print("\n".join(compare_ab(args.ab, args.gap_s)))
             return 0
-        stock, plugin = (parse_iterations(p.read_text(errors="replace")) for p in args.logs)
+        stock, plugin = (summarize(parse_iterations(p.read_text(errors="replace")), args.gap_s) for p in args.logs)
         print("\n".join(compare(stock, plugin, args.gap_s)))
         return 0
     text = args.log.read_text(errors="replace")

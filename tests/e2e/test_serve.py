@@ -471,7 +471,13 @@ def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
     # each workload's timed runs from the two servers' iteration lines (the stand-in's: two a request)
     compared = step_log.compare_ab(tmp_path)
     assert compared[0] == "### call 0, long (2 timed runs)"
+    # bench's warm-up request and the run's two, two steps each: bench warms up inside the run's window
     assert "| steps | 6 | 6 |  |" in compared and "| other steps: tokens | 98,307 | 98,307 |  |" in compared
+    steps = data["calls"][0]["steps"]["long"]  # kept in ab.json when the servers have stopped
+    assert steps["stock"]["steps"] == steps["plugin"]["steps"] == 6
+    # no run of three decode-only steps in the stand-in's lines: the report says so
+    assert "- long, vLLM's iteration lines of the timed runs (call 0): too few steps to compare" in \
+        (tmp_path / serve_report.REPORT_MD).read_text()
 
 
 def test_soak_phase(tmp_path: Path) -> None:
@@ -646,14 +652,15 @@ def test_step_log_compares_the_engines_from_vllms_iteration_lines(tmp_path: Path
     assert stock[5].tokens == 8063 and stock[5].decode_tokens == 63 and stock[0].elapsed_ms == 2.0
     # stock: busy 5 x 3 + 100 + 3 = 118 ms; inside runs of decode-only steps 3 ms (the 3 s gap is idle),
     # so its 8 take 24 ms and the other step 94 ms for 8,063 tokens; the plugin: 104 ms, 4 ms, 32 and 72 ms.
-    out = step_log.compare(stock, plugin)
+    out = step_log.compare(step_log.summarize(stock), step_log.summarize(plugin))
     assert "| busy s | 0.12 | 0.10 | 0.881 |" in out
     assert "| decode-only: mean gap inside runs of them, ms | 3.000 | 4.000 | 1.333 |" in out
     assert "| decode-only: mean iteration elapsed time, ms | 2.000 | 1.500 | 0.750 |" in out
     assert "| other steps: time per 1K tokens, ms | 11.658 | 8.930 | 0.766 |" in out
     assert "decode-only steps: the plugin's +33.3% against stock's (3 and 3 gaps)" in out
     assert "other steps: stock's time per token 1.306x the plugin's (r)" in out
-    assert step_log.compare(stock, [])[0].startswith("iteration lines: stock 9, plugin 0: nothing to compare")
+    assert step_log.compare(step_log.summarize(stock), step_log.summarize([]))[0].startswith(
+        "iteration lines: stock 9, plugin 0: nothing to compare")
     # the command line, and a report of one engine's iteration lines
     (tmp_path / "s.log").write_text(engine_log(3, 100, 2.0))
     (tmp_path / "p.log").write_text(engine_log(4, 80, 1.5))
