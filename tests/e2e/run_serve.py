@@ -34,6 +34,7 @@ from typing import Any
 import serve_bench
 import serve_phases as sp
 import serve_report
+import step_log
 from run_cases import CASE_TITLES, ENV_DEFAULTS, MODEL_DIR, PLANNER_VARS, model_variant, write_json
 from serve_proc import client_env, install_cleanup
 from serve_tokenizer import check_tokenizer, served_model_dir
@@ -49,6 +50,7 @@ PHASE_DEFAULTS = {  # engine, util
 }
 DETACHED_MARGIN_S = 600  # a detached soak's own deadline: --soak-s plus this (start-up, last iteration)
 DETACHED_DEADLINE_S = 1500  # any other detached phase's: within the 30 minutes a device machine is held
+LOGGING_VAR = "VLLM_LOGGING_CONFIG_PATH"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -160,6 +162,12 @@ def run_phase(args: argparse.Namespace) -> int:
     def save() -> None:
         write_json(path, data)
 
+    if args.log_iterations and not os.environ.get(LOGGING_VAR):
+        # vLLM's iteration lines are of use with milliseconds in their stamps (step_log.py)
+        step_log.write_config(out / "logging.json", plugin_steps=False)  # imports vLLM: before the variable
+        os.environ[LOGGING_VAR] = str(out / "logging.json")
+        print(f"{args.phase}: --log-iterations: servers log with millisecond stamps ({LOGGING_VAR}="
+              f"{os.environ[LOGGING_VAR]})", flush=True)
     clients = None
     if args.phase in ("ab", "soak"):
         # The clients' imports happen meanwhile, and the forkserver's spawn (a fork of this process)

@@ -146,8 +146,12 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
     call = {"id": len(data.setdefault("calls", [])), "workloads": workloads, "repeats": repeats, "scale": scale,
             "warmup_rounds": warmup_rounds, "util": util, "servers": records}
     data["calls"].append(call)
-    # An earlier call's runs of these workloads are replaced; its other workloads stay.
+    # An earlier call's runs of these workloads are replaced (their step figures with them); its
+    # other workloads stay.
     data["runs"] = [r for r in data.get("runs", []) if r["workload"] not in workloads]
+    for earlier in data["calls"][:-1]:
+        for w in workloads:
+            (earlier.get("steps") or {}).pop(w, None)
     servers: dict[str, Server] = {}
     try:
         for k, engine in enumerate(ENGINES):
@@ -190,9 +194,13 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
     finally:
         for engine, server in servers.items():
             finish_server(server, records[engine])
-        if ctx.log_iterations:  # the logs are whole once the servers have stopped
-            call["steps"] = ab_steps(ctx.out, data, call)
         save()
+        if ctx.log_iterations:  # the logs are whole once the servers have stopped
+            try:
+                call["steps"] = ab_steps(ctx.out, data, call)
+            except Exception as exc:  # a figure short, never the phase's own outcome hidden
+                call["steps_error"] = f"{type(exc).__name__}: {exc}"
+            save()
 
 
 # --- boundary and failrate -----------------------------------------------------------------------

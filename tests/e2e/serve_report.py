@@ -182,9 +182,13 @@ def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
         lines += more
         summary += said
     for call in calls:  # servers started with --log-iterations: both engines' steps, per workload
+        if call.get("steps_error"):
+            summary.append(f"ab call {call.get('id')}: the step figures failed: {call['steps_error']}")
         for workload, engines in (call.get("steps") or {}).items():
             if set(engines) == {"stock", "plugin"}:
-                said = verdict(engines["stock"], engines["plugin"]) or ["too few steps to compare"]
+                said = verdict(engines["stock"], engines["plugin"]) or [
+                    "too few steps to compare (millisecond stamps need VLLM_LOGGING_CONFIG_PATH from step_log.py "
+                    "config)"]
                 summary.append(f"{workload}, vLLM's iteration lines of the timed runs (call {call.get('id')}): "
                                + "; ".join(said))
     failures = sum(int((r.get("combined") or {}).get("failed") or 0) for r in runs)

@@ -18,7 +18,9 @@ tokens, iteration elapsed time: E ms"), from its API server as each step's outpu
 with no context tokens is decode-only. ``compare`` measures both engines of an ``ab`` with those
 lines alike: the decode-only steps' mean gap (the per-step cost the chat workload sees; any
 difference is work the plugin adds) and the other steps' time per token (their context and
-generation tokens: how much faster the steps that prefill are). E is the engine's wait for a step's output: with async
+generation tokens: how much faster the steps that prefill are). A line written as its step's
+output arrives closes that step: its time is the gap before the line, where the plugin's, written
+as its step is built, has the gap after. E is the engine's wait for a step's output: with async
 scheduling the next step's host work runs before that wait, so E is what the GPU had left, and the
 gaps, not E, are the steps' durations.
 
@@ -53,9 +55,11 @@ ITERATION = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) .*Iteration\((\d+)\):
                        r"iteration elapsed time: ([\d.]+) ms(?! \(dummy\))")
 DECODE_ONLY = "decode-only, stock's code"
 KINDS = (DECODE_ONLY, "decodes + dense prefills, stock's code", "planned: mixed_batch", "planned: separate_prefill_decode")
-ITERATION_KINDS = ("decode-only", "with context tokens")
+DECODE_STEP, CONTEXT_STEP = ITERATION_KINDS = ("decode-only", "with context tokens")  # vLLM's iteration lines
 DEFAULT_GAP_S = 0.5
 STAMP = "%m-%d %H:%M:%S.%f"  # vLLM's log time under `config` (local time), to the microsecond; lines show ms
+Window = tuple[str, str]  # a bench run's first and last stamp
+Summary = dict[str, Any]  # one engine's steps, split as ``compare`` shows them (JSON-ready)
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ class Step:
     @property
     def decode_only(self) -> bool:
         """No prompt tokens, and (the plugin's lines) not planned: the steps both engines run alike."""
-        return self.kind in (DECODE_ONLY, ITERATION_KINDS[0])
+        return self.kind in (DECODE_ONLY, DECODE_STEP)
 
 
 @dataclass(frozen=True)
@@ -79,19 +83,25 @@ class Split:
 
     steps: int
     busy_s: float
-    decode_only: int  # steps
-    inner_gaps: list[float]  # the gaps inside runs of decode-only steps, s
-    other_tokens: int  # the tokens of the steps that are not decode-only (prompt and decode)
+    decode_steps: int
+    decode_gaps: list[float]  # the gaps inside runs of decode-only steps, s
+    other_tokens: int  # prompt and decode tokens of the other steps whose own gap is busy time
 
     @property
     def decode_gap_s(self) -> float | None:
-        return statistics.mean(self.inner_gaps) if self.inner_gaps else None
+        return statistics.mean(self.decode_gaps) if self.decode_gaps else None
 
     @property
     def decode_s(self) -> float | None:
         """The decode-only steps' time: their mean gap inside runs of them times their count."""
         gap = self.decode_gap_s
-        return None if gap is None else gap * self.decode_only
+        return None if gap is None else gap * self.decode_steps
+
+    @property
+    def other_s(self) -> float | None:
+        """The rest of the busy time; None where the estimate leaves none (a log of decodes alone)."""
+        rest = None if self.decode_s is None else self.busy_s - self.decode_s
+        return rest if rest is not None and rest > 0 else None
 
 
 def logging_config(plugin_steps: bool = True) -> dict[str, object]:
@@ -103,11 +113,18 @@ def logging_config(plugin_steps: bool = True) -> dict[str, object]:
     config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
     for formatter in config["formatters"].values():
         formatter["format"] = formatter["format"].replace("%(asctime)s", "%(asctime)s.%(msecs)03d")
+    # vLLM picks its colour formatter where stdout is a terminal; its colour codes around the time
+    # would split it from the milliseconds
+    config["handlers"]["vllm"]["formatter"] = "vllm"
     config["handlers"]["vllm"]["level"] = "DEBUG"
     config["loggers"]["vllm"]["level"] = "INFO"
     if plugin_steps:
         config["loggers"][PLUGIN_LOGGER] = {"level": "DEBUG"}  # propagates to the "vllm" handler
     return config
+
+
+def write_config(path: Path, plugin_steps: bool = True) -> None:
+    path.write_text(json.dumps(logging_config(plugin_steps), indent=1) + "\n")
 
 
 def kind_of(detail: str, prefills: int) -> str:
@@ -121,9 +138,6 @@ def stamp() -> str:
     return datetime.now().strftime(STAMP)[:-3]
 
 
-Window = tuple[str, str]  # stamps, first and last
-
-
 def _matches(text: str, pattern: re.Pattern[str],
              windows: list[Window] | None = None) -> Iterator[tuple[float, re.Match[str]]]:
     """The lines ``pattern`` matches (its first group a timestamp; inside one of ``windows``, if
@@ -133,7 +147,7 @@ def _matches(text: str, pattern: re.Pattern[str],
         m = pattern.search(line)
         if m is None or windows is not None and not any(a <= m[1] <= b for a, b in windows):
             continue  # the stamps have one fixed width: as strings they order as times (within a year)
-        at = datetime.strptime(m[1], STAMP)
+        at = datetime.strptime(f"2000-{m[1]}", f"%Y-{STAMP}")  # a leap year: the stamps have none, 02-29 exists
         start = start or at
         yield (at - start).total_seconds(), m
 
@@ -147,61 +161,68 @@ def parse_iterations(text: str, windows: list[Window] | None = None) -> list[Ste
     """vLLM's iteration lines (``--enable-logging-iteration-details``), any engine's, inside
     ``windows`` if given: tokens are the context (prompt) tokens and the generation (decode)
     tokens together."""
-    return [Step(at, int(m[4]) + int(m[6]), int(m[6]), int(m[3]), ITERATION_KINDS[int(m[3]) > 0], float(m[7]))
-            for at, m in _matches(text, ITERATION, windows)]
+    return [Step(at, int(m[4]) + int(m[6]), int(m[6]), int(m[3]), CONTEXT_STEP if int(m[4]) else DECODE_STEP,
+                 float(m[7])) for at, m in _matches(text, ITERATION, windows)]
 
 
-def split(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> Split:
-    """Gaps of ``gap_s`` or more are idle time (between bench runs, start-up), not a step's."""
+def own_gaps(steps: list[Step], before: bool) -> list[float | None]:
+    """Each step's gap: the one after its line where the line is written as the step starts (the
+    plugin's), the one before where it is written as the step's output arrives (vLLM's iteration
+    lines); None for the log's first or last step."""
+    gaps: list[float | None] = [b.at_s - a.at_s for a, b in zip(steps, steps[1:])]
+    return [None, *gaps] if before else [*gaps, None]
+
+
+def split(steps: list[Step], gap_s: float = DEFAULT_GAP_S, before: bool = False) -> Split:
+    """Gaps of ``gap_s`` or more are idle time (between bench runs, start-up), not a step's: a step
+    whose own gap is idle brings no time, so its tokens are not counted with the others'."""
     gaps = [b.at_s - a.at_s for a, b in zip(steps, steps[1:])]
     inner = [gaps[i] for i in range(1, len(gaps))
              if gaps[i] < gap_s and all(steps[j].decode_only for j in (i - 1, i, i + 1))]
-    return Split(len(steps), sum(g for g in gaps if g < gap_s), sum(s.decode_only for s in steps), inner,
-                 sum(s.tokens for s in steps if not s.decode_only))
+    busy_tokens = sum(s.tokens for s, g in zip(steps, own_gaps(steps, before))
+                      if not s.decode_only and g is not None and g < gap_s)
+    return Split(len(steps), sum(g for g in gaps if g < gap_s), sum(s.decode_only for s in steps), inner, busy_tokens)
 
 
-def breakdown(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> list[str]:
-    """The report's lines, by the kind of step."""
+def breakdown(steps: list[Step], gap_s: float = DEFAULT_GAP_S, before: bool = False) -> list[str]:
+    """The report's lines, by the kind of step (``before``: vLLM's iteration lines, see own_gaps)."""
     if len(steps) < 2:
         return [f"{len(steps)} step line(s): nothing to measure (was the plugin's logger at DEBUG, or the server "
                 "started with --enable-logging-iteration-details?)"]
-    gaps = [b.at_s - a.at_s for a, b in zip(steps, steps[1:])]
-    whole = split(steps, gap_s)
+    gaps = own_gaps(steps, before)
+    whole = split(steps, gap_s, before)
     busy = whole.busy_s
     lines = [f"{len(steps):,} steps logged, {busy:.2f} s busy (gaps under {gap_s} s); by the kind of step:",
              "",
-             "| kind | steps | tokens | decode tokens | gaps after them, s |",
+             f"| kind | steps | tokens | decode tokens | gaps {'before' if before else 'after'} them, s |",
              "|---|---:|---:|---:|---:|"]
     order = KINDS + ITERATION_KINDS
     for kind in sorted({s.kind for s in steps}, key=lambda k: (order.index(k) if k in order else len(order), k)):
         mine = [i for i, s in enumerate(steps) if s.kind == kind]
-        after = sum(gaps[i] for i in mine if i < len(gaps) and gaps[i] < gap_s)
+        own = sum(g for i in mine if (g := gaps[i]) is not None and g < gap_s)
         lines.append(f"| {kind} | {len(mine):,} | {sum(steps[i].tokens for i in mine):,} | "
-                     f"{sum(steps[i].decode_tokens for i in mine):,} | {after:.2f} |")
+                     f"{sum(steps[i].decode_tokens for i in mine):,} | {own:.2f} |")
     lines.append("")
-    if whole.decode_s is not None and whole.decode_gap_s is not None:
+    if whole.decode_s is not None and whole.decode_gap_s is not None and busy > 0:
         lines.append(f"decode-only steps: mean {whole.decode_gap_s * 1e3:.2f} ms inside runs of them "
-                     f"({len(whole.inner_gaps):,} gaps; median {statistics.median(whole.inner_gaps) * 1e3:.2f} ms), "
-                     f"so {whole.decode_only:,} take about {whole.decode_s:.2f} s, {whole.decode_s / busy:.1%} of the "
+                     f"({len(whole.decode_gaps):,} gaps; median {statistics.median(whole.decode_gaps) * 1e3:.2f} ms), "
+                     f"so {whole.decode_steps:,} take about {whole.decode_s:.2f} s, {whole.decode_s / busy:.1%} of the "
                      f"busy time; the other steps about {busy - whole.decode_s:.2f} s")
     else:
         lines.append("no runs of decode-only steps: their time is not estimated")
     return lines
 
 
-Summary = dict[str, Any]  # one engine's steps, split as ``compare`` shows them (JSON-ready)
-
-
 def summarize(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> Summary:
-    """The figures ``compare`` puts side by side, for one engine's steps."""
-    sp = split(steps, gap_s)
+    """The figures ``compare`` puts side by side, for one engine's iteration lines."""
+    sp = split(steps, gap_s, before=True)
     waits = [s.elapsed_ms for s in steps if s.decode_only and s.elapsed_ms is not None]
-    other_s = None if sp.decode_s is None else sp.busy_s - sp.decode_s
-    return {"steps": sp.steps, "busy_s": sp.busy_s, "decode_only": sp.decode_only, "inner_gaps": len(sp.inner_gaps),
+    return {"steps": sp.steps, "busy_s": sp.busy_s, "decode_steps": sp.decode_steps,
+            "other_steps": sp.steps - sp.decode_steps, "decode_gaps": len(sp.decode_gaps),
             "decode_gap_ms": None if sp.decode_gap_s is None else sp.decode_gap_s * 1e3,
             "decode_wait_ms": statistics.mean(waits) if waits else None, "decode_s": sp.decode_s,
             "other_tokens": sp.other_tokens,
-            "other_ms_per_1k": other_s / sp.other_tokens * 1e6 if other_s is not None and sp.other_tokens else None}
+            "other_ms_per_1k": sp.other_s / sp.other_tokens * 1e6 if sp.other_s and sp.other_tokens else None}
 
 
 def compare(a: Summary, b: Summary, gap_s: float = DEFAULT_GAP_S) -> list[str]:
@@ -221,12 +242,12 @@ def compare(a: Summary, b: Summary, gap_s: float = DEFAULT_GAP_S) -> list[str]:
              "| | stock | plugin | plugin/stock |", "|---|---:|---:|---:|",
              row("steps", "steps", ",", ratio=False),
              row("busy s", "busy_s", ".2f"),
-             row("decode-only steps", "decode_only", ",", ratio=False),
+             row("decode-only steps", "decode_steps", ",", ratio=False),
              row("decode-only: mean gap inside runs of them, ms", "decode_gap_ms", ".3f"),
              row("decode-only: mean iteration elapsed time, ms", "decode_wait_ms", ".3f"),
              row("decode-only: their time (mean gap x count), s", "decode_s", ".2f"),
-             f"| other steps | {a['steps'] - a['decode_only']:,} | {b['steps'] - b['decode_only']:,} |  |",
-             row("other steps: tokens", "other_tokens", ",", ratio=False),
+             row("other steps", "other_steps", ",", ratio=False),
+             row("other steps: tokens (those with busy time)", "other_tokens", ",", ratio=False),
              row("other steps: time per 1K tokens, ms", "other_ms_per_1k", ".3f"), ""]
     return lines + verdict(a, b)
 
@@ -236,24 +257,28 @@ def verdict(a: Summary, b: Summary) -> list[str]:
     lines = []
     if a["decode_gap_ms"] and b["decode_gap_ms"]:
         lines.append(f"decode-only steps: the plugin's {b['decode_gap_ms'] / a['decode_gap_ms'] - 1:+.1%} against "
-                     f"stock's ({a['inner_gaps']:,} and {b['inner_gaps']:,} gaps)")
+                     f"stock's ({a['decode_gaps']:,} and {b['decode_gaps']:,} gaps)")
     if a["other_ms_per_1k"] and b["other_ms_per_1k"]:
         lines.append(f"other steps: stock's time per token {a['other_ms_per_1k'] / b['other_ms_per_1k']:.3f}x "
                      "the plugin's (r)")
     return lines
 
 
+def timed_runs(data: dict[str, Any], call: dict[str, Any], workload: str) -> list[dict[str, Any]]:
+    """An ab call's runs of ``workload`` that bench timed (warm-up rounds left out) with a window."""
+    return [r for r in data.get("runs", []) if r.get("call") == call.get("id") and r.get("workload") == workload
+            and not r.get("warmup") and r.get("window")]
+
+
 def ab_steps(out: Path, data: dict[str, Any], call: dict[str, Any],
              gap_s: float = DEFAULT_GAP_S) -> dict[str, dict[str, Summary]]:
     """Per workload of one ab call, per engine: the summary of the iteration lines inside that
-    workload's timed runs (warm-up rounds left out) in the engine's server log."""
-    servers = call.get("servers", {})
-    found: dict[str, dict[str, Summary]] = {}
+    workload's timed runs in the engine's server log."""
     texts = {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
-             for e, rec in servers.items() if rec.get("log")}
-    for workload in call["workloads"]:
-        runs = [r for r in data.get("runs", []) if r["call"] == call["id"] and r["workload"] == workload
-                and not r["warmup"] and r.get("window")]
+             for e, rec in call.get("servers", {}).items() if rec.get("log")}
+    found: dict[str, dict[str, Summary]] = {}
+    for workload in call.get("workloads", []):
+        runs = timed_runs(data, call, workload)
         found[workload] = {e: summarize(parse_iterations(text, [(r["window"][0], r["window"][1]) for r in runs
                                                                  if r["engine"] == e]), gap_s)
                            for e, text in texts.items()}
@@ -268,9 +293,7 @@ def compare_ab(out: Path, gap_s: float = DEFAULT_GAP_S) -> list[str]:
         if set(call.get("servers", {})) != {"stock", "plugin"}:
             continue
         for workload, engines in ab_steps(out, data, call, gap_s).items():
-            timed = sum(r["call"] == call["id"] and r["workload"] == workload and not r["warmup"]
-                        for r in data["runs"])
-            lines += [f"### call {call['id']}, {workload} ({timed} timed runs)", ""]
+            lines += [f"### call {call['id']}, {workload} ({len(timed_runs(data, call, workload))} timed runs)", ""]
             lines += compare(engines["stock"], engines["plugin"], gap_s) + [""]
     return lines or [f"{out / 'ab.json'}: no call with both servers"]
 
@@ -293,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--gap-s", type=float, default=DEFAULT_GAP_S, help="gaps this long are idle time (default 0.5)")
     args = ap.parse_args(argv)
     if args.command == "config":
-        args.path.write_text(json.dumps(logging_config(plugin_steps=not args.no_plugin_steps), indent=1) + "\n")
+        write_config(args.path, plugin_steps=not args.no_plugin_steps)
         print(f"VLLM_LOGGING_CONFIG_PATH={args.path}")
         return 0
     if args.command == "compare":
@@ -306,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(compare(stock, plugin, args.gap_s)))
         return 0
     text = args.log.read_text(errors="replace")
-    print("\n".join(breakdown(parse_iterations(text) if args.iterations else parse(text), args.gap_s)))
+    steps = parse_iterations(text) if args.iterations else parse(text)
+    print("\n".join(breakdown(steps, args.gap_s, before=args.iterations)))
     return 0
 
 

@@ -426,6 +426,24 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     assert {run["workload"] for run in data["runs"] if run["call"] == 0} == {"chat", "mix"}
 
 
+def test_ab_keeps_step_figures_of_the_runs_it_keeps(tmp_path: Path) -> None:
+    """--log-iterations: the call's step figures per workload in ab.json; a later call of the same
+    workload replaces them with its runs."""
+    config = tmp_path / "given-logging.json"
+    config.write_text('{"version": 1}')  # given: the driver writes none of its own
+    env = dict(os.environ, VLLM_LOGGING_CONFIG_PATH=str(config))
+    for _ in range(2):
+        r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1",
+                   "--warmup-rounds", "0", "--log-iterations", env=env)
+        assert r.returncode == 0 and "servers log with millisecond stamps" not in r.stdout, r.stdout + r.stderr
+    data = json.loads((tmp_path / "ab.json").read_text())
+    assert "long" not in data["calls"][0]["steps"]  # its runs were replaced by the second call's
+    steps = data["calls"][1]["steps"]["long"]
+    assert steps["stock"]["steps"] == steps["plugin"]["steps"] == 0  # the stand-in bench sends no request
+    assert "- long, vLLM's iteration lines of the timed runs (call 1): too few steps to compare" in \
+        (tmp_path / serve_report.REPORT_MD).read_text()
+
+
 def test_ab_stops_when_a_server_does_not_start(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", env=dict(os.environ, FAKE_SERVE_EXIT_AT_START="1"))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -454,6 +472,9 @@ def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "ab", "--workloads", "long", "--repeats", "1", "--warmup-rounds", "0",
                "--prompt-scale", "0.0625", "--log-iterations", timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
+    # no VLLM_LOGGING_CONFIG_PATH given: the driver writes one with millisecond stamps for the servers
+    assert f"servers log with millisecond stamps (VLLM_LOGGING_CONFIG_PATH={tmp_path / 'logging.json'})" in r.stdout
+    assert "%(msecs)03d" in (tmp_path / "logging.json").read_text()
     data = json.loads((tmp_path / "ab.json").read_text())
     for run in data["runs"]:
         assert run["window"][0] < run["window"][1]  # stamps as vLLM's log lines have them
@@ -472,7 +493,7 @@ def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
     compared = step_log.compare_ab(tmp_path)
     assert compared[0] == "### call 0, long (2 timed runs)"
     # bench's warm-up request and the run's two, two steps each: bench warms up inside the run's window
-    assert "| steps | 6 | 6 |  |" in compared and "| other steps: tokens | 98,307 | 98,307 |  |" in compared
+    assert "| steps | 6 | 6 |  |" in compared and "| other steps | 3 | 3 |  |" in compared
     steps = data["calls"][0]["steps"]["long"]  # kept in ab.json when the servers have stopped
     assert steps["stock"]["steps"] == steps["plugin"]["steps"] == 6
     # no run of three decode-only steps in the stand-in's lines: the report says so
@@ -637,9 +658,10 @@ def iteration_line(ms: int, context: int, decode: int, elapsed: float, dummy: bo
 
 def engine_log(gap_ms: int, prefill_ms: int, elapsed: float) -> str:
     """Five decode-only steps, a step with 8,000 context tokens beside 63 decodes, two decode-only
-    steps, 3 s idle and one more (a DP dummy iteration is not a step)."""
-    times = [k * gap_ms for k in range(6)]
-    times += [times[-1] + prefill_ms, times[-1] + prefill_ms + gap_ms]
+    steps, 3 s idle and one more (a DP dummy iteration is not a step). vLLM writes a step's line as
+    its output arrives: the prefill's time is the gap before its line."""
+    times = [k * gap_ms for k in range(5)]
+    times += [times[-1] + prefill_ms + k * gap_ms for k in range(3)]
     times.append(times[-1] + 3000)
     lines = [iteration_line(t, 8000 if k == 5 else 0, 63 if k == 5 else 64, elapsed) for k, t in enumerate(times)]
     return "\n".join(lines[:2] + [iteration_line(times[1], 0, 0, 0.0, dummy=True)] + lines[2:])
@@ -656,6 +678,7 @@ def test_step_log_compares_the_engines_from_vllms_iteration_lines(tmp_path: Path
     assert "| busy s | 0.12 | 0.10 | 0.881 |" in out
     assert "| decode-only: mean gap inside runs of them, ms | 3.000 | 4.000 | 1.333 |" in out
     assert "| decode-only: mean iteration elapsed time, ms | 2.000 | 1.500 | 0.750 |" in out
+    assert "| other steps: tokens (those with busy time) | 8,063 | 8,063 |  |" in out
     assert "| other steps: time per 1K tokens, ms | 11.658 | 8.930 | 0.766 |" in out
     assert "decode-only steps: the plugin's +33.3% against stock's (3 and 3 gaps)" in out
     assert "other steps: stock's time per token 1.306x the plugin's (r)" in out
@@ -665,8 +688,9 @@ def test_step_log_compares_the_engines_from_vllms_iteration_lines(tmp_path: Path
     (tmp_path / "s.log").write_text(engine_log(3, 100, 2.0))
     (tmp_path / "p.log").write_text(engine_log(4, 80, 1.5))
     assert step_log.main(["compare", str(tmp_path / "s.log"), str(tmp_path / "p.log")]) == 0
-    report = step_log.breakdown(stock)
-    assert "| with context tokens | 1 | 8,063 | 63 | 0.10 |" in report
+    report = step_log.breakdown(stock, before=True)
+    assert "| kind | steps | tokens | decode tokens | gaps before them, s |" in report
+    assert "| with context tokens | 1 | 8,063 | 63 | 0.10 |" in report  # the 100 ms before its line
     assert report[-1].startswith("decode-only steps: mean 3.00 ms inside runs of them (3 gaps")
 
 
@@ -714,14 +738,15 @@ def test_step_log_compares_each_workloads_timed_runs(tmp_path: Path) -> None:
         lines = []
         for w, e, _, (a, _b) in runs:
             if e == engine:
-                lines += [iteration_line(a + k * gap, 100 if k == 0 else 0, 8 if w == "chat" else 2, 1.0)
+                lines += [iteration_line(a + k * gap, 100 if k == 3 else 0, 8 if w == "chat" else 2, 1.0)
                           for k in range(10)]
         (tmp_path / "logs" / name).write_text("\n".join(lines))
     out = step_log.compare_ab(tmp_path)
     chat, mix = out.index("### call 0, chat (2 timed runs)"), out.index("### call 0, mix (2 timed runs)")
     assert "| steps | 10 | 10 |  |" in out[chat:mix]  # the timed run's ten, not the warm-up's
     assert "| decode-only: mean gap inside runs of them, ms | 3.000 | 4.000 | 1.333 |" in out[chat:mix]
-    assert "| other steps: tokens | 108 | 108 |  |" in out[chat:mix] and "| other steps: tokens | 102 | 102 |  |" in out[mix:]
+    assert "| other steps: tokens (those with busy time) | 108 | 108 |  |" in out[chat:mix]
+    assert "| other steps: tokens (those with busy time) | 102 | 102 |  |" in out[mix:]
     assert step_log.main(["compare", "--ab", str(tmp_path)]) == 0
     with pytest.raises(SystemExit):
         step_log.main(["compare", "--ab", str(tmp_path), str(tmp_path / "logs" / "s.log")])
