@@ -3,7 +3,8 @@
 # backend supports, install mla-planner with its test dependencies into that version's virtual
 # environment -- .venv: vLLM 0.26.0 and torch 2.11.0 (extra `test`); .venv33: vLLM 0.33.0 and
 # torch 2.14.0 (extra `test-vllm033`) -- and run the Python tests (GPU tests skip, saying why) and
-# the type check there. Exits non-zero on any failure.
+# the type check there; vLLM's own sparse-MLA tests read the release's sdist, fetched into .e2e/sdist
+# (offline they skip, saying why). Exits non-zero on any failure.
 #
 # VLLM_VERSIONS picks a subset, e.g. VLLM_VERSIONS=0.26 ./scripts/test.sh (default: "0.26 0.33").
 # REMOVE_ENVS=1 deletes each environment once its tests pass. The two hold ~18 GB between them
@@ -45,6 +46,12 @@ for version in $versions; do
     # No pip cache: a wheel cache would keep a second copy of torch and its CUDA libraries on disk.
     "$venv/bin/python" -m pip install -q --no-cache-dir --upgrade pip
     "$venv/bin/python" -m pip install -q --no-cache-dir ".[$extra]"
+    # vLLM's own sparse-MLA tests (tests/test_vllm_own_tests.py) read the release's sdist: its wheel has none.
+    if sdist=$("$venv/bin/python" scripts/fetch_vllm_sdist.py .e2e/sdist); then
+        export MLA_PLANNER_VLLM_SDIST=$sdist
+    else
+        unset MLA_PLANNER_VLLM_SDIST  # the test skips and says why
+    fi
     echo "==> pytest, vLLM $version ($venv)"
     "$venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir=. -c pyproject.toml tests
     echo "==> mypy, vLLM $version ($venv)"

@@ -130,6 +130,58 @@ def run_vllm_tests(tree: pathlib.Path, classes: str, work: pathlib.Path) -> dict
     return outcomes
 
 
+def test_the_sdist_is_fetched_checked_and_kept(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/fetch_vllm_sdist.py (scripts/test.sh runs it): the file PyPI's JSON index names, its
+    sha256 checked, kept for the next run; a wrong hash leaves nothing behind."""
+    import hashlib
+    import importlib.util
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    spec = importlib.util.spec_from_file_location("fetch_vllm_sdist", TESTS_DIR.parent / "scripts" / "fetch_vllm_sdist.py")
+    assert spec is not None and spec.loader is not None
+    fetch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch)
+    body = b"a tarball's bytes"
+    served: dict[str, Any] = {"digest": hashlib.sha256(body).hexdigest(), "hits": 0}
+
+    class Index(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path == "/simple/vllm/":
+                data = json.dumps({"files": [{"filename": "vllm-9.9.9.tar.gz", "url": f"{served['base']}/f",
+                                              "hashes": {"sha256": served["digest"]}}]}).encode()
+            else:
+                served["hits"] += 1
+                data = body
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    served["base"] = f"http://127.0.0.1:{httpd.server_address[1]}"
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(fetch, "INDEX", f"{served['base']}/simple/vllm/")
+        monkeypatch.setattr(fetch, "version", lambda name: "9.9.9")
+        got = fetch.fetch(tmp_path / "sdist")
+        assert got == tmp_path / "sdist" / "vllm-9.9.9.tar.gz" and got.read_bytes() == body
+        assert fetch.fetch(tmp_path / "sdist") == got and served["hits"] == 1  # kept: not fetched again
+        served["digest"] = "0" * 64  # the index now names another file's hash
+        with pytest.raises(ValueError, match="sha256 differs"):
+            fetch.fetch(tmp_path / "other")
+        assert list((tmp_path / "other").iterdir()) == []
+        monkeypatch.setattr(fetch, "version", lambda name: "1.0.0")
+        assert fetch.main([str(tmp_path / "other")]) == 1  # "lists no vllm-1.0.0.tar.gz": the test will skip
+    finally:
+        httpd.shutdown()
+    assert fetch.main([]) == 2
+
+
 @pytest.mark.parametrize("classes", ["stock", "planned"])
 def test_vllm_sparse_mla_tests_pass_with_planned_classes(classes: str, tmp_path: pathlib.Path) -> None:
     if vllm_api.V033:
