@@ -10,23 +10,18 @@ path; exits 1, saying why, where it cannot be had (no network): the test then sk
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import urllib.request
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "e2e"))
+
+from e2e_bundle import sha256_of as sha256  # noqa: E402  (the staging's own checksum)
+
 INDEX = "https://pypi.org/simple/vllm/"
 TIMEOUT_S = 120
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def fetch(folder: Path) -> Path:
