@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="ab: rounds of every workload on both servers before the repeats, left out of the medians "
                          "(default 1: a server's first run of a workload pays first-use costs)")
+    ap.add_argument("--at-once", action="store_true",
+                    help="ab: both engines' runs of a repeat at the same time (the machine's swings of seconds "
+                         "then hit both alike), not one after the other")
     ap.add_argument("--prompt-scale", type=float, default=1.0, help="ab, soak: scales every client's prompt count")
     ap.add_argument("--failrate-utils", default="0.90,0.95", help="failrate: utilizations, in turn")
     ap.add_argument("--failrate-n", type=int, default=2, help="failrate: servers per utilization")
@@ -191,7 +194,7 @@ def run_phase(args: argparse.Namespace) -> int:
                  fake_server=args.fake_server, clients=clients)
     if args.phase == "ab":
         sp.phase_ab(ctx, data, save, util=args.util, workloads=args.workloads, repeats=args.repeats,
-                    scale=args.prompt_scale, warmup_rounds=args.warmup_rounds)
+                    scale=args.prompt_scale, warmup_rounds=args.warmup_rounds, at_once=args.at_once)
     elif args.phase == "boundary":
         sp.phase_boundary(ctx, data, save, engine=args.engine, util=args.util)
     elif args.phase == "failrate":

@@ -6,7 +6,7 @@ when its deadline comes (what it cut is recorded as not run) and stops its serve
   measures the GPU's free memory, which a second server starting beside it would disturb), then the
   workloads in interleaved repeats after warm-up rounds (``--warmup-rounds``, left out of the
   medians): for each repeat, each workload, both engines with the same seed, stock first in odd
-  repeats, the plugin first in even ones.
+  repeats, the plugin first in even ones; with ``--at-once`` both at the same time.
 - ``boundary``: one server at 0.95 (plugin unless ``--engine stock``) through run_cases' cases 1, 2
   and 5, then one at max_num_batched_tokens 65536 through cases 4 and 5: ok or error per case, and
   /health after each.
@@ -107,24 +107,59 @@ def server_up(record: dict[str, Any]) -> bool:
 # --- ab ------------------------------------------------------------------------------------------
 
 
-def bench_workload(ctx: Ctx, server: Server, workload: str, seed: int, tag: str, scale: float,
-                   timeout_s: float, tick: Callable[[], None] | None = None) -> dict[str, Any]:
-    """One workload's clients against ``server``; per client its summary, and the workload combined."""
+@dataclass
+class Bench:
+    """One workload's bench clients against one server, ready to start."""
+
+    clients: tuple[sb.Client, ...]
+    cmds: list[list[str]]
+    results: list[Path]
+    logs: list[Path]
+
+
+def bench_for(ctx: Ctx, server: Server, workload: str, seed: int, tag: str, scale: float) -> Bench:
     clients = sb.WORKLOADS[workload]
     results = [ctx.out / "bench" / f"{tag}-{c.label}.json" for c in clients]
-    logs = [ctx.out / "bench" / f"{tag}-{c.label}.log" for c in clients]
     meta = {"engine": server.spec.engine, "workload": workload, "tag": tag}
     assert ctx.clients is not None, "a phase that runs bench clients gets a Clients"
     cmds = [sb.bench_command(c, python=ctx.python, base_url=server.url, tokenizer=ctx.model_dir, seed=seed,
                              result=r, scale=scale, metadata=meta, fake=ctx.clients.fake)
             for c, r in zip(clients, results)]
-    runs = sb.run_clients(ctx.clients, cmds, results, logs, timeout_s, tick)
-    by_label = {c.label: run for c, run in zip(clients, runs)}
+    return Bench(clients, cmds, results, [ctx.out / "bench" / f"{tag}-{c.label}.log" for c in clients])
+
+
+def bench_record(bench: Bench, seed: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per client its summary, and the workload combined."""
+    by_label = {c.label: run for c, run in zip(bench.clients, runs)}
     ok = all(run["result"] is not None for run in runs)
     summaries = [run["result"] for run in runs if run["result"] is not None]
-    whole = summaries[0] if len(clients) == 1 and summaries else sb.combined(summaries) if ok else {}
+    whole = summaries[0] if len(bench.clients) == 1 and summaries else sb.combined(summaries) if ok else {}
     return {"status": "ok" if ok else "error", "seed": seed, "clients": by_label, "combined": whole,
             "error": next((run["error"] for run in runs if run["error"]), None)}
+
+
+def bench_workload(ctx: Ctx, server: Server, workload: str, seed: int, tag: str, scale: float,
+                   timeout_s: float, tick: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One workload's clients against ``server``."""
+    bench = bench_for(ctx, server, workload, seed, tag, scale)
+    assert ctx.clients is not None
+    return bench_record(bench, seed, sb.run_clients(ctx.clients, bench.cmds, bench.results, bench.logs, timeout_s, tick))
+
+
+def bench_at_once(ctx: Ctx, servers: dict[str, Server], workload: str, seed: int, tags: dict[str, str],
+                  scale: float, timeout_s: float) -> dict[str, dict[str, Any]]:
+    """One workload's clients against every server of ``servers`` at the same time: per engine, what
+    ``bench_workload`` returns."""
+    benches = {e: bench_for(ctx, server, workload, seed, tags[e], scale) for e, server in servers.items()}
+    assert ctx.clients is not None
+    runs = sb.run_clients(ctx.clients, [c for b in benches.values() for c in b.cmds],
+                          [r for b in benches.values() for r in b.results],
+                          [log for b in benches.values() for log in b.logs], timeout_s)
+    records, k = {}, 0
+    for engine, bench in benches.items():
+        records[engine] = bench_record(bench, seed, runs[k:k + len(bench.cmds)])
+        k += len(bench.cmds)
+    return records
 
 
 def run_line(tag: str, run: dict[str, Any]) -> str:
@@ -140,11 +175,37 @@ def run_line(tag: str, run: dict[str, Any]) -> str:
 ENGINES = ("stock", "plugin")
 
 
+def not_run(ctx: Ctx, server: Server) -> dict[str, Any] | None:
+    """Why a bench run against ``server`` is not started now, as the run's fields; None if it may be."""
+    if ctx.left() < MIN_BENCH_S:
+        return {"status": "not run", "error": f"deadline: {ctx.left():.0f} s left"}
+    if not server.healthy():
+        return {"status": "not run", "error": "server not healthy", "alive": server.alive()}
+    return None
+
+
+def bench_pair(ctx: Ctx, servers: dict[str, Server], runs: dict[str, dict[str, Any]], workload: str, seed: int,
+               scale: float) -> None:
+    """``--at-once``: the workload against both servers at the same time, the runs filled in; neither
+    runs if one cannot (a run alone is not a pair)."""
+    why = {e: not_run(ctx, servers[e]) for e in runs}
+    if any(why.values()):
+        for e, run in runs.items():
+            run.update(why[e] or {"status": "not run", "error": "the other engine's run could not start"})
+        return
+    began = stamp()
+    done = bench_at_once(ctx, {e: servers[e] for e in runs}, workload, seed, {e: run["tag"] for e, run in runs.items()},
+                         scale, ctx.left() - 10)
+    ended = stamp()
+    for e, run in runs.items():
+        run.update(done[e], window=[began, ended], healthy_after=servers[e].healthy(), at_once=True)
+
+
 def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloads: list[str], repeats: int,
-             scale: float, warmup_rounds: int) -> None:
+             scale: float, warmup_rounds: int, at_once: bool = False) -> None:
     records: dict[str, dict[str, Any]] = {}
     call = {"id": len(data.setdefault("calls", [])), "workloads": workloads, "repeats": repeats, "scale": scale,
-            "warmup_rounds": warmup_rounds, "util": util, "servers": records}
+            "warmup_rounds": warmup_rounds, "util": util, "at_once": at_once, "servers": records}
     data["calls"].append(call)
     # An earlier call's runs of these workloads are replaced (their step figures with them); its
     # other workloads stay.
@@ -170,26 +231,28 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
             name = f"w{-r}" if r < 0 else f"r{r + 1}"
             # Which engine goes first alternates by repeat, so that a drift over the call (the
             # machine warming, stock's runs rose 150K -> 210K tokens/s over one on the H200)
-            # favours neither engine's side of the per-repeat ratio. Warm-ups: stock first.
-            order = ENGINES[::-1] if r > 0 and r % 2 else ENGINES
+            # favours neither engine's side of the per-repeat ratio. Warm-ups (and --at-once): stock first.
+            order = ENGINES[::-1] if r > 0 and r % 2 and not at_once else ENGINES
             for w in workloads:
                 seed = SEED_BASE + 100 * r + 10 * list(sb.WORKLOADS).index(w)  # warm-ups: below SEED_BASE
+                runs: dict[str, dict[str, Any]] = {
+                    e: {"workload": w, "engine": e, "repeat": r + 1 if r >= 0 else None, "seed": seed,
+                        "call": call["id"], "tag": f"ab{call['id']}-{name}-{w}-{e}", "warmup": r < 0}
+                    for e in order}
+                if at_once:  # both at the same time: the machine's swings hit both runs alike
+                    bench_pair(ctx, servers, runs, w, seed, scale)
                 for engine in order:
-                    tag = f"ab{call['id']}-{name}-{w}-{engine}"
-                    run: dict[str, Any] = {"workload": w, "engine": engine, "repeat": r + 1 if r >= 0 else None,
-                                           "seed": seed, "call": call["id"], "tag": tag, "warmup": r < 0}
-                    server = servers[engine]
-                    if ctx.left() < MIN_BENCH_S:
-                        run.update(status="not run", error=f"deadline: {ctx.left():.0f} s left")
-                    elif not server.healthy():
-                        run.update(status="not run", error="server not healthy", alive=server.alive())
-                    else:
-                        began = stamp()  # the run's lines in the server logs (step_log.py compare --ab)
-                        run.update(bench_workload(ctx, server, w, seed, tag, scale, ctx.left() - 10))
-                        run.update(window=[began, stamp()], healthy_after=server.healthy())
+                    run = runs[engine]
+                    if not at_once:
+                        server = servers[engine]
+                        run.update(not_run(ctx, server) or {})
+                        if "status" not in run:
+                            began = stamp()  # the run's lines in the server logs (step_log.py compare --ab)
+                            run.update(bench_workload(ctx, server, w, seed, run["tag"], scale, ctx.left() - 10))
+                            run.update(window=[began, stamp()], healthy_after=server.healthy())
                     data["runs"].append(run)
                     save()
-                    say(run_line(tag, run))
+                    say(run_line(run["tag"], run))
                     check_stop()
     finally:
         for engine, server in servers.items():

@@ -132,14 +132,19 @@ def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tu
             warm = {e: _totals([r for r in warmups if r["engine"] == e], labels[-1]) for e in by_engine}
             lines.append(f"Warm-up rounds, not in the medians ({labels[-1]}): stock {warm['stock']}; "
                          f"plugin {warm['plugin']}.")
-        paired = paired_ratios(wruns, labels[-1])
-        if paired:
+        how = "at the same time" if any(r.get("at_once") for r in wruns) else "back to back"
+        for name, key, label in (("total tokens/s", "total_token_throughput", labels[-1]),
+                                 ("TPOT p50", "p50_tpot_ms", labels[0])):  # combined has no TPOT: the first client's
+            paired = paired_ratios(wruns, label, key)
+            if not paired:
+                continue
             mid = statistics.median(paired)
             spread = f", {min(paired):.3f}–{max(paired):.3f}" if len(paired) > 1 else ""
-            lines.append(f"Plugin/stock total tokens/s per repeat (same seed, back to back): "
+            of = "" if label == labels[-1] else f" ({label})"
+            lines.append(f"Plugin/stock {name}{of} per repeat (same seed, {how}): "
                          f"{' '.join(f'{r:.3f}' for r in paired)}; median {mid:.3f}.")
-            summary.append(f"{workload}: plugin/stock total tokens/s per repeat, median {mid:.3f} "
-                           f"({len(paired)} pairs{spread})")
+            summary.append(f"{workload}: plugin/stock {name}{of} per repeat, median {mid:.3f} "
+                           f"({len(paired)} pairs{spread}, {how})")
     lines += [f"- {r['tag']}: {r.get('status')}: {_cell(r.get('error'), 160)}" for r in every if r.get("status") != "ok"]
     return [*lines, ""], summary
 
@@ -149,18 +154,18 @@ def _totals(runs: list[dict[str, Any]], label: str) -> str:
     return " ".join(_num(row.get("total_token_throughput")) for row in _client_rows(runs, label)) or "–"
 
 
-def paired_ratios(wruns: list[dict[str, Any]], label: str) -> list[float]:
-    """Plugin/stock total tokens/s of each repeat both engines finished, in repeat order. The two
-    runs of a repeat share a seed (the same prompts) and ran back to back, so their ratio leaves
-    out what moves from one repeat to the next (the prompts, the machine), which the ratio of
-    the medians keeps."""
-    tok: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
+def paired_ratios(wruns: list[dict[str, Any]], label: str, key: str = "total_token_throughput") -> list[float]:
+    """Plugin/stock ``key`` of one client (or ``combined``) in each repeat both engines finished, in
+    repeat order. The two runs of a repeat share a seed (the same prompts) and ran back to back or
+    at the same time, so their ratio leaves out what moves from one repeat to the next (the
+    prompts, the machine), which the ratio of the medians keeps."""
+    got: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
     for r in wruns:
         rows = _client_rows([r], label)
-        value = rows[0].get("total_token_throughput") if rows else None
-        if r.get("engine") in tok and isinstance(value, (int, float)):
-            tok[r["engine"]][(r.get("call"), r.get("seed"))] = value
-    return [tok["plugin"][k] / tok["stock"][k] for k in tok["stock"] if k in tok["plugin"] and tok["stock"][k]]
+        value = rows[0].get(key) if rows else None
+        if r.get("engine") in got and isinstance(value, (int, float)):
+            got[r["engine"]][(r.get("call"), r.get("seed"))] = value
+    return [got["plugin"][k] / got["stock"][k] for k in got["stock"] if k in got["plugin"] and got["stock"][k]]
 
 
 def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:

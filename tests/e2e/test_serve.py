@@ -426,6 +426,38 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     assert {run["workload"] for run in data["runs"] if run["call"] == 0} == {"chat", "mix"}
 
 
+def test_ab_at_once_runs_both_engines_together(tmp_path: Path) -> None:
+    """--at-once: a repeat's two runs of a workload start together and overlap, share one window, and
+    the report pairs them as runs at the same time."""
+    env = dict(os.environ, FAKE_BENCH_HOLD_S="0.5")
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat,mix", "--repeats", "2", "--at-once",
+               env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "ab.json").read_text())
+    assert data["calls"][0]["at_once"] is True
+    runs = data["runs"]
+    assert [(run["repeat"], run["workload"]) for run in runs][::2] == [(None, "chat"), (None, "mix"), (1, "chat"),
+                                                                        (1, "mix"), (2, "chat"), (2, "mix")]
+    for stock, plugin in zip(runs[::2], runs[1::2]):
+        assert (stock["engine"], plugin["engine"]) == ("stock", "plugin") and stock["seed"] == plugin["seed"]
+        assert stock["at_once"] and plugin["at_once"] and stock["window"] == plugin["window"]
+        assert stock["status"] == plugin["status"] == "ok"
+        spans = [json.loads((tmp_path / "bench" / f"{run['tag']}-{label}.json").read_text())["fake_span"]
+                 for run in (stock, plugin) for label in run["clients"]]
+        assert max(s[0] for s in spans) < min(s[1] for s in spans)  # every client of both engines ran at once
+    md = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "Plugin/stock total tokens/s per repeat (same seed, at the same time): " in md
+    assert "chat: plugin/stock TPOT p50 per repeat, median " in md and "(2 pairs, " in md
+
+
+def test_ab_at_once_runs_neither_when_one_cannot(tmp_path: Path) -> None:
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat", "--repeats", "1", "--at-once",
+               "--deadline-s", "30")
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = json.loads((tmp_path / "ab.json").read_text())["runs"]
+    assert {run["status"] for run in runs} == {"not run"} and all("deadline" in run["error"] for run in runs)
+
+
 def test_ab_keeps_step_figures_of_the_runs_it_keeps(tmp_path: Path) -> None:
     """--log-iterations: the call's step figures per workload in ab.json; a later call of the same
     workload replaces them with its runs."""
@@ -551,8 +583,9 @@ def test_soak_detaches_and_is_followed(tmp_path: Path) -> None:
 
 
 def test_ab_detaches_and_is_followed(tmp_path: Path) -> None:
+    hold = dict(os.environ, FAKE_BENCH_HOLD_S="8")  # the phase outlasts the follower's first look, 5 s on
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1",
-               "--warmup-rounds", "0", "--detach", "--deadline-s", "0.5")
+               "--warmup-rounds", "0", "--detach", "--deadline-s", "0.5", env=hold)
     assert r.returncode == 0 and "ab: still running" in r.stdout, r.stdout + r.stderr
     pid = int((tmp_path / "ab-driver.pid").read_text())
     r = driver(tmp_path, "--phase", "ab", "--follow", "--deadline-s", "120")
@@ -567,17 +600,18 @@ def test_ab_detaches_and_is_followed(tmp_path: Path) -> None:
 # --- the report ------------------------------------------------------------------------------------
 
 
-def bench_result(tok_s: float, ttft: float, failed: int = 0) -> dict[str, Any]:
+def bench_result(tok_s: float, ttft: float, failed: int = 0, tpot: float = 4.0) -> dict[str, Any]:
     return {"completed": 10 - failed, "failed": failed, "duration": 2.0, "total_input_tokens": 1000,
             "total_output_tokens": 100, "output_throughput": tok_s / 10, "total_token_throughput": tok_s,
-            "p50_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "p50_tpot_ms": 4.0, "p99_tpot_ms": 8.0}
+            "p50_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "p50_tpot_ms": tpot, "p99_tpot_ms": 8.0}
 
 
 def test_report_from_hand_made_results(tmp_path: Path) -> None:
     runs = []
     for rep, (s_tok, p_tok) in enumerate(((100.0, 130.0), (300.0, 330.0), (200.0, 260.0)), start=1):
         for engine, tok in (("stock", s_tok), ("plugin", p_tok)):
-            result = bench_result(tok, 50.0 if engine == "stock" else 40.0, failed=1 if rep == 2 else 0)
+            tpot = 4.0 if engine == "stock" else (4.0, 4.2, 3.6)[rep - 1]  # per repeat 1.05 and 0.9, median 4.0
+            result = bench_result(tok, 50.0 if engine == "stock" else 40.0, failed=1 if rep == 2 else 0, tpot=tpot)
             runs.append({"workload": "chat", "engine": engine, "repeat": rep, "seed": 1000 + 100 * rep, "call": 0,
                          "tag": f"ab0-r{rep}-chat-{engine}", "status": "ok", "clients": {"chat": {"result": result}},
                          "combined": result})
@@ -604,7 +638,9 @@ def test_report_from_hand_made_results(tmp_path: Path) -> None:
     assert "Total tokens/s per repeat (chat): stock 100 300 200; plugin 130 330 260." in md
     # each repeat's pair (same seed), then their median: not the ratio of the medians above
     assert "Plugin/stock total tokens/s per repeat (same seed, back to back): 1.300 1.100 1.300; median 1.300." in md
-    assert "chat: plugin/stock total tokens/s per repeat, median 1.300 (3 pairs, 1.100–1.300)" in md
+    assert "chat: plugin/stock total tokens/s per repeat, median 1.300 (3 pairs, 1.100–1.300, back to back)" in md
+    assert "Plugin/stock TPOT p50 per repeat (same seed, back to back): 1.000 1.050 0.900; median 1.000." in md
+    assert "chat: plugin/stock TPOT p50 per repeat, median 1.000 (3 pairs, 0.900–1.050, back to back)" in md
     assert "- ab0-r4-chat-plugin: not run: deadline: 12 s left" in md
     assert "**ab0-plugin: plugin server logged 0 mla-planner lines**" in md
     assert "KV cache stock 50.00 GiB, plugin 49.00 GiB (stock − plugin 1,024 MiB)" in md
