@@ -28,7 +28,7 @@ import serve_bench as sb
 from serve_proc import (Server, ServerSpec, check_stop, free_port, gpu_memory_used_mib, gpu_processes, group_pids,
                         log_facts, server_command, server_env, wait_gpu_idle)
 from serve_requests import run_case
-from step_log import ab_steps, stamp
+from step_log import ab_steps, decode_pairs, stamp
 
 Save = Callable[[], None]
 MIN_BENCH_S = 30  # a bench client takes some seconds to start (prompt sampling): start none with less left
@@ -212,7 +212,8 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
     data["runs"] = [r for r in data.get("runs", []) if r["workload"] not in workloads]
     for earlier in data["calls"][:-1]:
         for w in workloads:
-            (earlier.get("steps") or {}).pop(w, None)
+            for figures in ("steps", "step_pairs"):
+                (earlier.get(figures) or {}).pop(w, None)
     servers: dict[str, Server] = {}
     try:
         for k, engine in enumerate(ENGINES):
@@ -261,6 +262,7 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
         if ctx.log_iterations:  # the logs are whole once the servers have stopped
             try:
                 call["steps"] = ab_steps(ctx.out, data, call)
+                call["step_pairs"] = decode_pairs(ctx.out, data, call)
             except Exception as exc:  # a figure short, never the phase's own outcome hidden
                 call["steps_error"] = f"{type(exc).__name__}: {exc}"
             save()

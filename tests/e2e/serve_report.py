@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from step_log import verdict
+from step_log import pairs_line, verdict
 
 REPORT_MD = "serve.md"
 PHASES = ("ab", "boundary", "failrate", "soak")
@@ -194,6 +194,9 @@ def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
                 said = verdict(engines["stock"], engines["plugin"]) or [
                     "too few steps to compare (millisecond stamps need VLLM_LOGGING_CONFIG_PATH from step_log.py "
                     "config)"]
+                pairs = (call.get("step_pairs") or {}).get(workload)
+                if pairs is not None:
+                    said.append(pairs_line(pairs))
                 summary.append(f"{workload}, vLLM's iteration lines of the timed runs (call {call.get('id')}): "
                                + "; ".join(said))
     failures = sum(int((r.get("combined") or {}).get("failed") or 0) for r in runs)

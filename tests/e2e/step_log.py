@@ -27,7 +27,7 @@ gaps, not E, are the steps' durations.
     python3 tests/e2e/step_log.py config /tmp/step-logging.json   # then VLLM_LOGGING_CONFIG_PATH=/tmp/step-logging.json
     python3 tests/e2e/step_log.py report /tmp/serve/logs/ab0-plugin.log
     python3 tests/e2e/step_log.py compare /tmp/serve/logs/ab0-stock.log /tmp/serve/logs/ab0-plugin.log
-    python3 tests/e2e/step_log.py compare --ab /tmp/serve   # each workload's timed runs apart
+    python3 tests/e2e/step_log.py compare --ab /tmp/serve   # each workload's timed runs apart, and per repeat
 
 ``config`` writes vLLM's own logging configuration (so it needs vLLM) with milliseconds in the
 timestamps and the plugin's logger at debug level (``--no-plugin-steps``: at INFO, as stock's engine
@@ -270,12 +270,17 @@ def timed_runs(data: dict[str, Any], call: dict[str, Any], workload: str) -> lis
             and not r.get("warmup") and r.get("window")]
 
 
+def server_logs(out: Path, call: dict[str, Any]) -> dict[str, str]:
+    """An ab call's server logs, by engine ("" for one not found)."""
+    return {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
+            for e, rec in call.get("servers", {}).items() if rec.get("log")}
+
+
 def ab_steps(out: Path, data: dict[str, Any], call: dict[str, Any],
              gap_s: float = DEFAULT_GAP_S) -> dict[str, dict[str, Summary]]:
     """Per workload of one ab call, per engine: the summary of the iteration lines inside that
     workload's timed runs in the engine's server log."""
-    texts = {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
-             for e, rec in call.get("servers", {}).items() if rec.get("log")}
+    texts = server_logs(out, call)
     found: dict[str, dict[str, Summary]] = {}
     for workload in call.get("workloads", []):
         runs = timed_runs(data, call, workload)
@@ -285,16 +290,45 @@ def ab_steps(out: Path, data: dict[str, Any], call: dict[str, Any],
     return found
 
 
+def decode_pairs(out: Path, data: dict[str, Any], call: dict[str, Any],
+                 gap_s: float = DEFAULT_GAP_S) -> dict[str, list[float]]:
+    """Per workload of one ab call: plugin/stock mean decode-only gap of each repeat both engines
+    ran (the runs of one seed), in repeat order. The spread of these says whether the pooled
+    figure of ``ab_steps`` is told apart from the machine's own swings."""
+    texts = server_logs(out, call)
+    pairs: dict[str, list[float]] = {}
+    for workload in call.get("workloads", []):
+        gap: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
+        for r in timed_runs(data, call, workload):
+            if r["engine"] in gap and r["engine"] in texts:
+                mean = summarize(parse_iterations(texts[r["engine"]], [(r["window"][0], r["window"][1])]),
+                                 gap_s)["decode_gap_ms"]
+                if mean:
+                    gap[r["engine"]][r.get("seed")] = mean
+        pairs[workload] = [gap["plugin"][k] / gap["stock"][k] for k in gap["stock"] if k in gap["plugin"]]
+    return pairs
+
+
+def pairs_line(ratios: list[float]) -> str:
+    """The per-repeat ratios of ``decode_pairs``, their median and range."""
+    if not ratios:
+        return "decode-only steps per repeat: no repeat with both engines' decode-only steps"
+    spread = f", {min(ratios):.3f}-{max(ratios):.3f}" if len(ratios) > 1 else ""
+    return (f"decode-only steps per repeat, plugin/stock: {' '.join(f'{r:.3f}' for r in ratios)}; median "
+            f"{statistics.median(ratios):.3f} ({len(ratios)} pairs{spread})")
+
+
 def compare_ab(out: Path, gap_s: float = DEFAULT_GAP_S) -> list[str]:
-    """``compare`` for each call and workload of ``out/ab.json``."""
+    """``compare`` for each call and workload of ``out/ab.json``, with the per-repeat pairs."""
     data = json.loads((out / "ab.json").read_text())
     lines: list[str] = []
     for call in data.get("calls", []):
         if set(call.get("servers", {})) != {"stock", "plugin"}:
             continue
+        pairs = decode_pairs(out, data, call, gap_s)
         for workload, engines in ab_steps(out, data, call, gap_s).items():
             lines += [f"### call {call['id']}, {workload} ({len(timed_runs(data, call, workload))} timed runs)", ""]
-            lines += compare(engines["stock"], engines["plugin"], gap_s) + [""]
+            lines += compare(engines["stock"], engines["plugin"], gap_s) + [pairs_line(pairs[workload]), ""]
     return lines or [f"{out / 'ab.json'}: no call with both servers"]
 
 

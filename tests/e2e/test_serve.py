@@ -470,6 +470,7 @@ def test_ab_keeps_step_figures_of_the_runs_it_keeps(tmp_path: Path) -> None:
         assert r.returncode == 0 and "servers log with millisecond stamps" not in r.stdout, r.stdout + r.stderr
     data = json.loads((tmp_path / "ab.json").read_text())
     assert "long" not in data["calls"][0]["steps"]  # its runs were replaced by the second call's
+    assert "long" not in data["calls"][0]["step_pairs"] and data["calls"][1]["step_pairs"] == {"long": []}
     steps = data["calls"][1]["steps"]["long"]
     assert steps["stock"]["steps"] == steps["plugin"]["steps"] == 0  # the stand-in bench sends no request
     assert "- long, vLLM's iteration lines of the timed runs (call 1): too few steps to compare" in \
@@ -783,9 +784,30 @@ def test_step_log_compares_each_workloads_timed_runs(tmp_path: Path) -> None:
     assert "| decode-only: mean gap inside runs of them, ms | 3.000 | 4.000 | 1.333 |" in out[chat:mix]
     assert "| other steps: tokens (those with busy time) | 108 | 108 |  |" in out[chat:mix]
     assert "| other steps: tokens (those with busy time) | 102 | 102 |  |" in out[mix:]
+    assert "decode-only steps per repeat, plugin/stock: 1.333; median 1.333 (1 pairs)" in out[chat:mix]
     assert step_log.main(["compare", "--ab", str(tmp_path)]) == 0
     with pytest.raises(SystemExit):
         step_log.main(["compare", "--ab", str(tmp_path), str(tmp_path / "logs" / "s.log")])
+
+
+def test_step_log_pairs_each_repeats_runs(tmp_path: Path) -> None:
+    """decode_pairs: plugin/stock decode-only gap per repeat (the runs of one seed), in repeat order;
+    a repeat one engine did not run makes no pair."""
+    gaps = {(1000, "stock"): 4, (1000, "plugin"): 5, (1100, "stock"): 5, (1100, "plugin"): 4, (1200, "stock"): 3}
+    runs: list[dict[str, Any]] = []
+    lines: dict[str, list[str]] = {"stock": [], "plugin": []}
+    for k, ((seed, engine), gap) in enumerate(gaps.items()):
+        start = 1000 * k
+        runs.append({"call": 0, "workload": "chat", "engine": engine, "seed": seed, "warmup": False,
+                     "window": [f"12-02 02:30:{start // 1000:02d}.000", f"12-02 02:30:{start // 1000:02d}.999"]})
+        lines[engine] += [iteration_line(start + i * gap, 0, 8, 1.0) for i in range(20)]
+    call = {"id": 0, "workloads": ["chat"], "servers": {e: {"log": f"{e}.log"} for e in lines}}
+    for engine, text in lines.items():
+        (tmp_path / f"{engine}.log").write_text("\n".join(text))
+    pairs = step_log.decode_pairs(tmp_path, {"runs": runs}, call)
+    assert pairs == {"chat": [pytest.approx(1.25), pytest.approx(0.8)]}
+    assert step_log.pairs_line(pairs["chat"]) == (
+        "decode-only steps per repeat, plugin/stock: 1.250 0.800; median 1.025 (2 pairs, 0.800-1.250)")
 
 
 def test_step_log_reads_the_lines_vllm_writes() -> None:
