@@ -66,9 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="ab: rounds of every workload on both servers before the repeats, left out of the medians "
                          "(default 1: a server's first run of a workload pays first-use costs)")
-    ap.add_argument("--at-once", action="store_true",
-                    help="ab: both engines' runs of a repeat at the same time (the machine's swings of seconds "
-                         "then hit both alike), not one after the other")
+    ap.add_argument("--at-once", nargs="?", const="*", default="", metavar="WORKLOADS",
+                    help="ab: these workloads (none given: all of the call's) run both engines' runs of a repeat at "
+                         "the same time, so the machine's swings of seconds hit both alike (for chat's per-step "
+                         "comparison); the others one after the other")
     ap.add_argument("--prompt-scale", type=float, default=1.0, help="ab, soak: scales every client's prompt count")
     ap.add_argument("--failrate-utils", default="0.90,0.95", help="failrate: utilizations, in turn")
     ap.add_argument("--failrate-n", type=int, default=2, help="failrate: servers per utilization")
@@ -104,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [w for w in args.workloads if w not in serve_bench.WORKLOADS]
     if unknown:
         ap.error(f"unknown workload(s) {unknown}; known: {', '.join(serve_bench.WORKLOADS)}")
+    args.at_once = args.workloads if args.at_once == "*" else [w for w in args.at_once.split(",") if w]
+    if set(args.at_once) - set(args.workloads):
+        ap.error(f"--at-once {','.join(args.at_once)}: not all of them are in --workloads {','.join(args.workloads)}")
     args.failrate_utils = [float(u) for u in args.failrate_utils.split(",") if u]
     engine, util = PHASE_DEFAULTS[args.phase]
     args.engine = args.engine or engine
@@ -194,7 +198,7 @@ def run_phase(args: argparse.Namespace) -> int:
                  fake_server=args.fake_server, clients=clients)
     if args.phase == "ab":
         sp.phase_ab(ctx, data, save, util=args.util, workloads=args.workloads, repeats=args.repeats,
-                    scale=args.prompt_scale, warmup_rounds=args.warmup_rounds, at_once=args.at_once)
+                    scale=args.prompt_scale, warmup_rounds=args.warmup_rounds, at_once=tuple(args.at_once))
     elif args.phase == "boundary":
         sp.phase_boundary(ctx, data, save, engine=args.engine, util=args.util)
     elif args.phase == "failrate":

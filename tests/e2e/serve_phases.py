@@ -6,7 +6,7 @@ when its deadline comes (what it cut is recorded as not run) and stops its serve
   measures the GPU's free memory, which a second server starting beside it would disturb), then the
   workloads in interleaved repeats after warm-up rounds (``--warmup-rounds``, left out of the
   medians): for each repeat, each workload, both engines with the same seed, stock first in odd
-  repeats, the plugin first in even ones; with ``--at-once`` both at the same time.
+  repeats, the plugin first in even ones; the workloads of ``--at-once`` both at the same time.
 - ``boundary``: one server at 0.95 (plugin unless ``--engine stock``) through run_cases' cases 1, 2
   and 5, then one at max_num_batched_tokens 65536 through cases 4 and 5: ok or error per case, and
   /health after each.
@@ -202,10 +202,10 @@ def bench_pair(ctx: Ctx, servers: dict[str, Server], runs: dict[str, dict[str, A
 
 
 def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloads: list[str], repeats: int,
-             scale: float, warmup_rounds: int, at_once: bool = False) -> None:
+             scale: float, warmup_rounds: int, at_once: tuple[str, ...] = ()) -> None:
     records: dict[str, dict[str, Any]] = {}
     call = {"id": len(data.setdefault("calls", [])), "workloads": workloads, "repeats": repeats, "scale": scale,
-            "warmup_rounds": warmup_rounds, "util": util, "at_once": at_once, "servers": records}
+            "warmup_rounds": warmup_rounds, "util": util, "at_once": list(at_once), "servers": records}
     data["calls"].append(call)
     # An earlier call's runs of these workloads are replaced (their step figures with them); its
     # other workloads stay.
@@ -232,19 +232,20 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
             name = f"w{-r}" if r < 0 else f"r{r + 1}"
             # Which engine goes first alternates by repeat, so that a drift over the call (the
             # machine warming, stock's runs rose 150K -> 210K tokens/s over one on the H200)
-            # favours neither engine's side of the per-repeat ratio. Warm-ups (and --at-once): stock first.
-            order = ENGINES[::-1] if r > 0 and r % 2 and not at_once else ENGINES
+            # favours neither engine's side of the per-repeat ratio. Warm-ups: stock first.
+            order = ENGINES[::-1] if r > 0 and r % 2 else ENGINES
             for w in workloads:
+                together = w in at_once
                 seed = SEED_BASE + 100 * r + 10 * list(sb.WORKLOADS).index(w)  # warm-ups: below SEED_BASE
                 runs: dict[str, dict[str, Any]] = {
                     e: {"workload": w, "engine": e, "repeat": r + 1 if r >= 0 else None, "seed": seed,
                         "call": call["id"], "tag": f"ab{call['id']}-{name}-{w}-{e}", "warmup": r < 0}
                     for e in order}
-                if at_once:  # both at the same time: the machine's swings hit both runs alike
+                if together:  # both at the same time: the machine's swings hit both runs alike
                     bench_pair(ctx, servers, runs, w, seed, scale)
                 for engine in order:
                     run = runs[engine]
-                    if not at_once:
+                    if not together:
                         server = servers[engine]
                         run.update(not_run(ctx, server) or {})
                         if "status" not in run:

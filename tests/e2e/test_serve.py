@@ -427,32 +427,43 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
 
 
 def test_ab_at_once_runs_both_engines_together(tmp_path: Path) -> None:
-    """--at-once: a repeat's two runs of a workload start together and overlap, share one window, and
-    the report pairs them as runs at the same time."""
+    """--at-once chat: a repeat's two chat runs start together and overlap, share one window, and the
+    report pairs them as runs at the same time; mix's go one after the other, as without it."""
     env = dict(os.environ, FAKE_BENCH_HOLD_S="0.5")
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat,mix", "--repeats", "2", "--at-once",
-               env=env)
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat,mix", "--repeats", "2",
+               "--at-once", "chat", env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "ab.json").read_text())
-    assert data["calls"][0]["at_once"] is True
+    assert data["calls"][0]["at_once"] == ["chat"]
     runs = data["runs"]
     assert [(run["repeat"], run["workload"]) for run in runs][::2] == [(None, "chat"), (None, "mix"), (1, "chat"),
                                                                         (1, "mix"), (2, "chat"), (2, "mix")]
-    for stock, plugin in zip(runs[::2], runs[1::2]):
-        assert (stock["engine"], plugin["engine"]) == ("stock", "plugin") and stock["seed"] == plugin["seed"]
-        assert stock["at_once"] and plugin["at_once"] and stock["window"] == plugin["window"]
-        assert stock["status"] == plugin["status"] == "ok"
-        spans = [json.loads((tmp_path / "bench" / f"{run['tag']}-{label}.json").read_text())["fake_span"]
-                 for run in (stock, plugin) for label in run["clients"]]
-        assert max(s[0] for s in spans) < min(s[1] for s in spans)  # every client of both engines ran at once
+
+    def spans(run: dict[str, Any]) -> list[list[float]]:
+        return [json.loads((tmp_path / "bench" / f"{run['tag']}-{label}.json").read_text())["fake_span"]
+                for label in run["clients"]]
+
+    for first, second in zip(runs[::2], runs[1::2]):
+        assert first["seed"] == second["seed"] and first["status"] == second["status"] == "ok"
+        both = spans(first) + spans(second)
+        if first["workload"] == "chat":
+            assert first.get("at_once") and second.get("at_once") and first["window"] == second["window"]
+            assert max(s[0] for s in both) < min(s[1] for s in both)  # every client of both engines at once
+        else:
+            assert not first.get("at_once") and max(s[1] for s in spans(first)) <= min(s[0] for s in spans(second))
     md = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert "Plugin/stock total tokens/s per repeat (same seed, at the same time): " in md
-    assert "chat: plugin/stock TPOT p50 per repeat, median " in md and "(2 pairs, " in md
+    assert "chat: plugin/stock total tokens/s per repeat, median " in md and "(2 pairs, " in md
+    assert "Plugin/stock TPOT p50 per repeat (same seed, at the same time): " in md
+    assert "Plugin/stock total tokens/s per repeat (same seed, back to back): " in md  # mix
+    r = driver(tmp_path / "all", "--phase", "ab", "--fake-bench", "--workloads", "chat", "--repeats", "1",
+               "--warmup-rounds", "0", "--at-once")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "all" / "ab.json").read_text())["calls"][0]["at_once"] == ["chat"]
 
 
 def test_ab_at_once_runs_neither_when_one_cannot(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat", "--repeats", "1", "--at-once",
-               "--deadline-s", "30")
+               "chat", "--deadline-s", "30")
     assert r.returncode == 0, r.stdout + r.stderr
     runs = json.loads((tmp_path / "ab.json").read_text())["runs"]
     assert {run["status"] for run in runs} == {"not run"} and all("deadline" in run["error"] for run in runs)
@@ -855,9 +866,11 @@ def test_arguments() -> None:
     args = run_serve.parse_args(["--phase", "ab", "--out", "x", "--workloads", "mix,long"])
     assert (args.util, args.workloads, args.repeats, args.warmup_rounds, args.deadline_s) == (
         0.40, ["mix", "long"], 3, 1, 540)
+    assert args.at_once == []
+    assert run_serve.parse_args(["--phase", "ab", "--out", "x", "--at-once", "chat"]).at_once == ["chat"]
     assert run_serve.parse_args(["--phase", "soak", "--out", "x"]).engine == "plugin"
     for bad in (["--workloads", "huge"], ["--util", "1.5"], ["--detach", "--follow"], ["--repeats", "0"],
-                ["--warmup-rounds", "-1"]):
+                ["--warmup-rounds", "-1"], ["--workloads", "mix", "--at-once", "chat"]):
         with pytest.raises(SystemExit):
             run_serve.parse_args(["--phase", "ab", "--out", "x", *bad])
     with pytest.raises(SystemExit):
