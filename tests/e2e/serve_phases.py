@@ -28,7 +28,7 @@ import serve_bench as sb
 from serve_proc import (Server, ServerSpec, check_stop, free_port, gpu_memory_used_mib, gpu_processes, group_pids,
                         log_facts, server_command, server_env, wait_gpu_idle)
 from serve_requests import run_case
-from step_log import ab_steps, decode_pairs, stamp
+from step_log import ab_steps, decode_pairs, server_logs, stamp
 
 Save = Callable[[], None]
 MIN_BENCH_S = 30  # a bench client takes some seconds to start (prompt sampling): start none with less left
@@ -141,20 +141,19 @@ def bench_record(bench: Bench, seed: int, runs: list[dict[str, Any]]) -> dict[st
 def bench_workload(ctx: Ctx, server: Server, workload: str, seed: int, tag: str, scale: float,
                    timeout_s: float, tick: Callable[[], None] | None = None) -> dict[str, Any]:
     """One workload's clients against ``server``."""
-    bench = bench_for(ctx, server, workload, seed, tag, scale)
-    assert ctx.clients is not None
-    return bench_record(bench, seed, sb.run_clients(ctx.clients, bench.cmds, bench.results, bench.logs, timeout_s, tick))
+    engine = server.spec.engine
+    return bench_at_once(ctx, {engine: server}, workload, seed, {engine: tag}, scale, timeout_s, tick)[engine]
 
 
 def bench_at_once(ctx: Ctx, servers: dict[str, Server], workload: str, seed: int, tags: dict[str, str],
-                  scale: float, timeout_s: float) -> dict[str, dict[str, Any]]:
-    """One workload's clients against every server of ``servers`` at the same time: per engine, what
-    ``bench_workload`` returns."""
+                  scale: float, timeout_s: float, tick: Callable[[], None] | None = None) -> dict[str, dict[str, Any]]:
+    """One workload's clients against every server of ``servers`` at the same time: per engine, per
+    client its summary, and the workload combined."""
     benches = {e: bench_for(ctx, server, workload, seed, tags[e], scale) for e, server in servers.items()}
     assert ctx.clients is not None
     runs = sb.run_clients(ctx.clients, [c for b in benches.values() for c in b.cmds],
                           [r for b in benches.values() for r in b.results],
-                          [log for b in benches.values() for log in b.logs], timeout_s)
+                          [log for b in benches.values() for log in b.logs], timeout_s, tick)
     records, k = {}, 0
     for engine, bench in benches.items():
         records[engine] = bench_record(bench, seed, runs[k:k + len(bench.cmds)])
@@ -262,8 +261,9 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
         save()
         if ctx.log_iterations:  # the logs are whole once the servers have stopped
             try:
-                call["steps"] = ab_steps(ctx.out, data, call)
-                call["step_pairs"] = decode_pairs(ctx.out, data, call)
+                texts = server_logs(ctx.out, call)
+                call["steps"] = ab_steps(texts, data, call)
+                call["step_pairs"] = decode_pairs(texts, data, call)
             except Exception as exc:  # a figure short, never the phase's own outcome hidden
                 call["steps_error"] = f"{type(exc).__name__}: {exc}"
             save()

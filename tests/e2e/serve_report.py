@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from step_log import pairs_line, verdict
+from step_log import pairs_line, plugin_over_stock, verdict
 
 REPORT_MD = "serve.md"
 PHASES = ("ab", "boundary", "failrate", "soak")
@@ -165,7 +165,7 @@ def paired_ratios(wruns: list[dict[str, Any]], label: str, key: str = "total_tok
         value = rows[0].get(key) if rows else None
         if r.get("engine") in got and isinstance(value, (int, float)):
             got[r["engine"]][(r.get("call"), r.get("seed"))] = value
-    return [got["plugin"][k] / got["stock"][k] for k in got["stock"] if k in got["plugin"] and got["stock"][k]]
+    return plugin_over_stock(got)
 
 
 def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:

@@ -276,11 +276,10 @@ def server_logs(out: Path, call: dict[str, Any]) -> dict[str, str]:
             for e, rec in call.get("servers", {}).items() if rec.get("log")}
 
 
-def ab_steps(out: Path, data: dict[str, Any], call: dict[str, Any],
+def ab_steps(texts: dict[str, str], data: dict[str, Any], call: dict[str, Any],
              gap_s: float = DEFAULT_GAP_S) -> dict[str, dict[str, Summary]]:
     """Per workload of one ab call, per engine: the summary of the iteration lines inside that
-    workload's timed runs in the engine's server log."""
-    texts = server_logs(out, call)
+    workload's timed runs in the engine's server log (``texts``: ``server_logs``)."""
     found: dict[str, dict[str, Summary]] = {}
     for workload in call.get("workloads", []):
         runs = timed_runs(data, call, workload)
@@ -290,12 +289,17 @@ def ab_steps(out: Path, data: dict[str, Any], call: dict[str, Any],
     return found
 
 
-def decode_pairs(out: Path, data: dict[str, Any], call: dict[str, Any],
+def plugin_over_stock(values: dict[str, dict[Any, float]]) -> list[float]:
+    """Plugin/stock of each key (a repeat's seed) both engines have a value for, in stock's order."""
+    stock, plugin = values.get("stock", {}), values.get("plugin", {})
+    return [plugin[k] / stock[k] for k in stock if k in plugin and stock[k]]
+
+
+def decode_pairs(texts: dict[str, str], data: dict[str, Any], call: dict[str, Any],
                  gap_s: float = DEFAULT_GAP_S) -> dict[str, list[float]]:
     """Per workload of one ab call: plugin/stock mean decode-only gap of each repeat both engines
     ran (the runs of one seed), in repeat order. The spread of these says whether the pooled
     figure of ``ab_steps`` is told apart from the machine's own swings."""
-    texts = server_logs(out, call)
     pairs: dict[str, list[float]] = {}
     for workload in call.get("workloads", []):
         gap: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
@@ -305,7 +309,7 @@ def decode_pairs(out: Path, data: dict[str, Any], call: dict[str, Any],
                                  gap_s)["decode_gap_ms"]
                 if mean:
                     gap[r["engine"]][r.get("seed")] = mean
-        pairs[workload] = [gap["plugin"][k] / gap["stock"][k] for k in gap["stock"] if k in gap["plugin"]]
+        pairs[workload] = plugin_over_stock(gap)
     return pairs
 
 
@@ -325,8 +329,9 @@ def compare_ab(out: Path, gap_s: float = DEFAULT_GAP_S) -> list[str]:
     for call in data.get("calls", []):
         if set(call.get("servers", {})) != {"stock", "plugin"}:
             continue
-        pairs = decode_pairs(out, data, call, gap_s)
-        for workload, engines in ab_steps(out, data, call, gap_s).items():
+        texts = server_logs(out, call)
+        pairs = decode_pairs(texts, data, call, gap_s)
+        for workload, engines in ab_steps(texts, data, call, gap_s).items():
             lines += [f"### call {call['id']}, {workload} ({len(timed_runs(data, call, workload))} timed runs)", ""]
             lines += compare(engines["stock"], engines["plugin"], gap_s) + [pairs_line(pairs[workload]), ""]
     return lines or [f"{out / 'ab.json'}: no call with both servers"]

@@ -815,7 +815,7 @@ def test_step_log_pairs_each_repeats_runs(tmp_path: Path) -> None:
     call = {"id": 0, "workloads": ["chat"], "servers": {e: {"log": f"{e}.log"} for e in lines}}
     for engine, text in lines.items():
         (tmp_path / f"{engine}.log").write_text("\n".join(text))
-    pairs = step_log.decode_pairs(tmp_path, {"runs": runs}, call)
+    pairs = step_log.decode_pairs(step_log.server_logs(tmp_path, call), {"runs": runs}, call)
     assert pairs == {"chat": [pytest.approx(1.25), pytest.approx(0.8)]}
     assert step_log.pairs_line(pairs["chat"]) == (
         "decode-only steps per repeat, plugin/stock: 1.250 0.800; median 1.025 (2 pairs, 0.800-1.250)")
