@@ -461,6 +461,24 @@ def test_ab_at_once_runs_both_engines_together(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "all" / "ab.json").read_text())["calls"][0]["at_once"] == ["chat"]
 
 
+def test_ab_at_once_runs_all_four_mix_clients_together(tmp_path: Path) -> None:
+    """--at-once on mix: both engines' two clients (mix-chat, mix-doc) of a repeat run at once."""
+    env = dict(os.environ, FAKE_BENCH_HOLD_S="0.5")
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "mix", "--repeats", "1",
+               "--warmup-rounds", "0", "--at-once", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "ab.json").read_text())
+    assert data["calls"][0]["at_once"] == ["mix"]
+    runs = data["runs"]
+    assert sorted(run["engine"] for run in runs) == ["plugin", "stock"] and all(run["at_once"] for run in runs)
+    spans = [json.loads((tmp_path / "bench" / f"{run['tag']}-{label}.json").read_text())["fake_span"]
+             for run in runs for label in run["clients"]]
+    assert len(spans) == 4 and max(s[0] for s in spans) < min(s[1] for s in spans)
+    assert runs[0]["window"] == runs[1]["window"]
+    md = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "Plugin/stock total tokens/s per repeat (same seed, at the same time): " in md
+
+
 def test_ab_at_once_runs_neither_when_one_cannot(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat", "--repeats", "1", "--at-once",
                "chat", "--deadline-s", "30")
