@@ -1,7 +1,11 @@
 """The CPU-side overhead the planned backend adds to a vLLM step, next to stock FlashMLA sparse:
 microseconds per metadata build and per layer call on the same steps, with fake kernels.
 
-    PYTHONPATH=python:tests python benchmarks/step_overhead_bench.py [--repeats 2000] [--baseline TREE]
+    .venv/bin/python benchmarks/step_overhead_bench.py [--repeats 2000] [--baseline TREE]
+
+It times the ``mla_planner`` the environment has installed (``scripts/test.sh`` installs this
+checkout's into ``.venv``): install again after a change. ``tests/`` (vLLM's CPU stand-ins) it finds
+itself.
 
 What it measures is Python and torch-dispatch work only. Nothing runs on a GPU: the FlashMLA
 kernels, vLLM's Triton index translation and its gather op are fakes that return an output of the
@@ -24,8 +28,9 @@ steps:
 * ``long``: the 64 decodes plus one 8,000-token prompt, past top-k, so every token is sparse; the
   planner splits it under the budget.
 
-Each engine builds the step and runs its two layer calls; engines take turns within every repeat
-(the order rotates) so drift hits them alike; the figures are medians. "planned" routes by
+Each engine builds the step and runs its two layer calls; engines take turns within every repeat,
+in an order drawn afresh for each step (seeded), so that drift and whichever engine ran just before
+hit them alike; the figures are medians. "planned" routes by
 vLLM's rule (``MLA_PLANNER_COST_PROFILE=none``); "planned+profile" by the packaged H200 cost
 profile (no GPU here, so the machine check is skipped, as in the CPU tests).
 
@@ -33,7 +38,7 @@ profile (no GPU here, so the machine check is skipped, as in the CPU tests).
 -x -C TREE``) as "baseline" engines in the same process, so a before/after comparison is not
 confounded by the machine's speed drifting between runs: its ``vllm_backend`` and ``executor``
 packages are copied under the package name ``baseline``; the rest of ``mla_planner`` (the Rust
-core, routing) is this checkout's, so the two must share it.
+core, routing) is the installed one's, so the two must share it.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import argparse
 import importlib
 import os
 import pathlib
+import random
 import re
 import shutil
 import statistics
@@ -252,10 +258,12 @@ def run_engines(tmp: pathlib.Path, repeats: int, baseline_packages: list[str]) -
     kv_cache = torch.empty((4096, 64, 656), dtype=torch.uint8, device=META)
     block_table = torch.zeros((DECODES + 1, MAX_MODEL_LEN // 64), dtype=torch.int32, device=META)
     commons = {step: common_metadata(q, c, block_table[: len(q)]) for step, (q, c) in STEPS.items()}
-    for r in range(repeats):
+    order = random.Random(0)
+    for _ in range(repeats):
         for step, common in commons.items():
-            for i in range(len(engines)):
-                time_step(engines[(r + i) % len(engines)], step, common, kv_cache)
+            # a fresh order each time: an engine's figure must not depend on which ran before it
+            for engine in order.sample(engines, len(engines)):
+                time_step(engine, step, common, kv_cache)
     return engines
 
 
