@@ -183,10 +183,11 @@ def not_run(ctx: Ctx, server: Server) -> dict[str, Any] | None:
     return None
 
 
-def bench_pair(ctx: Ctx, servers: dict[str, Server], runs: dict[str, dict[str, Any]], workload: str, seed: int,
+def bench_runs(ctx: Ctx, servers: dict[str, Server], runs: dict[str, dict[str, Any]], workload: str, seed: int,
                scale: float) -> None:
-    """``--at-once``: the workload against both servers at the same time, the runs filled in; neither
-    runs if one cannot (a run alone is not a pair)."""
+    """The workload against the server of each engine in ``runs``, all at the same time (one run:
+    alone), the runs filled in with their results and their window in the server logs (for
+    step_log.py compare --ab); none runs if one cannot (a run alone is not a pair)."""
     why = {e: not_run(ctx, servers[e]) for e in runs}
     if any(why.values()):
         for e, run in runs.items():
@@ -197,7 +198,7 @@ def bench_pair(ctx: Ctx, servers: dict[str, Server], runs: dict[str, dict[str, A
                          scale, ctx.left() - 10)
     ended = stamp()
     for e, run in runs.items():
-        run.update(done[e], window=[began, ended], healthy_after=servers[e].healthy(), at_once=True)
+        run.update(done[e], window=[began, ended], healthy_after=servers[e].healthy(), at_once=len(runs) > 1)
 
 
 def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloads: list[str], repeats: int,
@@ -241,16 +242,11 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
                         "call": call["id"], "tag": f"ab{call['id']}-{name}-{w}-{e}", "warmup": r < 0}
                     for e in order}
                 if together:  # both at the same time: the machine's swings hit both runs alike
-                    bench_pair(ctx, servers, runs, w, seed, scale)
+                    bench_runs(ctx, servers, runs, w, seed, scale)
                 for engine in order:
                     run = runs[engine]
                     if not together:
-                        server = servers[engine]
-                        run.update(not_run(ctx, server) or {})
-                        if "status" not in run:
-                            began = stamp()  # the run's lines in the server logs (step_log.py compare --ab)
-                            run.update(bench_workload(ctx, server, w, seed, run["tag"], scale, ctx.left() - 10))
-                            run.update(window=[began, stamp()], healthy_after=server.healthy())
+                        bench_runs(ctx, servers, {engine: run}, w, seed, scale)
                     data["runs"].append(run)
                     save()
                     say(run_line(run["tag"], run))
