@@ -746,7 +746,7 @@ def test_step_log_compares_the_engines_from_vllms_iteration_lines(tmp_path: Path
     assert "| decode-only: mean iteration elapsed time, ms | 2.000 | 1.500 | 0.750 |" in out
     assert "| other steps: tokens (those with busy time) | 8,063 | 8,063 |  |" in out
     assert "| other steps: time per 1K tokens, ms | 11.658 | 8.930 | 0.766 |" in out
-    assert "decode-only steps: the plugin's +33.3% against stock's (3 and 3 gaps)" in out
+    assert "decode-only steps: the plugin's +33.3% against stock's (2 and 2 gaps)" in out
     assert "other steps: stock's time per token 1.306x the plugin's (r)" in out
     assert step_log.compare(step_log.summarize(stock), step_log.summarize([]))[0].startswith(
         "iteration lines: stock 9, plugin 0: nothing to compare")
@@ -757,7 +757,29 @@ def test_step_log_compares_the_engines_from_vllms_iteration_lines(tmp_path: Path
     report = step_log.breakdown(stock, before=True)
     assert "| kind | steps | tokens | decode tokens | gaps before them, s |" in report
     assert "| with context tokens | 1 | 8,063 | 63 | 0.10 |" in report  # the 100 ms before its line
-    assert report[-1].startswith("decode-only steps: mean 3.00 ms inside runs of them (3 gaps")
+    assert report[-1].startswith("decode-only steps: mean 3.00 ms inside runs of them (2 gaps")
+
+
+def test_step_log_gives_a_prefills_host_work_to_the_prefill() -> None:
+    """vLLM writes a step's iteration line as its output arrives, after the engine has done the
+    next step's host work (async scheduling): the gap that closes the last decode-only step before
+    a step with context tokens holds that step's scheduling, build and launches (on the H200, 38-51
+    ms in the 8-layer mix). It is the prefill's time, not a decode-only step's."""
+    # decode-only steps 3 ms apart; the gap closing step 5 (decode-only) holds step 6's host work
+    # (40 ms), step 6 (context tokens) its GPU time (60 ms); then decode-only steps 3 ms apart.
+    times = [0, 3, 6, 9, 12, 52, 112, 115, 118, 121, 124]
+    steps = step_log.parse_iterations("\n".join(
+        iteration_line(t, 8000 if k == 6 else 0, 32, 0.1) for k, t in enumerate(times)))
+    summary = step_log.summarize(steps)
+    assert summary["decode_gaps"] == 4 and summary["decode_gap_ms"] == pytest.approx(3.0)  # not (5 x 3 + 40) / 6
+    assert summary["decode_s"] == pytest.approx(0.030)  # 10 decode-only steps of 3 ms
+    assert summary["other_ms_per_1k"] == pytest.approx(94 / 8.032)  # 124 - 30 ms for 8,032 tokens
+    # the plugin's own lines are written as a step is built, after its planning: the gap after the
+    # last decode-only line holds the next step's planning, and the rule there is one step shorter
+    plugin = step_log.parse("\n".join(step_line(f"00.{t:03d}", "32 tokens, 32 decode tokens, 0 prefills, stock's code")
+                                      for t in (0, 3, 6, 9)))
+    assert len(step_log.split(plugin).decode_gaps) == 2  # after lines 1 and 2 (each with both neighbours)
+    assert len(step_log.split(plugin, before=True).decode_gaps) == 1  # after line 2 it would need line 4
 
 
 VLLM_ITERATION_LINES = """
