@@ -26,7 +26,8 @@ gaps, not E, are the steps' durations. That host work is in the gaps too: the ga
 holds the host work (scheduling, metadata build, planning, launches) of the step after it, so a
 decode-only step's gap counts among the decode-only ones only where the step after it is
 decode-only as well. The one before a step with context tokens carries that step's host work (on
-the H200, the mix on 8 layers: 38-51 ms, against 3 ms for the others).
+the H200, the mix on 8 layers: 38-51 ms, against 3 ms for the others); ``compare`` shows their mean
+apart, the host work the plugin's planning and launches add to a prefill.
 
     python3 tests/e2e/step_log.py config /tmp/step-logging.json   # then VLLM_LOGGING_CONFIG_PATH=/tmp/step-logging.json
     python3 tests/e2e/step_log.py report /tmp/serve/logs/ab0-plugin.log
@@ -224,16 +225,27 @@ def breakdown(steps: list[Step], gap_s: float = DEFAULT_GAP_S, before: bool = Fa
     return lines
 
 
+def host_gaps(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> list[float]:
+    """vLLM's iteration lines: the gaps that close the last decode-only step of a run of them
+    before a step with context tokens, which hold that step's host work (scheduling, metadata
+    build, the plugin's planning, launches) besides the decode-only step's tail, s."""
+    gaps = [b.at_s - a.at_s for a, b in zip(steps, steps[1:])]
+    return [gaps[i] for i in range(len(gaps) - 1)
+            if gaps[i] < gap_s and steps[i].decode_only and steps[i + 1].decode_only and not steps[i + 2].decode_only]
+
+
 def summarize(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> Summary:
     """The figures ``compare`` puts side by side, for one engine's iteration lines."""
     sp = split(steps, gap_s, before=True)
     waits = [s.elapsed_ms for s in steps if s.decode_only and s.elapsed_ms is not None]
+    host = host_gaps(steps, gap_s)
     return {"steps": sp.steps, "busy_s": sp.busy_s, "decode_steps": sp.decode_steps,
             "other_steps": sp.steps - sp.decode_steps, "decode_gaps": len(sp.decode_gaps),
             "decode_gap_ms": None if sp.decode_gap_s is None else sp.decode_gap_s * 1e3,
             "decode_wait_ms": statistics.mean(waits) if waits else None, "decode_s": sp.decode_s,
             "other_tokens": sp.other_tokens,
-            "other_ms_per_1k": sp.other_s / sp.other_tokens * 1e6 if sp.other_s and sp.other_tokens else None}
+            "other_ms_per_1k": sp.other_s / sp.other_tokens * 1e6 if sp.other_s and sp.other_tokens else None,
+            "host_gaps": len(host), "host_gap_ms": statistics.mean(host) * 1e3 if host else None}
 
 
 def compare(a: Summary, b: Summary, gap_s: float = DEFAULT_GAP_S) -> list[str]:
@@ -259,7 +271,10 @@ def compare(a: Summary, b: Summary, gap_s: float = DEFAULT_GAP_S) -> list[str]:
              row("decode-only: their time (mean gap x count), s", "decode_s", ".2f"),
              row("other steps", "other_steps", ",", ratio=False),
              row("other steps: tokens (those with busy time)", "other_tokens", ",", ratio=False),
-             row("other steps: time per 1K tokens, ms", "other_ms_per_1k", ".3f"), ""]
+             row("other steps: time per 1K tokens, ms", "other_ms_per_1k", ".3f"),
+             row("other steps after decode-only ones: the gap before, with their host work, ms", "host_gap_ms",
+                 ".3f"),
+             row("those gaps", "host_gaps", ",", ratio=False), ""]
     return lines + verdict(a, b)
 
 

@@ -774,6 +774,9 @@ def test_step_log_gives_a_prefills_host_work_to_the_prefill() -> None:
     assert summary["decode_gaps"] == 4 and summary["decode_gap_ms"] == pytest.approx(3.0)  # not (5 x 3 + 40) / 6
     assert summary["decode_s"] == pytest.approx(0.030)  # 10 decode-only steps of 3 ms
     assert summary["other_ms_per_1k"] == pytest.approx(94 / 8.032)  # 124 - 30 ms for 8,032 tokens
+    assert summary["host_gaps"] == 1 and summary["host_gap_ms"] == pytest.approx(40.0)  # shown apart
+    assert "| other steps after decode-only ones: the gap before, with their host work, ms | 40.000 | 40.000 | 1.000 |" \
+        in step_log.compare(summary, summary)
     # the plugin's own lines are written as a step is built, after its planning: the gap after the
     # last decode-only line holds the next step's planning, and the rule there is one step shorter
     plugin = step_log.parse("\n".join(step_line(f"00.{t:03d}", "32 tokens, 32 decode tokens, 0 prefills, stock's code")
