@@ -28,7 +28,7 @@ import serve_bench as sb
 from serve_proc import (Server, ServerSpec, check_stop, free_port, gpu_memory_used_mib, gpu_processes, group_pids,
                         log_facts, server_command, server_env, wait_gpu_idle)
 from serve_requests import run_case
-from step_log import ab_steps, decode_pairs, server_logs, stamp
+from step_log import stamp, step_figures
 
 Save = Callable[[], None]
 MIN_BENCH_S = 30  # a bench client takes some seconds to start (prompt sampling): start none with less left
@@ -257,9 +257,7 @@ def phase_ab(ctx: Ctx, data: dict[str, Any], save: Save, *, util: float, workloa
         save()
         if ctx.log_iterations:  # the logs are whole once the servers have stopped
             try:
-                texts = server_logs(ctx.out, call)
-                call["steps"] = ab_steps(texts, data, call)
-                call["step_pairs"] = decode_pairs(texts, data, call)
+                call.update(step_figures(ctx.out, data, call))
             except Exception as exc:  # a figure short, never the phase's own outcome hidden
                 call["steps_error"] = f"{type(exc).__name__}: {exc}"
             save()

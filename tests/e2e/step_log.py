@@ -315,6 +315,14 @@ def ab_steps(texts: dict[str, str], data: dict[str, Any], call: dict[str, Any],
     return found
 
 
+def step_figures(out: Path, data: dict[str, Any], call: dict[str, Any],
+                 gap_s: float = DEFAULT_GAP_S) -> dict[str, Any]:
+    """An ab call's step figures, counted from its server logs in ``out``: per workload and engine
+    (``steps``: ``ab_steps``) and per repeat (``step_pairs``: ``decode_pairs``)."""
+    texts = server_logs(out, call)
+    return {"steps": ab_steps(texts, data, call, gap_s), "step_pairs": decode_pairs(texts, data, call, gap_s)}
+
+
 def plugin_over_stock(values: dict[str, dict[Any, float]]) -> list[float]:
     """Plugin/stock of each key (a repeat's seed) both engines have a value for, in stock's order."""
     stock, plugin = values.get("stock", {}), values.get("plugin", {})

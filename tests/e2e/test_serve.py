@@ -844,6 +844,33 @@ def test_step_log_compares_each_workloads_timed_runs(tmp_path: Path) -> None:
         step_log.main(["compare", "--ab", str(tmp_path), str(tmp_path / "logs" / "s.log")])
 
 
+def test_report_counts_the_steps_again_from_the_logs(tmp_path: Path) -> None:
+    """--report-only counts an ab call's step figures again from its server logs (a run stores
+    them as the step_log of its day counted them); without the logs the stored figures stand."""
+    window = ["12-02 02:30:00.000", "12-02 02:30:00.999"]
+    runs = [{"call": 0, "workload": "chat", "engine": e, "seed": 1010, "repeat": 1, "warmup": False, "status": "ok",
+             "tag": f"ab0-r1-chat-{e}", "window": window, "clients": {"chat": {"result": bench_result(100.0, 50.0)}},
+             "combined": bench_result(100.0, 50.0)} for e in ("stock", "plugin")]
+    stale = {e: step_log.summarize([]) | {"decode_gap_ms": 9.0, "decode_gaps": 1} for e in ("stock", "plugin")}
+    stale["plugin"]["decode_gap_ms"] = 18.0  # +100% as stored
+    call = {"id": 0, "workloads": ["chat"], "util": 0.4, "steps": {"chat": stale}, "step_pairs": {"chat": [2.0]},
+            "servers": {e: {"label": f"ab0-{e}", "engine": e, "log": f"logs/{e}.log"} for e in ("stock", "plugin")}}
+    (tmp_path / "ab.json").write_text(json.dumps({"schema": 1, "phase": "ab", "finished": True, "runs": runs,
+                                                  "calls": [call]}))
+    assert run_serve.main(["--report-only", str(tmp_path)]) == 0
+    assert "decode-only steps: the plugin's +100.0% against stock's (1 and 1 gaps)" in \
+        (tmp_path / serve_report.REPORT_MD).read_text()  # no logs: as stored
+    (tmp_path / "logs").mkdir()
+    for engine, gap in (("stock", 4), ("plugin", 5)):  # decode-only steps 4 and 5 ms apart
+        (tmp_path / "logs" / f"{engine}.log").write_text("\n".join(iteration_line(k * gap, 0, 8, 1.0)
+                                                                  for k in range(20)))
+    assert run_serve.main(["--report-only", str(tmp_path)]) == 0
+    md = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "decode-only steps: the plugin's +25.0% against stock's (17 and 17 gaps)" in md
+    assert "decode-only steps per repeat, plugin/stock: 1.250; median 1.250 (1 pairs)" in md
+    assert json.loads((tmp_path / "ab.json").read_text())["calls"][0]["steps"] == {"chat": stale}  # not rewritten
+
+
 def test_step_log_pairs_each_repeats_runs(tmp_path: Path) -> None:
     """decode_pairs: plugin/stock decode-only gap per repeat (the runs of one seed), in repeat order;
     a repeat one engine did not run makes no pair."""
