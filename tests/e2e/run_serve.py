@@ -93,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                 "16 per rank, as DeepSeek-V3.2 at TP 8)")
     ap.add_argument("--layers", type=int, help="the model's hidden layers (default: its config's, 2; more put more "
                                                  "of each step in attention, as in the real model's 61)")
-    ap.add_argument("--report-only", type=Path, metavar="DIR", help="only write DIR/serve.md from DIR's JSON")
+    ap.add_argument("--report-only", type=Path, metavar="DIR",
+                    help="only write DIR/serve.md from DIR's JSON (the ab step figures from DIR's logs)")
     ap.add_argument("--fake-server", action="store_true", help=argparse.SUPPRESS)  # CPU tests: serve_fakes.py
     ap.add_argument("--fake-bench", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
