@@ -216,18 +216,23 @@ def recount_steps(out: Path, ab: dict[str, Any] | None) -> None:
     """The step figures of each ab call that has them, counted again from its server logs in
     ``out`` by this step_log, so that a report of an older run reads as ``step_log.py compare``
     does now; a call whose logs are not all there, or do not parse, keeps what the run stored."""
-    for call in (ab or {}).get("calls", []):
+    if ab is None:
+        return
+    for call in ab.get("calls", []):
         logs = [rec.get("log") for rec in call.get("servers", {}).values()]
         if "steps" in call and logs and all(log and (out / log).is_file() for log in logs):
             try:
-                call.update(step_log.step_figures(out, ab or {}, call))
+                call.update(step_log.step_figures(out, ab, call))
             except Exception:  # the figures the run stored stand
                 pass
 
 
-def write_report(out: Path) -> str:
+def write_report(out: Path, recount: bool = False) -> str:
+    """DIR/serve.md from DIR's phase files; with ``recount`` (``--report-only``) the ab step figures
+    from DIR's logs. A phase has just counted its own, so its report does not parse the logs again."""
     phases = serve_report.load_dir(out)
-    recount_steps(out, phases.get("ab"))
+    if recount:
+        recount_steps(out, phases.get("ab"))
     text = serve_report.render(phases)
     (out / serve_report.REPORT_MD).write_text(text)
     return text
@@ -294,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.report_only:
-        print(write_report(args.report_only))
+        print(write_report(args.report_only, recount=True))
         return 0
     if args.detach:
         detach(args, argv)
@@ -306,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = run_phase(args)
     finally:
-        write_report(args.out)
-    print(write_report(args.out))
+        text = write_report(args.out)
+    print(text)
     return rc
 
 
