@@ -170,11 +170,16 @@ def parse_iterations(text: str, windows: list[Window] | None = None) -> list[Ste
                  float(m[7])) for at, m in _matches(text, ITERATION, windows)]
 
 
+def line_gaps(steps: list[Step]) -> list[float]:
+    """The gap between each line and the next, s."""
+    return [b.at_s - a.at_s for a, b in zip(steps, steps[1:])]
+
+
 def own_gaps(steps: list[Step], before: bool) -> list[float | None]:
     """Each step's gap: the one after its line where the line is written as the step starts (the
     plugin's), the one before where it is written as the step's output arrives (vLLM's iteration
     lines); None for the log's first or last step."""
-    gaps: list[float | None] = [b.at_s - a.at_s for a, b in zip(steps, steps[1:])]
+    gaps = line_gaps(steps)
     return [None, *gaps] if before else [*gaps, None]
 
 
@@ -186,7 +191,7 @@ def split(steps: list[Step], gap_s: float = DEFAULT_GAP_S, before: bool = False)
     may hold are decode-only: ``i - 1`` to ``i + 1`` for the plugin's lines (written as a step is
     built, after its planning), and ``i + 2`` too for vLLM's iteration lines (``before``: written as
     step ``i + 1``'s output arrives, after the host work of step ``i + 2``)."""
-    gaps = [b.at_s - a.at_s for a, b in zip(steps, steps[1:])]
+    gaps = line_gaps(steps)
     last = 2 if before else 1  # the furthest step whose work the gap after line i holds
     inner = [gaps[i] for i in range(1, len(gaps))
              if gaps[i] < gap_s and i + last < len(steps)
@@ -229,7 +234,7 @@ def host_gaps(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> list[float]:
     """vLLM's iteration lines: the gaps that close the last decode-only step of a run of them
     before a step with context tokens, which hold that step's host work (scheduling, metadata
     build, the plugin's planning, launches) besides the decode-only step's tail, s."""
-    gaps = [b.at_s - a.at_s for a, b in zip(steps, steps[1:])]
+    gaps = line_gaps(steps)
     return [gaps[i] for i in range(len(gaps) - 1)
             if gaps[i] < gap_s and steps[i].decode_only and steps[i + 1].decode_only and not steps[i + 2].decode_only]
 
