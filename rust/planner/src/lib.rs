@@ -5,6 +5,7 @@
 //! immutable plan of kernel launches with the bytes each allocates comes
 //! out. Nothing here depends on Python; `rust/bindings` wraps it.
 
+pub mod bounds;
 pub mod config;
 pub mod cost;
 pub mod error;

@@ -91,6 +91,10 @@ pub struct StepPlan {
     pub mode: StepMode,
     pub num_tokens: u64,
     pub num_decodes: usize,
+    /// The decodes' query length: 1, or 1 + the speculative tokens (0 when no decode has tokens;
+    /// CUDA-graph padding adds decodes of length 0). A decode launch of the separate route runs
+    /// its tokens as `tokens / decode_query_len` requests of this length.
+    pub decode_query_len: u64,
     /// Prefill groups and their routes; request indices count from the
     /// step's first request (decodes included).
     pub prefill_groups: Vec<PrefillGroup>,
@@ -150,15 +154,22 @@ impl Step<'_> {
                 got: self.num_decodes.to_string(),
             });
         }
-        // vLLM's decodes share one query length (FlashMLA sparse requires uniform decodes).
+        // vLLM's decodes share one query length (FlashMLA sparse requires uniform decodes); a
+        // decode batch padded up to a captured CUDA-graph size carries requests of length 0.
         let decodes = &self.query_lens[..self.num_decodes];
-        if let Some(&first) = decodes.first() {
-            if first == 0 || decodes.iter().any(|&q| q != first) || first > MAX_DECODE_QUERY_LEN {
-                return Err(PlanError::InvalidArgument {
-                    what: "decode query lengths",
-                    rule: "one length for every decode, between 1 and 1024 (vLLM's decode threshold); longer requests are prefills",
-                    got: format!("{:?}", &decodes[..decodes.len().min(8)]),
-                });
+        if let Some(first) = decodes.iter().position(|&q| q > 0) {
+            let len = decodes[first];
+            let bad = |got: String| PlanError::InvalidArgument {
+                what: "decode query lengths",
+                rule: "one length for every decode (CUDA-graph padding of length 0 aside), between 1 and 1024 \
+                       (vLLM's decode threshold); longer requests are prefills",
+                got,
+            };
+            if len > MAX_DECODE_QUERY_LEN {
+                return Err(bad(format!("{len} at request {first}")));
+            }
+            if let Some(other) = decodes.iter().position(|&q| q > 0 && q != len) {
+                return Err(bad(format!("{len} at request {first} and {} at request {other}", decodes[other])));
             }
         }
         if let Some(i) = self.query_lens[self.num_decodes..].iter().position(|&q| q == 0) {
@@ -169,6 +180,11 @@ impl Step<'_> {
             });
         }
         Ok(())
+    }
+
+    /// The decodes' query length (0 when no decode has tokens).
+    pub fn decode_query_len(&self) -> u64 {
+        self.query_lens[..self.num_decodes].iter().copied().find(|&q| q > 0).unwrap_or(0)
     }
 
     /// `[start, end)` token offsets of every request.
@@ -218,7 +234,19 @@ impl Launches {
 
 /// Plan one step exactly as the executor runs it.
 pub fn plan_step(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
-    plan_launches(step, cfg).map_err(|e| match e {
+    plan_following(step, cfg, None)
+}
+
+/// [`plan_step`] on the separate route with the prefills gathered in `gather_chunks`, request
+/// ranges of the step (decodes first) that cover its prefills in order: vLLM's own
+/// `split_prefill_chunks` of the step, which the plan follows where it differs from the
+/// planner's (a workspace vLLM sized otherwise, a chunking a test patched).
+pub fn plan_step_in_chunks(step: Step<'_>, cfg: &StepConfig, gather_chunks: &[Range<usize>]) -> Result<StepPlan> {
+    plan_following(step, cfg, Some(gather_chunks))
+}
+
+fn plan_following(step: Step<'_>, cfg: &StepConfig, gather_chunks: Option<&[Range<usize>]>) -> Result<StepPlan> {
+    plan_launches(step, cfg, gather_chunks).map_err(|e| match e {
         // The planners see the launch budget; the operator gave the scratch budget, which also
         // holds the allocator's reserve: speak of that one.
         PlanError::BudgetTooSmall { budget, minimum, tokens, num_heads, arch, detail } => PlanError::BudgetTooSmall {
@@ -238,7 +266,7 @@ fn budget_reserve(cfg: &StepConfig, launch_budget: u64) -> u64 {
     cfg.scratch_budget_bytes.saturating_sub(launch_budget.min(cfg.launch_budget_bytes()))
 }
 
-fn plan_launches(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
+fn plan_launches(step: Step<'_>, cfg: &StepConfig, given_chunks: Option<&[Range<usize>]>) -> Result<StepPlan> {
     cfg.validate()?;
     step.validate()?;
     let starts = step.token_starts()?;
@@ -280,8 +308,14 @@ fn plan_launches(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
             }
             for run in sparse_runs.iter().filter(|r| r.end > d) {
                 let first = run.start.max(d);
-                for chunk in plan_gather_chunks(&prefills[first - d..run.end - d], cfg.gather_workspace_rows)? {
-                    let chunk = shift(chunk, first);
+                let chunks = match given_chunks {
+                    Some(given) => chunks_over(given, first..run.end, &step)?,
+                    None => plan_gather_chunks(&prefills[first - d..run.end - d], cfg.gather_workspace_rows)?
+                        .into_iter()
+                        .map(|chunk| shift(chunk, first))
+                        .collect(),
+                };
+                for chunk in chunks {
                     let (chunk_tokens, requests) = match &chunk {
                         GatherChunk::Requests { requests, .. } => (tokens.of(requests), requests.clone()),
                         GatherChunk::Split { request, query, .. } => {
@@ -337,6 +371,7 @@ fn plan_launches(step: Step<'_>, cfg: &StepConfig) -> Result<StepPlan> {
         mode,
         num_tokens: starts[n],
         num_decodes: d,
+        decode_query_len: step.decode_query_len(),
         peak_bytes: launches.iter().map(|l| l.bytes).max().unwrap_or(0),
         indexer_peak_bytes: indexer_chunks.iter().map(IndexerChunk::logits_bytes).max().unwrap_or(0),
         prefill_groups,
@@ -384,7 +419,36 @@ fn shift(chunk: GatherChunk, by: usize) -> GatherChunk {
     }
 }
 
-fn mixed_config(cfg: &StepConfig, budget_bytes: u64) -> MixedBatchConfig {
+/// The given gather chunks (request ranges of the step) that cover `run`, the step's sparse
+/// prefills, as the plan's chunks; they must tile it in order.
+fn chunks_over(given: &[Range<usize>], run: Range<usize>, step: &Step<'_>) -> Result<Vec<GatherChunk>> {
+    let mut next = run.start;
+    let mut out = Vec::with_capacity(given.len());
+    for chunk in given {
+        if chunk.start != next || chunk.end <= chunk.start || chunk.end > run.end {
+            return Err(PlanError::InvalidArgument {
+                what: "gather_chunks",
+                rule: "non-empty request ranges that cover the step's sparse prefills in order",
+                got: format!("{given:?} for prefills {run:?}"),
+            });
+        }
+        let rows = chunk.clone().try_fold(0u64, |acc, r| {
+            add("gather chunk rows", acc, add("seq_len", step.query_lens[r], step.context_lens[r])?)
+        })?;
+        out.push(GatherChunk::Requests { requests: chunk.clone(), rows });
+        next = chunk.end;
+    }
+    if next != run.end {
+        return Err(PlanError::InvalidArgument {
+            what: "gather_chunks",
+            rule: "non-empty request ranges that cover the step's sparse prefills in order",
+            got: format!("{given:?} for prefills {run:?}"),
+        });
+    }
+    Ok(out)
+}
+
+pub(crate) fn mixed_config(cfg: &StepConfig, budget_bytes: u64) -> MixedBatchConfig {
     MixedBatchConfig {
         gpu: cfg.gpu,
         num_heads: cfg.num_heads,
@@ -452,22 +516,15 @@ fn plan_mixed_run(run: Range<u64>, cfg: &StepConfig, tokens: &Tokens<'_>, out: &
 
 /// Decodes in the separate mode: the decode kernel over batches of
 /// requests (scratch grows with the batch), balanced under the budget.
+/// Decodes of length 0 (CUDA-graph padding) have no tokens and are in no
+/// launch: a launch of `n` tokens runs `n / s_q` requests of `s_q` tokens.
 fn plan_decodes(step: &Step<'_>, cfg: &StepConfig, tokens: &Tokens<'_>, out: &mut Launches) -> Result<Bound> {
-    let d = step.num_decodes as u64;
-    let s_q = step.query_lens[0];
-    let buffers = |batch: u64| -> Result<Breakdown> {
-        decode_scratch(
-            cfg.gpu,
-            DecodeShape {
-                batch,
-                s_q,
-                num_heads: cfg.num_heads,
-                topk: cfg.topk,
-                out_preallocated: cfg.decode_writes_in_place(),
-                translated_indices: cfg.execution.translated_indices,
-            },
-        )
-    };
+    let s_q = step.decode_query_len();
+    if s_q == 0 {
+        return Ok(Bound::Unbounded);
+    }
+    let d = step.query_lens[..step.num_decodes].iter().filter(|&&q| q > 0).count() as u64;
+    let buffers = |batch: u64| -> Result<Breakdown> { decode_scratch(cfg.gpu, decode_shape(cfg, batch, s_q)) };
     let bytes = |batch: u64| buffers(batch)?.total();
     let budget = cfg.launch_budget_bytes();
     if bytes(1)? > budget {
@@ -493,12 +550,13 @@ fn plan_decodes(step: &Step<'_>, cfg: &StepConfig, tokens: &Tokens<'_>, out: &mu
     }
     out.reserve(d.div_ceil(lo), "the decode launches")?;
     for r in balanced(d, lo) {
-        let requests = r.start as usize..r.end as usize;
+        // Decode tokens come first, request after request: the batch's tokens.
+        let range = r.start * s_q..r.end * s_q;
         let buffers = buffers(r.end - r.start)?;
         out.list.push(KernelLaunch {
             kernel: Kernel::SparseDecode,
-            tokens: tokens.of(&requests),
-            requests,
+            requests: tokens.requests(&range),
+            tokens: range,
             gather_chunk: None,
             bytes: buffers.total()?,
             buffers,
@@ -507,7 +565,19 @@ fn plan_decodes(step: &Step<'_>, cfg: &StepConfig, tokens: &Tokens<'_>, out: &mu
     Ok(if lo < d { Bound::Budget } else { Bound::Unbounded })
 }
 
-fn prefill_shape(cfg: &StepConfig, s_q: u64, in_place: bool) -> PrefillShape {
+/// One call of the decode kernel over `batch` decodes of `s_q` tokens, as the executor makes it.
+pub(crate) fn decode_shape(cfg: &StepConfig, batch: u64, s_q: u64) -> DecodeShape {
+    DecodeShape {
+        batch,
+        s_q,
+        num_heads: cfg.num_heads,
+        topk: cfg.topk,
+        out_preallocated: cfg.decode_writes_in_place(),
+        translated_indices: cfg.execution.translated_indices,
+    }
+}
+
+pub(crate) fn prefill_shape(cfg: &StepConfig, s_q: u64, in_place: bool) -> PrefillShape {
     PrefillShape {
         s_q,
         num_heads: cfg.num_heads,
@@ -521,7 +591,7 @@ fn prefill_shape(cfg: &StepConfig, s_q: u64, in_place: bool) -> PrefillShape {
 
 /// Whether a prefill launch writes straight into the step's output: only
 /// when it is the one window of its query tokens (split requests merge).
-fn prefill_in_place(cfg: &StepConfig) -> bool {
+pub(crate) fn prefill_in_place(cfg: &StepConfig) -> bool {
     cfg.prefill_writes_in_place()
 }
 
@@ -732,6 +802,64 @@ mod tests {
         assert!(
             plan_step(Step { query_lens: &[1], context_lens: &[0], num_decodes: 2 }, &cfg(16, KvDtype::Fp8)).is_err()
         );
+    }
+
+    #[test]
+    fn cuda_graph_padding_and_speculative_decodes_plan() {
+        // vLLM pads a uniform decode batch up to a captured graph size with requests of length 0;
+        // with speculative decoding the real decodes carry 1 + k tokens each.
+        for mode in [StepMode::MixedBatch, StepMode::SeparatePrefillDecode] {
+            let config = cfg(16, KvDtype::Fp8).with_mode(mode);
+            for (q, d) in [(vec![1, 1, 0, 0], 4), (vec![2, 2, 2, 0], 4), (vec![0, 0], 2), (vec![3, 3, 0, 5000], 3)] {
+                let c = vec![100; q.len()];
+                let plan = plan_step(Step { query_lens: &q, context_lens: &c, num_decodes: d }, &config).unwrap();
+                let tokens: u64 = q.iter().sum();
+                assert_eq!(plan.num_tokens, tokens);
+                assert_eq!(plan.launches.iter().map(KernelLaunch::len).sum::<u64>(), tokens, "{mode:?} {q:?}");
+                assert_eq!(plan.decode_query_len, q[..d].iter().copied().find(|&x| x > 0).unwrap_or(0));
+                // The separate route's decode launches run whole requests (the mixed route cuts tokens).
+                let separate_decodes = plan.launches.iter().filter(|l| l.kernel == Kernel::SparseDecode);
+                for l in separate_decodes.filter(|_| mode == StepMode::SeparatePrefillDecode) {
+                    assert_eq!(l.len() % plan.decode_query_len, 0, "{mode:?}: a decode launch runs whole requests");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn mixed_decode_lengths_are_refused_naming_the_lengths_that_differ() {
+        let q = [2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 0];
+        let c = [9; 11];
+        let err = plan_step(Step { query_lens: &q, context_lens: &c, num_decodes: 11 }, &cfg(16, KvDtype::Fp8))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("2 at request 0 and 3 at request 9"), "{err}");
+    }
+
+    #[test]
+    fn the_plan_follows_given_gather_chunks() {
+        let (q, c) = ([1, 3000, 2500, 2100], [9, 0, 50, 0]);
+        let step = Step { query_lens: &q, context_lens: &c, num_decodes: 1 };
+        let config = cfg(32, KvDtype::Fp8).with_mode(StepMode::SeparatePrefillDecode);
+        let own = plan_step(step, &config).unwrap();
+        assert_eq!(own.gather_chunks.len(), 1, "the planner's own: one chunk");
+        let given = [1..2, 2..4];
+        let plan = plan_step_in_chunks(step, &config, &given).unwrap();
+        assert_eq!(
+            plan.gather_chunks,
+            vec![
+                GatherChunk::Requests { requests: 1..2, rows: 3000 },
+                GatherChunk::Requests { requests: 2..4, rows: 4650 }
+            ]
+        );
+        for l in plan.launches.iter().filter(|l| l.kernel == Kernel::SparsePrefill) {
+            let chunk = &given[l.gather_chunk.unwrap()];
+            assert!(chunk.start <= l.requests.start && l.requests.end <= chunk.end, "{l:?}");
+        }
+        for bad in [&[1..2][..], &[1..3, 2..4][..], &[2..4][..]] {
+            let err = plan_step_in_chunks(step, &config, bad).unwrap_err().to_string();
+            assert!(err.contains("gather_chunks"), "{err}");
+        }
     }
 
     proptest! {

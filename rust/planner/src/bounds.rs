@@ -1,0 +1,258 @@
+//! What any step an engine can be handed needs, known before the first step: the smallest
+//! scratch budget under which every such step plans, and the most one launch of those plans
+//! allocates beyond what the caller's workspace holds. Both follow from the configuration and
+//! two limits of the engine: the most tokens of a step and the longest decode.
+
+use crate::config::{StepConfig, StepMode, ALLOCATOR_RESERVE_BYTES};
+use crate::error::{add, Result};
+use crate::geometry::decode_padded_heads;
+use crate::limits::max_tokens_per_launch;
+use crate::plan::prefill_launch_tokens;
+use crate::scratch::{decode_scratch, prefill_scratch, Breakdown};
+use crate::step::{decode_shape, mixed_config, prefill_in_place, prefill_shape, MAX_DECODE_QUERY_LEN};
+
+/// The steps an engine may hand the planner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineLimits {
+    /// The most query tokens of one step (vLLM's `max_num_batched_tokens`).
+    pub max_step_tokens: u64,
+    /// The longest decode request: vLLM's decode threshold (its builder counts requests of up to
+    /// this many query tokens as decodes; at least 1 + the speculative tokens).
+    pub max_decode_query_len: u64,
+}
+
+impl EngineLimits {
+    /// The longest decode a step can hold.
+    fn longest_decode(&self) -> u64 {
+        self.max_decode_query_len.min(MAX_DECODE_QUERY_LEN).min(self.max_step_tokens).max(1)
+    }
+}
+
+/// The smallest scratch budget under which every step within `limits` plans on `cfg`'s route.
+/// A plan cuts a step down to the kernels' smallest units, so the budget must hold the largest
+/// of those: one token of the decode kernel (mixed batch), one whole decode request and one token
+/// of the prefill kernel (separate route). Below 133 tokens the decode kernel's accumulators do
+/// not shrink with the tokens, so every decode length up to the longest is a unit of its own.
+/// BF16 steps run vLLM's own call, whatever the budget.
+pub fn min_scratch_budget(cfg: &StepConfig, limits: EngineLimits) -> Result<u64> {
+    cfg.validate()?;
+    let unit = match cfg.mode() {
+        StepMode::MixedBatch => mixed_config(cfg, u64::MAX).launch_scratch(1)?.total_bytes(),
+        StepMode::SeparatePrefillDecode => {
+            let prefill = prefill_scratch(cfg.gpu.arch, prefill_shape(cfg, 1, prefill_in_place(cfg)))?;
+            (1..=limits.longest_decode()).try_fold(prefill.total_bytes(), |most, s_q| {
+                Ok::<u64, crate::PlanError>(most.max(decode_scratch(cfg.gpu, decode_shape(cfg, 1, s_q))?.total_bytes()))
+            })?
+        }
+        StepMode::Bf16 => 1,
+    };
+    add("the smallest budget", unit, ALLOCATOR_RESERVE_BYTES)
+}
+
+/// The most one launch of any plan within `limits` on `cfg`'s route allocates, less its padded
+/// q and kernel output where the caller's workspace holds those: `served_heads` is the heads of
+/// the workspace's padded q and output (vLLM 0.33's views; `None`: no such workspace), and a
+/// launch whose kernel runs that many heads takes both from it. This is what must be reserved
+/// for the launches beyond the workspace; the budget bounds every launch's own bytes.
+pub fn largest_launch_bytes(cfg: &StepConfig, limits: EngineLimits, served_heads: Option<u32>) -> Result<u64> {
+    cfg.validate()?;
+    let budget = cfg.launch_budget_bytes();
+    let beyond = |buffers: &Breakdown, kernel_heads: u32| {
+        let served = if served_heads == Some(kernel_heads) { buffers.get("q_padded") + buffers.get("out") } else { 0 };
+        buffers.total_bytes() - served
+    };
+    match cfg.mode() {
+        StepMode::MixedBatch => {
+            let heads = decode_padded_heads(cfg.num_heads)?;
+            let mixed = mixed_config(cfg, budget);
+            let cap = limits.max_step_tokens.min(max_tokens_per_launch(heads).0);
+            let fits = |len: u64| Ok::<bool, crate::PlanError>(mixed.launch_scratch(len)?.total_bytes() <= budget);
+            // Up to num_sms tokens the bytes rise and fall with the length: each length counts.
+            // Past it they grow with it: the longest that fits is the largest.
+            let knee = u64::from(cfg.gpu.num_sms).min(cap);
+            let mut lengths: Vec<u64> = Vec::new();
+            for len in 1..=knee {
+                if fits(len)? {
+                    lengths.push(len);
+                }
+            }
+            if cap > knee && fits(knee + 1)? {
+                let (mut lo, mut hi) = (knee + 1, cap);
+                while lo < hi {
+                    let mid = lo + (hi - lo).div_ceil(2);
+                    if fits(mid)? {
+                        lo = mid;
+                    } else {
+                        hi = mid - 1;
+                    }
+                }
+                lengths.push(lo);
+            }
+            // A launch holds the padded q of its plan's longest launch: where the workspace does
+            // not serve it, count the longest one's with every launch.
+            let longest = lengths.iter().copied().max().unwrap_or(0);
+            let held = if longest == 0 || served_heads == Some(heads) {
+                0
+            } else {
+                mixed.launch_scratch(longest)?.get("q_padded")
+            };
+            lengths.into_iter().try_fold(0u64, |most, len| {
+                let own = mixed.launch_scratch(len)?;
+                let bytes = beyond(&own, heads) - own.get("q_padded").min(held) + held;
+                Ok(most.max(bytes.min(budget)))
+            })
+        }
+        StepMode::SeparatePrefillDecode => {
+            let heads = cfg.decode_heads();
+            let mut most = 0u64;
+            for s_q in 1..=limits.longest_decode() {
+                let bytes = |batch: u64| decode_scratch(cfg.gpu, decode_shape(cfg, batch, s_q));
+                let (mut lo, mut hi) = (0u64, limits.max_step_tokens / s_q);
+                while lo < hi {
+                    let mid = lo + (hi - lo).div_ceil(2);
+                    if bytes(mid)?.total_bytes() <= budget {
+                        lo = mid;
+                    } else {
+                        hi = mid - 1;
+                    }
+                }
+                if lo > 0 {
+                    most = most.max(beyond(&bytes(lo)?, heads));
+                }
+            }
+            let in_place = prefill_in_place(cfg);
+            let Ok((per_launch, _)) = prefill_launch_tokens(cfg.gpu.arch, prefill_shape(cfg, 1, in_place), budget)
+            else {
+                return Ok(most); // no prefill token fits: no plan has a prefill launch
+            };
+            let longest = per_launch.min(limits.max_step_tokens);
+            if longest > 0 {
+                let own = prefill_scratch(cfg.gpu.arch, prefill_shape(cfg, longest, in_place))?;
+                most = most.max(beyond(&own, cfg.prefill_heads()));
+            }
+            Ok(most)
+        }
+        StepMode::Bf16 => Ok(0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Execution;
+    use crate::geometry::{Gpu, KvDtype};
+    use crate::step::{plan_step, Kernel, Step};
+    use proptest::prelude::*;
+
+    fn config(num_heads: u32, budget: u64, mode: StepMode, native: bool) -> StepConfig {
+        let cfg = StepConfig::vllm(Gpu::h200(), num_heads, 2048, KvDtype::Fp8, budget, 70_000, false, true).unwrap();
+        StepConfig { execution: Execution { native_prefill_heads: native, ..cfg.execution }, ..cfg.with_mode(mode) }
+    }
+
+    /// A step of `decodes` requests of `s_q` tokens (`padding` more of length 0, as CUDA-graph
+    /// padding adds them) and prefills of `prefills` tokens, each after `context` cached ones.
+    fn lengths(
+        decodes: usize,
+        s_q: u64,
+        padding: usize,
+        prefills: &[u64],
+        context: u64,
+    ) -> (Vec<u64>, Vec<u64>, usize) {
+        let mut q = vec![s_q; decodes];
+        q.extend(std::iter::repeat_n(0, padding));
+        let d = q.len();
+        q.extend_from_slice(prefills);
+        let c = q.iter().map(|_| context).collect();
+        (q, c, d)
+    }
+
+    #[test]
+    fn the_smallest_budget_names_the_largest_unit() {
+        let limits = EngineLimits { max_step_tokens: 8192, max_decode_query_len: 128 };
+        // Mixed batch: one token of the decode kernel, 132 + 1 split parts of 64 heads.
+        let mixed = config(16, 1 << 30, StepMode::MixedBatch, false);
+        let one_token = mixed_config(&mixed, u64::MAX).launch_scratch(1).unwrap().total_bytes();
+        assert_eq!(min_scratch_budget(&mixed, limits).unwrap(), one_token + ALLOCATOR_RESERVE_BYTES);
+        // Separate: the worst decode length up to 90 (66 tokens keep two split parts), not 90.
+        let separate = config(64, 1 << 30, StepMode::SeparatePrefillDecode, false);
+        let at = |s_q| decode_scratch(Gpu::h200(), decode_shape(&separate, 1, s_q)).unwrap().total_bytes();
+        let worst = (1..=90).map(at).max().unwrap();
+        assert!(worst > at(90), "the worst decode is not the longest");
+        let short = EngineLimits { max_decode_query_len: 90, ..limits };
+        assert_eq!(min_scratch_budget(&separate, short).unwrap(), worst + ALLOCATOR_RESERVE_BYTES);
+        // Longer decodes need more: 256 tokens (vLLM 0.33's threshold at 64 heads) need 64.4 MiB.
+        let longer = EngineLimits { max_decode_query_len: 256, ..limits };
+        assert!(min_scratch_budget(&separate, longer).unwrap() > 64 << 20);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3_000))]
+
+        /// At the smallest budget every step within the limits plans (CUDA-graph padding and
+        /// speculative decodes among them); one byte less and the step of the largest unit does not.
+        #[test]
+        fn every_step_plans_at_the_smallest_budget(
+            heads in prop_oneof![Just(16u32), Just(32), Just(64), Just(128)],
+            separate in any::<bool>(),
+            native in any::<bool>(),
+            max_decode in 1u64..300,
+            decodes in 0usize..40,
+            padding in 0usize..8,
+            s_q_draw in 1u64..300,
+            prefills in prop::collection::vec(1u64..3000, 0..3),
+            context in 0u64..5000,
+        ) {
+            let mode = if separate { StepMode::SeparatePrefillDecode } else { StepMode::MixedBatch };
+            let native = native && separate && crate::geometry::prefill_runs_native(heads, Gpu::h200().arch);
+            let limits = EngineLimits { max_step_tokens: 16_384, max_decode_query_len: max_decode };
+            let probe = config(heads, 1 << 30, mode, native);
+            let min = min_scratch_budget(&probe, limits).unwrap();
+            let cfg = StepConfig { scratch_budget_bytes: min, ..probe };
+            let s_q = 1 + s_q_draw % limits.longest_decode();
+            let (q, c, d) = lengths(decodes, s_q, padding, &prefills, context);
+            let step = Step { query_lens: &q, context_lens: &c, num_decodes: d };
+            let plan = plan_step(step, &cfg);
+            prop_assert!(plan.is_ok(), "{:?} at {} B: {}", (&q, d), min, plan.unwrap_err());
+            let below = StepConfig { scratch_budget_bytes: min - 1, ..probe };
+            let units: Vec<(Vec<u64>, usize)> = match mode {
+                StepMode::MixedBatch => vec![(vec![1], 0)],
+                _ => (1..=limits.longest_decode()).map(|s| (vec![s], 1)).chain([(vec![1], 0)]).collect(),
+            };
+            let fails = units.iter().any(|(q, d)| {
+                let c = vec![0; q.len()];
+                plan_step(Step { query_lens: q, context_lens: &c, num_decodes: *d }, &below).is_err()
+            });
+            prop_assert!(fails, "every unit plans one byte below the smallest budget");
+        }
+
+        /// No launch of any plan within the limits allocates more beyond the workspace than
+        /// `largest_launch_bytes` says: what the reservation must hold.
+        #[test]
+        fn no_launch_outgrows_the_largest(
+            heads in prop_oneof![Just(16u32), Just(32), Just(64), Just(128)],
+            separate in any::<bool>(),
+            budget_mib in 40u64..2048,
+            workspace in any::<bool>(),
+            decodes in 0usize..300,
+            padding in 0usize..8,
+            s_q in 1u64..5,
+            prefills in prop::collection::vec(1u64..9000, 0..4),
+            context in 0u64..5000,
+        ) {
+            let mode = if separate { StepMode::SeparatePrefillDecode } else { StepMode::MixedBatch };
+            let limits = EngineLimits { max_step_tokens: 16_384, max_decode_query_len: 4 };
+            let probe = config(heads, budget_mib << 20, mode, false);
+            prop_assume!(min_scratch_budget(&probe, limits).unwrap() <= probe.scratch_budget_bytes);
+            let (q, c, d) = lengths(decodes, s_q, padding, &prefills, context);
+            prop_assume!(q.iter().sum::<u64>() <= limits.max_step_tokens);
+            let served_heads = workspace.then(|| probe.prefill_padded_heads());
+            let largest = largest_launch_bytes(&probe, limits, served_heads).unwrap();
+            let plan = plan_step(Step { query_lens: &q, context_lens: &c, num_decodes: d }, &probe).unwrap();
+            for l in &plan.launches {
+                let kernel_heads = if l.kernel == Kernel::SparseDecode { probe.decode_heads() } else { plan.prefill_heads };
+                let served = if served_heads == Some(kernel_heads) { l.buffers.get("q_padded") + l.buffers.get("out") } else { 0 };
+                prop_assert!(l.bytes - served <= largest, "{:?} of {} tokens: {} > {}", l.kernel, l.len(), l.bytes - served, largest);
+            }
+        }
+    }
+}
