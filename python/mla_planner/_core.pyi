@@ -74,6 +74,14 @@ class StepConfig:
         """The budget less the allocator's reserve: what one launch may allocate."""
     @property
     def max_model_len(self) -> int | None: ...
+    def min_scratch_budget(self, max_step_tokens: int, max_decode_query_len: int) -> int:
+        """The smallest ``scratch_budget_bytes`` under which every step of this configuration's route
+        plans, for steps of at most ``max_step_tokens`` tokens and decodes of at most
+        ``max_decode_query_len`` tokens each."""
+    def largest_launch_bytes(self, max_step_tokens: int, max_decode_query_len: int,
+                             served_heads: int | None = None) -> int:
+        """The most one launch of any plan of this route allocates within those limits, less its
+        padded q and kernel output where the kernel runs ``served_heads`` (a workspace holds them)."""
     @property
     def gather_workspace_rows(self) -> int: ...
     @property
@@ -166,6 +174,9 @@ class StepPlan:
     def num_tokens(self) -> int: ...
     @property
     def num_decodes(self) -> int: ...
+    @property
+    def decode_query_len(self) -> int:
+        """The decodes' query length (1, or 1 + speculative tokens); 0 when no decode has tokens."""
     @property
     def launches(self) -> IntArray:
         """(n, 5): token_start, token_end, req_start, req_end, gather chunk (-1: none)."""
@@ -293,8 +304,11 @@ def plan_prefill_groups(
 ) -> PrefillGroups: ...
 def step_mode(num_heads: int, *, kv_dtype: str = "fp8") -> Mode:
     """vLLM's mode for steps of ``num_heads`` heads per rank."""
-def plan_step(query_lens: ArrayLike, context_lens: ArrayLike, num_decodes: int, config: StepConfig) -> StepPlan:
-    """Plan one step under ``config``: its launches are exactly the kernel calls the executor issues."""
+def plan_step(query_lens: ArrayLike, context_lens: ArrayLike, num_decodes: int, config: StepConfig, *,
+              gather_chunks: ArrayLike | None = None) -> StepPlan:
+    """Plan one step under ``config``: its launches are exactly the kernel calls the executor issues.
+    ``gather_chunks``: ``(n, 2)`` request ranges in which vLLM gathers the prefills (separate route),
+    followed instead of the planner's own."""
 
 # --- cost model (rust/bindings/src/cost.rs) --------------------------------
 

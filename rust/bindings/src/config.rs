@@ -1,6 +1,7 @@
 //! `StepConfig`: the one step configuration, built once per engine and passed
 //! to `plan_step` and the cost model as a single frozen object.
 
+use mla_planner::bounds::{self, EngineLimits};
 use mla_planner::config::{self as core, Execution, StepMode};
 use mla_planner::geometry::KvDtype;
 use mla_planner::plan::MaskConfig;
@@ -96,6 +97,13 @@ getters! { StepConfig {
     /// The prefill kernel writes straight into the step's output.
     prefill_writes_in_place: bool = |c| c.prefill_writes_in_place();
 } }
+
+fn limits(max_step_tokens: &Bound<'_, PyAny>, max_decode_query_len: &Bound<'_, PyAny>) -> PyResult<EngineLimits> {
+    Ok(EngineLimits {
+        max_step_tokens: count(max_step_tokens, "max_step_tokens")?,
+        max_decode_query_len: count(max_decode_query_len, "max_decode_query_len")?,
+    })
+}
 
 fn execution(name: &str) -> PyResult<Execution> {
     match name {
@@ -222,6 +230,32 @@ impl StepConfig {
     #[getter]
     fn max_model_len(&self) -> Option<u64> {
         self.max_model_len
+    }
+
+    /// The smallest `scratch_budget_bytes` under which every step of this configuration's
+    /// route plans, for an engine whose steps carry at most `max_step_tokens` tokens and whose
+    /// decodes at most `max_decode_query_len` tokens each (vLLM's decode threshold).
+    #[pyo3(signature = (max_step_tokens, max_decode_query_len))]
+    fn min_scratch_budget(
+        &self,
+        max_step_tokens: &Bound<'_, PyAny>,
+        max_decode_query_len: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        bounds::min_scratch_budget(&self.inner, limits(max_step_tokens, max_decode_query_len)?).py()
+    }
+
+    /// The most one launch of any plan of this configuration's route allocates, for the same
+    /// engine limits, less its padded q and kernel output where the kernel runs `served_heads`
+    /// (the heads of a caller's workspace views that hold both; `None`: no such workspace).
+    #[pyo3(signature = (max_step_tokens, max_decode_query_len, served_heads=None))]
+    fn largest_launch_bytes(
+        &self,
+        max_step_tokens: &Bound<'_, PyAny>,
+        max_decode_query_len: &Bound<'_, PyAny>,
+        served_heads: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let served = served_heads.map(heads).transpose()?;
+        bounds::largest_launch_bytes(&self.inner, limits(max_step_tokens, max_decode_query_len)?, served).py()
     }
 
     /// The arguments that rebuild this configuration.

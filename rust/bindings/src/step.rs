@@ -69,19 +69,43 @@ fn kernel(name: &str) -> PyResult<Kernel> {
 
 /// Plan one step under `config`: its launches are exactly the kernel calls
 /// the executor (and the vLLM backend) issues, with the bytes each holds.
+/// `gather_chunks`: `(n, 2)` request ranges `[start, end)` of the step in
+/// which vLLM gathers its prefills (separate route); the plan follows them
+/// instead of planning its own.
 #[pyfunction]
-#[pyo3(signature = (query_lens, context_lens, num_decodes, config))]
+#[pyo3(signature = (query_lens, context_lens, num_decodes, config, *, gather_chunks=None))]
 pub(crate) fn plan_step(
     py: Python<'_>,
     query_lens: &Bound<'_, PyAny>,
     context_lens: &Bound<'_, PyAny>,
     num_decodes: &Bound<'_, PyAny>,
     config: &StepConfig,
+    gather_chunks: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<StepPlan> {
     let args = StepArgs::parse(query_lens, context_lens, num_decodes)?;
     let cfg = config.inner;
-    let inner = py.detach(|| step::plan_step(args.step(), &cfg)).py()?;
+    let inner = match gather_chunks {
+        None => py.detach(|| step::plan_step(args.step(), &cfg)).py()?,
+        Some(chunks) => {
+            let chunks = request_ranges(chunks, "gather_chunks")?;
+            py.detach(|| step::plan_step_in_chunks(args.step(), &cfg, &chunks)).py()?
+        }
+    };
     Ok(StepPlan { inner })
+}
+
+/// `(n, 2)` integer rows `[start, end)` as ranges.
+fn request_ranges(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<std::ops::Range<usize>>> {
+    let flat = lengths(&obj.py().import("numpy")?.call_method1("ravel", (obj,))?, name)?;
+    if flat.len() % 2 != 0 {
+        return Err(PyValueError::new_err(format!("{name} must be (n, 2) request ranges [start, end)")));
+    }
+    flat.chunks(2)
+        .map(|r| {
+            let at = |v: u64| usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{name}: {v} is too large")));
+            Ok(at(r[0])?..at(r[1])?)
+        })
+        .collect()
 }
 
 /// A planned scheduler step.
@@ -104,10 +128,18 @@ impl StepPlan {
         self.inner.num_tokens
     }
 
-    /// Decode requests (the first ones).
+    /// Decode requests (the first ones), CUDA-graph padding of length 0 included.
     #[getter]
     fn num_decodes(&self) -> usize {
         self.inner.num_decodes
+    }
+
+    /// The decodes' query length: 1, or 1 + the speculative tokens; 0 when no
+    /// decode has tokens. A separate-route decode launch of `n` tokens runs
+    /// `n / decode_query_len` requests.
+    #[getter]
+    fn decode_query_len(&self) -> u64 {
+        self.inner.decode_query_len
     }
 
     /// `(n, 5)` int64 per launch: token_start, token_end, req_start, req_end,
