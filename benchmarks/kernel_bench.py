@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 
 import mla_planner
+from mla_planner.cli.synthetic import MixedCase, mixed_case
 from mla_planner.executor import MixedBatchExecutor, get_provider
-from mla_planner.testing.measure import peak_delta_bytes
-from mla_planner.testing.synthetic import MixedCase, mixed_case
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from harness.measure import peak_delta_bytes  # noqa: E402  (tests/harness: the test harness, not in the wheel)
 
 MiB, GiB = 1 << 20, 1 << 30
 UNBOUNDED = 1 << 50

@@ -28,12 +28,12 @@ def best_of(fn: object, repeat: int) -> float:
 
 
 def main() -> None:
-    from vllm.v1.attention.backends.utils import split_prefill_chunks as vllm_split
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+
+    from vllm.v1.attention.backends.utils import split_prefill_chunks as vllm_split  # after --help: it logs on import
 
     rng = np.random.default_rng(args.seed)
     workspace = 163_840 * 5  # vLLM: max_model_len * 5 for DeepSeek-V3.2

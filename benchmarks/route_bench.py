@@ -35,11 +35,11 @@ import torch
 
 import mla_planner
 from mla_planner.cli.kernel_timing import GatherOp, Timer
+from mla_planner.cli.synthetic import PrefillCase, prefill_case
 from mla_planner.executor import get_provider
-from mla_planner.executor.layout import D_QK, D_V, PAGE_SIZE, as_slots, padded_heads
+from mla_planner.executor.layout import D_QK, D_V, PAGE_SIZE, as_slots
 from mla_planner.executor.providers import KernelProvider
 from mla_planner.executor.reference import sparse_attention
-from mla_planner.testing.synthetic import PrefillCase, prefill_case
 from mla_planner.routing import default_profile_path
 
 MiB = 1 << 20
@@ -70,7 +70,7 @@ class Step:
         self.provider, self.gather, self.heads, self.tokens = provider, gather, heads, tokens
         self.context = max(0, topk + 1 - tokens)
         self.case: PrefillCase = prefill_case([tokens], [self.context], heads, topk, gen, dtype=torch.bfloat16)
-        self.kernel_heads = padded_heads(heads)
+        self.kernel_heads = mla_planner.padded_heads(heads)  # sm90: both kernels pad to 64 or 128 (vLLM 0.26)
         self.q_padded = torch.zeros((tokens, self.kernel_heads, D_QK), dtype=torch.bfloat16, device=gen.device)
         self.q_padded[:, :heads] = self.case.q
         pos = self.case.indices.long()

@@ -14,6 +14,7 @@ import pytest
 from mla_planner.cli import deployment as dep
 from mla_planner.cli import serve_line
 from mla_planner.cli.steps import Step
+from mla_planner.vllm_backend.settings import DEFAULT_SCRATCH_MB, MAX_SCRATCH_MB
 
 GIB = 1 << 30
 TINY = Path(__file__).resolve().parent / "e2e" / "tiny-deepseek-v32"
@@ -114,6 +115,73 @@ def test_cli_plugin_budget_from_env_word() -> None:
     assert doc["stock"]["kv_bytes"] - doc["plugin"]["kv_bytes"] == 2048 << 20
 
 
+def test_cli_plugin_budget_default_and_alias() -> None:
+    assert doctor_json("--builtin-parser", *E2E_LINE)["deployment"]["budget_bytes"] == DEFAULT_SCRATCH_MB << 20
+    doc = doctor_json("--builtin-parser", "--", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB=512", "MLA_PLANNER_SCRATCH_MB=512",
+                      *E2E_LINE[1:])  # fmt: skip
+    assert doc["deployment"]["budget_bytes"] == 512 << 20
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        # The plugin's own reader (vllm_backend.settings) checks the serve line's knobs: its maximum,
+        # its minimum, whole numbers, both names agreeing, the flags' values.
+        (["MLA_PLANNER_SCRATCH_MB=" + str(MAX_SCRATCH_MB + 1)], f"outside 64..{MAX_SCRATCH_MB} MiB"),
+        (["MLA_PLANNER_SCRATCH_MB=32"], "outside 64.."),
+        (["VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB=1.5"], "not a whole number"),
+        (["MLA_PLANNER_SCRATCH_MB=2048", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB=1024"], "disagree"),
+        (["MLA_PLANNER_REPLACE_FLASHMLA_SPARSE=maybe"], "MLA_PLANNER_REPLACE_FLASHMLA_SPARSE='maybe'"),
+    ],
+)
+def test_cli_plugin_settings_checked_as_the_plugin_does(env: list[str], needle: str) -> None:
+    r = cli("doctor", "--builtin-parser", "--", *env, *E2E_LINE[1:], ok=False)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and "the serve line: " in r.stderr and needle in r.stderr, r.stderr
+
+
+def test_cli_cost_profile_of_the_serving_machine_is_not_read_here() -> None:
+    doc = doctor_json("--builtin-parser", "--", "MLA_PLANNER_COST_PROFILE=/on/the/gpu/host/sm90.json", *E2E_LINE[1:])
+    assert doc["deployment"]["budget_bytes"] == DEFAULT_SCRATCH_MB << 20
+
+
+def test_cli_json_alone_on_stdout_where_vllm_is_installed() -> None:
+    """`doctor --json ... | jq`: whatever vLLM prints while it is imported to read the line (vLLM
+    0.26 logs Triton's INFO lines to stdout) goes to stderr."""
+    pytest.importorskip("vllm")
+    r = cli("doctor", "--json", *E2E_LINE)
+    doc = json.loads(r.stdout)
+    assert doc["schema"] == "mla-planner.doctor/1" and doc["stock"]["fits"] is False
+
+
+# Run the CLI with vLLM's serve parser built on a machine with no GPU: vLLM is first imported inside
+# the doctor (as in a real run), and its platform then says CUDA, so the parser builds and reads the line.
+VLLM_PARSER_ON_CPU = """
+import sys
+from mla_planner.cli import main, serve_line
+vllm_parse = serve_line._vllm_parse
+def parse_as_on_a_gpu(argv):
+    import vllm.platforms
+    from vllm.platforms.interface import Platform
+    class Cuda(Platform):
+        device_type = "cuda"
+    vllm.platforms._current_platform = Cuda()
+    return vllm_parse(argv)
+serve_line._vllm_parse = parse_as_on_a_gpu
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_cli_json_alone_on_stdout_with_vllms_parser() -> None:
+    pytest.importorskip("vllm")
+    r = subprocess.run([sys.executable, "-c", VLLM_PARSER_ON_CPU, "doctor", "--json", *E2E_LINE, "--attention-backend", "CUSTOM"],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["serve"]["parser"] == "vllm", r.stderr
+    assert doc["deployment"]["plugin_selected"] is True and doc["deployment"]["max_num_batched_tokens"] == 32_768
+
+
 @pytest.mark.parametrize("gpu", ["H200", "B200"])
 def test_cli_deepseek_v32_tp8(gpu: str) -> None:
     doc = doctor_json("--gpu", gpu, "--builtin-parser", "--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2", "-tp", "8",
@@ -157,10 +225,8 @@ def test_cli_bad_input_one_line(args: list[str], needle: str) -> None:
 
 def _vllm_parser_works() -> bool:
     try:
-        from vllm.entrypoints.openai.cli_args import make_arg_parser
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-        make_arg_parser(FlexibleArgumentParser())  # type: ignore[no-untyped-call]
+        module = next(filter(None, map(serve_line._import_or_none, serve_line._VLLM_PARSER_MODULES)))
+        module.make_arg_parser(serve_line._import_or_none("vllm.utils.argparse_utils").FlexibleArgumentParser())
     except Exception:
         return False
     return True
@@ -168,7 +234,7 @@ def _vllm_parser_works() -> bool:
 
 def test_vllm_parser_reads_the_line() -> None:
     if not _vllm_parser_works():
-        pytest.skip("vLLM's serve parser is not importable or cannot be built here (vLLM 0.26 needs a device type)")
+        pytest.skip("vLLM's serve parser is not importable or cannot be built here (vLLM needs a device type to build it)")
     args = serve_line.parse(["vllm", "serve", "m", "-tp", "8", "--max-num-batched-tokens", "32768",
                              "--attention-backend", "CUSTOM", "--kv-cache-dtype", "fp8_ds_mla"])  # fmt: skip
     assert args.parser == "vllm"

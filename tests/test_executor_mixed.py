@@ -9,10 +9,10 @@ import torch
 
 import mla_planner
 from mla_planner import ALLOCATOR_RESERVE_BYTES
+from mla_planner.cli.synthetic import MixedCase, mixed_case
 from mla_planner.executor import MixedBatchExecutor, ReferenceProvider
 from mla_planner.executor.layout import as_slots
 from mla_planner.executor.reference import sparse_attention
-from mla_planner.testing.synthetic import MixedCase, mixed_case
 from fixtures import gen  # noqa: F401  (a pytest fixture)
 
 SCALE = 576**-0.5

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from mla_planner.cli.synthetic import PrefillCase, prefill_case
 from mla_planner.executor import ReferenceProvider
-from mla_planner.testing.separate_prefill import SeparatePrefillExecutor
 from mla_planner.executor.layout import as_slots
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
-from mla_planner.testing.synthetic import PrefillCase, prefill_case
+
 from fixtures import gen  # noqa: F401  (a pytest fixture)
+from harness.separate_prefill import SeparatePrefillExecutor
 
 SCALE = 576**-0.5
 

@@ -12,18 +12,19 @@ import pytest
 import torch
 
 import mla_planner
+from mla_planner.cli.synthetic import mixed_case, prefill_case
 from mla_planner.executor import (
     FlashMLAProvider,
     MixedBatchExecutor,
     ProviderUnavailable,
     get_provider,
 )
-from mla_planner.testing.separate_prefill import SeparatePrefillExecutor
 from mla_planner.executor.layout import as_slots
 from mla_planner.executor.providers import ReferenceProvider, ReferenceSchedule
 from mla_planner.executor.reference import sparse_attention, sparse_decode_reference, sparse_prefill_reference
-from mla_planner.testing.synthetic import mixed_case, prefill_case
+
 from fixtures import gen  # noqa: F401  (a pytest fixture)
+from harness.separate_prefill import SeparatePrefillExecutor
 
 SCALE = 576**-0.5
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mla_planner.cli.synthetic import random_kv_rows
 from mla_planner.executor.layout import D_NOPE, NUM_TILES, ROPE_START, SCALES_START, TILE, as_pages, as_slots
-from mla_planner.testing.lse_merge import merge_window, start_merge
 from mla_planner.executor.quant import quantize_fp8_ds_mla
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
-from mla_planner.testing.synthetic import random_kv_rows
+
 from fixtures import gen  # noqa: F401  (a pytest fixture)
+from harness.lse_merge import merge_window, start_merge
 
 SCALE = 576**-0.5
 

@@ -19,13 +19,14 @@ import numpy.typing as npt
 import pytest
 import torch
 
+from mla_planner.cli.synthetic import PrefillCase, prefill_case
 from mla_planner.executor import ReferenceProvider
-from mla_planner.testing.separate_prefill import SeparatePrefillExecutor
 from mla_planner.executor.layout import D_V, as_slots
-from mla_planner.testing.lse_merge import MergeBound, merge_error_bound, merge_window, start_merge
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
-from mla_planner.testing.synthetic import PrefillCase, prefill_case
+
 from fixtures import gen  # noqa: F401  (a pytest fixture)
+from harness.lse_merge import MergeBound, merge_error_bound, merge_window, start_merge
+from harness.separate_prefill import SeparatePrefillExecutor
 
 SCALE = 576**-0.5
 BF16_U = 2.0**-8

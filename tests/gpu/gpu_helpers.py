@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from mla_planner.testing.measure import peak_delta_bytes
+from harness.measure import peak_delta_bytes
 
 __all__ = [
     "MiB",

@@ -7,14 +7,17 @@ real kernels; run under ``compute-sanitizer --tool memcheck`` by test_gpu_saniti
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
 import mla_planner
 from mla_planner import ALLOCATOR_RESERVE_BYTES
+from mla_planner.cli.synthetic import mixed_case, prefill_case
 from mla_planner.executor import MixedBatchExecutor, get_provider
-from mla_planner.testing.separate_prefill import SeparatePrefillExecutor
-from mla_planner.testing.synthetic import mixed_case, prefill_case
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: run as a script, not by pytest
+from harness.separate_prefill import SeparatePrefillExecutor  # noqa: E402
 
 TOPK = 512
 HEADS = 16

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import mla_planner
+from mla_planner.cli.synthetic import mixed_case
 from mla_planner.executor import KernelProvider, MixedBatchExecutor
-from mla_planner.testing.synthetic import mixed_case
 
 from gpu_helpers import MiB, peak_delta_bytes, prediction_tolerance
 

@@ -6,13 +6,14 @@ import argparse
 import json
 from typing import Any
 
+from mla_planner.vllm_backend.settings import PROFILE_VAR, Settings, SettingsError, read_settings
+
 from . import deployment, serve_line
 from .config import CliError
 from .deployment import Deployment, Diagnosis, StepVerdict
 from .units import GIB, format_bytes, size_arg
 
 SCHEMA = "mla-planner.doctor/1"
-DEFAULT_SCRATCH_MB = 1024  # the plugin's default (vllm_backend.settings, which needs torch to import)
 PLUGIN_FLAGS = {"--attention-backend": "CUSTOM", "--kv-cache-dtype": "fp8_ds_mla", "--block-size": "64"}
 
 
@@ -37,17 +38,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(run=run)
 
 
-def _budget(env: dict[str, str]) -> tuple[int, str]:
-    for name in ("MLA_PLANNER_SCRATCH_MB", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB"):
-        if name in env:
-            try:
-                mb = int(env[name])
-            except ValueError:
-                raise CliError(f"the serve line: {name}={env[name]!r} is not a whole number of MiB") from None
-            if mb < 64:
-                raise CliError(f"the serve line: {name}={mb} is below the plugin's minimum of 64 MiB")
-            return mb << 20, name
-    return DEFAULT_SCRATCH_MB << 20, "default"
+def plugin_settings(env: dict[str, str]) -> Settings:
+    """The plugin's settings from the serve line's environment, read and checked by the plugin's
+    own reader (the budget's bounds, its two names agreeing, the flags' values). The cost profile
+    is left out: its path names a file on the serving machine, which need not be this one."""
+    try:
+        return read_settings({name: value for name, value in env.items() if name != PROFILE_VAR})
+    except SettingsError as e:
+        raise CliError(f"the serve line: {e}") from None
 
 
 def build(args: argparse.Namespace) -> tuple[Deployment, serve_line.ServeArgs]:
@@ -66,7 +64,7 @@ def build(args: argparse.Namespace) -> tuple[Deployment, serve_line.ServeArgs]:
     mnbt = serve.max_num_batched_tokens or (
         serve_line.DEFAULT_MAX_NUM_BATCHED_TOKENS if gpu.total_bytes >= 70 * GIB else serve_line.DEFAULT_MAX_NUM_BATCHED_TOKENS_SMALL_GPU
     )
-    budget, _ = _budget(serve.env)
+    budget = plugin_settings(serve.env).scratch_bytes
     d = Deployment(
         model=model,
         gpu=gpu,

@@ -1,7 +1,7 @@
 """GPU side of `mla-planner calibrate`: fresh inputs per measurement, CUDA-event timing.
 
 A *token case* (H heads, T tokens) is one prefill request of T tokens whose causal top-k
-indices come from the executor's synthetic inputs, with ``max(0, topk - T)`` tokens of context so
+indices come from :mod:`.synthetic`'s inputs, with ``max(0, topk - T)`` tokens of context so
 every query has at least top-k keys to choose from. It times the two kernels a route would call
 on it: the FP8 sparse decode kernel as ``b = 1, s_q = T`` over the paged cache (the mixed route),
 and the BF16 sparse prefill kernel over the request's up-converted rows (the separate route). At
@@ -23,16 +23,39 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mla_planner.testing.gather import gather_upconvert
-from mla_planner.executor.layout import D_QK, PAGE_SIZE
+from mla_planner.executor.layout import D_QK, PAGE_SIZE, as_slots, page_of, slot_of
 from mla_planner.executor.providers import KernelProvider
-from mla_planner.testing.synthetic import PrefillCase, prefill_case
+from mla_planner.executor.reference import dequantize_fp8_ds_mla
+
+from .synthetic import PrefillCase, prefill_case
 
 if TYPE_CHECKING:
     import torch
 
 L2_FLUSH_BYTES = 256 << 20
 SLEEP_CYCLES = 1_000_000  # ~0.5 ms at 2 GHz: longer than the host needs to enqueue one call
+GATHER_BLOCK_ROWS = 4096
+"""Rows :func:`gather_upconvert` converts at a time: about 4 KiB of temporaries a row, 16 MiB."""
+
+
+def gather_upconvert(
+    kv_cache: torch.Tensor, block_table_row: torch.Tensor, key_start: int, key_end: int, workspace: torch.Tensor
+) -> None:
+    """Write the request's positions ``[key_start, key_end)`` from kv_cache
+    ``(pages, page_size, 1, 656)`` into workspace ``(key_end - key_start, 576)`` as BF16 (exact).
+
+    Plain torch, in blocks of :data:`GATHER_BLOCK_ROWS` rows so the temporaries stay bounded: the
+    ``torch`` gather of :class:`GatherOp` (vLLM does it with ``cp_gather_and_upconvert_fp8_kv_cache``),
+    and how the kernel cases fill their workspace."""
+    import torch
+
+    page_size = kv_cache.shape[1]
+    slots = as_slots(kv_cache)
+    for start in range(key_start, key_end, GATHER_BLOCK_ROWS):
+        end = min(start + GATHER_BLOCK_ROWS, key_end)
+        pos = torch.arange(start, end, device=kv_cache.device)
+        slot = slot_of(block_table_row[page_of(pos, page_size)], pos, page_size)
+        workspace[start - key_start : end - key_start] = dequantize_fp8_ds_mla(slots[slot], torch.bfloat16)
 
 
 def case_context(tokens: int, topk: int) -> int:
@@ -53,7 +76,7 @@ class GatherCase:
 
 
 class GatherOp:
-    """One request's FP8 rows -> a BF16 workspace, by vLLM's kernel or the executor's torch."""
+    """One request's FP8 rows -> a BF16 workspace, by vLLM's kernel or :func:`gather_upconvert`."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -172,8 +195,6 @@ class KernelBench:
     def _slots(self, inputs: PrefillCase) -> torch.Tensor:
         """Request positions -> cache slots (what the decode kernel reads), -1 kept."""
         import torch
-
-        from mla_planner.executor.layout import page_of, slot_of
 
         pos = inputs.indices
         return slot_of(inputs.block_table[0][page_of(pos, PAGE_SIZE)], pos, PAGE_SIZE).to(torch.int32)

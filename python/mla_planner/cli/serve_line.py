@@ -8,8 +8,11 @@ understood; otherwise a built-in subset: the flags that decide the worst step's 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import re
 import shlex
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -74,14 +77,27 @@ def _builtin_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Where `vllm serve`'s parser is built: vLLM 0.33 (entrypoints.common), 0.26 (entrypoints.openai).
+_VLLM_PARSER_MODULES = ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.openai.cli_args")
+
+
 def _vllm_namespace(argv: list[str]) -> argparse.Namespace | None:
     """vLLM's own serve parser, or None where vLLM cannot be imported or cannot build its parser
-    here (vLLM 0.26 infers a device type while building it, and fails on a machine with none)."""
-    try:
-        from vllm.entrypoints.openai.cli_args import make_arg_parser
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    here (vLLM 0.26 and 0.33 infer a device type while building it, and fail on a machine with
+    none). vLLM logs to stdout (``VLLM_LOGGING_STREAM``'s default), from its import on (Triton's
+    INFO lines): everything it prints while it is imported and parses goes to stderr, so stdout
+    holds the command's report alone (``doctor --json | jq``)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        return _vllm_parse(argv)
 
-        parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))  # type: ignore[no-untyped-call]
+
+def _vllm_parse(argv: list[str]) -> argparse.Namespace | None:
+    try:
+        module = next(filter(None, map(_import_or_none, _VLLM_PARSER_MODULES)), None)
+        if module is None:
+            return None
+        flexible = importlib.import_module("vllm.utils.argparse_utils").FlexibleArgumentParser
+        parser = module.make_arg_parser(flexible(prog="vllm serve"))
     except Exception:
         return None
 
@@ -98,6 +114,13 @@ def _vllm_namespace(argv: list[str]) -> argparse.Namespace | None:
     except Exception as e:  # the parser's own checks of values
         raise CliError(f"the serve line (vLLM's parser): {e}") from None
     return namespace
+
+
+def _import_or_none(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def _backend_name(ns: argparse.Namespace) -> str | None:

@@ -1,5 +1,6 @@
-"""Random inputs for the executors' tests and benchmark: never zeros, drawn from a seeded
-generator, on the generator's device (so large GPU cases never pass through host memory).
+"""Random inputs shaped like a real step, for `mla-planner calibrate` (:func:`prefill_case`), the
+benchmarks and the tests: never zeros, drawn from a seeded generator, on the generator's device
+(so large GPU cases never pass through host memory). Importing it needs torch, never CUDA.
 
 ``kv`` rows are Gaussian, by default times a per-row magnitude ``e^(spread * N(0, 1))`` so the
 quantiser's per-tile scales differ; indices are a mix of valid slots and ``-1``.

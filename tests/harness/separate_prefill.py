@@ -1,6 +1,8 @@
 """Execute the FP8 separate path's prefill by the planner's gather chunks
 (``mla_planner.plan_gather_chunks``): gather and up-convert each chunk's KV rows into a BF16
-workspace, then run the BF16 sparse prefill kernel on the chunk's query tokens.
+workspace (the calibration's torch gather, ``mla_planner.cli.kernel_timing.gather_upconvert``),
+then run the BF16 sparse prefill kernel on the chunk's query tokens. The GPU tests check the
+kernels' accuracy on split requests with it; the vLLM backend runs its own separate route.
 
 A chunk row is ``[req_start, req_end, query_start, query_end, key_start, key_end, rows]``:
 
@@ -29,12 +31,27 @@ import numpy.typing as npt
 import torch
 
 import mla_planner
-from mla_planner.testing.gather import gather_upconvert, to_workspace_indices
+from mla_planner.cli.kernel_timing import gather_upconvert
 from mla_planner.executor.layout import D_QK, D_V
-from mla_planner.testing.lse_merge import merge_window, start_merge
 from mla_planner.executor.providers import KernelProvider
 
+from .lse_merge import merge_window, start_merge
+
 IntArray = npt.NDArray[np.int64]
+TRANSLATE_BLOCK_TOKENS = 1024
+"""Query tokens :func:`to_workspace_indices` translates at a time: three bool masks of
+``tokens x topk``, 6 MiB at topk 2048."""
+
+
+def to_workspace_indices(positions: torch.Tensor, key_start: int, key_end: int, row_offset: int, out: torch.Tensor) -> None:
+    """Translate request positions ``(s, topk)`` to workspace rows, in place into ``out``: a
+    position in ``[key_start, key_end)`` lands on row ``position - key_start + row_offset``;
+    anything else (``-1``, or a key outside this window) becomes ``-1``."""
+    for start in range(0, positions.shape[0], TRANSLATE_BLOCK_TOKENS):
+        src = positions[start : start + TRANSLATE_BLOCK_TOKENS]
+        outside = (src < key_start) | (src >= key_end)
+        dst = out[start : start + src.shape[0]]
+        dst.copy_(src).add_(row_offset - key_start).masked_fill_(outside, -1)
 
 
 @dataclass(frozen=True)
