@@ -115,6 +115,15 @@ class FakeProvider:
                       softmax_scale: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return FakeKernels().flash_mla_with_kvcache(q, kv_cache, out=out)
 
+    def sparse_prefill(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
+                       out: torch.Tensor | None = None,
+                       topk_length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        o, _max_logits, lse = FakeKernels().flash_mla_sparse_fwd(q, kv, indices, softmax_scale, out=out)
+        return o, lse
+
+    def gather_upconvert(self, *args: Any) -> None:
+        """vLLM's ``cp_gather_and_upconvert_fp8_kv_cache``."""
+
 
 def fake_translation(req_id: torch.Tensor, block_table: torch.Tensor, token_indices: torch.Tensor, *args: Any,
                      return_valid_counts: bool = False, **kwargs: Any) -> Any:
@@ -146,15 +155,18 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch, backend_packages: list[str]) -> I
 
 
 def fake_backend_kernels(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
-    """What one backend package calls on the GPU: the SM count, its provider, kernels and gather,
-    and the host-sized scratch reservation."""
+    """What one backend package calls on the GPU: the SM count, its provider (kernels and gather
+    behind it), and the host-sized scratch reservation. A baseline of an older layout may call
+    the prefill kernel and the gather itself, and count SMs in another module: those too."""
     backend = importlib.import_module(f"{package}.backend")
-    engine_config = importlib.import_module(f"{package}.engine_config")
     reservation = importlib.import_module(f"{package}.reservation")
-    monkeypatch.setattr(engine_config, "num_compute_units", lambda device_id=None: 132)
+    for seam in ("vllm_api", "engine_config"):
+        patch_if_present(monkeypatch, f"{package}.{seam}", "num_sms", lambda device: 132)
+        patch_if_present(monkeypatch, f"{package}.{seam}", "num_compute_units", lambda device_id=None: 132)
     monkeypatch.setattr(backend, "kernel_provider", FakeProvider)
-    monkeypatch.setattr(backend, "flash_mla_sparse_fwd", FakeKernels().flash_mla_sparse_fwd)
-    monkeypatch.setattr(backend.ops, "cp_gather_and_upconvert_fp8_kv_cache", no_gather)
+    patch_if_present(monkeypatch, backend.__name__, "flash_mla_sparse_fwd", FakeKernels().flash_mla_sparse_fwd)
+    if hasattr(backend, "ops"):
+        monkeypatch.setattr(backend.ops, "cp_gather_and_upconvert_fp8_kv_cache", no_gather)
     monkeypatch.setattr(reservation, "reserve", lambda num_bytes, device: False)  # no 1 GiB on the host
 
 

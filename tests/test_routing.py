@@ -104,7 +104,7 @@ def test_route_flips_where_the_tables_cross(model: CostModel, tokens: int, mixed
     assert p.separate.total_us == pytest.approx(215 + 0.501 * tokens)
     assert choice.mixed_batch is mixed
     assert choice.mode == ("mixed_batch" if mixed else "separate_prefill_decode")
-    assert routing.plan_step(model, [tokens], [10_000], 0, CONFIG).mode == choice.mode
+    assert routing.choose_plan(model, [tokens], [10_000], 0, CONFIG).mode == choice.mode
     # The plan handed back is the planner's plan of the chosen route.
     again = mla_planner.plan_step([tokens], [10_000], 0, CONFIG.replace(mode=choice.mode))
     assert choice.plan.mode == again.mode
@@ -125,7 +125,7 @@ def test_native_prefill_heads_are_priced_and_the_cheaper_taken() -> None:
     assert choice.prediction.separate is not None and choice.prediction.separate.prefill_heads == 16
     assert choice.plan.prefill_heads == 16
     assert choice.plan.launches.tolist() == mla_planner.plan_step([32_768], [10_000], 0, choice.config).launches.tolist()
-    assert routing.plan_step(native, [32_768], [10_000], 0, CONFIG).prefill_heads == 16
+    assert routing.choose_plan(native, [32_768], [10_000], 0, CONFIG).prefill_heads == 16
     # Slower native heads, or none in the profile: vLLM's padding.
     slow = CostModel.from_json(profile_text(sparse_prefill={**NATIVE_16, "16": [[1, 1000], [65536, 100_000]]}))
     for m in (slow, CostModel.from_json(profile_text())):
@@ -156,12 +156,12 @@ def test_a_route_that_does_not_fit_is_not_taken(model: CostModel) -> None:
     p = model.predict([300], [10_000], 0, config)
     assert p.mixed is None and p.mixed_error is not None and "give at least" in p.mixed_error
     assert p.separate is not None and p.separate_error is None
-    plan = routing.plan_step(model, [300], [10_000], 0, config)
+    plan = routing.choose_plan(model, [300], [10_000], 0, config)
     assert plan.mode == "separate_prefill_decode"
     assert plan.peak_bytes <= config.launch_budget_bytes
     # Neither route fits: the planner's error, not a guess.
     with pytest.raises(ValueError, match="give at least"):
-        routing.plan_step(model, [300], [10_000], 0, config.replace(scratch_budget_bytes=128 << 10))
+        routing.choose_plan(model, [300], [10_000], 0, config.replace(scratch_budget_bytes=128 << 10))
     # A budget no launch could use is refused by the configuration itself.
     with pytest.raises(ValueError, match="reserve"):
         config.replace(scratch_budget_bytes=1024)
@@ -174,26 +174,26 @@ def test_launches_are_held_to_the_budget_less_the_reserve(model: CostModel) -> N
     tight = CONFIG.replace(scratch_budget_bytes=need)
     assert tight.launch_budget_bytes == need - mla_planner.ALLOCATOR_RESERVE_BYTES
     with pytest.raises(ValueError, match="give at least"):
-        routing.plan_step(model, [1], [10], 1, tight)
+        routing.choose_plan(model, [1], [10], 1, tight)
     roomy = CONFIG.replace(scratch_budget_bytes=need + mla_planner.ALLOCATOR_RESERVE_BYTES)
-    assert routing.plan_step(model, [1], [10], 1, roomy).peak_bytes == need
+    assert routing.choose_plan(model, [1], [10], 1, roomy).peak_bytes == need
 
 
 def test_no_model_is_vllms_rule() -> None:
-    assert routing.plan_step(None, [32_768], [0], 0, CONFIG).mode == "mixed_batch"
-    assert routing.plan_step(None, [32_768], [0], 0, CONFIG.replace(num_heads=32)).mode == "separate_prefill_decode"
+    assert routing.choose_plan(None, [32_768], [0], 0, CONFIG).mode == "mixed_batch"
+    assert routing.choose_plan(None, [32_768], [0], 0, CONFIG.replace(num_heads=32)).mode == "separate_prefill_decode"
 
 
 def test_fixed_mode_and_bf16_plan_without_the_model(model: CostModel) -> None:
     # The model would take the decode kernel for this short prefill (see above) ...
-    assert routing.plan_step(model, [16], [10_000], 0, CONFIG).mode == "mixed_batch"
+    assert routing.choose_plan(model, [16], [10_000], 0, CONFIG).mode == "mixed_batch"
     # ... but a fixed mode is kept, and a BF16 cache has no FP8 route to choose.
     fixed = CONFIG.replace(mode="separate_prefill_decode")
-    plan = routing.plan_step(model, [16], [10_000], 0, fixed)
+    plan = routing.choose_plan(model, [16], [10_000], 0, fixed)
     assert plan.mode == "separate_prefill_decode"
     assert plan.launches.tolist() == mla_planner.plan_step([16], [10_000], 0, fixed).launches.tolist()
     bf16 = CONFIG.replace(kv_dtype="bf16")
-    assert routing.plan_step(model, [16], [10_000], 0, bf16).mode == "bf16"
+    assert routing.choose_plan(model, [16], [10_000], 0, bf16).mode == "bf16"
 
 
 def test_chosen_plan_is_the_planners_plan_of_its_mode(model: CostModel) -> None:
@@ -222,7 +222,7 @@ def test_chosen_plan_is_the_planners_plan_of_its_mode(model: CostModel) -> None:
         np.testing.assert_array_equal(got.gather_chunks, expected.gather_chunks)
         assert got.launch_kernels == expected.launch_kernels
         assert got.peak_bytes == expected.peak_bytes <= config.launch_budget_bytes
-        routed = routing.plan_step(model, q, c, decodes, config)
+        routed = routing.choose_plan(model, q, c, decodes, config)
         np.testing.assert_array_equal(routed.launches, expected.launches)
         modes.add(choice.mode)
         checked += 1
@@ -233,11 +233,11 @@ def test_chosen_plan_is_the_planners_plan_of_its_mode(model: CostModel) -> None:
 def test_choice_is_fast(model: CostModel) -> None:
     q = np.array([1] * 64 + [8192])
     c = np.array([5000] * 64 + [3000])
-    routing.plan_step(model, q, c, 64, CONFIG)
+    routing.choose_plan(model, q, c, 64, CONFIG)
     n = 200
     start = time.perf_counter()
     for _ in range(n):
-        routing.plan_step(model, q, c, 64, CONFIG)
+        routing.choose_plan(model, q, c, 64, CONFIG)
     per_call = (time.perf_counter() - start) / n
     assert per_call < 1e-3, f"{per_call * 1e6:.0f} us per step"  # tens of us expected; generous for CI
 

@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="the backend tests need vLLM 0.26.0 (pip inst
 
 import mla_planner  # noqa: E402
 from mla_planner.executor.quant import quantize_fp8_ds_mla  # noqa: E402
-from mla_planner.testing.synthetic import random_kv_rows  # noqa: E402
+from mla_planner.cli.synthetic import random_kv_rows  # noqa: E402
 from mla_planner.vllm_backend import reservation  # noqa: E402
 from mla_planner.vllm_backend.settings import DEFAULT_SCRATCH_MB, SettingsError, read_settings  # noqa: E402
 from fixtures import gen  # noqa: E402, F401  (a pytest fixture)
@@ -268,15 +268,30 @@ def test_only_the_seam_names_what_differs_between_vllm_versions() -> None:
     import ast
     import inspect
 
-    from mla_planner.vllm_backend import backend, engine_config, plugin, settings, warmup
+    from mla_planner.vllm_backend import backend, engine, log, plugin, settings, stock_steps, warmup
 
-    for module in (backend, engine_config, plugin, settings, reservation, warmup):
+    for module in (backend, engine, log, plugin, settings, reservation, stock_steps, warmup):
         names = {node.attr if isinstance(node, ast.Attribute) else node.id
                  for node in ast.walk(ast.parse(inspect.getsource(module)))
                  if isinstance(node, (ast.Attribute, ast.Name))}
         imported = {alias.name for node in ast.walk(ast.parse(inspect.getsource(module)))
                     if isinstance(node, ast.ImportFrom) for alias in node.names}
         assert not (names | imported) & set(VERSIONED), f"{module.__name__} names {(names | imported) & set(VERSIONED)}"
+
+
+def test_only_the_seam_imports_vllm() -> None:
+    """vllm_api is the one module that knows vLLM's internals (the plugin registers with vLLM's
+    registry, and masked_mha is 0.33's layer glue, imported on 0.33 only)."""
+    import ast
+    import inspect
+
+    from mla_planner.vllm_backend import backend, engine, log, reservation, settings, stock_steps, warmup
+
+    for module in (backend, engine, log, settings, reservation, stock_steps, warmup):
+        tree = ast.parse(inspect.getsource(module))
+        imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert not {name for name in imported if name == "vllm" or name.startswith("vllm.")}, module.__name__
 
 
 def test_masked_mha_module_is_imported_on_vllm_033_only() -> None:
@@ -336,14 +351,15 @@ class Backend:
     """A builder and an impl of one layer, on the CPU, with the reference kernels."""
 
     def __init__(self, tmp: pathlib.Path, monkeypatch: pytest.MonkeyPatch, *, num_heads: int,
-                 cost_profile: pathlib.Path | None = None, dense_prefill: bool = False) -> None:
+                 cost_profile: pathlib.Path | None = None, dense_prefill: bool = False, scratch_mb: int = 0,
+                 max_num_seqs: int = 16) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
         from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
 
         from mla_planner.vllm_backend.backend import PlannedFlashMLASparseImpl, PlannedFlashMLASparseMetadataBuilder
 
-        monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", str(SCRATCH_MB))
+        monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", str(scratch_mb or SCRATCH_MB))
         # No profile unless the test gives one: the packaged H200 profile must not leak in (it
         # would, with no GPU to say the machine differs).
         monkeypatch.setenv("MLA_PLANNER_COST_PROFILE", str(cost_profile or "none"))
@@ -357,7 +373,8 @@ class Backend:
         self.num_heads = num_heads
         self.provider = RecordingProvider()
         self.kernels = KernelRecorder()
-        self.config = vllm_config(model_dir(tmp, num_heads=num_heads, topk=TOPK), dense_prefill=dense_prefill)
+        self.config = vllm_config(model_dir(tmp, num_heads=num_heads, topk=TOPK), dense_prefill=dense_prefill,
+                                  max_num_seqs=max_num_seqs)
         self._cpu = cpu_vllm(monkeypatch, self.provider, self.kernels)
         self._cpu.__enter__()
         spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8,
@@ -411,8 +428,8 @@ def test_builder_attaches_the_planned_mixed_batch(mixed: Backend, gen: torch.Gen
     metadata = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)["metadata"]
     assert metadata.fp8_use_mixed_batch
     step = metadata.planned
-    assert step is not None and step.mixed is not None
-    config = mixed.builder.step_config
+    assert step is not None
+    config = mixed.builder.engine.config
     assert (config.translated_indices, config.align_waves, config.scratch_budget_bytes) == (True, True, SCRATCH_MB << 20)
     assert (config.gather_workspace_rows, config.indexer_workspace_rows) == (5 * 4096, 40 * 4096)
     expected = mla_planner.plan_step(QUERY_LENS, CONTEXT_LENS, 3, config)
@@ -426,7 +443,7 @@ def test_decode_only_steps_carry_no_plan(mixed: Backend, gen: torch.Generator) -
     metadata = mixed.step([1, 1, 1], [40, 9, 300], gen)["metadata"]
     assert metadata.num_prefills == 0 and metadata.planned is None
     # Stock's one call for them is the planner's plan of such a step too.
-    plan = mla_planner.plan_step([1, 1, 1], [40, 9, 300], 3, mixed.builder.step_config)
+    plan = mla_planner.plan_step([1, 1, 1], [40, 9, 300], 3, mixed.builder.engine.config)
     assert plan.launches[:, :2].tolist() == [[0, 3]]
 
 
@@ -459,18 +476,25 @@ def test_every_fp8_step_is_logged_for_the_step_log(mixed: Backend, gen: torch.Ge
         (3, 3, 0, step_log.DECODE_ONLY), (sum(QUERY_LENS), 3, 2, "planned: mixed_batch")], lines
 
 
-def test_the_first_planned_step_frees_the_reservation(mixed: Backend, gen: torch.Generator,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps that run stock's code unplanned -- the decode steps vLLM's CUDA-graph memory profiling
-    builds before it sizes the KV cache -- leave the reservation held, so vLLM's estimate does not
-    absorb its bytes; the first planned step frees it, once."""
+def test_the_reservation_is_handed_over_only_once_vllm_serves(mixed: Backend, gen: torch.Generator,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CUDA-graph memory profiling runs forwards, planned ones too, against a minimal KV cache
+    before it sizes the real one: bytes freed there lower its estimate and the KV cache takes
+    them. The reservation is handed over at the first forward over a larger cache, once."""
     monkeypatch.setattr(reservation, "_held", torch.empty(1 << 20, dtype=torch.uint8))
     monkeypatch.setattr(reservation, "_reserved_bytes", 1 << 20)
-    assert mixed.step([1, 1, 1], [40, 9, 300], gen)["metadata"].planned is None
-    assert reservation._held is not None, "a stock decode step must not free the reservation"
-    assert mixed.step(QUERY_LENS, CONTEXT_LENS, gen)["metadata"].planned is not None
-    assert reservation._held is None
-    assert mixed.step(QUERY_LENS, CONTEXT_LENS, gen)["metadata"].planned is not None  # nothing left to free
+    assert mixed.impl.engine is not None
+    profiling_blocks = mixed.impl.engine.profiling_kv_blocks
+    assert profiling_blocks == min(16, mixed.config.compilation_config.max_cudagraph_capture_size or 0) or 1
+    case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    md, q = case["metadata"], case["q"]
+    assert md.planned is not None
+    mixed.topk_buffer[: q.shape[0]] = case["positions"]
+    minimal = torch.zeros((profiling_blocks, 64, 656), dtype=torch.uint8)
+    mixed.impl._forward_fp8_kv_mixed_batch(q, minimal, mixed.topk_buffer[: q.shape[0]], md)
+    assert reservation._held is not None, "a forward over the profiling cache must not hand it over"
+    mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md)
+    assert case["kv_cache"].shape[0] > profiling_blocks and reservation._held is None
 
 
 def test_decode_only_steps_of_several_tokens_each_are_planned(mixed: Backend, gen: torch.Generator) -> None:
@@ -511,9 +535,10 @@ def test_short_decode_steps_are_planned_where_they_can_outgrow_a_launch(mixed: B
     """16 one-token decodes (the test's max_num_seqs) fit one launch of the 64 MiB test budget, so
     decode-only steps of up to 16 tokens run stock's code unplanned; 1,024 of them (vLLM's default
     max_num_seqs) would not, and then every decode-only step is planned."""
-    assert mixed.builder.stock_decode_tokens == mixed.config.scheduler_config.max_num_seqs == 16
-    mixed.config.scheduler_config.max_num_seqs = 1024
-    assert mixed.builder._stock_decode_tokens(mixed.config) == 0
+    from mla_planner.vllm_backend import engine
+
+    assert mixed.builder.engine.stock_decode_tokens == mixed.config.scheduler_config.max_num_seqs == 16
+    assert engine.stock_decode_tokens(mixed.builder.engine, 1024, 1) == 0
 
 
 def test_decode_steps_run_unplanned_only_where_every_decode_shape_fits_a_launch(separate: Backend) -> None:
@@ -521,35 +546,37 @@ def test_decode_steps_run_unplanned_only_where_every_decode_shape_fits_a_launch(
     the 64 MiB test budget, 168 of them are one launch, but one request of 167 tokens fits no
     launch. Where vLLM counts such requests as decodes (its decode threshold), no decode step runs
     stock's code unplanned."""
-    builder, config = separate.builder, separate.builder.step_config
+    import dataclasses
+
+    from mla_planner.vllm_backend import engine
+
+    setup, config = separate.builder.engine, separate.builder.engine.config
     assert len(mla_planner.plan_step([1] * 168, [config.topk] * 168, 168, config)) == 1
     with pytest.raises(ValueError, match="one decode request"):
         mla_planner.plan_step([167], [config.topk], 1, config)
-    separate.config.scheduler_config.max_num_seqs = 168
-    builder.stock_call_allowance = 1 << 40  # the budget alone decides here
-    builder.reorder_batch_threshold = 1
-    assert builder._stock_decode_tokens(separate.config) == 168
-    builder.reorder_batch_threshold = 167
-    assert builder._stock_decode_tokens(separate.config) == 0
+    roomy = dataclasses.replace(setup, stock_call_allowance=1 << 40)  # the budget alone decides here
+    assert engine.stock_decode_tokens(dataclasses.replace(roomy, max_decode_query_len=1), 168, 1) == 168
+    assert engine.stock_decode_tokens(dataclasses.replace(roomy, max_decode_query_len=167), 168, 1) == 0
 
 
 @pytest.mark.parametrize("heads", [16, 32])
 def test_decode_steps_run_unplanned_only_within_the_stock_call_allowance(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, heads: int) -> None:
-    """Stock's decode call allocates its padded q and output itself: on vLLM 0.33 that must fit
-    what the reservation holds beyond the workspace (the impl's allowance, which the builder
-    computes alike), on 0.26 the whole budget."""
+    """Stock's decode call allocates its padded q and output itself: they must fit what the
+    reservation holds for the kernels (the engine's allowance, which builder and impl share)."""
+    import dataclasses
+
+    from mla_planner.vllm_backend import engine
+
     backend = Backend(tmp_path, monkeypatch, num_heads=heads)
     try:
-        builder = backend.builder
-        assert builder.stock_call_allowance == backend.impl.stock_call_allowance
+        setup = backend.builder.engine
+        assert setup is backend.impl.engine, "one setup per engine, read by builder and impl"
         n = backend.config.scheduler_config.max_num_seqs
-        builder.reorder_batch_threshold = 1
-        peak = mla_planner.plan_step([1] * n, [builder.step_config.topk] * n, n, builder.step_config).peak_bytes
-        builder.stock_call_allowance = peak
-        assert builder._stock_decode_tokens(backend.config) == n
-        builder.stock_call_allowance = peak - 1
-        assert builder._stock_decode_tokens(backend.config) == 0
+        one = dataclasses.replace(setup, max_decode_query_len=1)
+        peak = mla_planner.plan_step([1] * n, [setup.config.topk] * n, n, setup.config).peak_bytes
+        assert engine.stock_decode_tokens(dataclasses.replace(one, stock_call_allowance=peak), n, 1) == n
+        assert engine.stock_decode_tokens(dataclasses.replace(one, stock_call_allowance=peak - 1), n, 1) == 0
     finally:
         backend.close()
 
@@ -605,8 +632,8 @@ def test_a_chat_step_runs_stocks_code_unplanned(chat: Backend, gen: torch.Genera
     md = case["metadata"]
     assert not chat.builder.force_mqa and md.fp8_use_mixed_batch and md.num_prefills == 1
     assert getattr(md, "planned", None) is None
-    plan = mla_planner.plan_step(CHAT_QUERY_LENS, CHAT_CONTEXT_LENS, 3, chat.builder.step_config)
-    assert plan.launches.tolist() == [[0, 3, 0, 3, -1]] and 3 <= chat.builder.stock_decode_tokens
+    plan = mla_planner.plan_step(CHAT_QUERY_LENS[:3], CHAT_CONTEXT_LENS[:3], 3, chat.builder.engine.config)
+    assert plan.launches.tolist() == [[0, 3, 0, 3, -1]] and 3 <= chat.builder.engine.stock_decode_tokens
     q = case["q"][:3]  # vLLM hands the sparse kernels the decode tokens only
     chat.topk_buffer[:3] = case["positions"][:3]
     for _ in range(2):
@@ -639,20 +666,31 @@ def test_a_launch_over_the_stock_allowance_runs_the_planned_launches(mixed: Back
     """Where stock's call would allocate more than the reservation holds for it (vLLM 0.33: the
     reservation holds what this backend allocates beyond vLLM's workspace, not the padded q and
     output stock allocates itself), the executor runs the plan's one launch."""
+    import dataclasses
+
     case = mixed.step([1, 1, 100], [70, 9, 0], gen)
     md, q = case["metadata"], case["q"]
-    mixed.impl.stock_call_allowance = md.planned.stock_call_bytes - 1
+    assert mixed.impl.engine is not None
+    mixed.impl.engine = dataclasses.replace(mixed.impl.engine, stock_call_allowance=md.planned.stock_call_bytes - 1)
     mixed.topk_buffer[:102] = case["positions"]
     out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:102], md))
     torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
     assert [tuple(x.shape) for x in mixed.provider.launch_q] == [(1, 102, 64, 576)] and mixed.kernels.decode_calls == []
 
 
-def test_tokens_the_plan_does_not_cover_are_refused(chat: Backend, gen: torch.Generator) -> None:
+def test_tokens_the_plan_does_not_cover_run_vllms_own_code(chat: Backend, gen: torch.Generator) -> None:
+    """A layer call whose sparse tokens are not its plan's raises nothing: vLLM's own code runs
+    it, and the reason is counted."""
+    from mla_planner.vllm_backend import stock_steps
+
     case = chat.step([1, 1, 1, TOPK + 1], CHAT_CONTEXT_LENS, gen)  # every token sparse: 132
     chat.topk_buffer[:3] = case["positions"][:3]
-    with pytest.raises(RuntimeError, match="vLLM hands the sparse kernels 3 tokens, the plan covers 132"):
-        chat.impl._forward_fp8_kv_mixed_batch(case["q"][:3], case["kv_cache"], chat.topk_buffer[:3], case["metadata"])
+    before = sum(stock_steps.counts.values())
+    out = forward_out(chat.impl._forward_fp8_kv_mixed_batch(case["q"][:3], case["kv_cache"], chat.topk_buffer[:3],
+                                                            case["metadata"]))
+    torch.testing.assert_close(out, case["expected"][:3], rtol=1e-5, atol=1e-5)
+    assert chat.kernels.decode_calls == [(1, 3, 64, 576)] and chat.provider.launch_q == []
+    assert sum(stock_steps.counts.values()) == before + 1
 
 
 def test_separate_decodes_next_to_a_dense_prefill_run_stocks_call(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
@@ -677,7 +715,7 @@ def test_separate_impl_runs_the_planned_launches(separate: Backend, gen: torch.G
     assert not md.fp8_use_mixed_batch
     plan = md.planned.plan
     assert plan.mode == "separate_prefill_decode"
-    assert plan.launches.tolist() == mla_planner.plan_step(QUERY_LENS, CONTEXT_LENS, 3, separate.builder.step_config).launches.tolist()
+    assert plan.launches.tolist() == mla_planner.plan_step(QUERY_LENS, CONTEXT_LENS, 3, separate.builder.engine.config).launches.tolist()
     separate.topk_buffer[: q.shape[0]] = case["positions"]
     out = forward_out(separate.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md))
     torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
@@ -688,12 +726,15 @@ def test_separate_impl_runs_the_planned_launches(separate: Backend, gen: torch.G
     assert [tuple(q_.shape) for q_ in separate.provider.launch_q] == [(r[3] - r[2], 1, 64, 576) for r in decode_rows]
     assert separate.kernels.decode_calls == []
     # One prefill-kernel call per planned prefill launch, of exactly its tokens.
-    assert [shape[0] for shape in separate.kernels.prefill_calls] == [r[1] - r[0] for r in prefill_rows]
+    assert [shape[0] for shape in separate.provider.prefill_calls] == [r[1] - r[0] for r in prefill_rows]
     assert len(prefill_rows) > len(plan.gather_chunks), "the test budget must cut a chunk's prefill"
-    assert all(shape[1] == 64 for shape in separate.kernels.prefill_calls)
+    assert all(shape[1] == 64 for shape in separate.provider.prefill_calls)
+    assert separate.kernels.prefill_calls == [], "stock's call must not run"
     # One padded q and one kernel output for the step, reused by every call; padded heads zero.
-    assert len(set(separate.kernels.prefill_out_ptrs)) == 1 and len(separate.kernels.prefill_out_ptrs) == len(prefill_rows)
-    assert all(not bool(kq[:, 32:].any()) for kq in separate.kernels.prefill_q)
+    assert len(set(separate.provider.prefill_out_ptrs)) == 1
+    assert len(separate.provider.prefill_out_ptrs) == len(prefill_rows)
+    assert all(not bool(kq[:, 32:].any()) for kq in separate.provider.prefill_q)
+    assert separate.provider.gathers == len(plan.gather_chunks)
 
 
 # A profile in which the separate route wins any prefill of more than a few hundred tokens:
@@ -727,7 +768,7 @@ def routed(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
 
 def test_cost_profile_puts_a_16_head_prefill_on_the_separate_route(routed: Backend, gen: torch.Generator) -> None:
-    assert routed.builder.cost_model is not None
+    assert routed.builder.engine.cost_model is not None
     assert routed.builder.force_mqa, "no dense prefill backend here: every prefill is sparse MQA"
     case = routed.step(QUERY_LENS, CONTEXT_LENS, gen)
     md, q = case["metadata"], case["q"]
@@ -736,7 +777,7 @@ def test_cost_profile_puts_a_16_head_prefill_on_the_separate_route(routed: Backe
     routed.topk_buffer[: q.shape[0]] = case["positions"]
     out = forward_out(routed.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], routed.topk_buffer[: q.shape[0]], md))
     torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
-    assert routed.kernels.prefill_calls and routed.kernels.decode_calls == []
+    assert routed.provider.prefill_calls and routed.kernels.prefill_calls == routed.kernels.decode_calls == []
     assert [tuple(x.shape) for x in routed.provider.launch_q] == [(3, 1, 64, 576)], "the three decodes: one planned launch"
     # A short prefill stays on the mixed route, where the profile prices it cheaper.
     small = routed.step([1, 1, 40], [70, 200, 0], gen)["metadata"]
@@ -763,22 +804,22 @@ def test_a_native_plan_runs_the_prefill_kernel_at_16_heads(native_routed: Backen
     0.26, whose FlashMLA has no such kernel, the profile is not used."""
     from mla_planner.vllm_backend import vllm_api
 
-    if not vllm_api.NATIVE_PREFILL_HEADS:
-        assert native_routed.builder.cost_model is None, "0.26 cannot run what this profile may choose"
+    if not vllm_api.NATIVE_PREFILL_KERNELS:
+        assert native_routed.builder.engine.cost_model is None, "0.26 cannot run what this profile may choose"
         assert native_routed.step(QUERY_LENS, CONTEXT_LENS, gen)["metadata"].planned.plan.mode == "mixed_batch"
         return
-    assert native_routed.builder.cost_model is not None
+    assert native_routed.builder.engine.cost_model is not None
     case = native_routed.step(QUERY_LENS, CONTEXT_LENS, gen)
     md, q = case["metadata"], case["q"]
     plan = md.planned.plan
     assert (plan.mode, plan.prefill_heads, plan.prefill_writes_in_place) == ("separate_prefill_decode", 16, True)
-    config = native_routed.builder.step_config.replace(mode="separate_prefill_decode", native_prefill_heads=True)
+    config = native_routed.builder.engine.config.replace(mode="separate_prefill_decode", native_prefill_heads=True)
     assert plan.launches.tolist() == mla_planner.plan_step(QUERY_LENS, CONTEXT_LENS, 3, config).launches.tolist()
     native_routed.topk_buffer[: q.shape[0]] = case["positions"]
     out = forward_out(native_routed.impl._forward_fp8_kv_separate_prefill_decode(
         q, case["kv_cache"], native_routed.topk_buffer[: q.shape[0]], md))
     torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
-    kernels = native_routed.kernels
+    kernels = native_routed.provider
     rows = prefill_rows(plan)
     assert [shape[:2] for shape in kernels.prefill_calls] == [(r[1] - r[0], 16) for r in rows]
     # No padded q: each call reads the step's q rows as they are and writes the step's output rows.
@@ -790,7 +831,7 @@ def test_a_one_launch_native_plan_is_not_stocks_call(native_routed: Backend, gen
     """Stock's own call pads q to 64 heads: a native plan of one launch runs through the backend."""
     from mla_planner.vllm_backend import vllm_api
 
-    if not vllm_api.NATIVE_PREFILL_HEADS:
+    if not vllm_api.NATIVE_PREFILL_KERNELS:
         pytest.skip("vLLM 0.26 runs no native plan (the test above checks the profile is dropped)")
     case = native_routed.step([520], [130], gen)
     md, q = case["metadata"], case["q"]
@@ -800,7 +841,7 @@ def test_a_one_launch_native_plan_is_not_stocks_call(native_routed: Backend, gen
     out = forward_out(native_routed.impl._forward_fp8_kv_separate_prefill_decode(
         q, case["kv_cache"], native_routed.topk_buffer[: q.shape[0]], md))
     torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
-    assert native_routed.kernels.prefill_calls == [(520, 16, 576)]
+    assert native_routed.provider.prefill_calls == [(520, 16, 576)]
 
 
 @pytest.mark.parametrize("family", [90, 100])
@@ -814,7 +855,7 @@ def test_prefill_padding_is_the_impls(tmp_path: pathlib.Path, monkeypatch: pytes
     monkeypatch.setattr(current_platform, "is_device_capability_family", lambda f, device_id=0: f == family)
     backend = Backend(tmp_path, monkeypatch, num_heads=16)
     try:
-        config = backend.builder.step_config
+        config = backend.builder.engine.config
         assert config.arch == ("sm100" if family == 100 else "sm90")
         assert config.prefill_padding == backend.impl.prefill_padding
         assert config.prefill_padded_heads == (128 if family == 100 and not vllm_api.V033 else 64)
@@ -832,30 +873,30 @@ def test_asking_for_native_prefill_heads(tmp_path: pathlib.Path, monkeypatch: py
     from mla_planner.vllm_backend import vllm_api
 
     monkeypatch.setenv("MLA_PLANNER_NATIVE_PREFILL_HEADS", "1")
-    if not vllm_api.NATIVE_PREFILL_HEADS or num_heads == 64:
+    if not vllm_api.NATIVE_PREFILL_KERNELS or num_heads == 64:
         with pytest.raises(SettingsError) as err:
             Backend(tmp_path, monkeypatch, num_heads=num_heads).close()
         message = str(err.value)
         assert message.startswith("MLA_PLANNER_NATIVE_PREFILL_HEADS=1: ") and "\n" not in message, message
-        assert ("0.33" in message) if not vllm_api.NATIVE_PREFILL_HEADS else "16 or 32" in message, message
+        assert ("0.33" in message) if not vllm_api.NATIVE_PREFILL_KERNELS else "16 or 32" in message, message
         assert "unset MLA_PLANNER_NATIVE_PREFILL_HEADS" in message
         return
     backend = Backend(tmp_path, monkeypatch, num_heads=num_heads)
     try:
-        assert backend.builder.step_config.native_prefill_heads
+        assert backend.builder.engine.config.native_prefill_heads
         case = backend.step(QUERY_LENS, CONTEXT_LENS, gen)
         md, q = case["metadata"], case["q"]
         assert (md.planned.plan.mode, md.planned.plan.prefill_heads) == ("separate_prefill_decode", num_heads)
         backend.topk_buffer[: q.shape[0]] = case["positions"]
         out = forward_out(backend.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], backend.topk_buffer[: q.shape[0]], md))
         torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
-        assert {shape[1] for shape in backend.kernels.prefill_calls} == {num_heads}
+        assert {shape[1] for shape in backend.provider.prefill_calls} == {num_heads}
     finally:
         backend.close()
 
 
 def test_no_profile_is_vllms_rule(mixed: Backend) -> None:
-    assert mixed.builder.cost_model is None
+    assert mixed.builder.engine.cost_model is None
 
 
 def test_packaged_profile_for_another_machine_is_vllms_rule_with_one_warning(
@@ -873,7 +914,7 @@ def test_packaged_profile_for_another_machine_is_vllms_rule_with_one_warning(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the machine check runs on a GPU only
     monkeypatch.delenv("MLA_PLANNER_COST_PROFILE")
     with caplog.at_level("WARNING", logger="mla_planner.routing"):
-        assert routing.load_for_engine(read_settings().cost_profile, mixed.builder.step_config) is None
+        assert routing.load_for_engine(read_settings().cost_profile, mixed.builder.engine.config) is None
     warnings = [r.getMessage() for r in caplog.records if r.name == "mla_planner.routing"]
     assert len(warnings) == 1 and str(packaged) in warnings[0] and "'NVIDIA H100' here" in warnings[0]
 
@@ -920,9 +961,11 @@ def test_separate_route_runs_in_stocks_workspace_views(separate: Backend, gen: t
     views = vllm_api.workspace_views(separate.impl)
     assert views.compact_out is not None and views.q_padded is not None and views.padded_out is not None
     assert out.data_ptr() == views.compact_out.data_ptr(), "the step's output is stock's, as stock's is"
-    assert len(separate.kernels.prefill_calls) > 1
-    assert set(separate.kernels.prefill_q_ptrs) == {views.q_padded.data_ptr()}
-    assert set(separate.kernels.prefill_out_ptrs) == {views.padded_out.data_ptr()}
+    assert len(separate.provider.prefill_calls) > 1
+    assert set(separate.provider.prefill_q_ptrs) == {views.q_padded.data_ptr()}
+    assert set(separate.provider.prefill_out_ptrs) == {views.padded_out.data_ptr()}
+    # The decode launches pad q and take the kernel's output in the same views.
+    assert {ptrs for ptrs in separate.provider.launch_ptrs} == {(views.q_padded.data_ptr(), views.padded_out.data_ptr())}
 
 
 class FakeWorkspaceManager:
@@ -936,13 +979,18 @@ class FakeWorkspaceManager:
         return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
 
 
-def test_construction_reserves_the_whole_budget_where_vllm_has_no_workspace(mixed: Backend) -> None:
+def test_construction_reserves_the_budget_and_the_output_where_vllm_has_no_workspace(mixed: Backend) -> None:
+    """vLLM 0.26 has no workspace: the reservation holds the largest launch (the budget bounds it)
+    and the step's output, which the executors allocate."""
     from mla_planner.vllm_backend import vllm_api
 
     if vllm_api.STOCK_WORKSPACE:
         pytest.skip("vLLM 0.33's impl reserves a workspace: the next test")
-    assert mixed.reserved == [SCRATCH_MB << 20]
-    assert mixed.impl.stock_call_allowance == SCRATCH_MB << 20
+    setup = mixed.impl.engine
+    assert setup is not None and setup.stock_call_allowance <= SCRATCH_MB << 20
+    assert setup.stock_call_allowance == setup.config.largest_launch_bytes(2048, 128, None)
+    output = 2048 * 16 * 512 * 2  # max_num_batched_tokens x heads x kv_lora_rank, bf16
+    assert mixed.reserved == [setup.stock_call_allowance + output]
 
 
 @needs_033
@@ -951,42 +999,38 @@ def test_construction_reserves_the_largest_launch_beyond_stocks_workspace(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, num_heads: int) -> None:
     """At construction (vLLM counts it as model memory; 0.33's DeepSeek-V3.2 layer calls no impl
     hook in the profile run) stock's impl requests its workspace, whose padded q and output views
-    hold the largest launch's, and the backend reserves the rest of the largest launch the
-    planner allows on either route."""
+    hold every launch's, and the backend reserves the rest of the largest launch any plan of the
+    engine's limits runs, on every route a step may take (with a cost profile either, and on 0.33
+    native prefill heads: the next test)."""
     manager = FakeWorkspaceManager()
     import vllm.v1.attention.backends.mla.flashmla_sparse as stock_module
 
     monkeypatch.setattr(stock_module, "current_workspace_manager", lambda: manager)
     backend = Backend(tmp_path, monkeypatch, num_heads=num_heads)
     backend.close()
-
-    # The planner's largest launch of each route at this budget, for a step of the engine's
-    # max_num_batched_tokens (2048); padded q and output come from stock's views.
-    config = mla_planner.StepConfig(num_heads, num_sms=NUM_SMS, topk=TOPK, scratch_budget_bytes=SCRATCH_MB << 20,
-                                    max_model_len=4096, execution="vllm", force_mqa=True)
-    mixed_plan = mla_planner.plan_step([2048], [0], 0, config.replace(mode="mixed_batch"))
-    n = mixed_plan.longest_launch("sparse_decode")
-    mixed = mla_planner.decode_scratch(1, n, num_heads, num_sms=NUM_SMS, topk=TOPK, translated_indices=True).buffers
-    assert int(mixed_plan.launch_bytes.max()) == sum(mixed.values())
-    mixed_rest = mixed["o_accum"] + mixed["lse_accum"] + mixed["lse"] + mixed["slot_indices"]
-    separate_plan = mla_planner.plan_step([2048], [0], 0, config.replace(mode="separate_prefill_decode"))
-    m = separate_plan.longest_launch("sparse_prefill")
-    prefill = mla_planner.prefill_scratch(m, num_heads, topk=TOPK, translated_indices=True).buffers
-    separate_rest = int(separate_plan.launch_bytes.max()) - prefill["q_padded"] - prefill["out"]
-    # 0.33 runs these heads natively where a profile says so: no padded q or output, more tokens.
-    native_plan = mla_planner.plan_step([2048], [0], 0, config.replace(mode="separate_prefill_decode", native_prefill_heads=True))
-    native_rest = int(native_plan.launch_bytes.max())
-    assert native_rest > separate_rest, "the native launch's own buffers outgrow the padded one's"
-    assert [launch.route for launch in backend.impl.reserved_launches or []] == [
-        "mixed_batch", "separate_prefill_decode", "separate_prefill_decode (native heads)"]
-    assert backend.reserved == [max(mixed_rest, separate_rest, native_rest)]
-    assert backend.impl.stock_call_allowance == backend.reserved[0]
+    setup = backend.impl.engine
+    assert setup is not None and setup.max_step_tokens == 2048 and setup.max_decode_query_len == 128
+    config = setup.config
+    routes = setup.route_configs()  # no cost profile here: vLLM's rule's one route
+    assert [c.mode for c in routes] == [config.mode]
+    largest = [c.largest_launch_bytes(2048, 128, 64) for c in routes]
+    # Every launch of every plan the limits admit stays within it (the planner's property tests
+    # cover random steps; here, steps of the engine's largest size on each route).
+    for c in routes:
+        for q, d in (([2048], 0), ([1] * 16 + [2032], 16), ([128] * 16, 16)):
+            plan = mla_planner.plan_step(q, [0] * len(q), d, c)
+            for k in range(len(plan)):
+                buffers = plan.launch_scratch(k).buffers
+                heads = config.decode_heads if plan.launch_kernels[k] == "sparse_decode" else plan.prefill_heads
+                served = buffers.get("q_padded", 0) + buffers.get("out", 0) if heads == 64 else 0
+                assert int(plan.launch_bytes[k]) - served <= max(largest)
+    assert backend.reserved == [max(largest)] == [setup.stock_call_allowance]
 
     specs: Any = getattr(backend.impl, "workspace_specs")  # 0.33's; mypy reads 0.26's class
     assert manager.requests == [tuple(specs)], "stock's impl reserves its whole workspace at construction"
     (q_rows, q_heads, q_width), q_dtype = specs[-3]
     (o_rows, o_heads, o_width), o_dtype = specs[-2]
-    assert (q_heads, q_width, o_heads, o_width) == (64, 576, 64, 512) and q_rows >= max(n, m) and o_rows >= max(n, m)
+    assert (q_heads, q_width, o_heads, o_width) == (64, 576, 64, 512) and q_rows == o_rows == 2048
     assert q_dtype == o_dtype == torch.bfloat16
 
 
@@ -1086,3 +1130,165 @@ def test_no_warm_up_off_cuda_or_inside_a_graph_capture(monkeypatch: pytest.Monke
     monkeypatch.setattr(warmup, "pending", True)
     warmup.maybe_warm_up(CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
     assert len(warmed) == 1 and not warm_up_pending(), "stock's code only: nothing beyond vLLM's own variants"
+
+
+# -- after start-up, never raise: the shapes vLLM builds ------------------------------------------
+
+
+@pytest.fixture(params=[16, 32], ids=["mixed", "separate"])
+def routes(request: pytest.FixtureRequest, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
+    """16 heads (vLLM's rule: the mixed route) and 32 (the separate route)."""
+    backend = Backend(tmp_path, monkeypatch, num_heads=request.param)
+    yield backend
+    backend.close()
+
+
+def run_step(backend: Backend, query_lens: list[int], context_lens: list[int], gen: torch.Generator,
+             rtol: float = 1e-4) -> Any:
+    """Build a step's metadata, run the layer's FP8 forward on vLLM's route for it, and check the
+    output against the float32 reference; the metadata back."""
+    case = backend.step(query_lens, context_lens, gen)
+    md, q = case["metadata"], case["q"]
+    n = q.shape[0]
+    backend.topk_buffer[:n] = case["positions"]
+    forward = (backend.impl._forward_fp8_kv_mixed_batch if md.fp8_use_mixed_batch
+               else backend.impl._forward_fp8_kv_separate_prefill_decode)
+    out = forward_out(forward(q, case["kv_cache"], backend.topk_buffer[:n], md))
+    torch.testing.assert_close(out, case["expected"], rtol=rtol, atol=rtol)
+    return md
+
+
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48]  # vLLM's first CUDA-graph capture sizes
+
+
+@pytest.mark.parametrize("size", CAPTURE_SIZES)
+def test_decode_batches_padded_to_a_captured_size_run(routes: Backend, gen: torch.Generator, size: int) -> None:
+    """vLLM pads a decode batch up to a captured CUDA-graph size with requests of length 0, counted
+    as decodes: planned (past the 16 tokens stock's call holds) or not, the step runs, its plan
+    covers the real tokens, and the output is the reference's."""
+    from mla_planner.vllm_backend import stock_steps
+
+    before = sum(stock_steps.counts.values())
+    real = max(1, size - 3)
+    lens = [1] * real + [0] * (size - real)
+    md = run_step(routes, lens, [40 + 7 * i if q else 0 for i, q in enumerate(lens)], gen)
+    assert md.num_decodes == size
+    if real > routes.builder.engine.stock_decode_tokens:
+        assert md.planned is not None and md.planned.sparse_tokens == real
+    assert sum(stock_steps.counts.values()) == before, "no step fell back to vLLM's code"
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("prefill", [False, True])
+def test_speculative_decodes_run(routes: Backend, gen: torch.Generator, k: int, prefill: bool) -> None:
+    """MTP with k speculative tokens: decodes of 1 + k tokens each (in a decode-only step,
+    CUDA-graph padding of length 0 after them), next to a prefill or not. The separate route's
+    decode launches run whole requests of 1 + k tokens: in the plan's launches, or as stock's one
+    call where the plan is that call."""
+    lens = [1 + k] * 12 + ([300] if prefill else [0] * 4)
+    md = run_step(routes, lens, [50 + 13 * i for i in range(len(lens))], gen)
+    plan = md.planned.plan
+    assert plan.decode_query_len == 1 + k and md.planned.sparse_tokens == sum(lens)
+    if plan.mode == "separate_prefill_decode":
+        shapes = [tuple(q.shape[:2]) for q in routes.provider.launch_q] or \
+            [tuple(shape[:2]) for shape in routes.kernels.decode_calls]
+        assert shapes and all(s_q == 1 + k for _batch, s_q in shapes)
+        assert sum(batch for batch, _ in shapes) == 12
+
+
+def test_vllms_own_gather_chunks_are_followed(separate: Backend, gen: torch.Generator,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where vLLM gathers the prefills in chunks of its own (its test patches one request a chunk),
+    the plan's launches follow them, and the output is the reference's."""
+    import vllm.v1.attention.backends.mla.flashmla_sparse as stock_module
+
+    monkeypatch.setattr(stock_module, "split_prefill_chunks", lambda rows, capacity: [(i, i + 1) for i in range(len(rows))])
+    md = run_step(separate, QUERY_LENS, CONTEXT_LENS, gen)
+    plan = md.planned.plan
+    assert plan.gather_chunks[:, :2].tolist() == [[3, 4], [4, 5]], "one chunk a prefill, as vLLM gathers them"
+    assert separate.provider.gathers == 2
+
+
+def test_a_step_the_planner_refuses_runs_vllms_own_code(mixed: Backend, gen: torch.Generator,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the planner raises in a build, the build raises nothing: the step carries no plan,
+    vLLM's own code runs it, and the reason is counted once per step."""
+    from mla_planner import routing
+    from mla_planner.vllm_backend import stock_steps
+
+    def refuse(*args: Any) -> Any:
+        raise ValueError("a step no rule admits")
+
+    monkeypatch.setattr(routing, "choose_plan", refuse)
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent / "e2e"))
+    step_log = importlib.import_module("step_log")
+    messages: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.mla_planner")
+    disabled, level = logging.root.manager.disable, logger.level
+    logging.disable(logging.NOTSET)
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    before = sum(stock_steps.counts.values())
+    try:
+        md = run_step(mixed, QUERY_LENS, CONTEXT_LENS, gen, rtol=1e-5)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logging.disable(disabled)
+    assert md.planned is None and mixed.kernels.decode_calls == [(1, sum(QUERY_LENS), 64, 576)]
+    assert sum(stock_steps.counts.values()) == before + 1
+    # The step log counts it (tests/e2e/step_log.py reads the debug line).
+    lines = [f"DEBUG 12-02 02:30:00.00{i} [backend.py:1] {m}" for i, m in enumerate(messages)]
+    assert [s.kind for s in step_log.parse("\n".join(lines))] == [step_log.STOCK_FALLBACK], messages
+
+
+@pytest.mark.parametrize("num_heads", [16, 32, 64])
+def test_a_budget_below_what_the_engine_needs_is_refused_at_start_up(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator, num_heads: int) -> None:
+    """The smallest budget any step of the engine needs (its decodes up to vLLM's threshold, every
+    route it may take) is checked when the engine is built: one line naming the variable, the
+    value and the minimum; at the minimum every step plans and runs."""
+    from mla_planner.vllm_backend import engine
+
+    probe = Backend(tmp_path, monkeypatch, num_heads=num_heads, scratch_mb=1024)
+    setup = probe.builder.engine
+    probe.close()
+    needed = max(c.min_scratch_budget(setup.max_step_tokens, setup.max_decode_query_len) for c in setup.route_configs())
+    minimum = -(-needed // (1 << 20))
+    if minimum > 64:
+        with pytest.raises(SettingsError) as err:
+            Backend(tmp_path, monkeypatch, num_heads=num_heads, scratch_mb=minimum - 1).close()
+        message = str(err.value)
+        assert "\n" not in message and f"MLA_PLANNER_SCRATCH_MB={minimum - 1} is below the {minimum} MiB" in message
+        assert f"set MLA_PLANNER_SCRATCH_MB={minimum} or more" in message
+    at_minimum = Backend(tmp_path, monkeypatch, num_heads=num_heads, scratch_mb=max(minimum, 64))
+    try:
+        assert engine.setup(at_minimum.config, num_heads, torch.device("cpu")) is at_minimum.builder.engine
+        for lens, contexts in ((QUERY_LENS, CONTEXT_LENS), ([2] * 20 + [0] * 4, [9] * 24), ([128] * 3, [5, 70, 900])):
+            md = run_step(at_minimum, lens, contexts, gen)
+            assert md.planned is not None or sum(lens) <= at_minimum.builder.engine.stock_decode_tokens
+    finally:
+        at_minimum.close()
+
+
+def test_the_decode_threshold_is_the_builders(routes: Backend) -> None:
+    """The engine's setup (made before any builder) reads vLLM's decode threshold as the builder
+    computes it."""
+    assert routes.builder.engine.max_decode_query_len == min(routes.builder.reorder_batch_threshold,
+                                                             routes.config.scheduler_config.max_num_batched_tokens)
+
+
+def test_a_cost_profile_reserves_for_every_route_it_may_take(routed: Backend) -> None:
+    """With a cost profile a step may take either FP8 route (and, where this vLLM's FlashMLA has the
+    kernel, native prefill heads): the budget is checked and the reservation sized for all."""
+    from mla_planner.vllm_backend import vllm_api
+
+    setup = routed.builder.engine
+    configs = setup.route_configs()
+    assert [c.mode for c in configs][:2] == ["mixed_batch", "separate_prefill_decode"]
+    assert [c.native_prefill_heads for c in configs] == [False, False] + ([True] if vllm_api.NATIVE_PREFILL_KERNELS else [])
+    served = 64 if vllm_api.STOCK_WORKSPACE else None
+    assert setup.stock_call_allowance == max(c.largest_launch_bytes(2048, 128, served) for c in configs)
+    assert routed.reserved == [setup.reserved_bytes]

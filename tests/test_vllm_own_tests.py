@@ -105,29 +105,46 @@ def vllm_test_tree(out: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
-def run_vllm_tests(tree: pathlib.Path, classes: str, work: pathlib.Path) -> dict[str, str]:
-    """Each test of vLLM's file, by id, and its outcome (passed, skipped, failed, error), in a
-    pytest of its own: vLLM's file and the plugin patch its process."""
+def start_vllm_tests(tree: pathlib.Path, classes: str, work: pathlib.Path, env: dict[str, str] | None = None,
+                     ) -> tuple[subprocess.Popen[str], pathlib.Path]:
+    """vLLM's file in a pytest of its own (vLLM's file and the plugin patch its process), started;
+    ``env``: more of its environment. Its JUnit report's path comes back with it."""
+    work.mkdir(parents=True, exist_ok=True)
     report = work / f"{classes}.xml"
     ini = work / "pytest.ini"
     ini.write_text("[pytest]\n")  # not vLLM's pytest settings, nor ours
-    env = dict(os.environ, MLA_PLANNER_CLASSES=classes,
-               PYTHONPATH=os.pathsep.join([str(tree), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run(
+    full_env = dict(os.environ, MLA_PLANNER_CLASSES=classes, **(env or {}),
+                    PYTHONPATH=os.pathsep.join([str(tree), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+    log = (work / f"{classes}.log").open("w")
+    proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-c", str(ini), "--rootdir", str(tree), "-p", "no:cacheprovider",
          "--noconftest", "-p", "vllm_own_tests_plugin", f"--junitxml={report}", str(tree / SPARSE_TESTS)],
-        cwd=tree, env=env, capture_output=True, text=True, timeout=600,
+        cwd=tree, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True,
     )
-    assert report.exists(), f"vLLM's tests did not run (exit {run.returncode}):\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    return proc, report
+
+
+def outcomes_of(proc: subprocess.Popen[str], report: pathlib.Path, timeout_s: float = 600) -> dict[str, tuple[str, str]]:
+    """Each test of a started run, by id: its outcome (passed, skipped, failed, error) and the
+    first line of its failure's message."""
+    proc.wait(timeout=timeout_s)
+    log = pathlib.Path(str(report)[: -len(".xml")] + ".log").read_text()
+    assert report.exists(), f"vLLM's tests did not run (exit {proc.returncode}):\n{log[-4000:]}"
     outcomes = {}
     for case in ET.parse(report).getroot().iter("testcase"):
-        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
-        outcomes[case.attrib["name"]] = {"failure": "failed", "error": "error", "skipped": "skipped"}.get(
-            kinds[0] if kinds else "", "passed")
-    assert run.returncode in (0, 1), f"pytest exit {run.returncode}:\n{run.stdout[-4000:]}"
-    if any(o in ("failed", "error") for o in outcomes.values()):
-        print(run.stdout[-8000:])
+        kinds = [child for child in case if child.tag in ("failure", "error", "skipped")]
+        kind = {"failure": "failed", "error": "error", "skipped": "skipped"}.get(kinds[0].tag if kinds else "", "passed")
+        message = (kinds[0].get("message") or "").strip().splitlines()[:1] if kinds else []
+        outcomes[case.attrib["name"]] = (kind, message[0] if message else "")
+    assert proc.returncode in (0, 1), f"pytest exit {proc.returncode}:\n{log[-4000:]}"
+    if any(o in ("failed", "error") for o, _ in outcomes.values()):
+        print(log[-8000:])
     return outcomes
+
+
+def run_vllm_tests(tree: pathlib.Path, classes: str, work: pathlib.Path) -> dict[str, str]:
+    """Each test of vLLM's file, by id, and its outcome (passed, skipped, failed, error)."""
+    return {name: kind for name, (kind, _) in outcomes_of(*start_vllm_tests(tree, classes, work)).items()}
 
 
 def test_the_sdist_is_fetched_checked_and_kept(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:

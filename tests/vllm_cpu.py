@@ -142,6 +142,10 @@ def convert_req_index_to_global_index(
         out_slots = torch.where(is_prefill, starts + pos, out_slots)
     slots = torch.where(valid, out_slots, -1).to(torch.int32)
     counts = valid.sum(1).to(torch.int32)
+    if return_valid_counts:
+        # The prefill kernel reads each row's first `count` indices: the valid ones lead (as the
+        # indexer's top-k puts them; attention does not depend on the keys' order).
+        slots = slots.gather(1, torch.argsort((~valid).to(torch.int8), dim=1, stable=True))
     if out is not None:
         slots = out.copy_(slots)
     if valid_counts_out is not None:
@@ -199,7 +203,7 @@ class KernelRecorder:
         from mla_planner import NATIVE_PREFILL_HEADS
         from mla_planner.vllm_backend import vllm_api
 
-        native = tuple(NATIVE_PREFILL_HEADS) if vllm_api.NATIVE_PREFILL_HEADS else ()
+        native = tuple(NATIVE_PREFILL_HEADS) if vllm_api.NATIVE_PREFILL_KERNELS else ()
         self.prefill_heads = (*native, 64, 128)
 
     def flash_mla_with_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, block_table: Any, cache_seqlens: Any,
@@ -228,19 +232,42 @@ class KernelRecorder:
 
 
 class RecordingProvider(ReferenceProvider):
-    """The mixed-batch executor's provider: the reference, recording each launch's q."""
+    """The executors' provider: the reference kernels (the prefill kernel's heads as this vLLM's
+    FlashMLA runs them), recording each launch's q and buffers."""
 
     def __init__(self) -> None:
-        super().__init__(takes_out=True)
+        from mla_planner.vllm_backend import vllm_api
+
+        super().__init__(takes_out=True, native_prefill_heads=vllm_api.NATIVE_PREFILL_KERNELS)
         self.launch_q: list[torch.Tensor] = []
         self.launch_ptrs: list[tuple[int, int | None]] = []
-        """Each launch's q and ``out=`` (``None``: none) data pointers."""
+        """Each decode launch's q and ``out=`` (``None``: none) data pointers."""
+        self.prefill_calls: list[tuple[int, ...]] = []
+        self.prefill_q: list[torch.Tensor] = []
+        self.prefill_q_ptrs: list[int] = []
+        self.prefill_out_ptrs: list[int] = []
+        self.gathers = 0
 
     def sparse_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, schedule: Any,
                       softmax_scale: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         self.launch_q.append(q.clone())
         self.launch_ptrs.append((q.data_ptr(), None if out is None else out.data_ptr()))
         return super().sparse_decode(q, kv_cache, indices, schedule, softmax_scale, out)
+
+    def sparse_prefill(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
+                       out: torch.Tensor | None = None,
+                       topk_length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        self.prefill_calls.append(tuple(q.shape))
+        self.prefill_q.append(q.clone())
+        self.prefill_q_ptrs.append(q.data_ptr())
+        if out is not None:
+            self.prefill_out_ptrs.append(out.data_ptr())
+        return super().sparse_prefill(q, kv, indices, softmax_scale, out, topk_length)
+
+    def gather_upconvert(self, kv_cache: torch.Tensor, workspace: torch.Tensor, block_table: torch.Tensor,
+                         workspace_starts: torch.Tensor, num_requests: int) -> None:
+        self.gathers += 1
+        super().gather_upconvert(kv_cache, workspace, block_table, workspace_starts, num_requests)
 
 
 def patch_if_present(monkeypatch: pytest.MonkeyPatch, module_name: str, attr: str, value: Any) -> None:
@@ -259,10 +286,10 @@ def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kerne
     import vllm.v1.attention.backends.mla.flashmla_sparse as stock
 
     import mla_planner.vllm_backend.backend as backend
-    import mla_planner.vllm_backend.engine_config as engine_config
+    import mla_planner.vllm_backend.vllm_api as vllm_api
 
-    for module in (stock, engine_config):
-        monkeypatch.setattr(module, "num_compute_units", lambda device_id=None: NUM_SMS)
+    monkeypatch.setattr(stock, "num_compute_units", lambda device_id=None: NUM_SMS)
+    monkeypatch.setattr(vllm_api, "num_sms", lambda device: NUM_SMS)
     # Every module that holds the Triton translation under its name: stock's, the one the
     # backend calls through (vllm_api reads it from sparse_utils), and 0.33's index group.
     for name in ("flashmla_sparse", "sparse_utils", "index_group"):
@@ -270,9 +297,7 @@ def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kerne
                          convert_req_index_to_global_index)
     monkeypatch.setattr(stock, "flash_mla_with_kvcache", kernels.flash_mla_with_kvcache)
     monkeypatch.setattr(stock, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
-    monkeypatch.setattr(backend, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
     monkeypatch.setattr(stock, "get_mla_metadata", lambda *a, **k: (object(), None))
-    monkeypatch.setattr(backend, "ops", SimpleNamespace(cp_gather_and_upconvert_fp8_kv_cache=gather_and_upconvert))
     monkeypatch.setattr(backend, "kernel_provider", lambda: provider)
     # 0.33's index group translates on a side stream, ordered by events: one stream here.
     index_group = "vllm.v1.attention.backends.mla.index_group"

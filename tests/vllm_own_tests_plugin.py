@@ -1,6 +1,9 @@
-"""A pytest plugin (``-p vllm_own_tests_plugin``) for running vLLM 0.26.0's own
-``tests/v1/attention/test_sparse_mla_backends.py`` on the CPU, in a pytest of its own started by
-tests/test_vllm_own_tests.py.
+"""A pytest plugin (``-p vllm_own_tests_plugin``) for running vLLM's own
+``tests/v1/attention/test_sparse_mla_backends.py`` in a pytest of its own: on the CPU (vLLM 0.26.0,
+started by tests/test_vllm_own_tests.py), or on a GPU with ``MLA_PLANNER_OWN_TESTS_ON=gpu``
+(either release, started by tests/gpu/test_gpu_vllm_own_tests.py), where nothing is faked or
+skipped and the plugin provides the three fixtures of vLLM's conftest the file uses (vLLM's
+conftest needs its whole test tree: ``--noconftest``).
 
 ``MLA_PLANNER_CLASSES=planned`` puts the backend's classes in place of stock's in vLLM's
 ``flashmla_sparse`` module before vLLM's test module imports them, so every
@@ -35,8 +38,20 @@ GPU_ONLY = {
 }
 
 
-def pytest_configure(config: pytest.Config) -> None:
+ON_GPU = os.environ.get("MLA_PLANNER_OWN_TESTS_ON", "cpu") == "gpu"
+
+
+def swap_classes() -> None:
+    """``MLA_PLANNER_CLASSES=planned``: the backend's classes in place of stock's in vLLM's module."""
     import vllm.v1.attention.backends.mla.flashmla_sparse as stock
+
+    swap_classes()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if ON_GPU:
+        swap_classes()
+        return
     from vllm.platforms import current_platform
 
     # Let the module import; the GPU tests are skipped below, not by their capability checks.
@@ -49,14 +64,7 @@ def pytest_configure(config: pytest.Config) -> None:
     zeros = torch.zeros
     torch.zeros = lambda *a, pin_memory=False, **k: zeros(*a, **k)
 
-    classes = os.environ.get("MLA_PLANNER_CLASSES", "stock")
-    if classes == "planned":
-        from mla_planner.vllm_backend import backend
-
-        for name in CLASS_NAMES:
-            setattr(stock, name, getattr(backend, "Planned" + name))
-    elif classes != "stock":
-        raise pytest.UsageError(f"MLA_PLANNER_CLASSES={classes!r}: use stock or planned")
+    swap_classes()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[Any]) -> None:
@@ -65,6 +73,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[Any]) -> No
         if planned and not all(getattr(item.module, name).__name__ == "Planned" + name for name in CLASS_NAMES):
             # The test module bound stock's classes before the swap: it would test stock, quietly.
             raise pytest.UsageError(f"{item.module.__name__} imported stock's classes, not the backend's")
-        reason = GPU_ONLY.get(item.originalname)
+        reason = None if ON_GPU else GPU_ONLY.get(item.originalname)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=f"needs {reason}"))
+
+
+# -- on a GPU: the fixtures of vLLM's conftest that its sparse-MLA file uses ----------------------
+
+
+@pytest.fixture
+def default_vllm_config() -> Any:
+    """A default engine configuration, current while the test runs."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        yield config
+
+
+@pytest.fixture
+def dist_init(tmp_path: Any) -> Any:
+    """One rank's process groups (NCCL), torn down after the test."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import cleanup_dist_env_and_memory, init_distributed_environment, initialize_model_parallel
+
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{tmp_path / 'store'}",
+                                     local_rank=0, backend="nccl")
+        initialize_model_parallel(1, 1)
+        yield
+    cleanup_dist_env_and_memory()
+
+
+@pytest.fixture
+def workspace_init() -> Any:
+    """vLLM's workspace manager on the GPU, reset after the test."""
+    from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
+
+    init_workspace_manager(torch.device(0))
+    yield
+    reset_workspace_manager()

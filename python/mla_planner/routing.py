@@ -29,7 +29,7 @@ PROFILE_DIR = "profiles"  # under mla_planner/data: one per architecture and ker
 VLLM_RULE = "vLLM's rule (mixed batch below 32 heads per rank)"
 GATHER_OPS = {
     "vllm": "cp_gather_and_upconvert_fp8_kv_cache",
-    "torch": "mla_planner.testing.gather.gather_upconvert",
+    "torch": "mla_planner.cli.kernel_timing.gather_upconvert",
 }
 KERNEL_PACKAGES = {"vllm": "vllm", "flash_mla": "sgl-flash-mla"}
 
@@ -174,7 +174,7 @@ def load_for_engine(path: str | None, config: StepConfig) -> CostModel | None:
     return load_profile(path, arch=config.arch, environment=environment, config=config)
 
 
-def plan_step(
+def choose_plan(
     model: CostModel | None,
     query_lens: npt.ArrayLike,
     context_lens: npt.ArrayLike,

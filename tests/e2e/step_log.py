@@ -54,12 +54,14 @@ from typing import Any, Iterator
 
 PLUGIN_LOGGER = "vllm.mla_planner"
 STEP = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) .*mla-planner step: (\d+) tokens, (\d+) decode tokens, "
-                  r"(\d+) prefills, (stock's code|\w+)")
+                  r"(\d+) prefills, (stock's code|vLLM's own code|\w+)")
 ITERATION = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) .*Iteration\((\d+)\): (\d+) context requests, "
                        r"(\d+) context tokens, (\d+) generation requests, (\d+) generation tokens, "
                        r"iteration elapsed time: ([\d.]+) ms(?! \(dummy\))")
 DECODE_ONLY = "decode-only, stock's code"
-KINDS = (DECODE_ONLY, "decodes + dense prefills, stock's code", "planned: mixed_batch", "planned: separate_prefill_decode")
+STOCK_FALLBACK = "vLLM's own code (could not be planned)"  # the plugin's stock_steps: counted, each reason logged once
+KINDS = (DECODE_ONLY, "decodes + dense prefills, stock's code", "planned: mixed_batch", "planned: separate_prefill_decode",
+         STOCK_FALLBACK)
 DECODE_STEP, CONTEXT_STEP = ITERATION_KINDS = ("decode-only", "with context tokens")  # vLLM's iteration lines
 DEFAULT_GAP_S = 0.5
 STAMP = "%m-%d %H:%M:%S.%f"  # vLLM's log time under `config` (local time), to the microsecond; lines show ms
@@ -135,6 +137,8 @@ def write_config(path: Path, plugin_steps: bool = True) -> None:
 def kind_of(detail: str, prefills: int) -> str:
     if detail == "stock's code":
         return DECODE_ONLY if prefills == 0 else KINDS[1]
+    if detail == "vLLM's own code":
+        return STOCK_FALLBACK
     return f"planned: {detail}"
 
 

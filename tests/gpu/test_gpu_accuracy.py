@@ -20,12 +20,10 @@ import numpy.typing as npt
 import pytest
 import torch
 
+from mla_planner.cli.synthetic import mixed_case, prefill_case
 from mla_planner.executor import KernelProvider, MixedBatchExecutor
-from mla_planner.testing.separate_prefill import SeparatePrefillExecutor
 from mla_planner.executor.layout import as_slots
-from mla_planner.testing.lse_merge import merge_error_bound
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
-from mla_planner.testing.synthetic import mixed_case, prefill_case
 
 from gpu_helpers import (
     MiB,
@@ -35,6 +33,8 @@ from gpu_helpers import (
     kernel_call_accuracy,
     lse_error,
 )
+from harness.lse_merge import merge_error_bound
+from harness.separate_prefill import SeparatePrefillExecutor
 
 pytestmark = pytest.mark.gpu
 
@@ -77,11 +77,16 @@ class _Recorder:
         return self.inner.sparse_decode(q, kv_cache, indices, schedule, softmax_scale, out=out)
 
     def sparse_prefill(
-        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, out: torch.Tensor | None = None
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, out: torch.Tensor | None = None,
+        topk_length: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        o, lse = self.inner.sparse_prefill(q, kv, indices, softmax_scale, out=out)
+        o, lse = self.inner.sparse_prefill(q, kv, indices, softmax_scale, out=out, topk_length=topk_length)
         self.prefill_calls.append((o[:, : self.heads].clone(), lse[:, : self.heads].clone()))
         return o, lse
+
+    def gather_upconvert(self, kv_cache: torch.Tensor, workspace: torch.Tensor, block_table: torch.Tensor,
+                         workspace_starts: torch.Tensor, num_requests: int) -> None:
+        self.inner.gather_upconvert(kv_cache, workspace, block_table, workspace_starts, num_requests)
 
 
 def _split_pieces(chunks: npt.NDArray[np.int64]) -> dict[tuple[int, int, int], list[tuple[int, int, int]]]:

@@ -114,6 +114,7 @@ class MixedBatchExecutor:
         schedules: dict[int, Any] | None = None,
         q_buffer: torch.Tensor | None = None,
         out_buffer: torch.Tensor | None = None,
+        softmax_scale: float | None = None,
     ) -> None:
         """Attend q ``(T, H, 576)`` over kv_cache ``(pages, page_size, 1, 656)`` uint8 at indices
         ``(T, topk)`` int32 slots (``-1`` unused), writing out ``(T, H, 512)``. With
@@ -121,9 +122,11 @@ class MixedBatchExecutor:
         ``schedules`` (launch length -> FlashMLA schedule) is filled and reused when given.
         ``q_buffer`` ``(>= longest launch, kernel heads, 576)`` and ``out_buffer`` ``(>= longest
         launch, kernel heads, 512)``, contiguous, q's dtype: memory to pad q and to take the kernel's
-        output in, when heads are padded (ignored otherwise); their contents are overwritten."""
+        output in, when heads are padded (ignored otherwise, and where they are not of that shape:
+        then the run allocates its own); their contents are overwritten. ``softmax_scale``: the
+        layer's (default: the executor's)."""
         self.run_launches(Launches.of(plan), q, kv_cache, indices, out, schedules=schedules, q_buffer=q_buffer,
-                          out_buffer=out_buffer)
+                          out_buffer=out_buffer, softmax_scale=softmax_scale)
 
     def run_launches(
         self,
@@ -136,6 +139,7 @@ class MixedBatchExecutor:
         schedules: dict[int, Any] | None = None,
         q_buffer: torch.Tensor | None = None,
         out_buffer: torch.Tensor | None = None,
+        softmax_scale: float | None = None,
     ) -> None:
         """:meth:`run` of a plan's :class:`Launches` (``Launches.of(plan)``), which a caller running
         the plan on several layers derives once."""
@@ -147,29 +151,30 @@ class MixedBatchExecutor:
         q_padded = kernel_out = None
         if self.kernel_heads != self.num_heads:
             longest = launches.longest
-            if q_buffer is None:
+            q_padded = self._buffer(q_buffer, longest, D_QK, q)
+            if q_padded is None:
                 q_padded = q.new_zeros((1, longest, self.kernel_heads, D_QK))
             else:
-                q_padded = self._buffer(q_buffer, longest, D_QK, q).unsqueeze(0)
                 q_padded[:, :, self.num_heads :].zero_()  # launches write only the real heads
-            if out_buffer is not None and not self.writes_in_place:
-                if not self.provider.decode_takes_out:
-                    raise ValueError("out_buffer needs a provider whose decode kernel takes out=")
-                kernel_out = self._buffer(out_buffer, longest, D_V, q).unsqueeze(0)
+            if not self.writes_in_place and self.provider.decode_takes_out:
+                kernel_out = self._buffer(out_buffer, longest, D_V, q)
         if schedules is None:
             schedules = {}
+        scale = self.softmax_scale if softmax_scale is None else softmax_scale
         for rows in launches.rows:
             length = rows.stop - rows.start
             if length not in schedules:
                 schedules[length] = self.provider.new_decode_schedule()
-            self._launch(rows, q, q_padded, kv_cache, indices, out, schedules[length], kernel_out)
+            self._launch(rows, q, q_padded, kv_cache, indices, out, schedules[length], scale, kernel_out)
 
-    def _buffer(self, buffer: torch.Tensor, rows: int, width: int, q: torch.Tensor) -> torch.Tensor:
-        if (buffer.dim() != 3 or buffer.shape[0] < rows or buffer.shape[1:] != (self.kernel_heads, width)
-                or buffer.dtype != q.dtype or not buffer.is_contiguous()):
-            raise ValueError(f"a buffer must be contiguous (>= {rows}, {self.kernel_heads}, {width}) {q.dtype}, "
-                             f"got {tuple(buffer.shape)} {buffer.dtype}")
-        return buffer[:rows]
+    def _buffer(self, buffer: torch.Tensor | None, rows: int, width: int, q: torch.Tensor) -> torch.Tensor | None:
+        """``(1, rows, kernel heads, width)`` of ``buffer`` where it is a contiguous ``(>= rows,
+        kernel heads, width)`` of q's dtype; ``None`` otherwise (the run allocates its own)."""
+        if (buffer is None or buffer.dim() != 3 or buffer.shape[0] < rows
+                or tuple(buffer.shape[1:]) != (self.kernel_heads, width) or buffer.dtype != q.dtype
+                or not buffer.is_contiguous()):
+            return None
+        return buffer[:rows].unsqueeze(0)
 
     def _launch(
         self,
@@ -180,6 +185,7 @@ class MixedBatchExecutor:
         indices: IndexSource,
         out: torch.Tensor,
         schedule: Any,
+        softmax_scale: float,
         kernel_out: torch.Tensor | None = None,
     ) -> None:
         # A function of its own so the kernel's out and lse (and translated indices) die on
@@ -191,13 +197,13 @@ class MixedBatchExecutor:
             q_kernel[0, :, : self.num_heads].copy_(q[rows])
         idx = (indices(rows) if callable(indices) else indices[rows]).unsqueeze(0)
         if self.writes_in_place:
-            self.provider.sparse_decode(q_kernel, kv_cache, idx, schedule, self.softmax_scale, out=out[rows].unsqueeze(0))
+            self.provider.sparse_decode(q_kernel, kv_cache, idx, schedule, softmax_scale, out=out[rows].unsqueeze(0))
         elif kernel_out is not None:
             o = kernel_out[:, : rows.stop - rows.start]
-            self.provider.sparse_decode(q_kernel, kv_cache, idx, schedule, self.softmax_scale, out=o)
+            self.provider.sparse_decode(q_kernel, kv_cache, idx, schedule, softmax_scale, out=o)
             out[rows].copy_(o[0, :, : self.num_heads])
         else:
-            o, _lse = self.provider.sparse_decode(q_kernel, kv_cache, idx, schedule, self.softmax_scale)
+            o, _lse = self.provider.sparse_decode(q_kernel, kv_cache, idx, schedule, softmax_scale)
             out[rows].copy_(o[0, :, : self.num_heads])
 
     def _check(

@@ -20,7 +20,7 @@ import torch
 
 from mla_planner import NATIVE_PREFILL_HEADS
 from mla_planner.executor.layout import D_V
-from mla_planner.executor.reference import sparse_decode_reference, sparse_prefill_reference
+from mla_planner.executor.reference import gather_upconvert_reference, sparse_decode_reference, sparse_prefill_reference
 
 
 class ProviderUnavailable(RuntimeError):
@@ -59,10 +59,20 @@ class KernelProvider(Protocol):
         indices: torch.Tensor,
         softmax_scale: float,
         out: torch.Tensor | None = None,
+        topk_length: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """BF16 sparse prefill. q ``(s_q, h, 576)``; kv ``(rows, 1, 576)``; indices
-        ``(s_q, 1, topk)`` int32 rows, ``-1`` unused. Returns out ``(s_q, h, 512)`` and the
-        natural-log lse ``(s_q, h)``."""
+        ``(s_q, 1, topk)`` int32 rows, ``-1`` unused; ``topk_length`` ``(s_q,)`` int32: only each
+        query's first that many indices count. Returns out ``(s_q, h, 512)`` and the natural-log
+        lse ``(s_q, h)``."""
+        ...
+
+    def gather_upconvert(self, kv_cache: torch.Tensor, workspace: torch.Tensor, block_table: torch.Tensor,
+                         workspace_starts: torch.Tensor, num_requests: int) -> None:
+        """The FP8 cache rows of ``num_requests`` requests (their block-table rows), each from
+        position 0, into ``workspace`` as BF16 ``(rows, 576)``, request ``r`` from row
+        ``workspace_starts[r]`` to the next request's start (the last to the end): vLLM's
+        ``cp_gather_and_upconvert_fp8_kv_cache``."""
         ...
 
 
@@ -110,11 +120,16 @@ class FlashMLAProvider:
         indices: torch.Tensor,
         softmax_scale: float,
         out: torch.Tensor | None = None,
+        topk_length: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if out is not None:
-            raise TypeError("sgl-flash-mla's flash_mla_sparse_fwd takes no out=")
+        if out is not None or topk_length is not None:
+            raise TypeError("sgl-flash-mla's flash_mla_sparse_fwd takes no out= or topk_length=")
         o, _max_logits, lse = self._fm.flash_mla_sparse_fwd(q, kv, indices, softmax_scale, D_V, use_legacy=self._use_legacy)
         return o, lse
+
+    def gather_upconvert(self, kv_cache: torch.Tensor, workspace: torch.Tensor, block_table: torch.Tensor,
+                         workspace_starts: torch.Tensor, num_requests: int) -> None:
+        gather_upconvert_reference(kv_cache, workspace, block_table, workspace_starts, num_requests)
 
 
 class VllmProvider:
@@ -159,9 +174,18 @@ class VllmProvider:
         indices: torch.Tensor,
         softmax_scale: float,
         out: torch.Tensor | None = None,
+        topk_length: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        o, _max_logits, lse = self._ops.flash_mla_sparse_fwd(q, kv, indices, softmax_scale, D_V, out=out)
+        o, _max_logits, lse = self._ops.flash_mla_sparse_fwd(q, kv, indices, softmax_scale, D_V, topk_length=topk_length,
+                                                             out=out)
         return o, lse
+
+    def gather_upconvert(self, kv_cache: torch.Tensor, workspace: torch.Tensor, block_table: torch.Tensor,
+                         workspace_starts: torch.Tensor, num_requests: int) -> None:
+        from vllm import _custom_ops
+
+        ops: Any = _custom_ops
+        ops.cp_gather_and_upconvert_fp8_kv_cache(kv_cache, workspace, block_table, workspace_starts, num_requests)
 
 
 @dataclasses.dataclass
@@ -217,11 +241,19 @@ class ReferenceProvider:
         indices: torch.Tensor,
         softmax_scale: float,
         out: torch.Tensor | None = None,
+        topk_length: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if q.shape[1] not in self.prefill_heads:
             raise ValueError(f"this sparse prefill kernel takes {', '.join(map(str, self.prefill_heads))} heads, got {q.shape[1]}")
+        if topk_length is not None:  # an index past a query's length does not count
+            past = torch.arange(indices.shape[-1], device=indices.device) >= topk_length.view(-1, 1, 1)
+            indices = indices.masked_fill(past, -1)
         o, lse = sparse_prefill_reference(q, kv, indices, softmax_scale)
         return _into(out, o, self.prefill_takes_out), lse
+
+    def gather_upconvert(self, kv_cache: torch.Tensor, workspace: torch.Tensor, block_table: torch.Tensor,
+                         workspace_starts: torch.Tensor, num_requests: int) -> None:
+        gather_upconvert_reference(kv_cache, workspace, block_table, workspace_starts, num_requests)
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor, takes_out: bool) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_planner.executor.layout import D_NOPE, D_QK, D_V, NUM_TILES, ROPE_START, SCALES_START, TILE, as_slots
+from mla_planner.executor.layout import D_NOPE, D_QK, D_V, NUM_TILES, ROPE_START, SCALES_START, TILE, as_slots, page_of, slot_of
 
 # Keeps the gathered (queries, topk, 576) float32 block near 64 MiB whatever topk is.
 _BLOCK_ELEMENTS = 1 << 24
@@ -87,3 +87,18 @@ def sparse_prefill_reference(
     indices ``(s, 1, topk)`` -> out ``(s, h, 512)`` in q's dtype, lse ``(s, h)`` float32."""
     out, lse = sparse_attention(q, kv.reshape(kv.shape[0], D_QK), indices.reshape(indices.shape[0], -1), softmax_scale)
     return out.to(q.dtype), lse
+
+
+def gather_upconvert_reference(kv_cache: torch.Tensor, workspace: torch.Tensor, block_table: torch.Tensor,
+                               workspace_starts: torch.Tensor, num_requests: int) -> None:
+    """vLLM's ``cp_gather_and_upconvert_fp8_kv_cache`` in torch: request ``r``'s positions from 0,
+    dequantised to ``workspace``'s dtype, into its rows from ``workspace_starts[r]`` up to the next
+    request's start (the last request's up to the workspace's end). The cache is
+    ``(pages, page_size, ...)`` 656-byte rows."""
+    page_size = kv_cache.shape[1]
+    starts = workspace_starts[:num_requests].tolist() + [workspace.shape[0]]
+    slots = as_slots(kv_cache)
+    for r in range(num_requests):
+        positions = torch.arange(starts[r + 1] - starts[r], device=kv_cache.device)
+        slot = slot_of(block_table[r, page_of(positions, page_size)], positions, page_size)
+        workspace[starts[r] : starts[r + 1]] = dequantize_fp8_ds_mla(slots[slot], workspace.dtype)

@@ -22,6 +22,7 @@ sparse-MQA path for just its rows. The layer itself is not changed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import numpy as np
@@ -29,17 +30,16 @@ import torch
 import vllm.model_executor.layers.attention.mla_attention as _mla_module
 import vllm.model_executor.layers.attention.sparse_mla_attention as _sparse_mla_module
 from vllm import _custom_ops as ops
-from vllm.logger import init_logger
-from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend, FlashMLASparseImpl
 
 import mla_planner
-from mla_planner.vllm_backend import vllm_api
+from mla_planner.vllm_backend import log, vllm_api
+from mla_planner.vllm_backend.log import logger
+from mla_planner.vllm_backend.vllm_api import FlashMLASparseBackend, FlashMLASparseImpl
 
 # Any-typed: these modules' masked-MHA members are vLLM 0.33's only (mypy also reads 0.26).
 mla: Any = _mla_module
 sparse_mla: Any = _sparse_mla_module
 
-logger = init_logger("vllm.mla_planner")
 
 PLAN_ATTRIBUTE = "mla_planner_partial"
 """The attribute of a step's prefill metadata that holds its :class:`PartialPrefill`: the impl's
@@ -92,10 +92,10 @@ def attach_plan(builder: Any, metadata: Any, common: Any) -> PartialPrefill | No
     """Plan the step's prefills in groups where the layer would take masked MHA but for the mask's
     fit, and attach the plan to ``metadata.prefill``; nothing where stock runs the step as it is
     (masked MHA not available or not chosen, or the whole set fits, or no prefill fits any mask)."""
-    partial = plan_step(builder, metadata, common)
+    partial = partial_prefill(builder, metadata, common)
     if partial is not None:
         setattr(metadata.prefill, PLAN_ATTRIBUTE, partial)
-        logger.info_once("mla-planner: a step's top-k masks do not fit vLLM's masked-MHA workspace together: "
+        log.once(logging.INFO, "mla-planner: a step's top-k masks do not fit vLLM's masked-MHA workspace together: "
                          "its prefills run in the planner's groups (stock: all on sparse MQA)")
         logger.debug("mla-planner masked MHA: %d prefills in %d groups: %s",
                      metadata.num_prefills, len(partial.runs), partial.describe())
@@ -139,7 +139,7 @@ def stock_fits(prefill: Any) -> bool:
     ))
 
 
-def plan_step(builder: Any, metadata: Any, common: Any) -> PartialPrefill | None:
+def partial_prefill(builder: Any, metadata: Any, common: Any) -> PartialPrefill | None:
     """The step's :class:`PartialPrefill` (see :func:`attach_plan`)."""
     if not layer_takes_masked_mha(builder, metadata):
         return None

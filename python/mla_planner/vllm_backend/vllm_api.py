@@ -23,7 +23,7 @@ What differs (0.33.0 wheel, ``F`` = ``vllm/v1/attention/backends/mla/flashmla_sp
 * the impl reserves a workspace at construction, from vLLM's workspace manager (F:793-832), whose
   padded q and output views the backend's launches use; 0.26 has none;
 * FlashMLA's SM90 BF16 sparse prefill kernel (``flash_mla_sparse_fwd``) runs 16 and 32 heads
-  unpadded in 0.33's build (:data:`NATIVE_PREFILL_HEADS`); 0.26's runs 64 and 128 only;
+  unpadded in 0.33's build (:data:`NATIVE_PREFILL_KERNELS`); 0.26's runs 64 and 128 only;
 * masked-MHA prefill (SM100, FA4, a non-quantized KV cache): the layer asks the impl's
   ``masked_mha_workspace_fits`` and runs the prefills through its ``forward_mha``
   (mla_attention.py:990-1000, 1215-1240); 0.26 has none. The backend's part, in
@@ -39,7 +39,14 @@ from typing import Any
 import torch
 import vllm.v1.attention.backends.mla.flashmla_sparse as _stock_module
 import vllm.v1.attention.backends.mla.sparse_utils as _utils_module
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.v1.attention.backend import CommonAttentionMetadata as CommonAttentionMetadata
+from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend as FlashMLASparseBackend
+from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl as FlashMLASparseImpl
+from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseMetadata as FlashMLASparseMetadata
+from vllm.v1.attention.backends.mla.flashmla_sparse import (
+    FlashMLASparseMetadataBuilder as FlashMLASparseMetadataBuilder,
+)
 
 # Any-typed: the members called through these differ in signature between the versions.
 stock: Any = _stock_module
@@ -81,13 +88,32 @@ PREFILL_PADDING: int | None = 64 if V033 else None
 in ``__init__``, so not readable before an impl exists): 0.33 pads to 64 on Hopper and Blackwell
 alike; ``None`` leaves the planner's default, 0.26's rule (64 on Hopper, 128 on Blackwell)."""
 
-NATIVE_PREFILL_HEADS = V033
+NATIVE_PREFILL_KERNELS = V033
 """0.33's FlashMLA runs the SM90 sparse prefill kernel at 16 and 32 heads unpadded, so a plan made
 for native prefill heads can run; 0.26's has 64- and 128-head kernels only."""
 
 MASKED_MHA = V033
 """0.33 has masked-MHA prefill (0.26 none): the builder plans the prefills that fit in groups and
 the impl runs them (:mod:`.masked_mha`, which only 0.33 imports)."""
+
+
+def device_arch() -> str:
+    """The GPU's architecture as the planner names it."""
+    from vllm.platforms import current_platform
+
+    return "sm100" if current_platform.is_device_capability_family(100) else "sm90"
+
+
+def num_sms(device: torch.device) -> int:
+    """The device's streaming multiprocessors, as vLLM counts them."""
+    from vllm.utils.platform_utils import num_compute_units
+
+    return int(num_compute_units(device.index))
+
+
+def current_vllm_config() -> VllmConfig:
+    """The configuration of the engine being built (vLLM sets it around model construction)."""
+    return get_current_vllm_config()
 
 
 def forward_result(out: torch.Tensor) -> Any:
@@ -178,22 +204,100 @@ def convert_indices(
     )
 
 
+def decode_threshold(vllm_config: VllmConfig, num_heads: int, arch: str) -> int:
+    """The longest request the FlashMLA sparse builder counts as a decode: its table by heads per
+    rank and architecture (F:366-372 on 0.33; the same table on 0.26), raised to a speculative
+    verification's length (``_init_reorder_batch_threshold``, v1/attention/backend.py:658 on 0.33,
+    651 on 0.26). tests/test_vllm_backend.py holds it against the builder's own."""
+    if arch == "sm100":
+        threshold = {8: 128, 16: 128, 32: 128, 64: 256, 128: 1024}.get(num_heads, 1024)
+    else:
+        threshold = {16: 128, 32: 128, 64: 256, 128: 256}.get(num_heads, 256)
+    spec = vllm_config.speculative_config
+    if spec is None or spec.num_speculative_tokens is None:
+        return threshold
+    if V033:
+        from vllm.v1.attention import backend as attention_backend
+
+        api: Any = attention_backend
+        return max(threshold, int(api.max_decode_query_len(vllm_config)))
+    return max(threshold, 1 + (2 if spec.parallel_drafting else 1) * spec.num_speculative_tokens)
+
+
+def uniform_decode_len(vllm_config: VllmConfig) -> int:
+    """The query tokens of each request of a decode step: 1 + the speculative tokens."""
+    spec = vllm_config.speculative_config
+    return 1 + (spec.num_speculative_tokens or 0) if spec is not None else 1
+
+
+def profiling_kv_blocks(vllm_config: VllmConfig) -> int:
+    """Blocks of the minimal KV cache vLLM captures CUDA graphs against while it profiles memory,
+    before it sizes the real one (``_init_minimal_kv_cache_for_profiling``: 0.33
+    v1/worker/gpu/cudagraph_utils.py:1042, 0.26 v1/worker/gpu_model_runner.py:6439)."""
+    compilation = vllm_config.compilation_config
+    captures = compilation.max_cudagraph_capture_size or 0
+    return min(vllm_config.scheduler_config.max_num_seqs, captures) or 1
+
+
+def workspace_padded_heads(vllm_config: VllmConfig, num_heads: int) -> int | None:
+    """Heads of the impl's padded-q and kernel-output workspace views: 0.33's prefill padding of
+    its heads (F:815-831); ``None`` on 0.26, which has no such views."""
+    if not STOCK_WORKSPACE or vllm_config.cache_config.cache_dtype != PLANNED_KV:
+        return None
+    assert PREFILL_PADDING is not None
+    return -(-num_heads // PREFILL_PADDING) * PREFILL_PADDING
+
+
 @dataclasses.dataclass
 class WorkspaceViews:
     """The impl's workspace for one layer call. ``gather``: the separate path's BF16 gather
     workspace. The rest exist on 0.33 only (``None`` on 0.26), as views of the workspace manager's
     buffer stock reserves (F:793-832): ``q_padded`` ``(max_tokens, padded heads, 576)`` and
     ``padded_out`` ``(max_tokens, padded heads, 512)`` -- the BF16 prefill kernel's padded q and
-    output, which the mixed-batch route never uses, so it may take them for the decode kernel's --
-    and ``compact_out`` ``(max_tokens, heads, 512)``, the separate path's step output.
-    ``q_concat`` (BF16 cache only) ``(max_tokens, heads padded to 64, 576)``: the sparse-MQA query
-    stock's ``forward_mqa`` concatenates (its first view)."""
+    output, which the backend's launches of either kernel take theirs from -- and ``compact_out``
+    ``(max_tokens, heads, 512)``, the step's output. ``q_concat`` (BF16 cache only)
+    ``(max_tokens, heads padded to 64, 576)``: the sparse-MQA query stock's ``forward_mqa``
+    concatenates (its first view)."""
 
     gather: torch.Tensor | None
     q_padded: torch.Tensor | None = None
     padded_out: torch.Tensor | None = None
     compact_out: torch.Tensor | None = None
     q_concat: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkspaceLayout:
+    """Where each view sits in the impl's ``workspace_specs`` (0.33), found by shape at
+    construction and checked: a layout this backend does not know is a start-up error, never a
+    silent allocation per step."""
+
+    gather: int
+    q_padded: int
+    padded_out: int
+    compact_out: int
+
+
+def workspace_layout(impl: Any) -> WorkspaceLayout | None:
+    """The FP8 impl's workspace layout on 0.33 (``None`` on 0.26, and where no plan runs).
+    Stock appends the gather workspace (``impl.prefill_workspace_shape``) after q_concat, then
+    (PCP+DCP only) the all-gathered one, then the padded q, the padded output and the step's
+    output (F:793-832)."""
+    if not V033 or impl.kv_cache_dtype != PLANNED_KV or getattr(impl, "pcp_dcp_kv_gather", False):
+        return None  # no views this backend uses: stock's code runs nvfp4_ds_mla and PCP+DCP steps
+    specs = [tuple(shape) for shape, _dtype in impl.workspace_specs]
+    gather = specs.index(tuple(impl.prefill_workspace_shape))
+    layout = WorkspaceLayout(gather, len(specs) - 3, len(specs) - 2, len(specs) - 1)
+    heads, width, rank = impl.num_heads, impl.q_head_size, impl.kv_lora_rank
+    padded = -(-heads // impl.prefill_padding) * impl.prefill_padding
+    expected = {layout.q_padded: (padded, width), layout.padded_out: (padded, rank), layout.compact_out: (heads, rank)}
+    found = {i: specs[i][1:] for i in expected}
+    if found != expected or any(dtype != torch.bfloat16 for _shape, dtype in impl.workspace_specs[-3:]):
+        raise RuntimeError(
+            f"mla-planner: vLLM {VLLM_VERSION}'s FlashMLA sparse workspace is {impl.workspace_specs}, not the layout this "
+            f"backend knows (last three: {expected} in bfloat16); install a supported vLLM ({', '.join(SUPPORTED)})"
+        )
+    return layout
 
 
 def workspace_views(impl: Any) -> WorkspaceViews:
@@ -203,19 +307,11 @@ def workspace_views(impl: Any) -> WorkspaceViews:
         from vllm.v1.worker.workspace import current_workspace_manager
 
         views = current_workspace_manager().get_simultaneous(*impl.workspace_specs)
-        if len(impl.workspace_specs) < 5:  # no FP8 cache: q_concat only
+        layout: WorkspaceLayout | None = getattr(impl, "workspace_layout", None)
+        if layout is None:
+            layout = workspace_layout(impl)
+        if layout is None:  # no FP8 cache: q_concat only
             return WorkspaceViews(None, q_concat=views[0])
-        # Positions as stock reads them: [1] gather, [-3:] padded q, padded out, compact out.
-        return WorkspaceViews(views[1], views[-3], views[-2], views[-1])
+        return WorkspaceViews(views[layout.gather], views[layout.q_padded], views[layout.padded_out],
+                              views[layout.compact_out])
     return WorkspaceViews(getattr(impl, "prefill_bf16_workspace", None))
-
-
-def workspace_padded_heads(impl: Any) -> int | None:
-    """Heads of the impl's padded q and output workspace views (0.33: its prefill padding of its
-    heads; ``None`` on 0.26, which has no such views)."""
-    if not V033 or len(impl.workspace_specs) < 5:
-        return None
-    shape, _dtype = impl.workspace_specs[-3]
-    return int(shape[1])
-
-

@@ -26,11 +26,10 @@ import time
 from collections.abc import Iterable
 
 import torch
-from vllm.logger import init_logger
 
 from mla_planner.vllm_backend import vllm_api
+from mla_planner.vllm_backend.log import logger
 
-logger = init_logger("vllm.mla_planner")
 
 ROUTES = ("mixed_batch", "separate_prefill_decode")
 

@@ -1,0 +1,201 @@
+"""One engine's setup, made once per process from vLLM's configuration and read by the metadata
+builder and by every layer's impl: the settings, the step configuration, the rule that routes FP8
+steps, the engine's limits, the smallest budget those limits need (checked here, at start-up), the
+bytes the reservation holds, and what vLLM's own calls may allocate within it.
+
+Nothing downstream derives a kernel, workspace or budget fact again: the builder plans with
+:attr:`EngineSetup.config`, the impl reserves :attr:`EngineSetup.reserved_bytes`, and both ask
+:attr:`EngineSetup.stock_call_allowance` whether a step may run vLLM's own call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+import mla_planner
+from mla_planner import routing
+from mla_planner.vllm_backend import vllm_api
+from mla_planner.vllm_backend.log import logger
+from mla_planner.vllm_backend.settings import NATIVE_VAR, Settings, SettingsError, read_settings
+
+
+MIB = 1 << 20
+ROUTES = ("mixed_batch", "separate_prefill_decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSetup:
+    settings: Settings
+    config: mla_planner.StepConfig
+    """The step configuration. Every token handed to the planner runs the sparse kernels
+    (``force_mqa``): which prefills vLLM runs dense is vLLM's decision, read from each step's
+    metadata, and those never reach the planner."""
+    cost_model: mla_planner.CostModel | None
+    """Routes FP8 steps where a profile measured on this machine exists; ``None``: vLLM's rule."""
+    routes: tuple[str, ...]
+    """The FP8 routes steps may take: both with a cost model, vLLM's rule's one otherwise."""
+    max_step_tokens: int
+    """vLLM's ``max_num_batched_tokens``: no step carries more."""
+    max_decode_query_len: int
+    """vLLM's decode threshold: requests of up to this many query tokens count as decodes."""
+    workspace_heads: int | None
+    """Heads of vLLM 0.33's padded-q and kernel-output workspace views (``None`` on 0.26)."""
+    stock_call_allowance: int
+    """The most one launch allocates beyond vLLM's workspace, over every plan the limits admit:
+    what the reservation holds for the kernels, and so the most one vLLM call of a step may
+    allocate (its padded q and output included) and still run as vLLM's own code."""
+    reserved_bytes: int
+    """What the reservation holds: the allowance, and on vLLM 0.26 (no workspace view for it)
+    the step's output too."""
+    stock_decode_tokens: int
+    """Decode-only steps of at most this many tokens run vLLM's own call unplanned: every decode
+    batch of that many tokens is one launch within the allowance."""
+    profiling_kv_blocks: int
+    """Blocks of the minimal KV cache vLLM captures CUDA graphs against while it profiles memory:
+    a forward over a cache of no more blocks runs before the KV cache is sized."""
+
+    @property
+    def plans_fp8(self) -> bool:
+        return self.config.kv_dtype == "fp8"
+
+    def route_configs(self) -> list[mla_planner.StepConfig]:
+        """The configuration of every route (and prefill-head variant) a step may take."""
+        configs = [self.config.replace(mode=route) for route in self.routes]
+        if (self.cost_model is not None and vllm_api.NATIVE_PREFILL_KERNELS and self.config.native_prefill_heads_possible
+                and "separate_prefill_decode" in self.routes):
+            # A cost profile may price a step at native prefill heads.
+            configs.append(self.config.replace(mode="separate_prefill_decode", native_prefill_heads=True))
+        return configs
+
+
+_made: list[tuple[Any, tuple[Any, ...], EngineSetup]] = []
+
+
+def setup(vllm_config: Any, num_heads: int, device: torch.device) -> EngineSetup:
+    """This process's setup for ``vllm_config`` at ``num_heads`` heads per rank, made once: the
+    builder and every layer's impl ask. A budget below what the engine needs is a
+    :class:`.SettingsError`, raised here, at start-up."""
+    settings = read_settings()
+    key = (num_heads, torch.device(device), settings)
+    for config, made_key, made in _made:
+        if config is vllm_config and made_key == key:
+            return made
+    made = make_setup(vllm_config, num_heads, torch.device(device), settings)
+    _made[:] = [*_made[-3:], (vllm_config, key, made)]
+    return made
+
+
+def make_setup(vllm_config: Any, num_heads: int, device: torch.device, settings: Settings) -> EngineSetup:
+    config = step_config(vllm_config, num_heads, device, settings)
+    cost_model = cost_model_for(config, settings)
+    routes = ROUTES if cost_model is not None else (config.mode,)
+    scheduler = vllm_config.scheduler_config
+    max_step_tokens = int(scheduler.max_num_batched_tokens)
+    max_decode = min(vllm_api.decode_threshold(vllm_config, num_heads, config.arch), max_step_tokens)
+    partial = EngineSetup(settings, config, cost_model, routes, max_step_tokens, max_decode,
+                          vllm_api.workspace_padded_heads(vllm_config, num_heads), 0, 0, 0,
+                          vllm_api.profiling_kv_blocks(vllm_config))
+    if not partial.plans_fp8:
+        return partial
+    check_budget(partial)
+    allowance = max(c.largest_launch_bytes(max_step_tokens, max_decode, partial.workspace_heads)
+                    for c in partial.route_configs())
+    # vLLM 0.26 has no workspace view for the step's output: the executors allocate it.
+    output = 0 if vllm_api.STOCK_WORKSPACE else max_step_tokens * num_heads * 512 * 2
+    with_allowance = dataclasses.replace(partial, stock_call_allowance=allowance, reserved_bytes=allowance + output)
+    stock_decodes = stock_decode_tokens(with_allowance, int(scheduler.max_num_seqs),
+                                        vllm_api.uniform_decode_len(vllm_config))
+    return dataclasses.replace(with_allowance, stock_decode_tokens=stock_decodes)
+
+
+def step_config(vllm_config: Any, num_heads: int, device: torch.device, settings: Settings) -> mla_planner.StepConfig:
+    """The engine's step configuration: this GPU, the rank's heads, the model's top-k, the KV cache
+    dtype, vLLM's workspaces and prefill padding, the budget; native prefill heads where asked
+    for (a :class:`.SettingsError` where this vLLM, GPU or head count has no such kernel)."""
+    if settings.native_prefill_heads and not vllm_api.NATIVE_PREFILL_KERNELS:
+        raise SettingsError(
+            f"{NATIVE_VAR}=1: vLLM {vllm_api.VLLM_VERSION}'s FlashMLA runs the prefill kernel at 64 or 128 heads only "
+            f"(vLLM 0.33's also at 16 and 32); unset {NATIVE_VAR}"
+        )
+    fp8 = vllm_config.cache_config.cache_dtype == vllm_api.PLANNED_KV
+    config = mla_planner.StepConfig(
+        num_heads,
+        arch=vllm_api.device_arch(),
+        num_sms=vllm_api.num_sms(device),
+        topk=int(vllm_config.model_config.hf_text_config.index_topk),
+        kv_dtype="fp8" if fp8 else "bf16",
+        scratch_budget_bytes=settings.scratch_bytes,
+        max_model_len=vllm_config.model_config.max_model_len,
+        gather_workspace_rows=vllm_api.prefill_workspace_rows(vllm_config),
+        indexer_workspace_rows=vllm_api.indexer_workspace_rows(vllm_config),
+        force_mqa=True,
+        execution="vllm",
+        prefill_padding=vllm_api.PREFILL_PADDING,
+    )
+    if not settings.native_prefill_heads:
+        return config
+    if not config.native_prefill_heads_possible:
+        raise SettingsError(
+            f"{NATIVE_VAR}=1: the prefill kernel runs 16 or 32 heads per rank unpadded, on sm90 only; this engine "
+            f"has {config.num_heads} heads per rank on {config.arch}; unset {NATIVE_VAR}"
+        )
+    return config.replace(native_prefill_heads=True)
+
+
+def cost_model_for(config: mla_planner.StepConfig, settings: Settings) -> mla_planner.CostModel | None:
+    if settings.vllm_rule or config.kv_dtype != "fp8":
+        return None
+    model = routing.load_for_engine(settings.cost_profile, config)
+    if model is not None and not vllm_api.NATIVE_PREFILL_KERNELS and model.prices_native_prefill(config):
+        # It could choose a prefill kernel this vLLM's FlashMLA does not have.
+        logger.warning("mla-planner: cost profile %s prices the prefill kernel at %d native heads, which vLLM %s's "
+                       "FlashMLA does not run; routing FP8 steps by %s (calibrate under this vLLM)",
+                       settings.cost_profile or "(packaged)", config.num_heads, vllm_api.VLLM_VERSION, routing.VLLM_RULE)
+        return None
+    return model
+
+
+def check_budget(setup: EngineSetup) -> None:
+    """Refuse, at start-up, a budget some step of this engine could not be planned in: its
+    smallest unit (one token, one whole decode request) must fit every route it may take."""
+    needed = max(c.min_scratch_budget(setup.max_step_tokens, setup.max_decode_query_len) for c in setup.route_configs())
+    if setup.settings.scratch_bytes >= needed:
+        return
+    needed_mb = -(-needed // MIB)
+    source = setup.settings.source
+    given = (f"the default budget of {setup.settings.scratch_mb} MiB" if source == "default"
+             else f"{source}={setup.settings.scratch_mb}")
+    raise SettingsError(
+        f"{given} is below the {needed_mb} MiB this engine needs ({setup.config.num_heads} heads per rank, routes "
+        f"{' and '.join(setup.routes)}, decodes of up to {setup.max_decode_query_len} tokens); "
+        f"set MLA_PLANNER_SCRATCH_MB={needed_mb} or more"
+    )
+
+
+def stock_decode_tokens(setup: EngineSetup, max_num_seqs: int, uniform_decode_len: int) -> int:
+    """The decode tokens a step may hand the sparse kernels and still run vLLM's call unplanned:
+    the most a decode step of ``max_num_seqs`` requests carries (``uniform_decode_len`` tokens
+    each: 1 + the speculative tokens; within ``max_num_batched_tokens``), where every uniform
+    decode batch of that many tokens -- one-token decodes, or fewer requests of more tokens each,
+    up to the decode threshold -- is one launch within the allowance; else the same for
+    ``max_num_seqs`` tokens; else 0, and every decode-only step is planned. Planning such a step
+    would cost the builder its time and change nothing; a longer one (vLLM 0.33's start-up
+    warm-up sends 32,768 decode tokens through the kernel at once) is planned like any."""
+    fits = functools.partial(_one_stock_launch, setup.config, setup.stock_call_allowance)
+    for tokens in sorted({min(max_num_seqs * n, setup.max_step_tokens) for n in (uniform_decode_len, 1)}, reverse=True):
+        longest = min(tokens, setup.max_decode_query_len, mla_planner.MAX_DECODE_QUERY_LEN)
+        if all(fits(tokens // s_q, s_q) for s_q in range(1, longest + 1)):
+            return tokens
+    return 0
+
+
+def _one_stock_launch(config: mla_planner.StepConfig, allowance: int, batch: int, s_q: int) -> bool:
+    try:
+        plan = mla_planner.plan_step([s_q] * batch, [config.topk] * batch, batch, config)
+    except ValueError:  # not even one request of s_q tokens fits: planned, never stock's
+        return False
+    return len(plan) == 1 and plan.peak_bytes <= allowance

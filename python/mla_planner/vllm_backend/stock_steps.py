@@ -1,0 +1,35 @@
+"""Steps the backend leaves to vLLM's own code because it cannot run them exactly as planned.
+
+After start-up the backend never raises: a step whose plan cannot be made, or whose shapes in a
+forward differ from its plan, runs vLLM's own code instead. Each reason is logged once, at warning
+level, and every such step is counted (:data:`counts`) and logged at debug level as the step log
+reads it (``mla-planner step: ..., vLLM's own code (REASON)``; tests/e2e/step_log.py).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from mla_planner.vllm_backend.log import logger
+
+
+counts: collections.Counter[str] = collections.Counter()
+"""Steps (builder) and layer calls (impl) that ran vLLM's own code, by reason."""
+
+
+def ran_stock(reason: str, detail: str, tokens: int, decode_tokens: int, prefills: int) -> None:
+    """A step the builder could not plan, for ``reason`` (a few words, the same for every such
+    step; ``detail`` says this step's numbers): vLLM's own code runs it."""
+    counts[reason] += 1
+    if counts[reason] == 1:
+        logger.warning("mla-planner: a step runs vLLM's own code: %s: %s (said once per reason; the step log counts "
+                       "them)", reason, detail)
+    logger.debug("mla-planner step: %d tokens, %d decode tokens, %d prefills, vLLM's own code (%s)",
+                 tokens, decode_tokens, prefills, reason)
+
+
+def layer_ran_stock(reason: str, detail: str) -> None:
+    """A layer call whose inputs are not its step's plan's: vLLM's own code runs it."""
+    counts[reason] += 1
+    if counts[reason] == 1:
+        logger.warning("mla-planner: a layer call runs vLLM's own code: %s: %s (said once per reason)", reason, detail)

@@ -1,0 +1,50 @@
+"""vLLM's own sparse-MLA test file on the GPU, with the backend's classes in place of stock's.
+
+Three runs of ``tests/v1/attention/test_sparse_mla_backends.py`` from the installed vLLM's source
+distribution (``MLA_PLANNER_VLLM_SDIST``: the sdist, or an unpacked tree with that file), at the
+same time, each a pytest of its own (tests/vllm_own_tests_plugin.py in its GPU mode): stock's
+classes, the backend's at the default budget, and the backend's at ``MLA_PLANNER_SCRATCH_MB=64``.
+At the default budget every test stock passes passes; at 64 MiB every one passes or is refused
+when the engine's classes are built, its message naming the minimum (``set
+MLA_PLANNER_SCRATCH_MB=N or more``). ``MLA_PLANNER_RESULTS``: a JSON file for every outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's own tests need vLLM")
+pytestmark = pytest.mark.gpu
+
+from test_vllm_own_tests import SDIST_VAR, SPARSE_TESTS, VLLM_VERSION, outcomes_of, start_vllm_tests, vllm_test_tree  # noqa: E402
+
+REFUSAL = "or more"  # the start-up refusal's "set MLA_PLANNER_SCRATCH_MB=N or more"
+RUNS = {"stock": ("stock", {}), "planned": ("planned", {}), "planned-64": ("planned", {"MLA_PLANNER_SCRATCH_MB": "64"})}
+
+
+def test_vllm_sparse_mla_tests_on_the_gpu(tmp_path: pathlib.Path) -> None:
+    tree = vllm_test_tree(tmp_path / "tree")
+    if tree is None:
+        pytest.skip(f"vLLM {VLLM_VERSION}'s {SPARSE_TESTS} is not here: set {SDIST_VAR}")
+    started = {name: start_vllm_tests(tree, classes, tmp_path / name,
+                                      dict(env, MLA_PLANNER_OWN_TESTS_ON="gpu", MLA_PLANNER_COST_PROFILE="none"))
+               for name, (classes, env) in RUNS.items()}
+    runs = {name: outcomes_of(*run, timeout_s=1500) for name, run in started.items()}
+    where = os.environ.get("MLA_PLANNER_RESULTS")
+    if where:
+        pathlib.Path(where).write_text(json.dumps(runs, indent=1))
+    for name, outcomes in runs.items():
+        counts: dict[str, int] = {}
+        for kind, _ in outcomes.values():
+            counts[kind] = counts.get(kind, 0) + 1
+        print(f"{name}: {len(outcomes)} tests, {counts}")
+    stock_passed = {test for test, (kind, _) in runs["stock"].items() if kind == "passed"}
+    lost = {test: runs["planned"].get(test) for test in stock_passed if runs["planned"].get(test, ("?",))[0] != "passed"}
+    assert not lost, f"stock passes, the backend does not: {lost}"
+    small = {test: runs["planned-64"].get(test) for test in stock_passed
+             if runs["planned-64"].get(test, ("?", ""))[0] != "passed" and REFUSAL not in runs["planned-64"][test][1]}
+    assert not small, f"at 64 MiB neither passed nor refused naming the minimum: {small}"
