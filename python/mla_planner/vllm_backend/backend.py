@@ -255,32 +255,6 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
                         settings.source, self.engine.reserved_bytes >> 20,
                         "" if vllm_api.STOCK_WORKSPACE else " and the step's output", self.num_heads)
 
-    def step_to_run(self, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
-                    topk_indices: torch.Tensor) -> PlannedStep | None:
-        """The plan this layer call runs, or ``None`` for stock's code: no plan, a plan of stock's
-        one call within the allowance, or a call whose tokens are not the plan's. First, once per
-        process each: the reservation handed over once vLLM serves, the index translation warmed."""
-        setup = self.engine
-        if setup is None:  # a BF16 cache, or vLLM's tests' stand-in `self`
-            return None
-        if reservation.held() and reservation.serving(kv_cache.shape[0], setup.profiling_kv_blocks):
-            reservation.release()
-            logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels",
-                        reservation.reserved_bytes() >> 20)
-        if warmup.pending:
-            _pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
-            warmup.maybe_warm_up(md.block_table, md.block_size, block_stride_rows, topk_indices.shape[1])
-        step = getattr(md, "planned", None)
-        if step is None:
-            return None
-        if q.shape[0] != step.sparse_tokens:
-            stock_steps.layer_ran_stock("vLLM handed the sparse kernels other tokens than the plan's",
-                                        f"{q.shape[0]} tokens where the plan has {step.sparse_tokens}")
-            return None
-        if step.stock_call_bytes is not None and step.stock_call_bytes <= setup.stock_call_allowance:
-            return None
-        return cast(PlannedStep, step)
-
     @staticmethod
     def masked_mha_workspace_fits(prefill: Any) -> bool:
         """vLLM 0.33 (0.26 has no masked MHA and never calls this): ``MLAAttention._use_sparse_mha``
@@ -320,8 +294,8 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
     ) -> Any:
         # vllm_api: 0.33 returns (out, lse | None) and takes kernel_metadata= (its PCP+DCP decode
         # rows, which never carry a plan); 0.26 returns out.
-        step = self.step_to_run(attn_metadata, q, kv_c_and_k_pe_cache, topk_indices)
-        if step is None or args or kwargs.get("kernel_metadata") is not None or not attn_metadata.fp8_use_mixed_batch:
+        step = step_to_run(self, attn_metadata, q, kv_c_and_k_pe_cache, topk_indices)
+        if step is None or args or kwargs.get("kernel_metadata") is not None or step.plan.mode != "mixed_batch":
             return FlashMLASparseImpl._forward_fp8_kv_mixed_batch(
                 self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata, *args, **kwargs
             )
@@ -346,9 +320,9 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         topk_indices: torch.Tensor,
         attn_metadata: FlashMLASparseMetadata,
     ) -> Any:
-        step = self.step_to_run(attn_metadata, q, kv_c_and_k_pe_cache, topk_indices)
+        step = step_to_run(self, attn_metadata, q, kv_c_and_k_pe_cache, topk_indices)
         fp8 = attn_metadata.fp8_extra_metadata
-        if step is None or attn_metadata.fp8_use_mixed_batch:
+        if step is None or step.plan.mode != "separate_prefill_decode":
             return FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode(
                 self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata
             )
@@ -368,6 +342,34 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
                           views.gather, out, self.softmax_scale, schedules=step.schedules,
                           buffers=Buffers(views.q_padded, views.padded_out))
         return vllm_api.forward_result(out)
+
+
+def step_to_run(impl: Any, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+            topk_indices: torch.Tensor) -> PlannedStep | None:
+    """The plan this layer call runs, or ``None`` for stock's code: no plan, a plan of stock's
+    one call within the allowance, or a call whose tokens are not the plan's. First, once per
+    process each: the reservation handed over once vLLM serves, the index translation warmed. A
+    function, not a method: vLLM's tests call the forwards with a stand-in ``impl``."""
+    setup = getattr(impl, "engine", None)
+    if setup is None:  # a BF16 cache, or vLLM's tests' stand-in `self`
+        return None
+    if reservation.held() and reservation.serving(kv_cache.shape[0], setup.profiling_kv_blocks):
+        reservation.release()
+        logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels",
+                    reservation.reserved_bytes() >> 20)
+    if warmup.pending:
+        _pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
+        warmup.maybe_warm_up(md.block_table, md.block_size, block_stride_rows, topk_indices.shape[1])
+    step = getattr(md, "planned", None)
+    if step is None:
+        return None
+    if q.shape[0] != step.sparse_tokens:
+        stock_steps.layer_ran_stock("vLLM handed the sparse kernels other tokens than the plan's",
+                                    f"{q.shape[0]} tokens where the plan has {step.sparse_tokens}")
+        return None
+    if step.stock_call_bytes is not None and step.stock_call_bytes <= setup.stock_call_allowance:
+        return None
+    return cast(PlannedStep, step)
 
 
 def fitted(view: torch.Tensor | None, shape: tuple[int, int, int], like: torch.Tensor) -> torch.Tensor:
