@@ -45,14 +45,23 @@ def swap_classes() -> None:
     """``MLA_PLANNER_CLASSES=planned``: the backend's classes in place of stock's in vLLM's module."""
     import vllm.v1.attention.backends.mla.flashmla_sparse as stock
 
-    swap_classes()
+    classes = os.environ.get("MLA_PLANNER_CLASSES", "stock")
+    if classes == "planned":
+        from mla_planner.vllm_backend import backend
+
+        for name in CLASS_NAMES:
+            setattr(stock, name, getattr(backend, "Planned" + name))
+    elif classes != "stock":
+        raise pytest.UsageError(f"MLA_PLANNER_CLASSES={classes!r}: use stock or planned")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    import vllm.v1.attention.backends.mla.flashmla_sparse  # noqa: F401  (before the CPU answers below)
+    from vllm.platforms import current_platform
+
     if ON_GPU:
         swap_classes()
         return
-    from vllm.platforms import current_platform
 
     # Let the module import; the GPU tests are skipped below, not by their capability checks.
     # Without a GPU vLLM's platform is "unspecified", whose device type is "": the tests'
