@@ -96,16 +96,19 @@ def engine_kwargs(backend: str, util: float, mnbt: int, *, model: Path = MODEL_D
 
 
 # what model_variant may change, and the suffix each gives the copy's folder
-VARIANT_KEYS = {"num_attention_heads": "h", "num_hidden_layers": "l"}
+VARIANT_KEYS = {"num_attention_heads": "h", "num_hidden_layers": "l", "num_nextn_predict_layers": "mtp"}
 
 
-def model_variant(model: Path, where: Path, heads: int | None = None, layers: int | None = None) -> Path:
+def model_variant(model: Path, where: Path, heads: int | None = None, layers: int | None = None,
+                  mtp_layers: int | None = None) -> Path:
     """``model`` as is, or a copy of its config under ``where`` with ``heads`` attention heads (the
-    tiny model scaled so that tensor parallelism leaves 16 heads per rank: 32 at TP 2, 64 at TP 4)
-    and ``layers`` hidden layers (attention a larger share of each step, as in the real model's 61)."""
+    tiny model scaled so that tensor parallelism leaves 16 heads per rank: 32 at TP 2, 64 at TP 4),
+    ``layers`` hidden layers (attention a larger share of each step, as in the real model's 61) and
+    ``mtp_layers`` MTP layers (``num_nextn_predict_layers``: vLLM's ``--speculative-config`` with
+    method ``mtp`` needs 1)."""
     config = json.loads((model / "config.json").read_text())
-    asked = {"num_attention_heads": heads, "num_hidden_layers": layers}
-    changes = {k: v for k, v in asked.items() if v is not None and v != config[k]}
+    asked = {"num_attention_heads": heads, "num_hidden_layers": layers, "num_nextn_predict_layers": mtp_layers}
+    changes = {k: v for k, v in asked.items() if v is not None and v != config.get(k)}
     if not changes:
         return model
     config.update(changes)

@@ -244,11 +244,12 @@ def driver_files(args: argparse.Namespace) -> tuple[Path, Path]:
     return out / f"{args.phase}-driver.log", out / f"{args.phase}-driver.pid"
 
 
-def detach(args: argparse.Namespace, argv: list[str]) -> None:
-    """The same command without --detach, in a session of its own, with a deadline of its own."""
+def detach(args: argparse.Namespace, argv: list[str], script: Path | None = None) -> None:
+    """The same command without --detach, in a session of its own, with a deadline of its own
+    (``script``: the driver to run, this one unless given; run_matrix.py detaches through here)."""
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = args.soak_s + DETACHED_MARGIN_S if args.phase == "soak" else DETACHED_DEADLINE_S
-    cmd = [sys.executable, str(Path(__file__).resolve()), *[a for a in argv if a != "--detach"],
+    cmd = [sys.executable, str(script or Path(__file__).resolve()), *[a for a in argv if a != "--detach"],
            "--deadline-s", str(deadline)]  # argparse takes the last --deadline-s
     log_path, pid_path = driver_files(args)
     with log_path.open("w") as log:
@@ -258,8 +259,9 @@ def detach(args: argparse.Namespace, argv: list[str]) -> None:
     print(f"{args.phase}: detached as pid {proc.pid} (log {log_path})", flush=True)
 
 
-def follow(args: argparse.Namespace) -> int:
-    """Prints the detached phase's log as it grows, until it ends or this call's deadline."""
+def follow(args: argparse.Namespace, again: str | None = None) -> int:
+    """Prints the detached phase's log as it grows, until it ends or this call's deadline
+    (``again``: the flags that follow it in a next call, ``--phase PHASE --follow`` unless given)."""
     start = time.monotonic()
     log, pid_file = driver_files(args)
     if not pid_file.is_file():
@@ -276,8 +278,8 @@ def follow(args: argparse.Namespace) -> int:
             print(f"{args.phase}: finished (pid {pid} ended)", flush=True)
             return 0
         if time.monotonic() - start > args.deadline_s:
-            print(f"{args.phase}: still running (pid {pid}); call again with --phase {args.phase} --follow within "
-                  "the machine's warm time", flush=True)
+            print(f"{args.phase}: still running (pid {pid}); call again with {again or f'--phase {args.phase} --follow'} "
+                  "within the machine's warm time", flush=True)
             return 0
         time.sleep(5)
 

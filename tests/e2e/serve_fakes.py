@@ -11,7 +11,15 @@ the plugin's budget) and, under ``--enable-logging-iteration-details``, vLLM's l
 "runs out of memory" when more than 16,384 prompt tokens are in flight at once: it logs a CUDA OOM,
 answers 500 and exits, as a server whose engine died. The environment steers start-up:
 FAKE_SERVE_START_S (seconds before it listens, default 0.2), FAKE_SERVE_EXIT_AT_START=1 (logs a CUDA
-OOM and exits with an error instead). ``bench`` writes a result JSON shaped like bench's: every
+OOM and exits with an error instead). For run_matrix.py: the plugin (CUSTOM) refuses to start below
+its minimum budget with the line the plugin logs (``set MLA_PLANNER_SCRATCH_MB=N or more``; N is
+FAKE_SERVE_MIN_MB, or 64 + ``--max-num-seqs`` / 8), reserves MLA_PLANNER_SCRATCH_MB (1024 unless
+set) from its KV cache, and with ``--speculative-config`` logs one line of a step that ran vLLM's own
+code; FAKE_SERVE_DIE_OVER=N makes any server's engine die on a prompt of more than N tokens
+(FAKE_SERVE_HANG_OVER=N: never answer it), and
+FAKE_SERVE_DISTURB_ONCE=PATH makes the first server to start (the one that creates PATH) fail as
+vLLM's memory profiling does when another process frees GPU memory meanwhile. ``bench`` writes a
+result JSON shaped like bench's: every
 prompt completed if the server's /health answers 200, none otherwise. No number either produces
 means anything.
 """
@@ -44,6 +52,14 @@ class FakeServer:
         self.model = args.model
         stock = args.attention_backend == "FLASHMLA_SPARSE"
         self.oom_over = OOM_TOKENS if stock and args.gpu_memory_utilization >= 0.95 else None
+        die_over = os.environ.get("FAKE_SERVE_DIE_OVER")
+        self.die_over = int(die_over) if die_over else None  # any engine: a longer prompt kills it
+        hang_over = os.environ.get("FAKE_SERVE_HANG_OVER")
+        self.hang_over = int(hang_over) if hang_over else None  # any engine: a longer prompt never answers
+        # the line a step that ran vLLM's own code logs (plugin with speculative decoding), once
+        self.own_code_line: str | None = (
+            "mla-planner: a step ran vLLM's own code (uniform decodes of 1 + k tokens); logged once per reason"
+            if args.attention_backend == "CUSTOM" and args.speculative_config else None)
         self.in_flight = 0
         self.lock = threading.Lock()
         self.log_iterations = args.enable_logging_iteration_details
@@ -118,6 +134,16 @@ def handler(server: FakeServer) -> type[BaseHTTPRequestHandler]:
             prompt = body["prompt"]
             ids = list(prompt) if isinstance(prompt, list) else encode(prompt)
             server.log(f"INFO fake: completion request of {len(ids)} prompt tokens")
+            with server.lock:
+                own_code, server.own_code_line = server.own_code_line, None
+            if own_code:
+                server.log(f"INFO [backend.py:1] {own_code}")
+            if server.hang_over is not None and len(ids) > server.hang_over:
+                time.sleep(3600)
+            if server.die_over is not None and len(ids) > server.die_over:
+                server.die()
+                self.send_json(500, {"error": "EngineCore encountered an issue. See stack trace above."})
+                return
             if not server.prefill(len(ids)):
                 self.send_json(500, {"error": "EngineCore encountered an issue. See stack trace above."})
                 return
@@ -143,6 +169,10 @@ def handler(server: FakeServer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class Httpd(ThreadingHTTPServer):
+    request_queue_size = 1024  # uvicorn's backlog is 2048: a burst of 100 connections is not turned away
+
+
 def serve(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="fake vllm serve")
     ap.add_argument("model")
@@ -152,22 +182,52 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     ap.add_argument("--served-model-name")
     ap.add_argument("--enable-logging-iteration-details", action="store_true")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--speculative-config")
     args, _ = ap.parse_known_args(argv)  # the other flags are vLLM's business
     server = FakeServer(args)
-    server.log(f"INFO fake vllm serve {args.model} on port {args.port}, backend {args.attention_backend}")
+    server.log(f"INFO fake vllm serve {args.model} on port {args.port}, backend {args.attention_backend}, "
+               f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}")
     if os.environ.get("FAKE_SERVE_EXIT_AT_START") == "1":
         # as stock vLLM 0.33 at 0.95 on the H200: its warm-up step runs out of memory
         server.log("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB.")
         server.log("RuntimeError: fake start-up failure")
         return 3
-    kv_gib = 60.0 - (1.0 if args.attention_backend == "CUSTOM" else 0.0)
+    plugin = args.attention_backend == "CUSTOM"
+    budget = os.environ.get("MLA_PLANNER_SCRATCH_MB")
+    budget_mb = int(budget) if budget else 1024
+    if plugin:
+        minimum = int(os.environ.get("FAKE_SERVE_MIN_MB") or 64 + args.max_num_seqs // 8)
+        if budget_mb < minimum:  # as the plugin's start-up check: before any memory is profiled
+            server.log("ERROR [core.py:1] EngineCore failed to start.")
+            server.log("Traceback (most recent call last):")
+            server.log(f"mla_planner.vllm_backend.settings.SettingsError: MLA_PLANNER_SCRATCH_MB={budget_mb} is below "
+                       f"the {minimum} MiB one step of this engine can need; set MLA_PLANNER_SCRATCH_MB={minimum} or more")
+            server.log("RuntimeError: Engine core initialization failed. See root cause above.")
+            return 1
+    disturb = os.environ.get("FAKE_SERVE_DISTURB_ONCE")
+    if disturb:
+        try:
+            os.close(os.open(disturb, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            pass
+        else:
+            server.log("Traceback (most recent call last):")
+            server.log("AssertionError: Error in memory profiling. Initial free memory 10.00 GiB, current free memory "
+                       "12.00 GiB. This happens when other processes sharing the same container release GPU memory "
+                       "while vLLM is profiling during initialization.")
+            return 1
+    kv_gib = 60.0 - (budget_mb / 1024 if plugin else 0.0)
     server.log(f"INFO [gpu_worker.py:561] Available KV cache memory: {kv_gib:.2f} GiB")
     server.log(f"INFO [kv_cache_utils.py:2177] GPU KV cache size: {int(kv_gib * 10000):,} tokens")
-    if args.attention_backend == "CUSTOM":
-        server.log("INFO [backend.py:198] mla-planner: sparse MLA scratch budget 1024 MiB (default), reserved "
+    if plugin:
+        source = "MLA_PLANNER_SCRATCH_MB" if budget else "default"
+        server.log(f"INFO [backend.py:198] mla-planner: sparse MLA scratch budget {budget_mb} MiB ({source}), reserved "
                    "from the KV cache; 16 heads per rank")
     time.sleep(float(os.environ.get("FAKE_SERVE_START_S", "0.2")))
-    httpd = ThreadingHTTPServer((args.host, args.port), handler(server))
+    if plugin:
+        server.log(f"INFO [backend.py:1] mla-planner: scratch reservation of {budget_mb} MiB handed to the kernels")
+    httpd = Httpd((args.host, args.port), handler(server))
     server.log("INFO:     Application startup complete.")
     httpd.serve_forever()
     return 0

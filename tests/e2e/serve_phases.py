@@ -68,6 +68,16 @@ class Ctx:
 
 def start_server(ctx: Ctx, spec: ServerSpec, label: str) -> tuple[Server, dict[str, Any]]:
     """Starts a server and waits for /health; the record says how that went."""
+    server, record = spawn_server(ctx, spec, label)
+    if "startup" not in record:
+        await_server(ctx, server, record)
+    return server, record
+
+
+def spawn_server(ctx: Ctx, spec: ServerSpec, label: str) -> tuple[Server, dict[str, Any]]:
+    """Starts a server's process; the record has a ``startup`` only if it could not. Call it from the
+    main thread: the server's process gets SIGTERM when the thread that started it ends
+    (``PR_SET_PDEATHSIG``), so several servers are spawned here and awaited on threads."""
     server = Server(spec, server_command(spec, ctx.model_dir, ctx.python, ctx.fake_server), server_env(spec),
                     ctx.out / "logs" / f"{label}.log")
     record: dict[str, Any] = {"label": label, "engine": spec.engine, "util": spec.util, "mnbt": spec.mnbt,
@@ -81,13 +91,18 @@ def start_server(ctx: Ctx, spec: ServerSpec, label: str) -> tuple[Server, dict[s
         say(f"{label}: could not start: {exc}")
         return server, record
     record["pid"] = server.pid
+    return server, record
+
+
+def await_server(ctx: Ctx, server: Server, record: dict[str, Any]) -> None:
+    """Until the spawned server answers /health (or exits, or times out); its log's facts."""
+    spec, label = server.spec, record["label"]
     record["startup"] = server.wait_healthy(max(1.0, min(ctx.start_timeout_s, ctx.left() - 5)))
     record.update(log_facts(server.log_text()))
     s = record["startup"]
     kv = record.get("kv_cache_memory_gib")
     say(f"{label}: {s['status']} after {s['elapsed_s']:.0f} s" + (f", KV cache {kv} GiB" if kv is not None else "")
         + (f", {len(record['planner_lines'])} mla-planner log lines" if spec.engine == "plugin" else ""))
-    return server, record
 
 
 def finish_server(server: Server, record: dict[str, Any]) -> None:

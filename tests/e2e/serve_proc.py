@@ -50,6 +50,9 @@ class ServerSpec:
     scratch_mb: int | None = None  # the plugin's budget (MLA_PLANNER_SCRATCH_MB); None: its default
     tp: int = 1  # --tensor-parallel-size: one worker process per GPU
     log_iterations: bool = False  # vLLM logs every engine step (tests/e2e/step_log.py compare)
+    prefix_caching: bool = False  # --enable-prefix-caching (off: --no-enable-prefix-caching)
+    extra_args: tuple[str, ...] = ()  # more of vLLM's flags, after the fixed ones (run_matrix.py's axes)
+    gpu: int | None = None  # CUDA_VISIBLE_DEVICES: this GPU of several (None: the environment's)
 
     @property
     def name(self) -> str:
@@ -64,13 +67,14 @@ def server_args(spec: ServerSpec, model_dir: Path) -> list[str]:
     return [str(model_dir), "--served-model-name", SERVED_NAME, "--tokenizer", str(model_dir),
             "--load-format", "dummy", "--kv-cache-dtype", "fp8_ds_mla", "--block-size", "64",
             "--max-model-len", str(spec.max_model_len), "--max-num-batched-tokens", str(spec.mnbt),
-            "--gpu-memory-utilization", str(spec.util), "--no-enable-prefix-caching", "--seed", "0",
+            "--gpu-memory-utilization", str(spec.util),
+            "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching", "--seed", "0",
             # no generation_config.json in the folder: vLLM's sampling defaults, no Hub lookup
             "--generation-config", "vllm",
             "--attention-backend", ENGINES[spec.engine], "--host", HOST, "--port", str(spec.port),
             "--disable-uvicorn-access-log",  # one log line per request (and per /health poll) otherwise
             *(["--tensor-parallel-size", str(spec.tp)] if spec.tp > 1 else []),
-            *(["--enable-logging-iteration-details"] if spec.log_iterations else [])]
+            *(["--enable-logging-iteration-details"] if spec.log_iterations else []), *spec.extra_args]
 
 
 def server_command(spec: ServerSpec, model_dir: Path, python: str, fake: bool = False) -> list[str]:
@@ -90,6 +94,8 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
         env.pop(var, None)
     if spec.engine == "plugin" and spec.scratch_mb is not None:
         env["MLA_PLANNER_SCRATCH_MB"] = str(spec.scratch_mb)
+    if spec.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
     assert REPLACE_VAR not in env  # with it, the plugin would stand in for stock's FLASHMLA_SPARSE
     return env
 

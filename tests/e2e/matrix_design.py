@@ -1,0 +1,163 @@
+"""The flag matrix (issue 29): which ``vllm serve`` configurations run_matrix.py starts, and the
+check that they cover every value of every axis and the pairs the issue names.
+
+Axes (the values operators of DeepSeek-V3.2 and GLM-5 deployments set):
+
+- ``model``: the tiny DeepSeek-V3.2-shaped model (``tiny-deepseek-v32``, 16 heads: V3.2's 128 at
+  TP 8) or the tiny GLM-5-shaped one (``tiny-glm5``, ``GlmMoeDsaForCausalLM``, 8 heads: GLM-5's 64
+  at TP 8, the count vLLM's own GLM-5.2 kernel test uses per rank; below 32 heads per rank, so on an
+  H200 FP8 steps take vLLM's mixed-batch route as the real model's do, with SM90's decode threshold
+  of 256 tokens where V3.2's 16 heads get 128);
+- ``mtp``: speculative decoding off, or MTP with 1 or 2 speculative tokens (the model's copy with
+  ``num_nextn_predict_layers: 1``);
+- ``max_num_seqs``: 16, 128, 1024 (vLLM's CUDA-graph sizes follow it);
+- ``budget``: the plugin's ``MLA_PLANNER_SCRATCH_MB``: ``"min"`` (found as an operator would: a
+  start at 64 MiB is refused with the minimum, which the next start uses), 512, 1024 (the
+  default), 4096;
+- ``cuda_graphs``: vLLM's default, or ``--enforce-eager``;
+- ``chunked_prefill``: on (vLLM's default; ``--max-num-batched-tokens 32768``), or off
+  (``--no-enable-chunked-prefill``: then every prompt is one step, ``--max-num-batched-tokens``
+  = ``--max-model-len`` = 70,000, so the 64K case is one step of 65,536 tokens);
+- ``prefix_caching``: off (the driver's default) or on.
+
+``DESIGN`` is six servers; ``coverage_gaps`` says what a design misses (empty for ``DESIGN``), and
+tests/e2e/test_matrix.py fails if a value or a required pair goes missing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Union
+
+from run_cases import model_variant
+from serve_proc import HERE, ServerSpec
+
+MODELS = {"v32": HERE / "tiny-deepseek-v32", "glm5": HERE / "tiny-glm5"}
+MODEL_TITLES = {"v32": "DeepSeek-V3.2 (tiny, 16 heads)", "glm5": "GLM-5 (tiny, 8 heads)"}
+MAX_MODEL_LEN = 70000
+CHUNKED_MNBT = 32768  # --max-num-batched-tokens with chunked prefill (the serving driver's)
+PROBE_MB = 64  # the budget "min" starts at: the plugin refuses it naming the minimum, or it is the minimum
+Budget = Union[int, str]  # MiB, or "min"
+
+AXES: dict[str, tuple[Any, ...]] = {
+    "model": ("v32", "glm5"),
+    "mtp": (0, 1, 2),
+    "max_num_seqs": (16, 128, 1024),
+    "budget": ("min", 512, 1024, 4096),
+    "cuda_graphs": (True, False),
+    "chunked_prefill": (True, False),
+    "prefix_caching": (False, True),
+}
+# Issue 29's two deaths, each kept in the matrix with CUDA graphs (their padded decode batches).
+REQUIRED_PAIRS: tuple[dict[str, Any], ...] = (
+    {"mtp": 1, "max_num_seqs": 128, "cuda_graphs": True},
+    {"budget": 512, "max_num_seqs": 1024, "cuda_graphs": True},
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One server's values on every axis."""
+
+    name: str
+    model: str
+    mtp: int
+    max_num_seqs: int
+    budget: Budget
+    cuda_graphs: bool = True
+    chunked_prefill: bool = True
+    prefix_caching: bool = False
+
+    def values(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "name"}
+
+
+DESIGN: tuple[Config, ...] = (
+    Config("s1", "v32", mtp=1, max_num_seqs=128, budget=1024),  # issue 29's first death (MTP 1 x 128)
+    Config("s2", "v32", mtp=0, max_num_seqs=1024, budget=512),  # its second (512 MiB x 1024)
+    Config("s3", "v32", mtp=2, max_num_seqs=16, budget="min", chunked_prefill=False, prefix_caching=True),
+    Config("s4", "v32", mtp=0, max_num_seqs=128, budget=4096, cuda_graphs=False),
+    Config("s5", "glm5", mtp=1, max_num_seqs=1024, budget="min"),
+    Config("s6", "glm5", mtp=2, max_num_seqs=16, budget=1024, cuda_graphs=False, chunked_prefill=False,
+           prefix_caching=True),
+)
+
+
+def coverage_gaps(design: tuple[Config, ...] | list[Config]) -> list[str]:
+    """What ``design`` misses: each axis value no server has, each required pair no server has."""
+    gaps = [f"{axis}={value!r}" for axis, values in AXES.items() for value in values
+            if not any(c.values()[axis] == value for c in design)]
+    for pair in REQUIRED_PAIRS:
+        if not any(all(c.values()[k] == v for k, v in pair.items()) for c in design):
+            gaps.append(" x ".join(f"{k}={v!r}" for k, v in pair.items()))
+    return gaps
+
+
+def check_design(design: tuple[Config, ...] | list[Config]) -> list[str]:
+    """Values outside the axes and repeated names: a design the driver cannot run."""
+    problems = [f"{c.name}: {axis}={value!r} is not one of {AXES[axis]}" for c in design
+                for axis, value in c.values().items() if value not in AXES[axis]]
+    names = [c.name for c in design]
+    problems += [f"server name {n} used twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    return problems
+
+
+def mnbt(config: Config) -> int:
+    """--max-num-batched-tokens: with chunked prefill off, vLLM needs it at least max_model_len."""
+    return CHUNKED_MNBT if config.chunked_prefill else MAX_MODEL_LEN
+
+
+def extra_args(config: Config) -> tuple[str, ...]:
+    """The flags of ``config``'s axes beyond what ``serve_proc.server_args`` fixes."""
+    args: list[str] = ["--max-num-seqs", str(config.max_num_seqs)]
+    if config.mtp:
+        args += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": config.mtp})]
+    if not config.cuda_graphs:
+        args.append("--enforce-eager")
+    if not config.chunked_prefill:
+        args.append("--no-enable-chunked-prefill")
+    return tuple(args)
+
+
+def spec(config: Config, engine: str, util: float, port: int, scratch_mb: int | None,
+         gpu: int | None = None) -> ServerSpec:
+    """``config``'s server: the plugin with budget ``scratch_mb`` (stock: none), or its stock twin."""
+    return ServerSpec(engine, util, port, mnbt(config), max_model_len=MAX_MODEL_LEN,
+                      scratch_mb=scratch_mb if engine == "plugin" else None, prefix_caching=config.prefix_caching,
+                      extra_args=extra_args(config), gpu=gpu)
+
+
+UNCHUNKED_EXTRA = 0.07
+"""What a server with chunked prefill off adds to ``base``: vLLM profiles a step of 70,000 tokens
+(its --max-num-batched-tokens), whose activations left the 2-layer model's engine 6.5 GiB short of
+any KV cache at 0.09 on the H200 (``Available KV cache memory: -6.5 GiB``, s3's 64 MiB start)."""
+
+
+def util_for(config: Config, base: float, total_gib: float = 140.0) -> float:
+    """``base`` plus a numeric budget's share of the GPU (rounded up to 0.01), so that a large budget
+    does not eat the KV cache the 64K case needs ("min" is found small), plus
+    :data:`UNCHUNKED_EXTRA` with chunked prefill off."""
+    extra = UNCHUNKED_EXTRA if not config.chunked_prefill else 0.0
+    if isinstance(config.budget, int):
+        extra += -(-config.budget * 100 // int(total_gib * 1024)) / 100
+    return round(base + extra, 2)
+
+
+def model_source(config: Config, where: Path) -> Path:
+    """The model folder ``config`` serves: the model's own, or under ``where`` a copy with one MTP
+    layer (``num_nextn_predict_layers: 1``) for speculative decoding."""
+    return model_variant(MODELS[config.model], where, mtp_layers=1 if config.mtp else None)
+
+
+def describe(config: Config) -> str:
+    """One line: the server's values as flags."""
+    parts = [config.model, f"MTP {config.mtp}" if config.mtp else "no MTP", f"--max-num-seqs {config.max_num_seqs}",
+             f"budget {config.budget}" + ("" if config.budget == "min" else " MiB"),
+             "CUDA graphs" if config.cuda_graphs else "--enforce-eager"]
+    if not config.chunked_prefill:
+        parts.append("--no-enable-chunked-prefill")
+    if config.prefix_caching:
+        parts.append("--enable-prefix-caching")
+    return ", ".join(parts)
