@@ -8,6 +8,7 @@ import importlib
 import logging
 import pathlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -439,6 +440,36 @@ def test_builder_attaches_the_planned_mixed_batch(mixed: Backend, gen: torch.Gen
     assert step.plan.peak_bytes <= config.launch_budget_bytes
 
 
+def step_log_module(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """tests/e2e/step_log.py, which reads the backend's step lines from a server's log."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent / "e2e"))
+    return importlib.import_module("step_log")
+
+
+@contextmanager
+def debug_lines() -> Iterator[list[str]]:
+    """The backend's log lines at debug level while the block runs, as a server logs them (vLLM's
+    prefix and a millisecond stamp, as tests/e2e/step_log.py reads them)."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.mla_planner")
+    # vLLM 0.26's suppress_logging() leaves logging.disable(INFO) on when its body raises, as when
+    # test_doctor probes vLLM's serve parser on a machine without a GPU: undone for this block.
+    disabled, level = logging.root.manager.disable, logger.level
+    logging.disable(logging.NOTSET)
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    lines: list[str] = []
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logging.disable(disabled)
+        lines += [f"DEBUG 12-02 02:30:00.{i:03d} [backend.py:1] {m}" for i, m in enumerate(messages)]
+
+
 def test_decode_only_steps_carry_no_plan(mixed: Backend, gen: torch.Generator) -> None:
     metadata = mixed.step([1, 1, 1], [40, 9, 300], gen)["metadata"]
     assert metadata.num_prefills == 0 and metadata.planned is None
@@ -451,26 +482,10 @@ def test_every_fp8_step_is_logged_for_the_step_log(mixed: Backend, gen: torch.Ge
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """At debug level the builder logs planned and unplanned steps alike, in the form
     tests/e2e/step_log.py reads."""
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent / "e2e"))
-    step_log = importlib.import_module("step_log")
-    messages: list[str] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("vllm.mla_planner")
-    # vLLM 0.26's suppress_logging() leaves logging.disable(INFO) on when its body raises, as when
-    # test_doctor probes vLLM's serve parser on a machine without a GPU: undone for this test.
-    disabled, level = logging.root.manager.disable, logger.level
-    logging.disable(logging.NOTSET)
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
-    try:
+    step_log = step_log_module(monkeypatch)
+    with debug_lines() as lines:
         mixed.step([1, 1, 1], [40, 9, 300], gen)
         mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-        logging.disable(disabled)
-    lines = [f"DEBUG 12-02 02:30:00.00{i} [backend.py:1] {m}" for i, m in enumerate(messages)]
     steps = step_log.parse("\n".join(lines))
     assert [(s.tokens, s.decode_tokens, s.prefills, s.kind) for s in steps] == [
         (3, 3, 0, step_log.DECODE_ONLY), (sum(QUERY_LENS), 3, 2, "planned: mixed_batch")], lines
@@ -1220,28 +1235,14 @@ def test_a_step_the_planner_refuses_runs_vllms_own_code(mixed: Backend, gen: tor
         raise ValueError("a step no rule admits")
 
     monkeypatch.setattr(routing, "choose_plan", refuse)
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent / "e2e"))
-    step_log = importlib.import_module("step_log")
-    messages: list[str] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("vllm.mla_planner")
-    disabled, level = logging.root.manager.disable, logger.level
-    logging.disable(logging.NOTSET)
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
+    step_log = step_log_module(monkeypatch)
     before = sum(stock_steps.counts.values())
-    try:
+    with debug_lines() as lines:
         md = run_step(mixed, QUERY_LENS, CONTEXT_LENS, gen, rtol=1e-5)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-        logging.disable(disabled)
     assert md.planned is None and mixed.kernels.decode_calls == [(1, sum(QUERY_LENS), 64, 576)]
     assert sum(stock_steps.counts.values()) == before + 1
     # The step log counts it (tests/e2e/step_log.py reads the debug line).
-    lines = [f"DEBUG 12-02 02:30:00.00{i} [backend.py:1] {m}" for i, m in enumerate(messages)]
-    assert [s.kind for s in step_log.parse("\n".join(lines))] == [step_log.STOCK_FALLBACK], messages
+    assert [s.kind for s in step_log.parse("\n".join(lines))] == [step_log.STOCK_FALLBACK], lines
 
 
 @pytest.mark.parametrize("num_heads", [16, 32, 64])

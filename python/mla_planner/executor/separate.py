@@ -14,8 +14,8 @@ Memory, as the plan's ``launch_bytes`` count it:
 * the kernels' own accumulators, LSE and softmax statistics, and the translated indices of one
   launch at a time.
 
-The caller's buffers are shared by both kinds of launch, which run one after the other: every
-launch writes its real heads, and the padded heads are zeroed once per run.
+The caller's buffers are shared by both kinds of launch where both run the same heads (they run one
+after the other: every launch writes its real heads, the padded heads are zeroed once per run).
 """
 
 from __future__ import annotations
@@ -116,21 +116,18 @@ class SeparateExecutor:
         ``chunks``: the step's gather chunks, which the plan's prefill launches name by index;
         ``gather_workspace`` ``(>= rows of the largest chunk, 576)`` BF16; out ``(T, H, 512)``.
         ``schedules`` holds FlashMLA's decode schedules by launch shape, shared by the step's layers."""
-        padded_heads = max(self.decode_heads if launches.decodes else 0,
-                           launches.prefill_heads if launches.prefills and not launches.prefill_in_place else 0)
-        longest = max(launches.longest_decode, launches.longest_prefill)
-        q_padded = kernel_out = None
-        if padded_heads > self.num_heads:
-            q_padded = rows_of(buffers.q_padded, longest, padded_heads, D_QK, q.dtype)
-            if q_padded is None:
-                q_padded = q.new_zeros((longest, padded_heads, D_QK))
-            else:
-                q_padded[:, self.num_heads :].zero_()  # launches write only the real heads
-            kernel_out = rows_of(buffers.kernel_out, longest, padded_heads, D_V, q.dtype)
-            if kernel_out is None:
-                kernel_out = q.new_empty((longest, padded_heads, D_V))
+        # Decode launches pad in the caller's buffers, or each in its own (the plan counts each
+        # launch's own); prefill launches share one pair for the longest (the plan holds those).
+        decode_buffers = self.callers(buffers, launches.longest_decode, self.decode_heads, q)
         for rows, batch in launches.decodes:
-            self.decode(q, rows, batch, kv_cache, translate, out, softmax_scale, schedules, q_padded, kernel_out)
+            self.decode(q, rows, batch, kv_cache, translate, out, softmax_scale, schedules, *decode_buffers)
+        del decode_buffers
+        prefill_buffers: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if launches.prefills and not launches.prefill_in_place:
+            prefill_buffers = self.callers(buffers, launches.longest_prefill, launches.prefill_heads, q)
+            if prefill_buffers[0] is None or prefill_buffers[1] is None:
+                prefill_buffers = (q.new_zeros((launches.longest_prefill, launches.prefill_heads, D_QK)),
+                                   q.new_empty((launches.longest_prefill, launches.prefill_heads, D_V)))
         gathered = -1
         for rows, chunk_index in launches.prefills:
             chunk = chunks[chunk_index]
@@ -139,7 +136,18 @@ class SeparateExecutor:
                 self.provider.gather_upconvert(kv_cache, workspace, chunk.block_table, chunk.workspace_starts,
                                                len(chunk.block_table))
                 gathered = chunk_index
-            self.prefill(q, rows, launches, workspace, translate, out, softmax_scale, q_padded, kernel_out)
+            self.prefill(q, rows, launches, workspace, translate, out, softmax_scale, *prefill_buffers)
+
+    def callers(self, buffers: Buffers, rows: int, heads: int,
+                q: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The caller's padded q ``(rows, heads, 576)`` (padded heads zeroed: launches write the real
+        ones) and kernel output ``(rows, heads, 512)``, both or neither, where they fit."""
+        q_padded = rows_of(buffers.q_padded, rows, heads, D_QK, q.dtype)
+        kernel_out = rows_of(buffers.kernel_out, rows, heads, D_V, q.dtype)
+        if q_padded is None or kernel_out is None:
+            return None, None
+        q_padded[:, self.num_heads :].zero_()
+        return q_padded, kernel_out
 
     def decode(self, q: torch.Tensor, rows: slice, batch: int, kv_cache: torch.Tensor, translate: Translate,
                out: torch.Tensor, softmax_scale: float, schedules: dict[Any, Any], q_padded: torch.Tensor | None,
@@ -154,10 +162,11 @@ class SeparateExecutor:
             self.provider.sparse_decode(q[rows].view(batch, s_q, self.num_heads, D_QK), kv_cache, slots, schedule,
                                         softmax_scale, out=out[rows].view(batch, s_q, self.num_heads, D_V))
             return
-        assert q_padded is not None and kernel_out is not None
+        heads = self.decode_heads
+        if q_padded is None or kernel_out is None:  # this launch's own, as the plan counts them
+            q_padded, kernel_out = q.new_zeros((n, heads, D_QK)), q.new_empty((n, heads, D_V))
         q_kernel = q_padded[:n]
         q_kernel[:, : self.num_heads].copy_(q[rows])
-        heads = q_kernel.shape[1]
         o = kernel_out[:n].view(batch, s_q, heads, D_V)
         if self.provider.decode_takes_out:
             self.provider.sparse_decode(q_kernel.view(batch, s_q, heads, D_QK), kv_cache, slots, schedule,
@@ -179,12 +188,11 @@ class SeparateExecutor:
             self.provider.sparse_prefill(q[rows], kv, idx, softmax_scale, out=out[rows], topk_length=lengths)
             return
         assert q_padded is not None and kernel_out is not None
-        heads = launches.prefill_heads
-        q_kernel = q_padded[:n, :heads]
+        q_kernel = q_padded[:n]
         q_kernel[:, : self.num_heads].copy_(q[rows])
-        o = kernel_out[:n, :heads]
-        if self.provider.prefill_takes_out and q_kernel.is_contiguous():
+        o = kernel_out[:n]
+        if self.provider.prefill_takes_out:
             self.provider.sparse_prefill(q_kernel, kv, idx, softmax_scale, out=o, topk_length=lengths)
         else:
-            o, _lse = self.provider.sparse_prefill(q_kernel.contiguous(), kv, idx, softmax_scale, topk_length=lengths)
+            o, _lse = self.provider.sparse_prefill(q_kernel, kv, idx, softmax_scale, topk_length=lengths)
         out[rows].copy_(o[:, : self.num_heads])
