@@ -102,7 +102,8 @@ fn request_ranges(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<std::ops::
     }
     flat.chunks(2)
         .map(|r| {
-            let at = |v: u64| usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{name}: {v} is too large")));
+            let at =
+                |v: u64| usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{name}: {v} is too large")));
             Ok(at(r[0])?..at(r[1])?)
         })
         .collect()
