@@ -22,9 +22,11 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 RANK = re.compile(r"\(Worker(?:_[A-Z]+\d+)*_TP(\d+) pid=\d+\)")
 # vLLM 0.26 logs "Available KV cache memory" on rank 0 only; every rank logs the KV cache it holds.
 KV = re.compile(r"(?:Current kv cache memory in use is|Available KV cache memory:) ([0-9.]+) ?GiB")
-# 0.26 reserves the budget ("... 1024 MiB (default), reserved ..."), 0.33 its part beyond vLLM's
-# workspace ("... 1024 MiB (default), 648 MiB of it reserved ...").
-RESERVED = re.compile(r"mla-planner: sparse MLA scratch budget (\d+) MiB \([^)]*\), (?:(\d+) MiB of it )?reserved")
+# The plugin's line names what it reserves ("... 1024 MiB (default); 676 MiB reserved from the KV
+# cache ..."); logs of its earlier builds: "... 1024 MiB (default), reserved ..." (the budget) or
+# "... 1024 MiB (default), 648 MiB of it reserved ...".
+RESERVED = re.compile(r"mla-planner: sparse MLA scratch budget (\d+) MiB \([^)]*\)(?:; (\d+) MiB |, (?:(\d+) MiB of it )?)"
+                      r"reserved")
 STEP = re.compile(r"mla-planner step: (.*)$")
 
 
@@ -46,7 +48,7 @@ def parse(text: str) -> dict[int, Rank]:
         if (kv := KV.search(line)) is not None:
             rank.kv_gib = float(kv.group(1))
         elif (res := RESERVED.search(line)) is not None:
-            rank.reserved_mib = int(res.group(2) or res.group(1))
+            rank.reserved_mib = int(res.group(2) or res.group(3) or res.group(1))
         elif (step := STEP.search(line)) is not None:
             rank.steps.append(step.group(1).strip())
     return ranks

@@ -327,7 +327,8 @@ def test_rank_log_compares_the_ranks(tmp_path: Path) -> None:
                 lines += [p + "INFO 12-01 [gpu_worker.py:561] Available KV cache memory: 60.5 GiB"]
             lines += [p + "INFO 12-01 [gpu_worker.py:857] Free memory on device ... Current kv cache memory in use is 60.5 GiB."]
             if rank == 0 or reserve1:
-                lines += [p + f"INFO [backend.py:178] mla-planner: sparse MLA scratch budget 1024 MiB (default), {reserved}"]
+                sep = "; " if reserved.startswith("676") else ", "
+                lines += [p + f"INFO [backend.py:178] mla-planner: sparse MLA scratch budget 1024 MiB (default){sep}{reserved}"]
             lines += [p + f"DEBUG [backend.py:120] mla-planner step: {s}" for s in steps]
         path = tmp_path / "run.log"
         path.write_text("\n".join(lines) + "\n")
@@ -345,6 +346,9 @@ def test_rank_log_compares_the_ranks(tmp_path: Path) -> None:
     lines, _ = rank_log.report(log(["32768 tokens, separate_prefill_decode, 5 launches"],
                                    reserved="648 MiB of it reserved from the KV cache"))  # vLLM 0.33's line
     assert "  rank 1: KV cache 60.50 GiB, reserved 648 MiB, 1 step plans logged" in lines
+    lines, _ = rank_log.report(log(["32768 tokens, separate_prefill_decode, 5 launches"],
+                                   reserved="676 MiB reserved from the KV cache"))  # the line the plugin logs now
+    assert "  rank 1: KV cache 60.50 GiB, reserved 676 MiB, 1 step plans logged" in lines
 
 
 def test_engine_arguments_are_known_to_the_installed_vllm() -> None:
