@@ -1293,3 +1293,29 @@ def test_a_cost_profile_reserves_for_every_route_it_may_take(routed: Backend) ->
     served = 64 if vllm_api.STOCK_WORKSPACE else None
     assert setup.stock_call_allowance == max(c.largest_launch_bytes(2048, 128, served) for c in configs)
     assert routed.reserved == [setup.reserved_bytes]
+
+
+@pytest.mark.parametrize("setting", ["hisparse", "dcp"])
+def test_where_vllm_fixes_the_route_nothing_is_checked_or_reserved(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    """vLLM 0.33 keeps its own route under HiSparse and decode context parallelism: every step runs
+    its code, so a budget below the plan's minimum is no reason to stop the engine, and nothing is
+    reserved."""
+    from types import SimpleNamespace
+
+    from mla_planner.vllm_backend import engine, vllm_api
+
+    config = vllm_config(model_dir(tmp_path, num_heads=64, topk=TOPK))
+    if setting == "hisparse":
+        monkeypatch.setattr(config.attention_config, "hisparse_config", SimpleNamespace(), raising=False)
+    else:
+        monkeypatch.setattr(config.parallel_config, "decode_context_parallel_size", 2, raising=False)
+    if not vllm_api.V033:
+        assert vllm_api.stock_route_reason(config) is None, "vLLM 0.26's builder fixes no route"
+        return
+    assert vllm_api.stock_route_reason(config) == {"hisparse": "HiSparse", "dcp": "DCP"}[setting]
+    monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", "64")  # below 64 heads' minimum on the separate route
+    monkeypatch.setenv("MLA_PLANNER_COST_PROFILE", "none")
+    monkeypatch.setattr(vllm_api, "num_sms", lambda device: NUM_SMS)
+    setup = engine.setup(config, 64, torch.device("cpu"))
+    assert not setup.plans_fp8 and setup.reserved_bytes == 0

@@ -110,8 +110,8 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         FlashMLASparseMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
         self.engine = engine.setup(vllm_config, self.num_heads, device)
         # Where vLLM fixes the route (HiSparse, context parallelism) its code runs every step.
-        self.stock_reason = vllm_api.stock_route_reason(self)
-        self.plans_steps = self.engine.plans_fp8 and self.stock_reason is None
+        self.stock_reason = self.engine.stock_reason
+        self.plans_steps = self.engine.plans_fp8
         # Which prefills run dense is vLLM's call, read from each step's metadata; with
         # sparse_mla_force_mqa, or no dense prefill backend, none does.
         self.force_mqa = bool(vllm_config.attention_config.sparse_mla_force_mqa) or self._prefill_backend is None
@@ -242,7 +242,10 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
             return
         vllm_config = vllm_api.current_vllm_config()
         device = torch.device(vllm_config.device_config.device or "cuda")  # resolved from "auto" by now
-        self.engine = engine.setup(vllm_config, self.num_heads, device)
+        setup = engine.setup(vllm_config, self.num_heads, device)
+        if not setup.plans_fp8:  # vLLM keeps its own route: stock's code, nothing reserved
+            return
+        self.engine = setup
         provider = kernel_provider()
         self.mixed = MixedBatchExecutor(provider, self.engine.config)
         self.separate = SeparateExecutor(provider, self.engine.config)

@@ -57,10 +57,13 @@ class EngineSetup:
     profiling_kv_blocks: int
     """Blocks of the minimal KV cache vLLM captures CUDA graphs against while it profiles memory:
     a forward over a cache of no more blocks runs before the KV cache is sized."""
+    stock_reason: str | None = None
+    """Why vLLM keeps its own route and code for every step (HiSparse, context parallelism), if it
+    does: then nothing is planned, checked or reserved."""
 
     @property
     def plans_fp8(self) -> bool:
-        return self.config.kv_dtype == "fp8"
+        return self.config.kv_dtype == "fp8" and self.stock_reason is None
 
     def route_configs(self) -> list[mla_planner.StepConfig]:
         """The configuration of every route (and prefill-head variant) a step may take."""
@@ -98,7 +101,7 @@ def make_setup(vllm_config: Any, num_heads: int, device: torch.device, settings:
     max_decode = min(vllm_api.decode_threshold(vllm_config, num_heads, config.arch), max_step_tokens)
     partial = EngineSetup(settings, config, cost_model, routes, max_step_tokens, max_decode,
                           vllm_api.workspace_padded_heads(vllm_config, num_heads), 0, 0, 0,
-                          vllm_api.profiling_kv_blocks(vllm_config))
+                          vllm_api.profiling_kv_blocks(vllm_config), vllm_api.stock_route_reason(vllm_config))
     if not partial.plans_fp8:
         return partial
     check_budget(partial)

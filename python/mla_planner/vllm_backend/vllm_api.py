@@ -122,18 +122,21 @@ def forward_result(out: torch.Tensor) -> Any:
     return (out, None) if FORWARD_RETURNS_LSE else out
 
 
-def stock_route_reason(builder: Any) -> str | None:
+def stock_route_reason(vllm_config: Any) -> str | None:
     """Why this engine's steps must keep vLLM's own route and code, or ``None``. On 0.33 the
     builder fixes the route under HiSparse (host-backed cache, gathered by the index group) and
     context parallelism (PCP+DCP gathers KV shards; DCP needs the LSE of every token), none of
-    which the plan's launches do."""
+    which the plan's launches do (F:442-486: the builder's ``use_hisparse``, ``pcp_dcp_kv_gather``
+    and ``dcp_world_size``, from these settings)."""
     if not V033:
         return None
-    if getattr(builder, "use_hisparse", False):
+    if getattr(vllm_config.attention_config, "hisparse_config", None) is not None:
         return "HiSparse"
-    if getattr(builder, "pcp_dcp_kv_gather", False):
+    parallel = vllm_config.parallel_config
+    dcp = getattr(parallel, "decode_context_parallel_size", 1)
+    if dcp > 1 and getattr(parallel, "prefill_context_parallel_size", 1) > 1:
         return "PCP+DCP"
-    if getattr(builder, "dcp_world_size", 1) > 1:
+    if dcp > 1:
         return "DCP"
     return None
 
