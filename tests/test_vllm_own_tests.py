@@ -106,9 +106,10 @@ def vllm_test_tree(out: pathlib.Path) -> pathlib.Path | None:
 
 
 def start_vllm_tests(tree: pathlib.Path, classes: str, work: pathlib.Path, env: dict[str, str] | None = None,
-                     ) -> tuple[subprocess.Popen[str], pathlib.Path]:
+                     args: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], pathlib.Path]:
     """vLLM's file in a pytest of its own (vLLM's file and the plugin patch its process), started;
-    ``env``: more of its environment. Its JUnit report's path comes back with it."""
+    ``env``: more of its environment; ``args``: more pytest arguments (``-k``, xdist's ``-n``).
+    Its JUnit report's path comes back with it."""
     work.mkdir(parents=True, exist_ok=True)
     report = work / f"{classes}.xml"
     ini = work / "pytest.ini"
@@ -118,7 +119,7 @@ def start_vllm_tests(tree: pathlib.Path, classes: str, work: pathlib.Path, env: 
     log = (work / f"{classes}.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-c", str(ini), "--rootdir", str(tree), "-p", "no:cacheprovider",
-         "--noconftest", "-p", "vllm_own_tests_plugin", f"--junitxml={report}", str(tree / SPARSE_TESTS)],
+         "--noconftest", "-p", "vllm_own_tests_plugin", f"--junitxml={report}", *args, str(tree / SPARSE_TESTS)],
         cwd=tree, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True,
     )
     return proc, report

@@ -9,8 +9,9 @@ when the engine's classes are built, its message naming the minimum (``set
 MLA_PLANNER_SCRATCH_MB=N or more``). ``MLA_PLANNER_RESULTS``: a JSON file for every outcome.
 ``MLA_PLANNER_OWN_TESTS_RUNS``: which of the three runs (``stock,planned,planned-64``, the default;
 a comparison needs stock's outcomes: where ``stock`` is not run, those of a JSON file of an earlier
-run named by ``MLA_PLANNER_STOCK_RESULTS``). On the H200 the three at once take longer than one
-device call (480 s covered about a fifth of vLLM 0.33.0's 440 tests).
+run named by ``MLA_PLANNER_STOCK_RESULTS``). ``MLA_PLANNER_OWN_TESTS_ARGS``: more pytest arguments
+for every run, e.g. ``-n 5`` (pytest-xdist: one run alone, one process, takes longer than a device
+call) or a ``-k`` selection (docs/vllm.md says which was run).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shlex
 
 import pytest
 
@@ -37,8 +39,10 @@ def test_vllm_sparse_mla_tests_on_the_gpu(tmp_path: pathlib.Path) -> None:
     chosen = os.environ.get("MLA_PLANNER_OWN_TESTS_RUNS", ",".join(RUNS)).split(",")
     unknown = set(chosen) - set(RUNS)
     assert not unknown, f"MLA_PLANNER_OWN_TESTS_RUNS: {sorted(unknown)} are not runs of {sorted(RUNS)}"
+    args = tuple(shlex.split(os.environ.get("MLA_PLANNER_OWN_TESTS_ARGS", "")))
     started = {name: start_vllm_tests(tree, RUNS[name][0], tmp_path / name,
-                                      dict(RUNS[name][1], MLA_PLANNER_OWN_TESTS_ON="gpu", MLA_PLANNER_COST_PROFILE="none"))
+                                      dict(RUNS[name][1], MLA_PLANNER_OWN_TESTS_ON="gpu", MLA_PLANNER_COST_PROFILE="none"),
+                                      args)
                for name in chosen}
     runs = {name: outcomes_of(*run, timeout_s=3600) for name, run in started.items()}
     if "stock" not in runs:
