@@ -11,7 +11,7 @@ MLA_PLANNER_SCRATCH_MB=N or more``). ``MLA_PLANNER_RESULTS``: a JSON file for ev
 a comparison needs stock's outcomes: where ``stock`` is not run, those of a JSON file of an earlier
 run named by ``MLA_PLANNER_STOCK_RESULTS``). ``MLA_PLANNER_OWN_TESTS_ARGS``: more pytest arguments
 for every run, e.g. ``-n 5`` (pytest-xdist: one run alone, one process, takes longer than a device
-call) or a ``-k`` selection (docs/vllm.md says which was run).
+call) or a ``-k`` selection (a result recorded from a selection says which).
 """
 
 from __future__ import annotations
