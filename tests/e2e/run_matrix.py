@@ -92,8 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                       "coverage gaps are reported)")
     ap.add_argument("--util", type=float, help="every server's --gpu-memory-utilization before its budget's share "
                                                "(default 0.09; 0.04 with --stock-twins --start together)")
-    ap.add_argument("--stock-twins", action="store_true",
-                    help="beside each server its stock twin (FLASHMLA_SPARSE, same flags), for its KV cache lines")
+    ap.add_argument("--stock-twins", nargs="?", const="all", default="",
+                    help="beside each server (or each of the comma-separated NAMES given) its stock twin "
+                         "(FLASHMLA_SPARSE, same flags), for its KV cache lines")
     ap.add_argument("--start", choices=("staggered", "together", "chained"), default="staggered",
                     help="staggered (default): each once the one before has sized its KV cache, so that no two "
                          "servers' memory profiling overlaps; together: every server at once (their KV figures "
@@ -127,6 +128,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in args.servers if s not in names]
     if unknown:
         ap.error(f"unknown server(s) {unknown}; known: {', '.join(names)}")
+    args.stock_twins = [] if not args.stock_twins else (
+        list(args.servers) if args.stock_twins == "all" else [s for s in args.stock_twins.split(",") if s])
+    strays = [s for s in args.stock_twins if s not in args.servers]
+    if strays:
+        ap.error(f"--stock-twins {','.join(strays)}: not among the servers run ({','.join(args.servers)})")
     if args.util is None:
         args.util = 0.04 if args.stock_twins and args.start == "together" else 0.09
     if not 0 < args.util <= 1 or args.retries < 0 or args.chat_n < 1:
@@ -134,9 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.gpus < 1:
         ap.error("--gpus must be at least 1")
     for g in range(args.gpus):
-        utils = [md.util_for(c, args.util) for c in selected(args) if gpu_of(args, c.name) in (g, None)]
+        on_gpu = [c for c in selected(args) if gpu_of(args, c.name) in (g, None)]
+        utils = [md.util_for(c, args.util) for c in on_gpu]
+        twin_utils = [md.util_for(c, args.util) for c in on_gpu if c.name in args.stock_twins]
         # a stock twin lives until every server is up when together, else until the next start
-        twins = 0 if not args.stock_twins or not utils else sum(utils) if args.start == "together" else max(utils)
+        twins = 0 if not twin_utils else sum(twin_utils) if args.start == "together" else max(twin_utils)
         if sum(utils) + twins > MAX_UTIL_SUM:
             ap.error(f"the servers' utilizations on GPU {g} add up to {sum(utils) + twins:.2f} (at most "
                      f"{MAX_UTIL_SUM}): lower --util")
@@ -492,7 +500,7 @@ def start_servers(run: Run) -> None:
             skipped.append(name)
             continue
         names.append(name)
-    twins = [n for n in run.configs if n not in skipped] if run.args.stock_twins else []
+    twins = [n for n in run.configs if n not in skipped and n in run.args.stock_twins]
     # each server, then its twin (the order staggered and chained starts take)
     jobs = [job for n in run.configs for job in ([plugin_job(run, n)] if n in names else [])
             + ([twin_job(run, n)] if n in twins else [])]

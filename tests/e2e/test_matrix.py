@@ -361,9 +361,10 @@ def test_a_start_the_others_disturbed_is_retried_alone(tmp_path: Path) -> None:
 
 
 def test_together_starts_every_server_at_once_and_stops_the_twins_after(tmp_path: Path) -> None:
-    r = driver(tmp_path, "--servers", "s1,s2", "--stock-twins", "--start", "together")
+    r = driver(tmp_path, "--servers", "s1,s2,s4", "--stock-twins", "s1,s2", "--start", "together")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     servers = json.loads((tmp_path / "matrix.json").read_text())["servers"]
+    assert "twin" not in servers.pop("s4") and not (tmp_path / "logs" / "s4-stock.log").exists()  # not named
     records = [rec[k] for rec in servers.values() for k in ("plugin", "twin")]
     assert max(rec["window_s"][0] for rec in records) < min(rec["window_s"][1] for rec in records)  # all at once
     assert all(rec["twin"]["startup"]["status"] == "ok" and rec["twin"]["alive_at_end"] for rec in servers.values())
@@ -469,9 +470,13 @@ def test_arguments() -> None:
     assert run_matrix.parse_args(["--out", "x", "--stock-twins"]).util == 0.09  # one twin at a time
     assert run_matrix.parse_args(["--out", "x", "--stock-twins", "--start", "together"]).util == 0.04
     assert run_matrix.parse_args(["--out", "x", "--servers", "s1,s5"]).servers == ["s1", "s5"]
+    assert run_matrix.parse_args(["--out", "x", "--stock-twins"]).stock_twins == [c.name for c in md.DESIGN]
+    assert run_matrix.parse_args(["--out", "x", "--servers", "s3,s5,s6", "--stock-twins", "s5,s6"]).stock_twins == [
+        "s5", "s6"]
+    assert run_matrix.parse_args(["--out", "x"]).stock_twins == []
     assert run_matrix.parse_args(["--out", "x", "--gpus", "6", "--util", "0.38", "--stock-twins"]).gpus == 6
     for bad in (["--servers", "s9"], ["--gpus", "0"], ["--gpus", "2", "--util", "0.4"], ["--detach", "--follow"], ["--util", "0"], ["--util", "0.2"], ["--chat-n", "0"],
-                ["--stock-twins", "--start", "together", "--util", "0.09"], ["--start", "now"]):
+                ["--stock-twins", "--start", "together", "--util", "0.09"], ["--servers", "s3", "--stock-twins", "s5"], ["--start", "now"]):
         with pytest.raises(SystemExit):
             run_matrix.parse_args(["--out", "x", *bad])
     with pytest.raises(SystemExit):
