@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 import xml.etree.ElementTree as ET
 from types import MethodType, SimpleNamespace
 from typing import Any
@@ -44,6 +47,7 @@ from mla_planner.vllm_backend.backend import (  # noqa: E402
     PlannedFlashMLASparseMetadataBuilder,
 )
 from vllm_cpu import KernelRecorder, RecordingProvider, common_metadata, cpu_vllm, model_dir, vllm_config  # noqa: E402
+from vllm_hub import STAND_INS, hub_ids_in, offline_hub  # noqa: E402
 
 TESTS_DIR = pathlib.Path(__file__).parent
 SDIST_VAR = "MLA_PLANNER_VLLM_SDIST"
@@ -107,22 +111,34 @@ def vllm_test_tree(out: pathlib.Path) -> pathlib.Path | None:
 
 def start_vllm_tests(tree: pathlib.Path, classes: str, work: pathlib.Path, env: dict[str, str] | None = None,
                      args: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], pathlib.Path]:
-    """vLLM's file in a pytest of its own (vLLM's file and the plugin patch its process), started;
-    ``env``: more of its environment; ``args``: more pytest arguments (``-k``, xdist's ``-n``).
-    Its JUnit report's path comes back with it."""
+    """vLLM's file in a pytest of its own (vLLM's file and the plugin patch its process), started
+    in a process group of its own (``stop_vllm_tests``), reading model configurations from an
+    offline stand-in hub (tests/vllm_hub.py); ``env``: more of its environment; ``args``: more
+    pytest arguments (``-k``, xdist's ``-n``). Its JUnit report's path comes back with it; beside
+    it, ``<classes>.jsonl`` gets each test's outcome as it finishes."""
     work.mkdir(parents=True, exist_ok=True)
     report = work / f"{classes}.xml"
     ini = work / "pytest.ini"
     ini.write_text("[pytest]\n")  # not vLLM's pytest settings, nor ours
-    full_env = dict(os.environ, MLA_PLANNER_CLASSES=classes, **(env or {}),
+    full_env = dict(os.environ, MLA_PLANNER_CLASSES=classes, **offline_hub(work / "hub"), **(env or {}),
+                    MLA_PLANNER_OWN_TESTS_LOG=str(report.with_suffix(".jsonl")),
                     PYTHONPATH=os.pathsep.join([str(tree), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
     log = (work / f"{classes}.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-c", str(ini), "--rootdir", str(tree), "-p", "no:cacheprovider",
          "--noconftest", "-p", "vllm_own_tests_plugin", f"--junitxml={report}", *args, str(tree / SPARSE_TESTS)],
-        cwd=tree, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True,
+        cwd=tree, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     return proc, report
+
+
+def stop_vllm_tests(proc: subprocess.Popen[str]) -> None:
+    """A started run stopped, its xdist workers with it (they share its process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def outcomes_of(proc: subprocess.Popen[str], report: pathlib.Path, timeout_s: float = 600) -> dict[str, tuple[str, str]]:
@@ -143,9 +159,20 @@ def outcomes_of(proc: subprocess.Popen[str], report: pathlib.Path, timeout_s: fl
     return outcomes
 
 
+def finished_outcomes(report: pathlib.Path) -> dict[str, tuple[str, str]]:
+    """The outcomes a run (perhaps stopped midway) wrote as its tests finished, by test id."""
+    path = report.with_suffix(".jsonl")
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {entry["test"]: (entry["outcome"], entry["message"]) for entry in map(json.loads, lines)}
+
+
 def run_vllm_tests(tree: pathlib.Path, classes: str, work: pathlib.Path) -> dict[str, str]:
-    """Each test of vLLM's file, by id, and its outcome (passed, skipped, failed, error)."""
-    return {name: kind for name, (kind, _) in outcomes_of(*start_vllm_tests(tree, classes, work)).items()}
+    """Each test of vLLM's file, by id, and its outcome (passed, skipped, failed, error); the
+    outcome log written as the tests finished says the same."""
+    proc, report = start_vllm_tests(tree, classes, work)
+    outcomes = outcomes_of(proc, report)
+    assert finished_outcomes(report) == outcomes
+    return {name: kind for name, (kind, _) in outcomes.items()}
 
 
 def test_the_sdist_is_fetched_checked_and_kept(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,6 +245,44 @@ def test_vllm_sparse_mla_tests_pass_with_planned_classes(classes: str, tmp_path:
     passed = {name for name, o in outcomes.items() if o == "passed"}
     assert passed == CPU_TESTS_026, \
         f"expected vLLM's CPU tests to pass: missing {CPU_TESTS_026 - passed}, extra {passed - CPU_TESTS_026}"
+
+
+def test_a_run_stopped_midway_still_says_what_it_ran(tmp_path: pathlib.Path) -> None:
+    """The GPU runs are stopped at a deadline: the tests finished by then are in the outcome log."""
+    if vllm_api.V033:
+        pytest.skip("vLLM 0.33.0's sparse-MLA file cannot be collected on a CPU (it needs vLLM's compiled ops)")
+    tree = vllm_test_tree(tmp_path / "tree")
+    if tree is None:
+        pytest.skip(f"vLLM {VLLM_VERSION}'s {SPARSE_TESTS} is not here: set {SDIST_VAR}")
+    proc, report = start_vllm_tests(tree, "stock", tmp_path / "run")
+    log = report.with_suffix(".jsonl")
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and not (log.exists() and log.read_text().count("\n") >= 3):
+        assert time.monotonic() < deadline, "no test finished in 240 s"
+        time.sleep(0.05)
+    stop_vllm_tests(proc)
+    finished = finished_outcomes(report)
+    assert proc.returncode is not None and len(finished) >= 3
+    assert all(kind in ("passed", "skipped") for kind, _ in finished.values()), finished
+
+
+def test_every_model_vllms_file_names_has_an_offline_stand_in(tmp_path: pathlib.Path) -> None:
+    """The GPU machine reaches no network: each hub id the file builds a configuration of has a
+    stand-in, from which vLLM's ModelConfig builds with the hub offline."""
+    tree = vllm_test_tree(tmp_path / "tree")
+    if tree is None:
+        pytest.skip(f"vLLM {VLLM_VERSION}'s {SPARSE_TESTS} is not here: set {SDIST_VAR}")
+    named = hub_ids_in(tree / SPARSE_TESTS)
+    assert named and named <= set(STAND_INS), f"no stand-in for {named - set(STAND_INS)}: add them to tests/vllm_hub.py"
+    env = dict(os.environ, **offline_hub(tmp_path / "hub"))
+    script = ("import sys; from vllm.config import ModelConfig\n"
+              "for name in sys.argv[1:]:\n"
+              "    m = ModelConfig(model=name, tokenizer=name, trust_remote_code=False, dtype='auto', seed=0, max_model_len=1024)\n"
+              "    print(name, m.architectures[0], m.use_mla)\n")
+    out = subprocess.run([sys.executable, "-c", script, *sorted(named)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "deepseek-ai/DeepSeek-V2-Lite-Chat DeepseekV2ForCausalLM True" in out.stdout.splitlines()
 
 
 # -- the same calls, here -----------------------------------------------------------------------

@@ -5,6 +5,10 @@ started by tests/test_vllm_own_tests.py), or on a GPU with ``MLA_PLANNER_OWN_TES
 skipped and the plugin provides the three fixtures of vLLM's conftest the file uses (vLLM's
 conftest needs its whole test tree: ``--noconftest``).
 
+``MLA_PLANNER_OWN_TESTS_LOG``: a file that gets one JSON line per test as it finishes (its id, its
+outcome as the JUnit report would give it, the first line of its message), so that a run stopped
+midway still tells what it ran; under pytest-xdist the controller writes it.
+
 ``MLA_PLANNER_CLASSES=planned`` puts the backend's classes in place of stock's in vLLM's
 ``flashmla_sparse`` module before vLLM's test module imports them, so every
 ``FlashMLASparse*`` name the tests use (and stock's own global lookups) is ours; ``stock``
@@ -19,6 +23,7 @@ memory.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -39,6 +44,7 @@ GPU_ONLY = {
 
 
 ON_GPU = os.environ.get("MLA_PLANNER_OWN_TESTS_ON", "cpu") == "gpu"
+OUTCOME_LOG = os.environ.get("MLA_PLANNER_OWN_TESTS_LOG")
 
 
 def swap_classes() -> None:
@@ -56,6 +62,9 @@ def swap_classes() -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    global OUTCOME_LOG
+    if hasattr(config, "workerinput"):  # an xdist worker: its reports reach the controller, which logs them
+        OUTCOME_LOG = None
     import vllm.v1.attention.backends.mla.flashmla_sparse  # noqa: F401  (before the CPU answers below)
     from vllm.platforms import current_platform
 
@@ -122,3 +131,39 @@ def workspace_init() -> Any:
     init_workspace_manager(torch.device(0))
     yield
     reset_workspace_manager()
+
+
+# -- each test's outcome as it finishes --------------------------------------------------------------
+
+_outcomes: dict[str, tuple[str, str]] = {}
+
+
+def first_line(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # a skip: (file, line, reason)
+        text = str(longrepr[2]).removeprefix("Skipped: ")  # as JUnit reports it
+    else:
+        crash = getattr(longrepr, "reprcrash", None)
+        text = crash.message if crash is not None else str(longrepr or "")
+    return (text.strip().splitlines() or [""])[0]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """The outcome JUnit would give (a setup failure is an error, a teardown failure turns a pass
+    into an error), written when the test's teardown is reported."""
+    if OUTCOME_LOG is None:
+        return
+    if report.when in ("setup", "call") and report.nodeid not in _outcomes:
+        if report.skipped:
+            _outcomes[report.nodeid] = ("skipped", first_line(report))
+        elif report.failed:
+            _outcomes[report.nodeid] = ("error" if report.when == "setup" else "failed", first_line(report))
+        elif report.when == "call":
+            _outcomes[report.nodeid] = ("passed", "")
+    if report.when == "teardown":
+        outcome = _outcomes.pop(report.nodeid, ("passed", ""))
+        if report.failed and outcome[0] == "passed":
+            outcome = ("error", first_line(report))
+        with open(OUTCOME_LOG, "a") as log:
+            log.write(json.dumps({"test": report.nodeid.split("::")[-1], "outcome": outcome[0],
+                                  "message": outcome[1]}) + "\n")
