@@ -11,7 +11,8 @@ What runs, in order (``--deadline-s`` ends it; what it cut is recorded as not ru
    ``MLA_PLANNER_SCRATCH_MB=64``. The plugin refuses a budget below what one step of the engine can
    need, with a line ``set MLA_PLANNER_SCRATCH_MB=N or more``, and the server exits non-zero: N is
    the minimum, and that server starts again with N. A server that starts at 64 is kept: 64 is the
-   minimum. These starts come first, before any other (together unless ``--start chained``).
+   minimum. These starts come first, before any other (together unless ``--start chained``): the
+   KV figure of one kept beside others' carries their start-ups.
 2. **The servers**, each with its own port, model copy and flags; with ``--stock-twins``, after each
    its stock twin (``FLASHMLA_SPARSE``, the same flags, no budget), read only for its KV cache lines
    and stopped before the next start. vLLM sizes a KV cache from the whole GPU's free memory, from
@@ -20,7 +21,9 @@ What runs, in order (``--deadline-s`` ends it; what it cut is recorded as not ru
    available memory for the cache blocks"), or fails the start ("Error in memory profiling").
    ``--start staggered`` (the default) therefore starts each server once the one before it has
    logged its KV cache size, so that no two profilings overlap, while the earlier servers' CUDA-graph
-   capture and API start go on; ``together`` starts them all at once (quicker, their KV figures
+   capture and API start go on; but a start whose KV figure is compared (a twin, or a server that
+   has one) waits until the one before it is up (vLLM 0.33 captures CUDA graphs after the KV line,
+   and what that allocates counts as the next one's); ``together`` starts them all at once (quicker, their KV figures
    carry each other's start-ups); ``chained`` each once the one before it is up. A start that failed
    of another's memory is retried alone (``--retries``), the first attempt kept in the record.
 3. **The load**, on every server that is up, all servers at the same time: a chat burst of
@@ -246,6 +249,7 @@ class Job:
     done: Callable[[Server, dict[str, Any]], None]
     key: str  # where its record goes in its server's: "probe", "plugin" or "twin"
     kv_only: bool = False  # a stock twin: its KV cache lines are all it is started for
+    compared: bool = False  # its KV figure is set against another's (a twin, or a server that has one)
 
 
 @dataclass
@@ -264,14 +268,20 @@ def settled(run: Run, server: Server) -> bool:
     return not server.alive() or server.health(timeout_s=2) == 200 or time.monotonic() - server.t0 >= limit
 
 
-def gate(run: Run, item: Starting, mode: str) -> bool:
-    """Whether the next start of ``item``'s chain may go: ``chained``, once a server is up (a twin: once
-    its KV cache is sized); ``staggered``, once either has sized its KV cache (vLLM's memory profiling
-    is over, the cache is allocated right after); ``together``, each start is a chain of its own."""
+def gate(run: Run, item: Starting, mode: str, following: Job | None) -> bool:
+    """Whether the next start of ``item``'s chain, ``following``, may go: ``chained``, once a server is
+    up (a twin: once its KV cache is sized); ``staggered``, once either has sized its KV cache (vLLM's
+    memory profiling is over, the cache is allocated right after), except that a start whose KV
+    figure is compared (a twin, or a server that has one) waits until the server before it is up: on
+    vLLM 0.33 that server captures its CUDA graphs after its KV line, and whatever it allocates
+    during the next one's profiling counts as the next one's; ``together``, each start is a chain
+    of its own."""
     if mode == "together" or settled(run, item.server):
         return True
     sized = KV_SIZED in item.server.log_text()
-    return sized and (item.job.kv_only or mode == "staggered")
+    if item.job.kv_only:
+        return sized
+    return sized and mode == "staggered" and not (following is not None and following.compared)
 
 
 def twin_sized(run: Run, item: Starting) -> None:
@@ -311,7 +321,7 @@ def start_jobs(run: Run, jobs: list[Job], mode: str) -> None:
                 record["window_s"] = [run.now(), None]
                 current[k] = Starting(job, server, record)
             item = current[k]
-            if item is not None and ("startup" in item.record or gate(run, item, mode)):
+            if item is not None and ("startup" in item.record or gate(run, item, mode, chain[0] if chain else None)):
                 current[k] = None
                 if mode != "together":
                     item.record["window_s"][1] = run.now()
@@ -460,7 +470,8 @@ def plugin_job(run: Run, name: str, retry: bool = False) -> Job:
         run.servers[name] = server
         run.store.update(rec, plugin=start, scratch_mb=scratch)
 
-    return Job(name, spec, f"{name}-retry{len(rec.get('attempts', []))}" if retry else name, done, "plugin")
+    return Job(name, spec, f"{name}-retry{len(rec.get('attempts', []))}" if retry else name, done, "plugin",
+               compared=name in run.args.stock_twins)
 
 
 def twin_job(run: Run, name: str, retry: bool = False) -> Job:
@@ -476,7 +487,7 @@ def twin_job(run: Run, name: str, retry: bool = False) -> Job:
             stop_twin(run, name)
 
     label = f"{name}-stock" + (f"-retry{len(rec.get('twin_attempts', []))}" if retry else "")
-    return Job(name, spec, label, done, "twin", kv_only=True)
+    return Job(name, spec, label, done, "twin", kv_only=True, compared=True)
 
 
 def stop_twin(run: Run, name: str) -> None:

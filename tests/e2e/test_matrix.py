@@ -258,6 +258,9 @@ def test_the_whole_matrix_on_stand_ins(full_run: tuple[Path, subprocess.Complete
     order = sorted((rec[k]["window_s"][0], rec[k]["label"]) for rec in data["servers"].values() for k in ("plugin",
                                                                                                          "twin"))
     assert [label for _, label in order][:4] == ["s1", "s1-stock", "s2", "s2-stock"]
+    for name, rec in data["servers"].items():  # a twin, and a server with one, start once the one before is up
+        plugin_up = rec["plugin"]["window_s"][0] + rec["plugin"]["startup"]["elapsed_s"]
+        assert rec["twin"]["window_s"][0] >= plugin_up - 0.5, (name, rec["twin"]["window_s"], plugin_up)
     # "min": refused at 64 MiB with the minimum (the stand-in's: 64 + max_num_seqs / 8), started again with it
     for name, minimum in (("s3", 66), ("s5", 192)):
         rec = data["servers"][name]
