@@ -125,13 +125,20 @@ class FakeProvider:
         """vLLM's ``cp_gather_and_upconvert_fp8_kv_cache``."""
 
 
+TRANSLATION_US = [0.0]
+"""Time spent inside the fake index translation since the last reset (time_step reads it per layer call)."""
+
+
 def fake_translation(req_id: torch.Tensor, block_table: torch.Tensor, token_indices: torch.Tensor, *args: Any,
                      return_valid_counts: bool = False, **kwargs: Any) -> Any:
-    """vLLM's Triton index translation: fresh slots (and valid counts) of the right shape."""
+    """vLLM's Triton index translation: fresh slots (and valid counts) of the right shape. Its own
+    time is counted apart: a meta-device allocation costs tens of microseconds, a CUDA one a few
+    (where the Triton launch costs its own instead)."""
+    start = time.perf_counter()
     slots = torch.empty_like(token_indices)
-    if return_valid_counts:
-        return slots, token_indices.new_empty(token_indices.shape[0])
-    return slots
+    result = (slots, token_indices.new_empty(token_indices.shape[0])) if return_valid_counts else slots
+    TRANSLATION_US[0] += (time.perf_counter() - start) * 1e6
+    return result
 
 
 def no_gather(*args: Any) -> None:
@@ -194,6 +201,7 @@ class Engine:
     impl: Any
     build_us: dict[str, list[float]] = field(default_factory=dict)
     layer_us: dict[str, list[float]] = field(default_factory=dict)
+    translation_us: dict[str, list[float]] = field(default_factory=dict)  # of layer_us, in the fake translation
     launches: dict[str, str] = field(default_factory=dict)
 
 
@@ -243,9 +251,11 @@ def time_step(engine: Engine, step: str, common: Any, kv_cache: torch.Tensor) ->
     tokens = sparse_tokens(metadata, query_lens, context_lens)
     q = torch.empty((tokens, NUM_HEADS, 576), dtype=torch.bfloat16, device=META)
     for _ in range(LAYERS):
+        TRANSLATION_US[0] = 0.0
         start = time.perf_counter()
         engine.impl.forward_mqa(q, kv_cache, metadata, None)
         engine.layer_us.setdefault(step, []).append((time.perf_counter() - start) * 1e6)
+        engine.translation_us.setdefault(step, []).append(TRANSLATION_US[0])
     planned = getattr(metadata, "planned", None)
     engine.launches[step] = "stock" if planned is None else f"{len(planned.plan)} ({planned.plan.mode})"
 
@@ -288,15 +298,18 @@ def report(engines: list[Engine], repeats: int) -> str:
     lines = [f"CPU-side overhead per step, fake kernels, meta-device tensors; {NUM_HEADS} heads, top-k {TOPK}, "
              f"{LAYERS} layers, median of {repeats} interleaved repeats (torch {torch.__version__}, "
              f"vLLM {__import__('vllm').__version__}).", "",
-             "| step | engine | launches | build us | layer call us | step us (build + layers) | vs stock |",
-             "|---|---|---|---:|---:|---:|---:|"]
+             "| step | engine | launches | build us | layer call us | of it, index translation us | "
+             "layer call less translation us | step us (build + layers) | vs stock |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for step in STEPS:
         base = med(stock.build_us[step]) + LAYERS * med(stock.layer_us[step])
         for engine in engines:
             build, layer = med(engine.build_us[step]), med(engine.layer_us[step])
+            translation = med(engine.translation_us[step])
+            own = med([a - b for a, b in zip(engine.layer_us[step], engine.translation_us[step])])
             total = build + LAYERS * layer
             lines.append(f"| {step} | {engine.name} | {engine.launches[step]} | {build:.1f} | {layer:.1f} | "
-                         f"{total:.1f} | {total - base:+.1f} |")
+                         f"{translation:.1f} | {own:.1f} | {total:.1f} | {total - base:+.1f} |")
     return "\n".join(lines)
 
 
