@@ -59,8 +59,8 @@ NEEDED = ("tests/__init__.py", "tests/v1/__init__.py", SPARSE_TESTS,
           "tests/v1/attention/test_mla_backends.py", "tests/v1/attention/utils.py")
 
 # Every test of vLLM 0.26.0's file that runs without a GPU (the rest need Triton, FlashMLA or
-# FA4: tests/vllm_own_tests_plugin.py skips them by name). 0.33.0's are not recorded yet: its sdist
-# was not at hand when the backend was ported (see test_vllm_sparse_mla_tests_pass_with_planned_classes).
+# FA4: tests/vllm_own_tests_plugin.py skips them by name). 0.33.0's file cannot be collected on a CPU
+# (see test_vllm_sparse_mla_tests_pass_with_planned_classes).
 CPU_TESTS_026 = {
     *(f"test_split_prefill_chunks[seq_lens{i}-{buf}-expected{i}]" for i, buf in enumerate([5, 5, 10, 100])),
     *(f"test_split_indexer_prefill_chunks[seq_lens{i}-query_lens{i}-{ws}-{lb}-expected{i}]"
@@ -230,8 +230,8 @@ def test_the_sdist_is_fetched_checked_and_kept(tmp_path: pathlib.Path, monkeypat
 @pytest.mark.parametrize("classes", ["stock", "planned"])
 def test_vllm_sparse_mla_tests_pass_with_planned_classes(classes: str, tmp_path: pathlib.Path) -> None:
     if vllm_api.V033:
-        pytest.skip("vLLM 0.33.0's own sparse-MLA tests are not run yet: which of them run on a CPU (and the "
-                    "plugin's GPU-only list) is recorded for 0.26.0 only")
+        pytest.skip("vLLM 0.33.0's sparse-MLA file cannot be collected on a CPU (it needs vLLM's compiled ops): "
+                    "it runs on the GPU, tests/gpu/test_gpu_vllm_own_tests.py")
     tree = vllm_test_tree(tmp_path)
     if tree is None:
         pytest.skip(f"vLLM {VLLM_VERSION}'s {SPARSE_TESTS} is not here (its wheel has none): set {SDIST_VAR} to "
