@@ -58,6 +58,9 @@ SPARSE_TESTS = "tests/v1/attention/test_sparse_mla_backends.py"
 NEEDED = ("tests/__init__.py", "tests/v1/__init__.py", SPARSE_TESTS,
           "tests/v1/attention/test_mla_backends.py", "tests/v1/attention/utils.py")
 
+NOT_ON_CPU_033 = ("vLLM 0.33.0's sparse-MLA file cannot be collected on a CPU (it needs vLLM's compiled ops): it "
+                  "runs on the GPU, tests/gpu/test_gpu_vllm_own_tests.py")
+
 # Every test of vLLM 0.26.0's file that runs without a GPU (the rest need Triton, FlashMLA or
 # FA4: tests/vllm_own_tests_plugin.py skips them by name). 0.33.0's file cannot be collected on a CPU
 # (see test_vllm_sparse_mla_tests_pass_with_planned_classes).
@@ -107,6 +110,16 @@ def vllm_test_tree(out: pathlib.Path) -> pathlib.Path | None:
         pytest.fail(f"{SDIST_VAR}={named}: neither vLLM's sdist nor a source tree with {SPARSE_TESTS}; "
                     f"point it at vllm-{VLLM_VERSION}.tar.gz or an unpacked one, or unset it")
     return None
+
+
+def vllm_test_tree_or_skip(out: pathlib.Path) -> pathlib.Path:
+    """``vllm_test_tree(out)``, or the test skips saying how to get vLLM's tests."""
+    tree = vllm_test_tree(out)
+    if tree is None:
+        pytest.skip(f"vLLM {VLLM_VERSION}'s {SPARSE_TESTS} is not here (its wheel has none): set {SDIST_VAR} to "
+                    f"vllm-{VLLM_VERSION}.tar.gz from `pip download --no-deps --no-binary :all: vllm=={VLLM_VERSION}`, "
+                    "or to an unpacked source tree")
+    return tree
 
 
 def start_vllm_tests(tree: pathlib.Path, classes: str, work: pathlib.Path, env: dict[str, str] | None = None,
@@ -230,13 +243,8 @@ def test_the_sdist_is_fetched_checked_and_kept(tmp_path: pathlib.Path, monkeypat
 @pytest.mark.parametrize("classes", ["stock", "planned"])
 def test_vllm_sparse_mla_tests_pass_with_planned_classes(classes: str, tmp_path: pathlib.Path) -> None:
     if vllm_api.V033:
-        pytest.skip("vLLM 0.33.0's sparse-MLA file cannot be collected on a CPU (it needs vLLM's compiled ops): "
-                    "it runs on the GPU, tests/gpu/test_gpu_vllm_own_tests.py")
-    tree = vllm_test_tree(tmp_path)
-    if tree is None:
-        pytest.skip(f"vLLM {VLLM_VERSION}'s {SPARSE_TESTS} is not here (its wheel has none): set {SDIST_VAR} to "
-                    f"vllm-{VLLM_VERSION}.tar.gz from `pip download --no-deps --no-binary :all: vllm=={VLLM_VERSION}`, "
-                    "or to an unpacked source tree")
+        pytest.skip(NOT_ON_CPU_033)
+    tree = vllm_test_tree_or_skip(tmp_path)
     work = tmp_path / "run"
     work.mkdir()
     outcomes = run_vllm_tests(tree, classes, work)
@@ -250,10 +258,8 @@ def test_vllm_sparse_mla_tests_pass_with_planned_classes(classes: str, tmp_path:
 def test_a_run_stopped_midway_still_says_what_it_ran(tmp_path: pathlib.Path) -> None:
     """The GPU runs are stopped at a deadline: the tests finished by then are in the outcome log."""
     if vllm_api.V033:
-        pytest.skip("vLLM 0.33.0's sparse-MLA file cannot be collected on a CPU (it needs vLLM's compiled ops)")
-    tree = vllm_test_tree(tmp_path / "tree")
-    if tree is None:
-        pytest.skip(f"vLLM {VLLM_VERSION}'s {SPARSE_TESTS} is not here: set {SDIST_VAR}")
+        pytest.skip(NOT_ON_CPU_033)
+    tree = vllm_test_tree_or_skip(tmp_path / "tree")
     proc, report = start_vllm_tests(tree, "stock", tmp_path / "run")
     log = report.with_suffix(".jsonl")
     deadline = time.monotonic() + 240
@@ -269,9 +275,7 @@ def test_a_run_stopped_midway_still_says_what_it_ran(tmp_path: pathlib.Path) -> 
 def test_every_model_vllms_file_names_has_an_offline_stand_in(tmp_path: pathlib.Path) -> None:
     """The GPU machine reaches no network: each hub id the file builds a configuration of has a
     stand-in, from which vLLM's ModelConfig builds with the hub offline."""
-    tree = vllm_test_tree(tmp_path / "tree")
-    if tree is None:
-        pytest.skip(f"vLLM {VLLM_VERSION}'s {SPARSE_TESTS} is not here: set {SDIST_VAR}")
+    tree = vllm_test_tree_or_skip(tmp_path / "tree")
     named = hub_ids_in(tree / SPARSE_TESTS)
     assert named and named <= set(STAND_INS), f"no stand-in for {named - set(STAND_INS)}: add them to tests/vllm_hub.py"
     env = dict(os.environ, **offline_hub(tmp_path / "hub"))

@@ -23,8 +23,9 @@ What runs, in order (``--deadline-s`` ends it; what it cut is recorded as not ru
    logged its KV cache size, so that no two profilings overlap, while the earlier servers' CUDA-graph
    capture and API start go on; but a start whose KV figure is compared (a twin, or a server that
    has one) waits until the one before it is up (vLLM 0.33 captures CUDA graphs after the KV line,
-   and what that allocates counts as the next one's); ``together`` starts them all at once (quicker, their KV figures
-   carry each other's start-ups); ``chained`` each once the one before it is up. A start that failed
+   and what that allocates counts as the next one's); ``together`` starts them all at once
+   (quicker, their KV figures carry each other's start-ups); ``chained`` each once the one before
+   it is up. A start that failed
    of another's memory is retried alone (``--retries``), the first attempt kept in the record.
 3. **The load**, on every server that is up, all servers at the same time: a chat burst of
    ``--chat-n`` concurrent ``/v1/completions`` (token-id prompts of 300-1,100 tokens behind a shared
