@@ -107,6 +107,13 @@ def test_cli_e2e_line_json() -> None:
 def test_cli_text_and_quoted_line() -> None:
     out = cli("doctor", "--builtin-parser", "vllm serve " + " ".join(E2E_LINE[3:])).stdout
     assert "verdict     stock: OOM at the first 32,768-token step" in out
+    assert "the step holds (measured on the test model, TP 1)" in out
+
+
+def test_cli_text_says_which_figures_stand_in_from_the_test_model() -> None:
+    out = cli("doctor", "--builtin-parser", "--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2", "-tp", "8").stdout
+    assert "non-PyTorch 1.49 GiB (measured on the test model, TP 1)" in out
+    assert "the step holds (assumed: the test model's at TP 2)" in out
 
 
 def test_cli_plugin_budget_from_env_word() -> None:

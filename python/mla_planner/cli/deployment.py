@@ -257,6 +257,17 @@ def step_reserve(tp: int) -> int:
     return STEP_RESERVE_TP1 if tp == 1 else STEP_RESERVE_TP2
 
 
+# Where the figures outside the weights and activations come from, as the doctor prints them: the
+# test model's runs stand in for every model.
+NON_TORCH_SOURCE = "measured on the test model, TP 1"
+
+
+def step_reserve_source(tp: int) -> str:
+    if tp <= 2:
+        return f"measured on the test model, TP {tp}"
+    return "assumed: the test model's at TP 2"
+
+
 # --- the deployment and its diagnosis ------------------------------------------------------------
 
 

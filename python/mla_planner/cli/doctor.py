@@ -207,9 +207,9 @@ def to_text(diag: Diagnosis, serve: serve_line.ServeArgs) -> list[str]:
         f"  int32 stride one call takes at most {diag.stride_tokens:,} tokens at {d.heads_per_rank} heads",
         "",
         f"memory      weights {format_bytes(d.weights_per_rank)} ({_tag(a['weights'])}), activation peak {format_bytes(d.activation)} "
-        f"({_tag(a['activation'])}), non-PyTorch {format_bytes(deployment.NON_TORCH_BYTES)} (measured, H200)",
+        f"({_tag(a['activation'])}), non-PyTorch {format_bytes(deployment.NON_TORCH_BYTES)} ({deployment.NON_TORCH_SOURCE})",
         f"            free for unreserved scratch: {format_bytes(diag.headroom)} = (1 - {d.gpu_memory_utilization:.2f}) x total "
-        f"- {format_bytes(deployment.step_reserve(d.tp))} the step holds (measured, H200)",
+        f"- {format_bytes(deployment.step_reserve(d.tp))} the step holds ({deployment.step_reserve_source(d.tp)})",
         f"stock       worst step {format_bytes(diag.stock.peak_bytes)}: {'fits' if diag.stock.fits else 'FAILS'}"
         + (f" ({diag.stock.limit})" if diag.stock.limit else "")
         + f"; KV cache {format_bytes(diag.stock_kv_bytes)} = {diag.stock_kv_tokens:,} tokens"
