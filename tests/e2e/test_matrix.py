@@ -1,4 +1,4 @@
-"""The flag matrix driver (run_matrix.py, issue 29; docs/flag_matrix_draft.md).
+"""The flag matrix driver (run_matrix.py, issue 29; docs/vllm.md, "The flag matrix").
 
 On a CPU, in CI: the design covers every value of every axis and the two required pairs (and a
 design missing any of them says so); the servers' command lines parse with the installed vLLM's own
