@@ -360,6 +360,7 @@ def test_stale_profile_falls_back_with_a_warning(profile_path: Path, caplog: pyt
     (record,) = caplog.records
     assert "measured elsewhere" in record.message and "driver '2.0' here, '1.0' in the profile" in record.message
     assert "vllm 0.27.0" in record.message and "vLLM's rule" in record.message
+    assert "`mla-planner calibrate` writes one for this machine" in record.message  # what to do about it
     assert stale_keys(ENV, ENV) == []
     assert len(stale_keys(ENV, {})) == len(ENV)  # nothing known about this machine: stale
 

@@ -80,7 +80,8 @@ def load_profile(
     if environment is not None:
         stale = stale_keys(model.environment, environment)
         if stale:
-            _fall_back(where, "measured elsewhere: " + "; ".join(stale))
+            _fall_back(where, "measured elsewhere: " + "; ".join(stale)
+                       + " (`mla-planner calibrate` writes one for this machine)")
             return None
     if config is not None:
         try:
