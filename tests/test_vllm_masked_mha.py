@@ -412,6 +412,29 @@ def test_a_step_whose_masks_fit_runs_as_stock(engine_factory: Any, gen: torch.Ge
     close_to(out, case["expected"])
 
 
+def test_a_step_the_groups_cannot_plan_runs_as_stock(engine_factory: Any, gen: torch.Generator,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning the groups fails (here: made to): the build does not raise, the step carries no
+    plan, the reason is counted once, and the layer runs stock's all-sparse-MQA step."""
+    from mla_planner.vllm_backend import masked_mha, stock_steps
+
+    def fail(*_args: Any) -> None:
+        raise RuntimeError("a shape the planner did not expect")
+
+    monkeypatch.setattr(masked_mha, "partial_prefill", fail)
+    reason = "the step's masked-MHA groups could not be planned (RuntimeError)"
+    before = stock_steps.counts[reason]
+    engine = engine_factory(P1_OUT)
+    case = engine.step(gen)
+    ours_md, _stock = case["metadata"]
+    assert stock_steps.counts[reason] == before + 1
+    assert masked_mha.plan_of(ours_md.prefill) is None
+    out = engine.forward(engine.ours, case, ours_md)
+    assert engine.fa4.calls == [] and engine.dense_calls == []
+    assert engine.kernels.prefill_calls == [(sum(QUERY_LENS), 64, 576)], "stock's step: every token in one sparse MQA call"
+    close_to(out, case["expected"])
+
+
 def test_no_prefill_fits_any_mask_is_stocks_step(engine_factory: Any, gen: torch.Generator) -> None:
     """Every prefill too large alone: the planner's one sparse-MQA group is stock's route, so no plan."""
     from mla_planner.vllm_backend import masked_mha

@@ -144,7 +144,13 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         assert isinstance(metadata, PlannedFlashMLASparseMetadata)
         if vllm_api.MASKED_MHA and metadata.prefill is not None:
             # Masked MHA needs a non-quantized cache: no FP8 step has a plan from both.
-            masked_mha.attach_plan(self, metadata, common_attn_metadata)
+            try:
+                masked_mha.attach_plan(self, metadata, common_attn_metadata)
+            except Exception as exc:  # after start-up, never raise: vLLM's own choice runs the prefills
+                setattr(metadata.prefill, masked_mha.PLAN_ATTRIBUTE, None)
+                stock_steps.ran_stock(f"the step's masked-MHA groups could not be planned ({type(exc).__name__})",
+                                      " ".join(str(exc).split()), common_attn_metadata.num_actual_tokens,
+                                      metadata.num_decode_tokens, metadata.num_prefills)
         if not self.plans_steps:
             return metadata
         try:
