@@ -4,11 +4,13 @@ stock vLLM's.
 
 For heads per rank in {16, 128} (kernels padded to 64 and 128) and T in {512, 2K, 8K, 32K}: one
 prefill request of T tokens after ``max(0, topk + 1 - T)`` tokens of context (so the request is
-longer than top-k and vLLM runs it as sparse MQA, not dense MHA), planned on each route by ``mla_planner.plan_step`` under ``--budget-mib``:
+longer than top-k and vLLM runs it as sparse MQA, not dense MHA), planned on each route by
+``mla_planner.plan_step`` under ``--budget-mib`` (:func:`plan_routes`, which needs no GPU):
 
 * mixed: the planned sparse-decode launches over the paged FP8 cache;
 * separate: the gather of the request's rows into a BF16 workspace (vLLM's
-  ``cp_gather_and_upconvert_fp8_kv_cache``), then the planned sparse-prefill launches.
+  ``cp_gather_and_upconvert_fp8_kv_cache``), then the planned sparse-prefill launches, at the heads
+  the profile priced them at (padded, or 16/32 native where it prices those cheaper).
 
 Each route is timed as a whole (CUDA events, L2 flushed before, median of ``--runs``, routes
 interleaved), the launches exactly as planned and priced. "Stock" is vLLM 0.26's rule with no
@@ -43,6 +45,8 @@ from mla_planner.executor.reference import sparse_attention
 from mla_planner.routing import default_profile_path
 
 MiB = 1 << 20
+STOCK_BUDGET = 1 << 50
+"""vLLM's rule has no budget: one the planner accepts that no step reaches."""
 SCALE = D_QK**-0.5
 TOLERANCE = {"sparse_decode": (1e-3, 2.01 / 128), "sparse_prefill": (8e-4, 3.01 / 128)}
 COS_DIFF_TOL = 1e-5
@@ -51,7 +55,7 @@ COS_DIFF_TOL = 1e-5
 @dataclass
 class Route:
     name: str
-    plan: mla_planner.StepPlan | None
+    plan: mla_planner.StepPlan
     predicted_us: float | None
     run: Callable[[], torch.Tensor] | None = None
     times_us: list[float] = field(default_factory=list)
@@ -70,9 +74,7 @@ class Step:
         self.provider, self.gather, self.heads, self.tokens = provider, gather, heads, tokens
         self.context = max(0, topk + 1 - tokens)
         self.case: PrefillCase = prefill_case([tokens], [self.context], heads, topk, gen, dtype=torch.bfloat16)
-        self.kernel_heads = mla_planner.padded_heads(heads)  # sm90: both kernels pad to 64 or 128 (vLLM 0.26)
-        self.q_padded = torch.zeros((tokens, self.kernel_heads, D_QK), dtype=torch.bfloat16, device=gen.device)
-        self.q_padded[:, :heads] = self.case.q
+        self._q_padded: dict[int, torch.Tensor] = {}
         pos = self.case.indices.long()
         pages = self.case.block_table[0].long()[pos.clamp(min=0) // PAGE_SIZE]
         self.slots = torch.where(pos >= 0, pages * PAGE_SIZE + pos.clamp(min=0) % PAGE_SIZE, -1).to(torch.int32)
@@ -80,28 +82,38 @@ class Step:
         self.workspace = torch.empty((self.rows, D_QK), dtype=torch.bfloat16, device=gen.device)
         self.out = torch.empty((tokens, heads, D_V), dtype=torch.bfloat16, device=gen.device)
 
-    def mixed(self, plan: mla_planner.StepPlan) -> Callable[[], torch.Tensor]:
-        launches = [(int(a), int(b)) for a, b, _, _ in plan.launches.tolist()]
+    def q_padded(self, kernel_heads: int) -> torch.Tensor:
+        """q zero-padded to the heads a kernel runs, made once per head count."""
+        if kernel_heads not in self._q_padded:
+            q = self.case.q.new_zeros((self.tokens, kernel_heads, D_QK))
+            q[:, : self.heads] = self.case.q
+            self._q_padded[kernel_heads] = q
+        return self._q_padded[kernel_heads]
+
+    def mixed(self, plan: mla_planner.StepPlan, kernel_heads: int) -> Callable[[], torch.Tensor]:
+        launches = [(int(a), int(b)) for a, b in plan.launches[:, :2].tolist()]
         schedules = {b - a: self.provider.new_decode_schedule() for a, b in launches}
+        q_padded = self.q_padded(kernel_heads)
 
         def run() -> torch.Tensor:
             for a, b in launches:
-                o, _ = self.provider.sparse_decode(self.q_padded[a:b].unsqueeze(0), self.case.kv_cache,
+                o, _ = self.provider.sparse_decode(q_padded[a:b].unsqueeze(0), self.case.kv_cache,
                                                    self.slots[a:b].unsqueeze(0), schedules[b - a], SCALE)
                 self.out[a:b] = o[0, :, : self.heads]
             return self.out
 
         return run
 
-    def separate(self, plan: mla_planner.StepPlan) -> Callable[[], torch.Tensor]:
-        launches = [(int(a), int(b)) for a, b, _, _ in plan.launches.tolist()]
+    def separate(self, plan: mla_planner.StepPlan, kernel_heads: int) -> Callable[[], torch.Tensor]:
+        launches = [(int(a), int(b)) for a, b in plan.launches[:, :2].tolist()]
         positions = self.case.indices.unsqueeze(1)  # one request from row 0: positions are rows
+        q_padded = self.q_padded(kernel_heads)
 
         def run() -> torch.Tensor:
             self.gather(self.case, self.rows, self.workspace)
             kv = self.workspace.unsqueeze(1)
             for a, b in launches:
-                o, _ = self.provider.sparse_prefill(self.q_padded[a:b], kv, positions[a:b], SCALE)
+                o, _ = self.provider.sparse_prefill(q_padded[a:b], kv, positions[a:b], SCALE)
                 self.out[a:b] = o[:, : self.heads]
             return self.out
 
@@ -119,10 +131,34 @@ class Step:
         return f"{verdict}: {int(outside.sum())}/{outside.numel()} outside, max abs {float(err.max()):.2g}, cos diff {cos_diff:.2g}"
 
 
-def plan_route(tokens: int, context: int, heads: int, budget: int, mixed: bool, topk: int) -> mla_planner.StepPlan:
-    return mla_planner.plan_step([tokens], [context], 0, num_heads=heads, budget_bytes=budget, topk=topk,
-                                 mixed_batch=mixed, gather_workspace_rows=max(tokens + context, 1),
-                                 indexer_workspace_rows=(tokens + context) * 40)
+def plan_routes(model: mla_planner.CostModel, heads: int, tokens: int, context: int, budget: int,
+                topk: int) -> tuple[list[Route], mla_planner.RouteChoice]:
+    """The step's three routes, planned and (but stock's) priced -- mixed and separate under the
+    budget, stock as vLLM's rule runs it with no budget -- and the route the model chooses."""
+    rows = tokens + context
+    config = mla_planner.StepConfig(heads, scratch_budget_bytes=budget, topk=topk, gather_workspace_rows=rows,
+                                    indexer_workspace_rows=rows * 40)
+    step = ([tokens], [context], 0)
+    prediction = model.predict(*step, config)
+    choice = model.choose_route(*step, config)
+    separate = config.replace(mode="separate_prefill_decode")
+    if prediction.separate is not None:  # at the heads the profile priced the prefill launches at
+        separate = separate.replace(native_prefill_heads=prediction.separate.prefill_heads != config.prefill_padded_heads)
+    stock = config.replace(mode=mla_planner.step_mode(heads, kv_dtype="fp8"), scratch_budget_bytes=STOCK_BUDGET)
+    routes = [
+        Route("mixed", mla_planner.plan_step(*step, config.replace(mode="mixed_batch")),
+              prediction.mixed.total_us if prediction.mixed else None),
+        Route("separate", mla_planner.plan_step(*step, separate),
+              prediction.separate.total_us if prediction.separate else None),
+        Route("stock", mla_planner.plan_step(*step, stock), None),
+    ]
+    return routes, choice
+
+
+def kernel_heads(route: Route, config_heads: int) -> int:
+    """Heads the route's kernel runs: the decode kernel's padding, or the plan's prefill heads."""
+    plan = route.plan
+    return plan.prefill_heads if plan.mode == "separate_prefill_decode" else mla_planner.padded_heads(config_heads)
 
 
 def bench(model: mla_planner.CostModel, provider: KernelProvider, gather: GatherOp, heads: int, tokens: int,
@@ -130,23 +166,10 @@ def bench(model: mla_planner.CostModel, provider: KernelProvider, gather: Gather
     step = Step(provider, gather, heads, tokens, args.topk, gen)
     if step.rows <= args.topk:
         raise ValueError(f"{tokens} tokens after {step.context} of context run as dense MHA in vLLM")
-    budget = args.budget_mib * MiB
-    common: dict[str, Any] = dict(num_heads=heads, budget_bytes=budget, topk=args.topk,
-                                  gather_workspace_rows=step.rows, indexer_workspace_rows=step.rows * 40)
-    prediction = model.predict([tokens], [step.context], 0, **common)
-    choice = model.choose_route([tokens], [step.context], 0, **common)
-    stock_mixed = mla_planner.step_mode(heads, kv_dtype="fp8") == "mixed_batch"
-    routes = [
-        Route("mixed", plan_route(tokens, step.context, heads, budget, True, args.topk),
-              prediction.mixed.total_us if prediction.mixed else None),
-        Route("separate", plan_route(tokens, step.context, heads, budget, False, args.topk),
-              prediction.separate.total_us if prediction.separate else None),
-        Route("stock", plan_route(tokens, step.context, heads, 1 << 50, stock_mixed, args.topk), None),
-    ]
+    routes, choice = plan_routes(model, heads, tokens, step.context, args.budget_mib * MiB, args.topk)
     for route in routes:
-        assert route.plan is not None and len(route.plan.launches) > 0
-        mixed = route.name == "mixed" or (route.name == "stock" and stock_mixed)
-        route.run = step.mixed(route.plan) if mixed else step.separate(route.plan)
+        mixed = route.plan.mode == "mixed_batch"
+        route.run = (step.mixed if mixed else step.separate)(route.plan, kernel_heads(route, heads))
         for _ in range(args.warmup):
             route.run()
         rows = torch.randperm(tokens, device=gen.device)[: args.check_rows]
@@ -164,10 +187,9 @@ def bench(model: mla_planner.CostModel, provider: KernelProvider, gather: Gather
         predicted = f"{route.predicted_us / 1000:.3f}" if route.predicted_us is not None else "–"
         error = (f"{(route.predicted_us / route.measured_us - 1) * 100:+.1f}%"
                  if route.predicted_us is not None else "–")
-        assert route.plan is not None
         mark = " (chosen)" if route is chosen else (" (vLLM's rule, no budget)" if route.name == "stock" else "")
         lines.append(
-            f"| {tokens} | {heads} ({step.kernel_heads}) | {route.name}{mark} | {len(route.plan.launches)} "
+            f"| {tokens} | {heads} ({kernel_heads(route, heads)}) | {route.name}{mark} | {len(route.plan.launches)} "
             f"| {predicted} | {route.measured_us / 1000:.3f} | {error} | {stock / route.measured_us:.2f}x | {route.check} |"
         )
     print("\n".join(lines), flush=True)

@@ -1,13 +1,19 @@
 """Every benchmark the docs name runs: ``python benchmarks/X.py --help`` exits 0 on a machine with
-no GPU (a benchmark checks for one after reading its options), so an import that rots fails here."""
+no GPU (a benchmark checks for one after reading its options), so an import that rots fails here;
+and what a GPU benchmark does before its first kernel (planning) runs here too."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+import mla_planner
+from mla_planner.routing import default_profile_path
 
 BENCHMARKS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
 
@@ -22,3 +28,39 @@ def test_help_runs(script: Path) -> None:
                           cwd=script.parent)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.startswith("usage:"), done.stdout[:500]
+
+
+def load_benchmark(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS[0].parent / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kernels", ["vllm 0.26.0", "vllm 0.33.0"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("tokens", [512, 32768])
+def test_route_bench_plans_each_route_as_the_backend_would(kernels: str, heads: int, tokens: int) -> None:
+    """route_bench's planning, which runs before any kernel: each route planned under the current
+    API, within the budget where one is set, the chosen route's plan the model's own."""
+    bench = load_benchmark("route_bench")
+    model = mla_planner.CostModel.from_json(default_profile_path(kernels=kernels).read_text())
+    budget, topk = 1 << 30, 2048
+    context = max(0, topk + 1 - tokens)
+    routes, choice = bench.plan_routes(model, heads, tokens, context, budget, topk)
+    mixed, separate, stock = routes
+    assert [r.name for r in routes] == ["mixed", "separate", "stock"]
+    assert mixed.plan.mode == "mixed_batch" and separate.plan.mode == "separate_prefill_decode"
+    assert stock.plan.mode == mla_planner.step_mode(heads, kv_dtype="fp8")
+    for route in routes:
+        assert route.plan.launches[-1, 1] == tokens, f"{route.name} covers every token"
+    for route in (mixed, separate):
+        assert route.predicted_us is not None and route.predicted_us > 0
+        assert route.plan.peak_bytes <= budget
+    assert stock.predicted_us is None
+    assert bench.kernel_heads(mixed, heads) == mla_planner.padded_heads(heads)
+    assert bench.kernel_heads(separate, heads) == separate.plan.prefill_heads
+    chosen = mixed if choice.mixed_batch else separate
+    assert chosen.plan.launches.tolist() == choice.plan.launches.tolist()
