@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import logging
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -1097,10 +1097,11 @@ def test_the_first_fp8_forward_warms_up_once(mixed: Backend, gen: torch.Generato
     stock's code runs (a decode-only step: vLLM's capture warm-up)."""
     from mla_planner.vllm_backend import vllm_api, warmup
 
-    calls: list[tuple[int, int, int | None, int]] = []
+    calls: list[tuple[tuple[str, ...], int, int, int | None, int]] = []
 
-    def recording(block_table: torch.Tensor, block_size: int, block_stride_rows: int | None, topk: int) -> None:
-        calls.append((block_table.shape[1], block_size, block_stride_rows, topk))
+    def recording(routes: Iterable[str], block_table: torch.Tensor, block_size: int, block_stride_rows: int | None,
+                  topk: int) -> None:
+        calls.append((tuple(routes), block_table.shape[1], block_size, block_stride_rows, topk))
         warmup.pending = False
 
     monkeypatch.setattr(warmup, "pending", True)
@@ -1110,7 +1111,7 @@ def test_the_first_fp8_forward_warms_up_once(mixed: Backend, gen: torch.Generato
     for _ in range(2):
         mixed.impl._forward_fp8_kv_mixed_batch(case["q"], case["kv_cache"], mixed.topk_buffer[:3], case["metadata"])
     stride = vllm_api.fp8_kv_pages(case["kv_cache"], 64)[1]
-    assert calls == [(case["metadata"].block_table.shape[1], 64, stride, TOPK)]
+    assert calls == [(("mixed_batch",), case["metadata"].block_table.shape[1], 64, stride, TOPK)]
 
 
 def warm_up_pending() -> bool:
@@ -1126,7 +1127,7 @@ def test_no_warm_up_off_cuda_or_inside_a_graph_capture(monkeypatch: pytest.Monke
     warmed: list[object] = []
     monkeypatch.setattr(warmup, "warm_up", lambda *args: warmed.append(args))
     monkeypatch.setattr(warmup, "pending", True)
-    warmup.maybe_warm_up(torch.zeros((1, 8), dtype=torch.int32), 64, None, TOPK)
+    warmup.maybe_warm_up(["mixed_batch"], torch.zeros((1, 8), dtype=torch.int32), 64, None, TOPK)
     assert warmed == [] and not warm_up_pending(), "no Triton on the CPU: nothing to compile, ever"
 
     class CudaTable:  # what maybe_warm_up reads of a CUDA block table
@@ -1134,16 +1135,14 @@ def test_no_warm_up_off_cuda_or_inside_a_graph_capture(monkeypatch: pytest.Monke
 
     capturing = [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(warmup, "_routes", {"mixed_batch"})
     monkeypatch.setattr(warmup, "pending", True)
-    warmup.maybe_warm_up(CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
+    warmup.maybe_warm_up(["mixed_batch"], CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
     assert warmed == [] and warm_up_pending(), "a capture would record the warm-up into the graph: later"
     capturing[0] = False
-    warmup.maybe_warm_up(CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
+    warmup.maybe_warm_up(["mixed_batch"], CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
     assert len(warmed) == 1 and not warm_up_pending()
-    monkeypatch.setattr(warmup, "_routes", set())  # no builder plans steps (e.g. a BF16 cache)
     monkeypatch.setattr(warmup, "pending", True)
-    warmup.maybe_warm_up(CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
+    warmup.maybe_warm_up([], CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]  # the engine plans no step
     assert len(warmed) == 1 and not warm_up_pending(), "stock's code only: nothing beyond vLLM's own variants"
 
 

@@ -122,7 +122,6 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             log.once(logging.INFO, "mla-planner: %s: every step runs vLLM's own code", self.stock_reason)
         if not self.plans_steps:
             return
-        warmup.expect_routes(self.engine.routes)
         if (self.reorder_batch_threshold or 1) > self.engine.max_decode_query_len:
             log.once(logging.WARNING, "mla-planner: vLLM counts requests of up to %d tokens as decodes, the budget was "
                      "checked for %d; a step the budget cannot hold runs vLLM's own code",
@@ -368,7 +367,8 @@ def step_to_run(impl: Any, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache
                     reservation.reserved_bytes() >> 20)
     if warmup.pending:
         _pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
-        warmup.maybe_warm_up(md.block_table, md.block_size, block_stride_rows, topk_indices.shape[1])
+        warmup.maybe_warm_up(setup.routes if setup.plans_fp8 else (), md.block_table, md.block_size, block_stride_rows,
+                             topk_indices.shape[1])
     step = getattr(md, "planned", None)
     if step is None:
         return None

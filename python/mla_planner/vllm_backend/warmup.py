@@ -31,20 +31,8 @@ from mla_planner.vllm_backend import vllm_api
 from mla_planner.vllm_backend.log import logger
 
 
-ROUTES = ("mixed_batch", "separate_prefill_decode")
-
-_routes: set[str] = set()
-
 pending = True
 """Whether the process has yet to warm up; the impl's forwards read this before anything else."""
-
-
-def expect_routes(routes: Iterable[str]) -> None:
-    """A builder's FP8 routes (those its steps may be planned on), said before any forward."""
-    unknown = set(routes) - set(ROUTES)
-    if unknown:
-        raise ValueError(f"unknown FP8 routes {sorted(unknown)}; the routes are {', '.join(ROUTES)}")
-    _routes.update(routes)
 
 
 def variants(routes: Iterable[str]) -> list[tuple[bool, int]]:
@@ -60,10 +48,12 @@ def variants(routes: Iterable[str]) -> list[tuple[bool, int]]:
     return out
 
 
-def maybe_warm_up(block_table: torch.Tensor, block_size: int, block_stride_rows: int | None, topk: int) -> None:
-    """:func:`warm_up` the expected routes' variants on the block table's device, once per
-    process; nothing off CUDA (no Triton there: the CPU tests), nothing while a graph is
-    captured (the next forward tries again)."""
+def maybe_warm_up(routes: Iterable[str], block_table: torch.Tensor, block_size: int, block_stride_rows: int | None,
+                  topk: int) -> None:
+    """:func:`warm_up` the variants of ``routes`` (the engine's FP8 routes where it plans steps,
+    none where it does not) on the block table's device, once per process; nothing off CUDA (no
+    Triton there: the CPU tests), nothing while a graph is captured (the next forward tries
+    again)."""
     global pending
     if block_table.device.type != "cuda":
         pending = False
@@ -71,7 +61,7 @@ def maybe_warm_up(block_table: torch.Tensor, block_size: int, block_stride_rows:
     if torch.cuda.is_current_stream_capturing():
         return
     pending = False
-    todo = variants(_routes)
+    todo = variants(routes)
     if not todo:
         return
     start = time.perf_counter()
@@ -80,7 +70,7 @@ def maybe_warm_up(block_table: torch.Tensor, block_size: int, block_stride_rows:
     # CUDA-graph capture's progress bar), not a stall in the middle of serving.
     logger.info("mla-planner: %d variants of vLLM's Triton index translation compiled (or loaded from Triton's "
                 "cache) in %.0f ms for routes %s", len(todo), (time.perf_counter() - start) * 1e3,
-                ", ".join(sorted(_routes)))
+                ", ".join(sorted(routes)))
 
 
 def warm_up(variants: list[tuple[bool, int]], block_table: torch.Tensor, block_size: int,
