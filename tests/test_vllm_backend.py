@@ -693,19 +693,23 @@ def test_a_launch_over_the_stock_allowance_runs_the_planned_launches(mixed: Back
     assert [tuple(x.shape) for x in mixed.provider.launch_q] == [(1, 102, 64, 576)] and mixed.kernels.decode_calls == []
 
 
-def test_tokens_the_plan_does_not_cover_run_vllms_own_code(chat: Backend, gen: torch.Generator) -> None:
+def test_tokens_the_plan_does_not_cover_run_vllms_own_code(chat: Backend, gen: torch.Generator,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
     """A layer call whose sparse tokens are not its plan's raises nothing: vLLM's own code runs
-    it, and the reason is counted."""
+    it, the reason is counted, and a debug line says so for the step log."""
     from mla_planner.vllm_backend import stock_steps
 
     case = chat.step([1, 1, 1, TOPK + 1], CHAT_CONTEXT_LENS, gen)  # every token sparse: 132
     chat.topk_buffer[:3] = case["positions"][:3]
     before = sum(stock_steps.counts.values())
-    out = forward_out(chat.impl._forward_fp8_kv_mixed_batch(case["q"][:3], case["kv_cache"], chat.topk_buffer[:3],
-                                                            case["metadata"]))
+    with caplog.at_level(logging.DEBUG, logger="vllm.mla_planner"):
+        out = forward_out(chat.impl._forward_fp8_kv_mixed_batch(case["q"][:3], case["kv_cache"], chat.topk_buffer[:3],
+                                                                case["metadata"]))
     torch.testing.assert_close(out, case["expected"][:3], rtol=1e-5, atol=1e-5)
     assert chat.kernels.decode_calls == [(1, 3, 64, 576)] and chat.provider.launch_q == []
     assert sum(stock_steps.counts.values()) == before + 1
+    assert "mla-planner layer: vLLM's own code (vLLM handed the sparse kernels other tokens than the plan's)" in [
+        r.getMessage() for r in caplog.records]
 
 
 def test_separate_decodes_next_to_a_dense_prefill_run_stocks_call(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,

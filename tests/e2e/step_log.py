@@ -42,6 +42,7 @@ logs nothing per step); every other vLLM logger stays at INFO.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import json
 import re
@@ -55,6 +56,7 @@ from typing import Any, Iterator
 PLUGIN_LOGGER = "vllm.mla_planner"
 STEP = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) .*mla-planner step: (\d+) tokens, (\d+) decode tokens, "
                   r"(\d+) prefills, (stock's code|vLLM's own code|\w+)")
+LAYER = re.compile(r"mla-planner layer: vLLM's own code \((.*)\)")  # a layer call its plan did not fit
 ITERATION = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) .*Iteration\((\d+)\): (\d+) context requests, "
                        r"(\d+) context tokens, (\d+) generation requests, (\d+) generation tokens, "
                        r"iteration elapsed time: ([\d.]+) ms(?! \(dummy\))")
@@ -164,6 +166,16 @@ def _matches(text: str, pattern: re.Pattern[str],
 def parse(text: str) -> list[Step]:
     """The plugin's step lines."""
     return [Step(at, int(m[2]), int(m[3]), int(m[4]), kind_of(m[5], int(m[4]))) for at, m in _matches(text, STEP)]
+
+
+def layer_fallbacks(text: str) -> list[str]:
+    """The report's lines on the layer calls that ran vLLM's own code, by reason (the plugin's
+    debug line for each; its warning says each reason once)."""
+    reasons = collections.Counter(m[1] for m in LAYER.finditer(text))
+    if not reasons:
+        return ["no layer call ran vLLM's own code"]
+    return [f"layer calls on vLLM's own code: {sum(reasons.values()):,}"] + [
+        f"- {reason}: {n:,}" for reason, n in reasons.most_common()]
 
 
 def parse_iterations(text: str, windows: list[Window] | None = None) -> list[Step]:
@@ -412,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     text = args.log.read_text(errors="replace")
     steps = parse_iterations(text) if args.iterations else parse(text)
-    print("\n".join(breakdown(steps, args.gap_s, before=args.iterations)))
+    lines = breakdown(steps, args.gap_s, before=args.iterations)
+    print("\n".join(lines if args.iterations else [*lines, "", *layer_fallbacks(text)]))
     return 0
 
 

@@ -714,6 +714,20 @@ def test_step_log_breakdown() -> None:
                                         "3 launches, peak 1 B, bound budget"))[0].decode_only
 
 
+def test_step_log_counts_the_layer_calls_left_to_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    reason = "vLLM handed the sparse kernels other tokens than the plan's"
+    layer = f"(EngineCore pid=7) DEBUG 12-02 02:30:00.001 [stock_steps.py:40] mla-planner layer: vLLM's own code ({reason})"
+    decode = step_line("00.000", "32 tokens, 32 decode tokens, 0 prefills, stock's code")
+    assert step_log.layer_fallbacks(decode) == ["no layer call ran vLLM's own code"]
+    log = tmp_path / "plugin.log"
+    log.write_text("\n".join([decode, layer, layer, step_line("00.005", "32 tokens, 32 decode tokens, 0 prefills, "
+                                                                       "stock's code")]) + "\n")
+    assert step_log.main(["report", str(log)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == ["layer calls on vLLM's own code: 2", f"- {reason}: 2"]
+    assert out[0].startswith("2 steps logged"), "layer lines are not steps"
+
+
 def iteration_line(ms: int, context: int, decode: int, elapsed: float, dummy: bool = False) -> str:
     """vLLM's line (LoggingStatLogger._log_iteration_details, 0.26 and 0.33) at 12-02 02:30:00 + ms."""
     return (f"(APIServer pid=5) INFO 12-02 02:30:{ms // 1000:02d}.{ms % 1000:03d} [loggers.py:181] Engine 000: "

@@ -32,4 +32,6 @@ def layer_ran_stock(reason: str, detail: str) -> None:
     """A layer call whose inputs are not its step's plan's: vLLM's own code runs it."""
     counts[reason] += 1
     if counts[reason] == 1:
-        logger.warning("mla-planner: a layer call runs vLLM's own code: %s: %s (said once per reason)", reason, detail)
+        logger.warning("mla-planner: a layer call runs vLLM's own code: %s: %s (said once per reason; the step log "
+                       "counts them)", reason, detail)
+    logger.debug("mla-planner layer: vLLM's own code (%s)", reason)
