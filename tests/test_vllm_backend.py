@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import logging
 import pathlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -1103,7 +1103,7 @@ def test_the_first_fp8_forward_warms_up_once(mixed: Backend, gen: torch.Generato
 
     calls: list[tuple[tuple[str, ...], int, int, int | None, int]] = []
 
-    def recording(routes: Iterable[str], block_table: torch.Tensor, block_size: int, block_stride_rows: int | None,
+    def recording(routes: Collection[str], block_table: torch.Tensor, block_size: int, block_stride_rows: int | None,
                   topk: int) -> None:
         calls.append((tuple(routes), block_table.shape[1], block_size, block_stride_rows, topk))
         warmup.pending = False

@@ -23,7 +23,7 @@ graph capture, which would record the warm-up into the graph.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 
@@ -48,7 +48,7 @@ def variants(routes: Iterable[str]) -> list[tuple[bool, int]]:
     return out
 
 
-def maybe_warm_up(routes: Iterable[str], block_table: torch.Tensor, block_size: int, block_stride_rows: int | None,
+def maybe_warm_up(routes: Collection[str], block_table: torch.Tensor, block_size: int, block_stride_rows: int | None,
                   topk: int) -> None:
     """:func:`warm_up` the variants of ``routes`` (the engine's FP8 routes where it plans steps,
     none where it does not) on the block table's device, once per process; nothing off CUDA (no
