@@ -261,7 +261,7 @@ def test_passes_vllm_configuration_checks(kv_cache_dtype: str, capability: tuple
 VERSIONED = ("triton_convert_req_index_to_global_index", "get_prefill_workspace_size", "prefill_bf16_workspace",
              "_build_fp8_mixed_decode_prefill", "_fp8_kv_pages", "workspace_specs", "current_workspace_manager",
              "get_simultaneous", "QUANTIZED_DS_MLA_CACHE_FORMATS",
-             # 0.33's masked-MHA prefill: masked_mha.py, which 0.26 never imports.
+             # 0.33's masked-MHA prefill (masked_mha.py plans it; vllm_api holds what it asks of vLLM).
              "topk_mask_workspace", "_use_masked_mha", "_masked_mha_workspace_fits", "SparseMLAPrefillMetadata")
 
 
@@ -269,9 +269,9 @@ def test_only_the_seam_names_what_differs_between_vllm_versions() -> None:
     import ast
     import inspect
 
-    from mla_planner.vllm_backend import backend, engine, log, plugin, settings, stock_steps, warmup
+    from mla_planner.vllm_backend import backend, engine, log, masked_mha, plugin, settings, stock_steps, warmup
 
-    for module in (backend, engine, log, plugin, settings, reservation, stock_steps, warmup):
+    for module in (backend, engine, log, masked_mha, plugin, settings, reservation, stock_steps, warmup):
         names = {node.attr if isinstance(node, ast.Attribute) else node.id
                  for node in ast.walk(ast.parse(inspect.getsource(module)))
                  if isinstance(node, (ast.Attribute, ast.Name))}
@@ -282,28 +282,17 @@ def test_only_the_seam_names_what_differs_between_vllm_versions() -> None:
 
 def test_only_the_seam_imports_vllm() -> None:
     """vllm_api is the one module that knows vLLM's internals (the plugin registers with vLLM's
-    registry, and masked_mha is 0.33's layer glue, imported on 0.33 only)."""
+    registry)."""
     import ast
     import inspect
 
-    from mla_planner.vllm_backend import backend, engine, log, reservation, settings, stock_steps, warmup
+    from mla_planner.vllm_backend import backend, engine, log, masked_mha, reservation, settings, stock_steps, warmup
 
-    for module in (backend, engine, log, settings, reservation, stock_steps, warmup):
+    for module in (backend, engine, log, masked_mha, settings, reservation, stock_steps, warmup):
         tree = ast.parse(inspect.getsource(module))
         imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         assert not {name for name in imported if name == "vllm" or name.startswith("vllm.")}, module.__name__
-
-
-def test_masked_mha_module_is_imported_on_vllm_033_only() -> None:
-    """0.26 has no masked-MHA prefill: the backend must not import the module that handles it."""
-    import sys
-
-    from mla_planner.vllm_backend import backend, vllm_api
-
-    assert backend.PlannedFlashMLASparseImpl is not None
-    assert vllm_api.MASKED_MHA == vllm_api.V033
-    assert ("mla_planner.vllm_backend.masked_mha" in sys.modules) == vllm_api.V033
 
 
 def test_seam_follows_the_installed_vllm(tmp_path: pathlib.Path) -> None:
@@ -314,7 +303,7 @@ def test_seam_follows_the_installed_vllm(tmp_path: pathlib.Path) -> None:
     installed = importlib.metadata.version("vllm")
     assert vllm_api.VLLM_VERSION == installed and installed.startswith(vllm_api.MINOR + ".")
     assert vllm_api.V033 == installed.startswith("0.33.")
-    assert vllm_api.FORWARD_RETURNS_LSE == vllm_api.STOCK_WORKSPACE == vllm_api.V033
+    assert vllm_api.FORWARD_RETURNS_LSE == vllm_api.STOCK_WORKSPACE == vllm_api.MASKED_MHA == vllm_api.V033
     # vLLM's own gather-workspace rows: 5 x max_model_len by default in both versions.
     config = vllm_config(model_dir(tmp_path, num_heads=16, topk=TOPK), max_model_len=4096)
     assert vllm_api.prefill_workspace_rows(config) == 5 * 4096

@@ -387,7 +387,7 @@ def test_when_the_long_prompt_fits_alone_nothing_is_left_on_sparse_mqa(engine_fa
     # Every masked group passes vLLM's own fit test on the metadata the builder made for it.
     for run in partial.runs:
         if run.path == "masked_mha":
-            assert masked_mha.stock_fits(run.metadata.prefill)
+            assert vllm_api.masked_mha_set_fits(run.metadata.prefill)
 
 
 def test_a_step_whose_masks_fit_runs_as_stock(engine_factory: Any, gen: torch.Generator) -> None:

@@ -39,7 +39,7 @@ from mla_planner import routing
 from mla_planner.executor.mixed_batch import Launches, MixedBatchExecutor
 from mla_planner.executor.providers import KernelProvider, VllmProvider
 from mla_planner.executor.separate import Buffers, SeparateExecutor, SeparateLaunches
-from mla_planner.vllm_backend import engine, log, reservation, stock_steps, vllm_api, warmup
+from mla_planner.vllm_backend import engine, log, masked_mha, reservation, stock_steps, vllm_api, warmup
 from mla_planner.vllm_backend.log import logger
 from mla_planner.vllm_backend.vllm_api import (
     CommonAttentionMetadata,
@@ -48,9 +48,6 @@ from mla_planner.vllm_backend.vllm_api import (
     FlashMLASparseMetadata,
     FlashMLASparseMetadataBuilder,
 )
-
-if vllm_api.MASKED_MHA:  # vLLM 0.33's masked-MHA prefill; 0.26 has none and never imports it
-    from mla_planner.vllm_backend import masked_mha
 
 
 FP8_KV = vllm_api.PLANNED_KV
@@ -237,7 +234,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
 
     mla_layer: Any = None
     """vLLM 0.33, masked MHA: the ``MLAAttention`` layer of this impl, found when a step first
-    runs prefills on sparse MQA inside ``forward_mha`` (:func:`.masked_mha.attention_layer`)."""
+    runs prefills on sparse MQA inside ``forward_mha`` (:func:`.vllm_api.attention_layer`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         FlashMLASparseImpl.__init__(self, *args, **kwargs)

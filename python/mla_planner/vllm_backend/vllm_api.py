@@ -26,8 +26,9 @@ What differs (0.33.0 wheel, ``F`` = ``vllm/v1/attention/backends/mla/flashmla_sp
   unpadded in 0.33's build (:data:`NATIVE_PREFILL_KERNELS`); 0.26's runs 64 and 128 only;
 * masked-MHA prefill (SM100, FA4, a non-quantized KV cache): the layer asks the impl's
   ``masked_mha_workspace_fits`` and runs the prefills through its ``forward_mha``
-  (mla_attention.py:990-1000, 1215-1240); 0.26 has none. The backend's part, in
-  :mod:`.masked_mha`, is imported on 0.33 only (:data:`MASKED_MHA`).
+  (mla_attention.py:990-1000, 1215-1240); 0.26 has none. The backend plans and runs it in
+  :mod:`.masked_mha`, called on 0.33 only (:data:`MASKED_MHA`); what that asks of vLLM's layer
+  and metadata is at the end of this module.
 """
 
 from __future__ import annotations
@@ -318,3 +319,149 @@ def workspace_views(impl: Any) -> WorkspaceViews:
         return WorkspaceViews(views[layout.gather], views[layout.q_padded], views[layout.padded_out],
                               views[layout.compact_out])
     return WorkspaceViews(getattr(impl, "prefill_bf16_workspace", None))
+
+
+# -- masked-MHA prefill (0.33 only; see .masked_mha) ----------------------------------------------
+# ``L`` = vllm/model_executor/layers/attention/mla_attention.py, ``S`` =
+# vllm/model_executor/layers/attention/sparse_mla_attention.py (0.33.0). Neither has these members
+# on 0.26, which never calls what follows (``MASKED_MHA``).
+
+
+def _layer_modules() -> tuple[Any, Any]:
+    """0.33's MLA layer module and its sparse-MLA part, Any-typed (mypy also reads 0.26)."""
+    import importlib
+
+    return (importlib.import_module("vllm.model_executor.layers.attention.mla_attention"),
+            importlib.import_module("vllm.model_executor.layers.attention.sparse_mla_attention"))
+
+
+def layer_takes_masked_mha(builder: Any, metadata: Any) -> bool:
+    """``MLAAttention._use_sparse_mha``'s masked-MHA clause for this step (L:1215-1240), all but its
+    last test (the workspace fit), from the builder's side: masked MHA available (the builder's
+    mask workspace exists), no HiSparse, no DCP, not forced to MQA, not dense MHA already, and
+    vLLM's speed table (``_use_masked_mha``, L:1872) choosing it for the step's longest query and
+    sequence. The backend reports ``FLASHMLA_SPARSE``'s name, as the layer asks it."""
+    prefill = metadata.prefill
+    config = builder.vllm_config
+    attention = config.attention_config
+    if (prefill is None or getattr(builder, "topk_mask_workspace", None) is None or prefill.use_dense_mha
+            or attention.hisparse_config is not None or attention.sparse_mla_force_mqa
+            or builder.dcp_world_size > 1):
+        return False
+    mla, _sparse = _layer_modules()
+    dims = builder.mla_dims
+    return bool(mla._use_masked_mha(
+        backend_name=FlashMLASparseBackend.get_name(),
+        tensor_parallel_size=config.parallel_config.tensor_parallel_size,
+        qk_head_dim=dims.qk_nope_head_dim + dims.qk_rope_head_dim,
+        v_head_dim=dims.v_head_dim,
+        query_len=prefill.max_query_len,
+        seq_len=metadata.prefill_max_seq_len,
+        has_context=prefill.chunked_context is not None,
+    ))
+
+
+def masked_mha_set_fits(prefill: Any) -> bool:
+    """vLLM's whole-set fit test (``masked_mha_workspace_fits``, S:896-919) without its warning that
+    the step falls back to sparse MQA (the backend may not)."""
+    _mla, sparse = _layer_modules()
+    chunked = prefill.chunked_context
+    return bool(sparse._masked_mha_workspace_fits(
+        batch_size=len(prefill.query_lens_cpu),
+        max_query_len=prefill.max_query_len,
+        max_context_chunk_seq_len=0 if chunked is None else max(chunk.max_seq_len for chunk in chunked.chunks),
+        workspace_numel=prefill.topk_mask_workspace.numel(),
+    ))
+
+
+def stock_masked_mha_workspace_fits(prefill: Any) -> bool:
+    """Stock's impl's answer to the layer's fit question, warning included."""
+    return bool(stock.FlashMLASparseImpl.masked_mha_workspace_fits(prefill))
+
+
+def topk_mask_workspace_bytes(prefill: Any) -> int:
+    """Bytes of the builder's top-k mask workspace (128 MiB: ``GLOBAL_TOPK_MASK_MAX_BYTES``, S:67)."""
+    workspace = prefill.topk_mask_workspace
+    return int(workspace.numel() * workspace.element_size())
+
+
+def clone_prefill_backend(builder: Any) -> Any:
+    """A fresh dense prefill backend like the builder's (vLLM's own ``clone()``): one holds one
+    prepared set of prefills."""
+    return builder._prefill_backend.clone()
+
+
+def prefill_metadata_of(builder: Any, metadata: Any, common: Any, r0: int, r1: int, backend: Any) -> Any:
+    """Prefill metadata for the step's prefills ``[r0, r1)`` alone, as stock's ``build`` makes it
+    for a step whose prefills they are (S:398-418): their block table and query starts, their
+    chunked context by the builder's own method, and for a dense group ``backend``, prepared for
+    them (``None``: masked MHA, which uses none)."""
+    _mla, sparse = _layer_modules()
+    prefill = metadata.prefill
+    query_lens = prefill.query_lens_cpu[r0:r1]
+    group = sparse.SparseMLAPrefillMetadata(
+        block_table=prefill.block_table[r0:r1],
+        query_start_loc=prefill.query_start_loc[r0 : r1 + 1] - prefill.query_start_loc[r0],
+        max_query_len=int(query_lens.max()),
+        query_lens_cpu=query_lens,
+        chunked_context=builder._build_chunked_context_fields(common, metadata.num_decodes + r0, r1 - r0, query_lens),
+        q_data_type=prefill.q_data_type,
+        output_dtype=prefill.output_dtype,
+        prefill_backend=backend,
+        use_dense_mha=backend is not None,
+        topk_mask_workspace=prefill.topk_mask_workspace,
+    )
+    if backend is not None:
+        backend.prepare_metadata(group)
+    return group
+
+
+def attention_layer(impl: Any) -> Any:
+    """The ``MLAAttention`` layer whose impl ``impl`` is, found once in the forward context's layers
+    (vLLM's ``static_forward_context``, where every layer registers itself): its absorbed weights
+    run sparse-MQA rows, as they do in the layer's own decode path."""
+    layer = impl.mla_layer
+    if layer is None:
+        from vllm.forward_context import get_forward_context
+
+        found = [layer for layer in get_forward_context().no_compile_layers.values()
+                 if getattr(layer, "impl", None) is impl]
+        if len(found) != 1:
+            raise RuntimeError(f"mla-planner: {len(found)} layers have this impl in vLLM's forward context, not one")
+        layer = impl.mla_layer = found[0]
+        # The decode path below is the layer's for a BF16 cache on CUDA: no head padding, no
+        # ROCm or CPU weight kernels (masked MHA runs on SM100 only).
+        unsupported = [name for name in ("q_pad_num_heads", "is_aiter_triton_fp4_bmm_enabled",
+                                         "is_aiter_triton_fp8_bmm_enabled", "is_amx_bmm_enabled")
+                       if getattr(layer, name, None)]
+        if unsupported:
+            raise RuntimeError(f"mla-planner: masked MHA's sparse-MQA rows do not support the layer's {unsupported}")
+    return layer
+
+
+def sparse_mqa_rows(impl: Any, q: torch.Tensor, kv_cache: torch.Tensor, topk_rows: slice, metadata: Any,
+                    out: torch.Tensor) -> None:
+    """Prefill rows on sparse MQA, as the layer runs every token of a step whose masks do not fit:
+    q absorbed by ``W_UK_T`` (L:1104-1105), concatenated with its rope part in the impl's
+    ``q_concat`` workspace (``FlashMLASparseImpl.forward_mqa``'s BF16 branch), stock's BF16 sparse
+    kernel call on the rows' ``topk_rows`` of the top-k buffer under ``metadata``, and the ``W_UV``
+    up-projection into ``out`` (``_v_up_proj``)."""
+    from vllm import _custom_ops as ops
+
+    layer = attention_layer(impl)
+    n, heads = q.shape[0], impl.num_heads
+    q_nope, q_pe = torch.split(q, [impl.qk_nope_head_dim, impl.qk_rope_head_dim], dim=-1)
+    ql_nope = q_nope.new_empty((n, heads, impl.kv_lora_rank))
+    torch.bmm(q_nope.transpose(0, 1), layer.W_UK_T, out=ql_nope.transpose(0, 1))
+    q_concat = workspace_views(impl).q_concat
+    assert q_concat is not None
+    q_mqa = q_concat[:n]
+    if q_pe.shape[-1] == 0:  # NoPE: no rope part to concatenate (stock's branch)
+        q_mqa[:, :heads, : impl.kv_lora_rank].copy_(ql_nope)
+        if impl.q_head_size > impl.kv_lora_rank:
+            q_mqa[..., impl.kv_lora_rank :].zero_()
+    else:
+        ops.concat_mla_q(ql_nope, q_pe, q_mqa)
+    topk = impl.topk_indices_buffer[topk_rows]
+    attn_out, _lse = impl._forward_bf16_kv(q_mqa, kv_cache, topk, metadata, heads)
+    layer._v_up_proj(attn_out, out=out)
