@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="the backend tests need vLLM 0.26.0 (pip inst
 import mla_planner  # noqa: E402
 from mla_planner.executor.quant import quantize_fp8_ds_mla  # noqa: E402
 from mla_planner.cli.synthetic import random_kv_rows  # noqa: E402
-from mla_planner.vllm_backend import reservation  # noqa: E402
+from mla_planner.vllm_backend import reservation, vllm_api  # noqa: E402
 from mla_planner.vllm_backend.settings import DEFAULT_SCRATCH_MB, SettingsError, read_settings  # noqa: E402
 from fixtures import gen  # noqa: E402, F401  (a pytest fixture)
 from vllm_cpu import (  # noqa: E402
@@ -412,6 +412,25 @@ def separate(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
 # Decodes first, then prefills with and without context: about 900 tokens.
 QUERY_LENS = [1, 1, 1, 350, 520]
 CONTEXT_LENS = [70, 200, 5, 0, 130]
+
+
+def test_the_impl_names_its_backend_for_the_mtp_draft_at_construction(tmp_path: pathlib.Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target model's impls are built before vLLM builds the MTP draft's config: the impl is
+    where the draft is given this backend (vllm_api.draft_runs_target_backend, held against vLLM's
+    own draft configs in tests/e2e/test_matrix.py)."""
+    asked: list[Any] = []
+
+    def record(config: Any) -> bool:
+        asked.append(config)
+        return False
+
+    monkeypatch.setattr(vllm_api, "draft_runs_target_backend", record)
+    backend = Backend(tmp_path, monkeypatch, num_heads=16)
+    try:
+        assert asked and all(config is backend.config for config in asked)
+    finally:
+        backend.close()
 
 
 def test_builder_attaches_the_planned_mixed_batch(mixed: Backend, gen: torch.Generator) -> None:

@@ -143,6 +143,9 @@ except ImportError:
     from vllm.entrypoints.common.cli_args import make_arg_parser  # 0.33
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+from types import SimpleNamespace
+from mla_planner.vllm_backend.vllm_api import draft_runs_target_backend
 out = {}
 for config in md.DESIGN:
     model = md.model_source(config, Path(sys.argv[2]))
@@ -161,6 +164,13 @@ for config in md.DESIGN:
                 chunked=vc.scheduler_config.enable_chunked_prefill, mnbt=vc.scheduler_config.max_num_batched_tokens,
                 prefix=vc.cache_config.enable_prefix_caching, kv=vc.cache_config.cache_dtype,
                 max_model_len=vc.model_config.max_model_len)
+            if sc:  # the draft's attention backend as vLLM's model runners build it, after the plugin's start-up
+                got.update(draft_named=draft_runs_target_backend(vc), draft_v1=str(
+                    SpecDecodeBaseProposer._create_draft_vllm_config(SimpleNamespace(speculative_config=sc,
+                                                                                     vllm_config=vc))
+                    .attention_config.backend))
+                if hasattr(sc, "apply_draft_overrides"):  # 0.33's V2 runner
+                    got.update(draft_v2=str(sc.apply_draft_overrides(vc).attention_config.backend))
         out[config.name + "-" + engine] = got
 print("RESULT " + json.dumps(out, default=str))
 """
@@ -184,6 +194,11 @@ def test_command_lines_parse_and_build_vllms_engine_config(tmp_path: Path) -> No
         assert plugin["spec_tokens"] == c.mtp and (plugin["draft"] is None) is (c.mtp == 0)
         assert plugin["chunked"] is c.chunked_prefill and plugin["prefix"] is c.prefix_caching
         assert plugin["mnbt"] == md.mnbt(c) and plugin["max_model_len"] == 70000 and plugin["kv"] == "fp8_ds_mla"
+        if c.mtp:
+            # vLLM's V1 model runner (0.26's) gives the MTP draft an autoselected backend (stock's)
+            # unless the speculative config names one: the plugin's start-up names its own.
+            assert plugin["draft_named"] is True and plugin["draft_v1"].endswith("CUSTOM"), plugin
+            assert plugin.get("draft_v2", "CUSTOM").endswith("CUSTOM"), plugin
 
 
 # --- what a log says --------------------------------------------------------------------------------

@@ -248,6 +248,9 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         if not setup.plans_fp8:  # vLLM keeps its own route: stock's code, nothing reserved
             return
         self.engine = setup
+        if vllm_api.draft_runs_target_backend(vllm_config):
+            log.once(logging.INFO, "mla-planner: the MTP draft model's attention runs this backend too (the speculative "
+                                   "config names none; vLLM's V1 model runner would give it stock FLASHMLA_SPARSE)")
         provider = kernel_provider()
         self.mixed = MixedBatchExecutor(provider, self.engine.config)
         self.separate = SeparateExecutor(provider, self.engine.config)

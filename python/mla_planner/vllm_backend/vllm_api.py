@@ -228,6 +228,24 @@ def decode_threshold(vllm_config: VllmConfig, num_heads: int, arch: str) -> int:
     return max(threshold, 1 + (2 if spec.parallel_drafting else 1) * spec.num_speculative_tokens)
 
 
+def draft_runs_target_backend(vllm_config: VllmConfig) -> bool:
+    """Name the target's attention backend (this one) as the MTP draft model's where the
+    speculative config names none, before the draft is built; whether it did. vLLM's V1 model
+    runner (0.26's; 0.33's where its V2 runner is off) never lets the draft inherit
+    ``--attention-backend`` (``SpecDecodeBaseProposer._create_draft_vllm_config``, "Never inherit
+    the attention backend from base"): the draft's MTP layer autoselects stock FLASHMLA_SPARSE and
+    runs every prompt token of a step through the sparse decode kernel unplanned. 0.33's V2 runner
+    keeps the target's backend unless one is named (``SpeculativeConfig.apply_draft_overrides``):
+    there, naming it changes nothing. Other speculative methods' drafts are not this model: left
+    to vLLM."""
+    spec = vllm_config.speculative_config
+    target = vllm_config.attention_config.backend
+    if spec is None or spec.method != "mtp" or spec.attention_backend is not None or target is None:
+        return False
+    spec.attention_backend = target
+    return True
+
+
 def uniform_decode_len(vllm_config: VllmConfig) -> int:
     """The query tokens of each request of a decode step: 1 + the speculative tokens."""
     spec = vllm_config.speculative_config
