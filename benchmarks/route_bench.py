@@ -90,7 +90,7 @@ class Step:
         return self._q_padded[kernel_heads]
 
     def mixed(self, plan: mla_planner.StepPlan, kernel_heads: int) -> Callable[[], torch.Tensor]:
-        launches = [(int(a), int(b)) for a, b in plan.launches[:, :2].tolist()]
+        launches = [(launch.tokens.start, launch.tokens.stop) for launch in plan]
         schedules = {b - a: self.provider.new_decode_schedule() for a, b in launches}
         q_padded = self.q_padded(kernel_heads)
 
@@ -104,7 +104,7 @@ class Step:
         return run
 
     def separate(self, plan: mla_planner.StepPlan, kernel_heads: int) -> Callable[[], torch.Tensor]:
-        launches = [(int(a), int(b)) for a, b in plan.launches[:, :2].tolist()]
+        launches = [(launch.tokens.start, launch.tokens.stop) for launch in plan]
         positions = self.case.indices.unsqueeze(1)  # one request from row 0: positions are rows
         q_padded = self.q_padded(kernel_heads)
 

@@ -253,6 +253,28 @@ def test_plan_step_separate() -> None:
     assert plan.gather_workspace_bytes == mp.gather_workspace_bytes(40_000)
 
 
+@pytest.mark.parametrize("heads", [16, 64])  # the mixed route, the separate one
+def test_a_plan_iterates_as_typed_launches(heads: int) -> None:
+    """What the executors walk: one frozen Launch per row of the plan's arrays, in order."""
+    config = mp.StepConfig(heads, scratch_budget_bytes=GIB // 4, max_model_len=70_000, gather_workspace_rows=350_000,
+                           indexer_workspace_rows=10**7, execution="vllm")
+    plan = mp.plan_step([2, 2, 0, 40_000], [10, 20, 0, 100], 3, config)
+    launches = list(plan)
+    assert len(launches) == len(plan) > 2 and all(isinstance(launch, mp.Launch) for launch in launches)
+    for i, (launch, row) in enumerate(zip(launches, plan.launches.tolist())):
+        assert (launch.tokens, launch.requests) == (slice(row[0], row[1]), slice(row[2], row[3]))
+        assert launch.gather_chunk == (None if row[4] < 0 else row[4])
+        assert launch.kernel == plan.launch_kernels[i] and launch.bytes == plan.launch_bytes[i]
+        assert launch.scratch.buffers == plan.launch_scratch(i).buffers
+    assert [launch.tokens.start for launch in launches[1:]] == [launch.tokens.stop for launch in launches[:-1]]
+    assert launches[-1].tokens.stop == plan.num_tokens == 40_004
+    kernels = {launch.kernel for launch in launches}
+    assert kernels == ({"sparse_decode"} if heads == 16 else {"sparse_decode", "sparse_prefill"})
+    with pytest.raises(AttributeError):
+        launches[0].bytes = 0  # type: ignore[misc]
+    assert "Launch(kernel=" in repr(launches[0])
+
+
 @pytest.mark.parametrize("execution", ["default", "vllm"])
 @pytest.mark.parametrize("mode", ["mixed_batch", "separate_prefill_decode"])
 def test_launch_scratch_is_what_each_launch_holds(mode: str, execution: Literal["default", "vllm"]) -> None:

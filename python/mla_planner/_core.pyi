@@ -1,5 +1,6 @@
 # Type stubs for the compiled module (rust/bindings/src/). Hand-written;
 # checked by mypy against the tests and the package.
+from collections.abc import Iterator
 from typing import Literal
 
 import numpy as np
@@ -167,6 +168,27 @@ class PrefillGroups:
     def mask_bytes(self) -> IntArray: ...
     def __len__(self) -> int: ...
 
+class Launch:
+    """One kernel call of a plan, as the executor issues it (iterate a :class:`StepPlan`)."""
+    @property
+    def kernel(self) -> Kernel: ...
+    @property
+    def tokens(self) -> slice:
+        """The step's query tokens it computes: its rows of q and of the output."""
+    @property
+    def requests(self) -> slice:
+        """The step's requests whose tokens it computes."""
+    @property
+    def gather_chunk(self) -> int | None:
+        """Separate route, prefill launches: the gather chunk whose workspace it reads (a row of
+        ``StepPlan.gather_chunks``); ``None`` for others."""
+    @property
+    def bytes(self) -> int:
+        """The bytes live while it runs."""
+    @property
+    def scratch(self) -> Scratch:
+        """Those bytes by buffer (as ``StepPlan.launch_scratch``)."""
+
 class StepPlan:
     @property
     def mode(self) -> Literal["mixed_batch", "separate_prefill_decode", "bf16"]: ...
@@ -214,6 +236,8 @@ class StepPlan:
         """The prefill launches write straight into the step's output."""
     def longest_launch(self, kernel: Kernel) -> int: ...
     def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[Launch]:
+        """Its launches, in order."""
 
 def decode_scratch(
     batch: int,

@@ -180,12 +180,14 @@ def planned_launches(step: Step, p: StepPlan) -> list[LaunchRow]:
     those the step shares across launches, sized for the longest)."""
     mixed = p.mode == "mixed_batch"
     launches = []
-    for i, ((t0, t1, r0, r1, _chunk), kernel) in enumerate(zip(p.launches.tolist(), p.launch_kernels)):
-        if kernel == "sparse_decode" and not mixed:  # a batch of decode requests
-            batch, s_q = r1 - r0, max(step.query_lens[: step.num_decodes])
+    for launch in p:
+        tokens, requests = launch.tokens, launch.requests
+        if launch.kernel == "sparse_decode" and not mixed:  # a batch of decode requests
+            batch, s_q = requests.stop - requests.start, max(step.query_lens[: step.num_decodes])
         else:  # one run of tokens
-            batch, s_q = 1, t1 - t0
-        launches.append(LaunchRow(kernel, (t0, t1), (r0, r1), batch, s_q, p.launch_scratch(i)))
+            batch, s_q = 1, tokens.stop - tokens.start
+        launches.append(LaunchRow(launch.kernel, (tokens.start, tokens.stop), (requests.start, requests.stop), batch,
+                                  s_q, launch.scratch))
     return launches
 
 

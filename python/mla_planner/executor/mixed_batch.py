@@ -29,8 +29,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 import mla_planner
@@ -39,13 +37,6 @@ from mla_planner.executor.providers import KernelProvider
 
 IndexSource = torch.Tensor | Callable[[slice], torch.Tensor]
 """Top-k cache slots ``(T, topk)`` int32, or a function giving a launch's rows of them."""
-
-
-def decode_launches(plan: mla_planner.StepPlan) -> npt.NDArray[np.int64]:
-    """``(n, 2)`` token ranges of a mixed-batch plan's launches, in order."""
-    if plan.mode != "mixed_batch":
-        raise ValueError(f"a mixed-batch executor runs mixed_batch plans, got a {plan.mode} plan")
-    return plan.launches[:, :2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +50,9 @@ class Launches:
 
     @classmethod
     def of(cls, plan: mla_planner.StepPlan) -> Launches:
-        ranges = decode_launches(plan).tolist()
-        return cls(tuple(slice(start, end) for start, end in ranges), plan.longest_launch("sparse_decode"))
+        if plan.mode != "mixed_batch":
+            raise ValueError(f"a mixed-batch executor runs mixed_batch plans, got a {plan.mode} plan")
+        return cls(tuple(launch.tokens for launch in plan), plan.longest_launch("sparse_decode"))
 
     @property
     def covered(self) -> tuple[int, int]:

@@ -66,11 +66,13 @@ class SeparateLaunches:
             raise ValueError(f"a separate-route executor runs separate_prefill_decode plans, got a {plan.mode} plan")
         s_q = plan.decode_query_len
         decodes, prefills = [], []
-        for (t0, t1, _r0, _r1, chunk), kernel in zip(plan.launches.tolist(), plan.launch_kernels):
-            if kernel == "sparse_decode":
-                decodes.append((slice(t0, t1), (t1 - t0) // s_q))
+        for launch in plan:
+            rows = launch.tokens
+            if launch.kernel == "sparse_decode":
+                decodes.append((rows, (rows.stop - rows.start) // s_q))
             else:
-                prefills.append((slice(t0, t1), chunk))
+                assert launch.gather_chunk is not None, "a separate-route prefill launch reads a gather chunk"
+                prefills.append((rows, launch.gather_chunk))
         return cls(tuple(decodes), tuple(prefills), s_q, plan.longest_launch("sparse_decode"),
                    plan.longest_launch("sparse_prefill"), plan.prefill_heads, plan.prefill_writes_in_place)
 

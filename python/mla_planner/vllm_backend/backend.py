@@ -66,13 +66,15 @@ class PlannedStep:
         self.plan = plan
         self.schedules: dict[Any, Any] = {}
         """FlashMLA schedules by launch shape, filled by the first layer and reused by the rest."""
-        ends = plan.launches[:, 1]
-        self.sparse_tokens = int(ends[-1]) if len(ends) else 0
+        launches = list(plan)
+        self.sparse_tokens = launches[-1].tokens.stop if launches else 0
         """The tokens the launches cover, in order from 0: those vLLM hands the sparse kernels."""
         # Stock pads the prefill kernel's q as vLLM does: a plan made for native prefill heads is
         # not its call, whatever its length.
-        stock_heads = "sparse_prefill" not in plan.launch_kernels or plan.prefill_heads == config.prefill_padded_heads
-        self.stock_call_bytes = int(plan.launch_bytes[0]) if len(ends) == 1 and stock_heads else None
+        one = launches[0] if len(launches) == 1 else None
+        stock_call = one is not None and (one.kernel != "sparse_prefill"
+                                          or plan.prefill_heads == config.prefill_padded_heads)
+        self.stock_call_bytes = one.bytes if one is not None and stock_call else None
         """A plan of one launch is the one kernel call stock's forward makes for the step (and its
         gather, on the separate route): the bytes the plan counts for it. ``None`` otherwise."""
 

@@ -5,6 +5,8 @@ use mla_planner::step::{self, Kernel};
 use numpy::{PyArray1, PyArray2};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::type_object::PyTypeInfo;
+use pyo3::types::{PyIterator, PyList, PySlice};
 
 use crate::config::StepConfig;
 use mla_planner::geometry::KvDtype;
@@ -16,6 +18,7 @@ use crate::scratch::Scratch;
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_DECODE_QUERY_LEN", mla_planner::step::MAX_DECODE_QUERY_LEN)?;
     m.add_class::<StepPlan>()?;
+    m.add_class::<Launch>()?;
     m.add_function(wrap_pyfunction!(plan_step, m)?)?;
     m.add_function(wrap_pyfunction!(step_mode, m)?)?;
     Ok(())
@@ -107,6 +110,72 @@ fn request_ranges(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<std::ops::
             Ok(at(r[0])?..at(r[1])?)
         })
         .collect()
+}
+
+/// One kernel call of a plan, as the executor issues it (iterate a
+/// `StepPlan` for them, in order).
+#[pyclass(frozen, module = "mla_planner._core")]
+pub(crate) struct Launch {
+    inner: step::KernelLaunch,
+}
+
+/// `slice(start, end)`, as Python writes it (no step).
+fn range_slice<'py>(py: Python<'py>, start: u64, end: u64) -> PyResult<Bound<'py, PySlice>> {
+    Ok(PySlice::type_object(py).call1((start, end))?.cast_into::<PySlice>()?)
+}
+
+#[pymethods]
+impl Launch {
+    /// "sparse_decode" or "sparse_prefill".
+    #[getter]
+    fn kernel(&self) -> &'static str {
+        self.inner.kernel.name()
+    }
+
+    /// The step's query tokens it computes: its rows of q and of the output.
+    #[getter]
+    fn tokens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PySlice>> {
+        range_slice(py, self.inner.tokens.start, self.inner.tokens.end)
+    }
+
+    /// The step's requests whose tokens it computes.
+    #[getter]
+    fn requests<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PySlice>> {
+        range_slice(py, self.inner.requests.start as u64, self.inner.requests.end as u64)
+    }
+
+    /// Separate route, prefill launches: the gather chunk whose workspace it
+    /// reads (an index into `StepPlan.gather_chunks`); `None` for others.
+    #[getter]
+    fn gather_chunk(&self) -> Option<usize> {
+        self.inner.gather_chunk
+    }
+
+    /// The bytes live while it runs.
+    #[getter]
+    fn bytes(&self) -> u64 {
+        self.inner.bytes
+    }
+
+    /// Those bytes by buffer (as `StepPlan.launch_scratch`).
+    #[getter]
+    fn scratch(&self) -> Scratch {
+        self.inner.buffers.clone().into()
+    }
+
+    fn __repr__(&self) -> String {
+        let l = &self.inner;
+        format!(
+            "Launch(kernel={:?}, tokens=slice({}, {}), requests=slice({}, {}), gather_chunk={}, bytes={})",
+            l.kernel.name(),
+            l.tokens.start,
+            l.tokens.end,
+            l.requests.start,
+            l.requests.end,
+            l.gather_chunk.map_or("None".to_string(), |g| g.to_string()),
+            l.bytes
+        )
+    }
 }
 
 /// A planned scheduler step.
@@ -256,6 +325,12 @@ impl StepPlan {
 
     fn __len__(&self) -> usize {
         self.inner.launches.len()
+    }
+
+    /// Its launches, in order, as `Launch` objects.
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyIterator>> {
+        let launches: Vec<Launch> = self.inner.launches.iter().map(|l| Launch { inner: l.clone() }).collect();
+        PyList::new(py, launches)?.try_iter()
     }
 
     fn __repr__(&self) -> String {
