@@ -435,6 +435,27 @@ def test_a_step_the_groups_cannot_plan_runs_as_stock(engine_factory: Any, gen: t
     close_to(out, case["expected"])
 
 
+def test_a_layer_whose_sparse_mqa_path_differs_keeps_stocks_step(engine_factory: Any, gen: torch.Generator) -> None:
+    """The layer pads its heads (a weight path the sparse-MQA rows do not take): the builder plans
+    no group for it, counted once, and the layer runs stock's all-sparse-MQA step; nothing raises
+    in the forward."""
+    from mla_planner.vllm_backend import masked_mha, stock_steps
+
+    engine = engine_factory(P1_OUT)
+    engine.ours.q_pad_num_heads = 64
+    reason = "the step's masked-MHA groups could not be planned (ValueError)"
+    before = stock_steps.counts[reason]
+    case = engine.step(gen)
+    ours_md, _stock = case["metadata"]
+    assert stock_steps.counts[reason] == before + 1
+    assert masked_mha.plan_of(ours_md.prefill) is None
+    engine.ours.q_pad_num_heads = None  # the CPU stand-ins run the unpadded path only
+    out = engine.forward(engine.ours, case, ours_md)
+    assert engine.fa4.calls == [] and engine.dense_calls == []
+    assert engine.kernels.prefill_calls == [(sum(QUERY_LENS), 64, 576)], "stock's step: every token in one sparse MQA call"
+    close_to(out, case["expected"])
+
+
 def test_no_prefill_fits_any_mask_is_stocks_step(engine_factory: Any, gen: torch.Generator) -> None:
     """Every prefill too large alone: the planner's one sparse-MQA group is stock's route, so no plan."""
     from mla_planner.vllm_backend import masked_mha

@@ -115,6 +115,10 @@ def partial_prefill(builder: Any, metadata: Any, common: Any) -> PartialPrefill 
     paths = groups.paths
     if len(paths) < 2:
         return None  # one group: stock's route for the whole set (sparse MQA, as stock found)
+    if "sparse_mqa" in paths:
+        unsupported = vllm_api.sparse_mqa_unsupported(builder)
+        if unsupported is not None:  # the builder's guard runs vLLM's own choice, counted and said once
+            raise ValueError(f"the layer's sparse-MQA path cannot run a group's rows here: {unsupported}")
     qsl = common.query_start_loc_cpu.numpy().astype(np.int64)
     starts = (qsl[decodes : decodes + num_prefills + 1] - qsl[decodes]).tolist()
     runs = []

@@ -434,26 +434,40 @@ def prefill_metadata_of(builder: Any, metadata: Any, common: Any, r0: int, r1: i
     return group
 
 
+SPARSE_MQA_UNSUPPORTED = ("q_pad_num_heads", "is_aiter_triton_fp4_bmm_enabled", "is_aiter_triton_fp8_bmm_enabled",
+                          "is_amx_bmm_enabled")
+"""Layer settings whose weight paths :func:`sparse_mqa_rows` does not take: it runs the layer's decode
+path for a BF16 cache on CUDA (no head padding, no ROCm or CPU weight kernels; masked MHA runs on
+SM100 only)."""
+
+
+def sparse_mqa_unsupported(builder: Any) -> str | None:
+    """Why :func:`sparse_mqa_rows` could not run some layer of the builder's, or ``None``: checked
+    by the builder before it plans a sparse-MQA group, so that the impl's forward finds what it
+    needs. Each layer is found by name in vLLM's ``static_forward_context`` (where every layer
+    registers itself, and the forward context's layers come from), with its impl, and none of
+    :data:`SPARSE_MQA_UNSUPPORTED` set."""
+    layers = builder.vllm_config.compilation_config.static_forward_context
+    for name in builder.layer_names:
+        layer = layers.get(name)
+        if getattr(layer, "impl", None) is None:
+            return f"layer {name} has no impl in vLLM's forward context"
+        unsupported = [setting for setting in SPARSE_MQA_UNSUPPORTED if getattr(layer, setting, None)]
+        if unsupported:
+            return f"layer {name} sets {', '.join(unsupported)}"
+    return None
+
+
 def attention_layer(impl: Any) -> Any:
-    """The ``MLAAttention`` layer whose impl ``impl`` is, found once in the forward context's layers
-    (vLLM's ``static_forward_context``, where every layer registers itself): its absorbed weights
-    run sparse-MQA rows, as they do in the layer's own decode path."""
+    """The ``MLAAttention`` layer whose impl ``impl`` is, found once in the forward context's layers:
+    its absorbed weights run sparse-MQA rows, as they do in the layer's own decode path. The
+    builder checked it is there (:func:`sparse_mqa_unsupported`) before planning such rows."""
     layer = impl.mla_layer
     if layer is None:
         from vllm.forward_context import get_forward_context
 
-        found = [layer for layer in get_forward_context().no_compile_layers.values()
-                 if getattr(layer, "impl", None) is impl]
-        if len(found) != 1:
-            raise RuntimeError(f"mla-planner: {len(found)} layers have this impl in vLLM's forward context, not one")
-        layer = impl.mla_layer = found[0]
-        # The decode path below is the layer's for a BF16 cache on CUDA: no head padding, no
-        # ROCm or CPU weight kernels (masked MHA runs on SM100 only).
-        unsupported = [name for name in ("q_pad_num_heads", "is_aiter_triton_fp4_bmm_enabled",
-                                         "is_aiter_triton_fp8_bmm_enabled", "is_amx_bmm_enabled")
-                       if getattr(layer, name, None)]
-        if unsupported:
-            raise RuntimeError(f"mla-planner: masked MHA's sparse-MQA rows do not support the layer's {unsupported}")
+        layer = impl.mla_layer = next(layer for layer in get_forward_context().no_compile_layers.values()
+                                      if getattr(layer, "impl", None) is impl)
     return layer
 
 
