@@ -9,6 +9,7 @@ import logging
 import pathlib
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -412,6 +413,25 @@ def separate(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
 # Decodes first, then prefills with and without context: about 900 tokens.
 QUERY_LENS = [1, 1, 1, 350, 520]
 CONTEXT_LENS = [70, 200, 5, 0, 130]
+
+
+def test_the_mtp_draft_is_given_the_targets_backend_only_where_none_is_named() -> None:
+    """Only an MTP draft with no backend of its own is given the target's; a draft the operator
+    named another backend for is reported, not changed; other speculative methods are vLLM's."""
+    def config(method: str | None, draft: str | None, target: str | None = "CUSTOM") -> Any:
+        spec = None if method is None else SimpleNamespace(method=method, attention_backend=draft)
+        return SimpleNamespace(speculative_config=spec, attention_config=SimpleNamespace(backend=target))
+
+    named = config("mtp", None)
+    assert vllm_api.draft_runs_target_backend(named) and named.speculative_config.attention_backend == "CUSTOM"
+    assert vllm_api.draft_backend_elsewhere(named) is None  # now the target's
+    for untouched in (config(None, None), config("eagle3", None), config("mtp", None, target=None),
+                      config("mtp", "FLASHMLA_SPARSE"), config("mtp", "CUSTOM")):
+        before = None if untouched.speculative_config is None else untouched.speculative_config.attention_backend
+        assert not vllm_api.draft_runs_target_backend(untouched)
+        assert before == (None if untouched.speculative_config is None else untouched.speculative_config.attention_backend)
+    assert vllm_api.draft_backend_elsewhere(config("mtp", "FLASHMLA_SPARSE")) == "FLASHMLA_SPARSE"
+    assert vllm_api.draft_backend_elsewhere(config("eagle3", "FLASH_ATTN")) is None
 
 
 def test_the_impl_names_its_backend_for_the_mtp_draft_at_construction(tmp_path: pathlib.Path,

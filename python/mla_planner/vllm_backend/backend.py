@@ -253,6 +253,10 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         if vllm_api.draft_runs_target_backend(vllm_config):
             log.once(logging.INFO, "mla-planner: the MTP draft model's attention runs this backend too (the speculative "
                                    "config names none; vLLM's V1 model runner would give it stock FLASHMLA_SPARSE)")
+        elif (elsewhere := vllm_api.draft_backend_elsewhere(vllm_config)) is not None:
+            log.once(logging.WARNING, "mla-planner: --speculative-config names attention_backend %s for the MTP draft "
+                                      "model: its layer runs that backend's code, outside the budget (leave it out, and "
+                                      "the draft runs this backend)", getattr(elsewhere, "name", elsewhere))
         provider = kernel_provider()
         self.mixed = MixedBatchExecutor(provider, self.engine.config)
         self.separate = SeparateExecutor(provider, self.engine.config)

@@ -246,6 +246,16 @@ def draft_runs_target_backend(vllm_config: VllmConfig) -> bool:
     return True
 
 
+def draft_backend_elsewhere(vllm_config: VllmConfig) -> Any | None:
+    """The attention backend the speculative config names for the MTP draft where it is not the
+    target's (this one): the draft's layer runs that backend's code, unplanned. ``None`` otherwise."""
+    spec = vllm_config.speculative_config
+    target = vllm_config.attention_config.backend
+    if spec is None or spec.method != "mtp" or target is None or spec.attention_backend in (None, target):
+        return None
+    return spec.attention_backend
+
+
 def uniform_decode_len(vllm_config: VllmConfig) -> int:
     """The query tokens of each request of a decode step: 1 + the speculative tokens."""
     spec = vllm_config.speculative_config
