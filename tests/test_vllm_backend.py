@@ -299,8 +299,6 @@ def test_only_the_seam_imports_vllm() -> None:
 def test_seam_follows_the_installed_vllm(tmp_path: pathlib.Path) -> None:
     import importlib.metadata
 
-    from mla_planner.vllm_backend import vllm_api
-
     installed = importlib.metadata.version("vllm")
     assert vllm_api.VLLM_VERSION == installed and installed.startswith(vllm_api.MINOR + ".")
     assert vllm_api.V033 == installed.startswith("0.33.")
@@ -417,35 +415,35 @@ CONTEXT_LENS = [70, 200, 5, 0, 130]
 
 def test_the_mtp_draft_is_given_the_targets_backend_only_where_none_is_named() -> None:
     """Only an MTP draft with no backend of its own is given the target's; a draft the operator
-    named another backend for is reported, not changed; other speculative methods are vLLM's."""
+    named another backend for keeps it (and says which); other speculative methods are vLLM's."""
     def config(method: str | None, draft: str | None, target: str | None = "CUSTOM") -> Any:
         spec = None if method is None else SimpleNamespace(method=method, attention_backend=draft)
         return SimpleNamespace(speculative_config=spec, attention_config=SimpleNamespace(backend=target))
 
     named = config("mtp", None)
-    assert vllm_api.draft_runs_target_backend(named) and named.speculative_config.attention_backend == "CUSTOM"
-    assert vllm_api.draft_backend_elsewhere(named) is None  # now the target's
+    assert vllm_api.give_mtp_draft_the_target_backend(named) == ("CUSTOM", True)
+    assert named.speculative_config.attention_backend == "CUSTOM"
+    assert vllm_api.give_mtp_draft_the_target_backend(named) == ("CUSTOM", False)  # now the target's
+    assert vllm_api.give_mtp_draft_the_target_backend(config("mtp", "FLASHMLA_SPARSE")) == ("FLASHMLA_SPARSE", False)
     for untouched in (config(None, None), config("eagle3", None), config("mtp", None, target=None),
-                      config("mtp", "FLASHMLA_SPARSE"), config("mtp", "CUSTOM")):
+                      config("eagle3", "FLASH_ATTN")):
         before = None if untouched.speculative_config is None else untouched.speculative_config.attention_backend
-        assert not vllm_api.draft_runs_target_backend(untouched)
+        assert vllm_api.give_mtp_draft_the_target_backend(untouched) is None
         assert before == (None if untouched.speculative_config is None else untouched.speculative_config.attention_backend)
-    assert vllm_api.draft_backend_elsewhere(config("mtp", "FLASHMLA_SPARSE")) == "FLASHMLA_SPARSE"
-    assert vllm_api.draft_backend_elsewhere(config("eagle3", "FLASH_ATTN")) is None
 
 
 def test_the_impl_names_its_backend_for_the_mtp_draft_at_construction(tmp_path: pathlib.Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The target model's impls are built before vLLM builds the MTP draft's config: the impl is
-    where the draft is given this backend (vllm_api.draft_runs_target_backend, held against vLLM's
+    where the draft is given this backend (vllm_api.give_mtp_draft_the_target_backend, held against vLLM's
     own draft configs in tests/e2e/test_matrix.py)."""
     asked: list[Any] = []
 
-    def record(config: Any) -> bool:
+    def record(config: Any) -> None:
         asked.append(config)
-        return False
+        return None
 
-    monkeypatch.setattr(vllm_api, "draft_runs_target_backend", record)
+    monkeypatch.setattr(vllm_api, "give_mtp_draft_the_target_backend", record)
     backend = Backend(tmp_path, monkeypatch, num_heads=16)
     try:
         assert asked and all(config is backend.config for config in asked)
@@ -849,8 +847,6 @@ def test_a_native_plan_runs_the_prefill_kernel_at_16_heads(native_routed: Backen
     """A profile that prices 16 native heads cheaper: on vLLM 0.33 the plan runs the prefill kernel
     on the rank's 16 heads, q unpadded and the kernel writing the step's output rows in place; on
     0.26, whose FlashMLA has no such kernel, the profile is not used."""
-    from mla_planner.vllm_backend import vllm_api
-
     if not vllm_api.NATIVE_PREFILL_KERNELS:
         assert native_routed.builder.engine.cost_model is None, "0.26 cannot run what this profile may choose"
         assert native_routed.step(QUERY_LENS, CONTEXT_LENS, gen)["metadata"].planned.plan.mode == "mixed_batch"
@@ -876,8 +872,6 @@ def test_a_native_plan_runs_the_prefill_kernel_at_16_heads(native_routed: Backen
 
 def test_a_one_launch_native_plan_is_not_stocks_call(native_routed: Backend, gen: torch.Generator) -> None:
     """Stock's own call pads q to 64 heads: a native plan of one launch runs through the backend."""
-    from mla_planner.vllm_backend import vllm_api
-
     if not vllm_api.NATIVE_PREFILL_KERNELS:
         pytest.skip("vLLM 0.26 runs no native plan (the test above checks the profile is dropped)")
     case = native_routed.step([520], [130], gen)
@@ -897,8 +891,6 @@ def test_prefill_padding_is_the_impls(tmp_path: pathlib.Path, monkeypatch: pytes
     Blackwell 128 under 0.26 and 64 under 0.33 (its FlashMLA has the 64-head kernel there)."""
     from vllm.platforms import current_platform
 
-    from mla_planner.vllm_backend import vllm_api
-
     monkeypatch.setattr(current_platform, "is_device_capability_family", lambda f, device_id=0: f == family)
     backend = Backend(tmp_path, monkeypatch, num_heads=16)
     try:
@@ -917,8 +909,6 @@ def test_asking_for_native_prefill_heads(tmp_path: pathlib.Path, monkeypatch: py
                                          num_heads: int) -> None:
     """MLA_PLANNER_NATIVE_PREFILL_HEADS=1: every separate step at the rank's own heads on vLLM 0.33
     where the heads are 16 or 32; refused at start-up, in one line, anywhere else."""
-    from mla_planner.vllm_backend import vllm_api
-
     monkeypatch.setenv("MLA_PLANNER_NATIVE_PREFILL_HEADS", "1")
     if not vllm_api.NATIVE_PREFILL_KERNELS or num_heads == 64:
         with pytest.raises(SettingsError) as err:
@@ -985,8 +975,6 @@ def bf16_case(backend: Backend, gen: torch.Generator) -> dict[str, Any]:
 
 @needs_033
 def test_mixed_batch_pads_in_stocks_unused_prefill_views(mixed: Backend, gen: torch.Generator) -> None:
-    from mla_planner.vllm_backend import vllm_api
-
     case = bf16_case(mixed, gen)
     md, q = case["metadata"], case["q"]
     out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md))
@@ -999,8 +987,6 @@ def test_mixed_batch_pads_in_stocks_unused_prefill_views(mixed: Backend, gen: to
 
 @needs_033
 def test_separate_route_runs_in_stocks_workspace_views(separate: Backend, gen: torch.Generator) -> None:
-    from mla_planner.vllm_backend import vllm_api
-
     case = bf16_case(separate, gen)
     md, q = case["metadata"], case["q"]
     out = forward_out(separate.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md))
@@ -1029,8 +1015,6 @@ class FakeWorkspaceManager:
 def test_construction_reserves_the_budget_and_the_output_where_vllm_has_no_workspace(mixed: Backend) -> None:
     """vLLM 0.26 has no workspace: the reservation holds the largest launch (the budget bounds it)
     and the step's output, which the executors allocate."""
-    from mla_planner.vllm_backend import vllm_api
-
     if vllm_api.STOCK_WORKSPACE:
         pytest.skip("vLLM 0.33's impl reserves a workspace: the next test")
     setup = mixed.impl.engine
@@ -1106,7 +1090,7 @@ def test_warm_up_translates_once_per_variant_stock_does_not_compile(
     """Each variant of vLLM's translation the routes use beyond stock's own (no workspace, row 0):
     with or without the prefill workspace, request ids on or off a 16-byte boundary (Triton
     specializes pointers on it), shaped like the call's block table and top-k."""
-    from mla_planner.vllm_backend import vllm_api, warmup
+    from mla_planner.vllm_backend import warmup
 
     calls: list[tuple[bool, bool, tuple[int, ...], int]] = []
 
@@ -1127,7 +1111,7 @@ def test_warm_up_translates_once_per_variant_stock_does_not_compile(
 def test_the_first_fp8_forward_warms_up_once(mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the call's block table width, block size, the cache's block stride and top-k, before
     stock's code runs (a decode-only step: vLLM's capture warm-up)."""
-    from mla_planner.vllm_backend import vllm_api, warmup
+    from mla_planner.vllm_backend import warmup
 
     calls: list[tuple[tuple[str, ...], int, int, int | None, int]] = []
 
@@ -1315,8 +1299,6 @@ def test_the_decode_threshold_is_the_builders(routes: Backend) -> None:
 def test_a_cost_profile_reserves_for_every_route_it_may_take(routed: Backend) -> None:
     """With a cost profile a step may take either FP8 route (and, where this vLLM's FlashMLA has the
     kernel, native prefill heads): the budget is checked and the reservation sized for all."""
-    from mla_planner.vllm_backend import vllm_api
-
     setup = routed.builder.engine
     configs = setup.route_configs()
     assert [c.mode for c in configs][:2] == ["mixed_batch", "separate_prefill_decode"]
@@ -1332,8 +1314,6 @@ def test_where_vllm_fixes_the_route_nothing_is_checked_or_reserved(
     """vLLM 0.33 keeps its own route under HiSparse and decode context parallelism: every step runs
     its code, so a budget below the plan's minimum is no reason to stop the engine, and nothing is
     reserved."""
-    from types import SimpleNamespace
-
     from mla_planner.vllm_backend import engine, vllm_api
 
     config = vllm_config(model_dir(tmp_path, num_heads=64, topk=TOPK))

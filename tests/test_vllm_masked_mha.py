@@ -321,6 +321,15 @@ def close_to(actual: torch.Tensor, expected: torch.Tensor) -> None:
 # -- tests ----------------------------------------------------------------------------------------
 
 
+def assert_stocks_all_sparse_mqa_step(engine: Any, layer: Any, case: dict[str, Any], metadata: Any) -> None:
+    """The layer runs the step as stock does when the masks do not fit: every prefill token in one
+    sparse-MQA call, no MHA call, the reference's output."""
+    out = engine.forward(layer, case, metadata)
+    assert engine.fa4.calls == [] and engine.dense_calls == []
+    assert engine.kernels.prefill_calls == [(sum(QUERY_LENS), 64, 576)], "every prefill token in one sparse MQA call"
+    close_to(out, case["expected"])
+
+
 def test_one_mask_too_many_runs_the_rest_in_the_planners_groups(engine_factory: Any, gen: torch.Generator) -> None:
     """P1's mask fits no workspace: stock runs the whole step on sparse MQA; the backend runs P0
     as dense MHA, P2 and P3 as one masked-MHA group, and only P1 on sparse MQA."""
@@ -341,10 +350,7 @@ def test_one_mask_too_many_runs_the_rest_in_the_planners_groups(engine_factory: 
     assert partial.groups.requests.tolist() == planned.requests.tolist() == [[0, 1], [1, 2], [2, 4]]
     assert partial.groups.paths == planned.paths == ["dense_mha", "sparse_mqa", "masked_mha"]
 
-    stock_out = engine.forward(stock_layer, case, stock_md)
-    assert engine.fa4.calls == [] and engine.dense_calls == []
-    assert engine.kernels.prefill_calls == [(sum(QUERY_LENS), 64, 576)], "stock: every token in one sparse MQA call"
-    close_to(stock_out, case["expected"])
+    assert_stocks_all_sparse_mqa_step(engine, stock_layer, case, stock_md)
 
     engine.kernels.prefill_calls.clear()
     out = engine.forward(ours_layer, case, ours_md)
@@ -429,10 +435,7 @@ def test_a_step_the_groups_cannot_plan_runs_as_stock(engine_factory: Any, gen: t
     ours_md, _stock = case["metadata"]
     assert stock_steps.counts[reason] == before + 1
     assert masked_mha.plan_of(ours_md.prefill) is None
-    out = engine.forward(engine.ours, case, ours_md)
-    assert engine.fa4.calls == [] and engine.dense_calls == []
-    assert engine.kernels.prefill_calls == [(sum(QUERY_LENS), 64, 576)], "stock's step: every token in one sparse MQA call"
-    close_to(out, case["expected"])
+    assert_stocks_all_sparse_mqa_step(engine, engine.ours, case, ours_md)
 
 
 def test_a_layer_whose_sparse_mqa_path_differs_keeps_stocks_step(engine_factory: Any, gen: torch.Generator) -> None:
@@ -450,10 +453,7 @@ def test_a_layer_whose_sparse_mqa_path_differs_keeps_stocks_step(engine_factory:
     assert stock_steps.counts[reason] == before + 1
     assert masked_mha.plan_of(ours_md.prefill) is None
     engine.ours.q_pad_num_heads = None  # the CPU stand-ins run the unpadded path only
-    out = engine.forward(engine.ours, case, ours_md)
-    assert engine.fa4.calls == [] and engine.dense_calls == []
-    assert engine.kernels.prefill_calls == [(sum(QUERY_LENS), 64, 576)], "stock's step: every token in one sparse MQA call"
-    close_to(out, case["expected"])
+    assert_stocks_all_sparse_mqa_step(engine, engine.ours, case, ours_md)
 
 
 def test_no_prefill_fits_any_mask_is_stocks_step(engine_factory: Any, gen: torch.Generator) -> None:

@@ -145,7 +145,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from types import SimpleNamespace
-from mla_planner.vllm_backend.vllm_api import draft_runs_target_backend
+from mla_planner.vllm_backend.vllm_api import give_mtp_draft_the_target_backend
 out = {}
 for config in md.DESIGN:
     model = md.model_source(config, Path(sys.argv[2]))
@@ -165,7 +165,7 @@ for config in md.DESIGN:
                 prefix=vc.cache_config.enable_prefix_caching, kv=vc.cache_config.cache_dtype,
                 max_model_len=vc.model_config.max_model_len)
             if sc:  # the draft's attention backend as vLLM's model runners build it, after the plugin's start-up
-                got.update(draft_named=draft_runs_target_backend(vc), draft_v1=str(
+                got.update(draft_named=give_mtp_draft_the_target_backend(vc)[1], draft_v1=str(
                     SpecDecodeBaseProposer._create_draft_vllm_config(SimpleNamespace(speculative_config=sc,
                                                                                      vllm_config=vc))
                     .attention_config.backend))

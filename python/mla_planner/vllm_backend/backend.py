@@ -71,10 +71,9 @@ class PlannedStep:
         """The tokens the launches cover, in order from 0: those vLLM hands the sparse kernels."""
         # Stock pads the prefill kernel's q as vLLM does: a plan made for native prefill heads is
         # not its call, whatever its length.
-        one = launches[0] if len(launches) == 1 else None
-        stock_call = one is not None and (one.kernel != "sparse_prefill"
-                                          or plan.prefill_heads == config.prefill_padded_heads)
-        self.stock_call_bytes = one.bytes if one is not None and stock_call else None
+        stock_call = len(launches) == 1 and (launches[0].kernel != "sparse_prefill"
+                                              or plan.prefill_heads == config.prefill_padded_heads)
+        self.stock_call_bytes = launches[0].bytes if stock_call else None
         """A plan of one launch is the one kernel call stock's forward makes for the step (and its
         gather, on the separate route): the bytes the plan counts for it. ``None`` otherwise."""
 
@@ -250,13 +249,14 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         if not setup.plans_fp8:  # vLLM keeps its own route: stock's code, nothing reserved
             return
         self.engine = setup
-        if vllm_api.draft_runs_target_backend(vllm_config):
+        draft = vllm_api.give_mtp_draft_the_target_backend(vllm_config)
+        if draft is not None and draft[1]:
             log.once(logging.INFO, "mla-planner: the MTP draft model's attention runs this backend too (the speculative "
                                    "config names none; vLLM's V1 model runner would give it stock FLASHMLA_SPARSE)")
-        elif (elsewhere := vllm_api.draft_backend_elsewhere(vllm_config)) is not None:
+        elif draft is not None and draft[0] != vllm_config.attention_config.backend:
             log.once(logging.WARNING, "mla-planner: --speculative-config names attention_backend %s for the MTP draft "
                                       "model: its layer runs that backend's code, outside the budget (leave it out, and "
-                                      "the draft runs this backend)", getattr(elsewhere, "name", elsewhere))
+                                      "the draft runs this backend)", getattr(draft[0], "name", draft[0]))
         provider = kernel_provider()
         self.mixed = MixedBatchExecutor(provider, self.engine.config)
         self.separate = SeparateExecutor(provider, self.engine.config)

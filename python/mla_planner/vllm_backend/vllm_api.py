@@ -228,32 +228,25 @@ def decode_threshold(vllm_config: VllmConfig, num_heads: int, arch: str) -> int:
     return max(threshold, 1 + (2 if spec.parallel_drafting else 1) * spec.num_speculative_tokens)
 
 
-def draft_runs_target_backend(vllm_config: VllmConfig) -> bool:
+def give_mtp_draft_the_target_backend(vllm_config: VllmConfig) -> tuple[Any, bool] | None:
     """Name the target's attention backend (this one) as the MTP draft model's where the
-    speculative config names none, before the draft is built; whether it did. vLLM's V1 model
-    runner (0.26's; 0.33's where its V2 runner is off) never lets the draft inherit
-    ``--attention-backend`` (``SpecDecodeBaseProposer._create_draft_vllm_config``, "Never inherit
-    the attention backend from base"): the draft's MTP layer autoselects stock FLASHMLA_SPARSE and
-    runs every prompt token of a step through the sparse decode kernel unplanned. 0.33's V2 runner
-    keeps the target's backend unless one is named (``SpeculativeConfig.apply_draft_overrides``):
-    there, naming it changes nothing. Other speculative methods' drafts are not this model: left
-    to vLLM."""
+    speculative config names none, before the draft is built. ``None`` where there is no MTP draft
+    (or the target's backend was autoselected); else the backend the draft runs and whether this
+    named it. vLLM's V1 model runner (0.26's; 0.33's where its V2 runner is off) never lets the
+    draft inherit ``--attention-backend`` (``SpecDecodeBaseProposer._create_draft_vllm_config``,
+    "Never inherit the attention backend from base"): the draft's MTP layer autoselects stock
+    FLASHMLA_SPARSE and runs every prompt token of a step through the sparse decode kernel
+    unplanned. 0.33's V2 runner keeps the target's backend unless one is named
+    (``SpeculativeConfig.apply_draft_overrides``): there, naming it changes nothing. A backend the
+    operator named is kept. Other speculative methods' drafts are not this model: left to vLLM."""
     spec = vllm_config.speculative_config
     target = vllm_config.attention_config.backend
-    if spec is None or spec.method != "mtp" or spec.attention_backend is not None or target is None:
-        return False
-    spec.attention_backend = target
-    return True
-
-
-def draft_backend_elsewhere(vllm_config: VllmConfig) -> Any | None:
-    """The attention backend the speculative config names for the MTP draft where it is not the
-    target's (this one): the draft's layer runs that backend's code, unplanned. ``None`` otherwise."""
-    spec = vllm_config.speculative_config
-    target = vllm_config.attention_config.backend
-    if spec is None or spec.method != "mtp" or target is None or spec.attention_backend in (None, target):
+    if spec is None or spec.method != "mtp" or target is None:
         return None
-    return spec.attention_backend
+    if spec.attention_backend is not None:
+        return spec.attention_backend, False
+    spec.attention_backend = target
+    return target, True
 
 
 def uniform_decode_len(vllm_config: VllmConfig) -> int:
