@@ -366,14 +366,7 @@ def phase_soak(ctx: Ctx, data: dict[str, Any], save: Save, *, engine: str, util:
                sample_s: float, scale: float) -> None:
     server, record = start_server(ctx, ctx.spec(engine, util, 0), f"soak-{engine}")
     data.update(server=record, samples=[], iterations=[], soak_s=soak_s, sample_s=sample_s)
-    save()
-    if not server_up(record):
-        finish_server(server, record)
-        save()
-        return
     t0 = time.monotonic()
-    data["pids_at_start"] = group_pids(server.pid or 0)  # the API server and its engine process
-
     due = [t0]
 
     def sample(force: bool = False) -> None:
@@ -386,7 +379,13 @@ def phase_soak(ctx: Ctx, data: dict[str, Any], save: Save, *, engine: str, util:
                                 "processes": gpu_processes(), "alive": server.alive(),
                                 "health": server.health(timeout_s=3)})
 
+    # From here on a stop (a signal, raised wherever the driver is) still stops the server and
+    # records it: the results file names the server as soon as it is saved.
     try:
+        save()
+        if not server_up(record):
+            return
+        data["pids_at_start"] = group_pids(server.pid or 0)  # the API server and its engine process
         sample()
         i = 0
         while time.monotonic() - t0 < soak_s:
@@ -406,10 +405,11 @@ def phase_soak(ctx: Ctx, data: dict[str, Any], save: Save, *, engine: str, util:
             i += 1
         sample(force=True)
     finally:
-        data["soak_elapsed_s"] = time.monotonic() - t0
-        # vLLM restarts nothing itself: a dead engine takes its server down. Same processes at the
-        # end as at the start (and /health 200 in every sample) means none died and none replaced it.
-        data["pids_at_end"] = group_pids(server.pid or 0) if server.alive() else []
-        data["same_processes"] = data["pids_at_end"] == data["pids_at_start"]
+        if "pids_at_start" in data:
+            data["soak_elapsed_s"] = time.monotonic() - t0
+            # vLLM restarts nothing itself: a dead engine takes its server down. Same processes at the
+            # end as at the start (and /health 200 in every sample) means none died and none replaced it.
+            data["pids_at_end"] = group_pids(server.pid or 0) if server.alive() else []
+            data["same_processes"] = data["pids_at_end"] == data["pids_at_start"]
         finish_server(server, record)
         save()
