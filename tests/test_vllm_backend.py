@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import logging
 import pathlib
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -341,7 +341,7 @@ class Backend:
 
     def __init__(self, tmp: pathlib.Path, monkeypatch: pytest.MonkeyPatch, *, num_heads: int,
                  cost_profile: pathlib.Path | None = None, dense_prefill: bool = False, scratch_mb: int = 0,
-                 max_num_seqs: int = 16) -> None:
+                 max_num_seqs: int = 16, reshape_config: Callable[[Any], None] | None = None) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
         from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
@@ -364,6 +364,8 @@ class Backend:
         self.kernels = KernelRecorder()
         self.config = vllm_config(model_dir(tmp, num_heads=num_heads, topk=TOPK), dense_prefill=dense_prefill,
                                   max_num_seqs=max_num_seqs)
+        if reshape_config is not None:
+            reshape_config(self.config)
         self._cpu = cpu_vllm(monkeypatch, self.provider, self.kernels)
         self._cpu.__enter__()
         spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8,
@@ -447,6 +449,36 @@ def test_the_impl_names_its_backend_for_the_mtp_draft_at_construction(tmp_path: 
     backend = Backend(tmp_path, monkeypatch, num_heads=16)
     try:
         assert asked and all(config is backend.config for config in asked)
+    finally:
+        backend.close()
+
+
+def as_vllms_own_test_shapes_it(config: Any) -> None:
+    """The model config as vLLM's own sparse-MLA tests shape it: a namespace of MLA dims for
+    ``hf_text_config``, and the top-k only where the release's sparse-MLA layer reads it
+    (``hf_config`` on 0.26; ``hf_text_config`` on 0.33, which deletes it from ``hf_config``)."""
+    model = config.model_config
+    topk = model.hf_config.index_topk
+    model.hf_text_config = SimpleNamespace(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                                           qk_rope_head_dim=64, v_head_dim=128, model_type="deepseek_v2")
+    if vllm_api.V033:
+        model.hf_text_config.index_topk = topk
+        del model.hf_config.index_topk
+
+
+def test_the_top_k_is_read_where_this_releases_layer_reads_it(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                               gen: torch.Generator) -> None:
+    """An engine whose top-k is where vLLM's own tests put it builds and plans (vLLM 0.26's file
+    failed 84 tests on the H200 with an AttributeError while the setup read ``hf_text_config``)."""
+    backend = Backend(tmp_path, monkeypatch, num_heads=16, reshape_config=as_vllms_own_test_shapes_it)
+    try:
+        assert backend.builder.engine.config.topk == TOPK
+        case = backend.step(QUERY_LENS, CONTEXT_LENS, gen)
+        md, q = case["metadata"], case["q"]
+        assert md.planned is not None and len(md.planned.plan) > 1
+        backend.topk_buffer[: q.shape[0]] = case["positions"]
+        out = forward_out(backend.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], backend.topk_buffer[: q.shape[0]], md))
+        torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
     finally:
         backend.close()
 

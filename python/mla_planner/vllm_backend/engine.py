@@ -129,7 +129,7 @@ def step_config(vllm_config: Any, num_heads: int, device: torch.device, settings
         num_heads,
         arch=vllm_api.device_arch(),
         num_sms=vllm_api.num_sms(device),
-        topk=int(vllm_config.model_config.hf_text_config.index_topk),
+        topk=vllm_api.model_topk(vllm_config),
         kv_dtype="fp8" if fp8 else "bf16",
         scratch_budget_bytes=settings.scratch_bytes,
         max_model_len=vllm_config.model_config.max_model_len,

@@ -160,6 +160,15 @@ def build_fp8_mixed(builder: Any, common: Any) -> Any:
     return builder._build_fp8_mixed_decode_prefill() if V033 else builder._build_fp8_mixed_decode_prefill(common)
 
 
+def model_topk(vllm_config: VllmConfig) -> int:
+    """The model's top-k, read where this release's sparse-MLA layer reads it
+    (sparse_mla_attention.py): ``hf_config.index_topk`` on 0.26, ``hf_text_config.index_topk`` on
+    0.33. They name the same value for a served model; vLLM 0.26's own sparse-MLA tests replace
+    ``hf_text_config`` with a namespace that has no ``index_topk``."""
+    model = vllm_config.model_config
+    return int((model.hf_text_config if V033 else model.hf_config).index_topk)
+
+
 def prefill_workspace_rows(vllm_config: VllmConfig) -> int:
     """Rows of vLLM's BF16 gather workspace (its ``split_prefill_chunks`` limit)."""
     if V033:
