@@ -222,6 +222,10 @@ def test_the_minimum_comes_from_the_refusal_line() -> None:
     errors = run_matrix.first_errors("Traceback (most recent call last):\nValueError: decode query lengths must be "
                                      "one length\n[shutdown] EngineCore: trigger\nRuntimeError: after the stop")
     assert errors == ["ValueError: decode query lengths must be one length"]
+    quoted = ("(APIServer pid=1) WARNING 12-03 19:33:10 [system_utils.py:299] Found ulimit of 20000 ... fd limit "
+              "errors like `OSError: [Errno 24] Too many open files`")
+    cause = "(EngineCore pid=2) ERROR 12-03 19:34:57 [core.py:1330] ValueError: No available memory for the cache blocks."
+    assert run_matrix.first_errors(f"{quoted}\n{cause}") == [cause]
 
 
 def test_chat_prompts() -> None:
