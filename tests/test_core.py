@@ -265,7 +265,6 @@ def test_a_plan_iterates_as_typed_launches(heads: int) -> None:
         assert (launch.tokens, launch.requests) == (slice(row[0], row[1]), slice(row[2], row[3]))
         assert launch.gather_chunk == (None if row[4] < 0 else row[4])
         assert launch.kernel == plan.launch_kernels[i] and launch.bytes == plan.launch_bytes[i]
-        assert launch.scratch.buffers == plan.launch_scratch(i).buffers
     assert [launch.tokens.start for launch in launches[1:]] == [launch.tokens.stop for launch in launches[:-1]]
     assert launches[-1].tokens.stop == plan.num_tokens == 40_004
     kernels = {launch.kernel for launch in launches}
@@ -277,10 +276,10 @@ def test_a_plan_iterates_as_typed_launches(heads: int) -> None:
 
 @pytest.mark.parametrize("execution", ["default", "vllm"])
 @pytest.mark.parametrize("mode", ["mixed_batch", "separate_prefill_decode"])
-def test_launch_scratch_is_what_each_launch_holds(mode: str, execution: Literal["default", "vllm"]) -> None:
+def test_a_launchs_scratch_is_what_it_holds(mode: str, execution: Literal["default", "vllm"]) -> None:
     # Launches of unequal length: the mixed route's padded q and the separate route's prefill
     # padded q and output are held at the longest launch's size, everything else (a separate
-    # decode launch's buffers all) at the launch's own; together, its launch_bytes.
+    # decode launch's buffers all) at the launch's own; together, its bytes.
     config = mp.StepConfig(16, scratch_budget_bytes=GIB, max_model_len=70_000, mode=mode, execution=execution)
     query_lens, num_decodes = [4] * 2_000 + [65_533], 2_000
     plan = mp.plan_step(query_lens, [100] * 2_000 + [0], num_decodes, config)
@@ -295,24 +294,21 @@ def test_launch_scratch_is_what_each_launch_holds(mode: str, execution: Literal[
                                   translated_indices=config.translated_indices).buffers
 
     lengths: dict[str, set[int]] = {"sparse_decode": set(), "sparse_prefill": set()}
-    for i, ((t0, t1, r0, r1, _), kernel) in enumerate(zip(plan.launches.tolist(), plan.launch_kernels)):
-        scratch = plan.launch_scratch(i)
-        assert scratch.total_bytes == plan.launch_bytes[i]
+    for launch in plan:
+        scratch, kernel = launch.scratch, launch.kernel
+        (t0, t1), (r0, r1) = (launch.tokens.start, launch.tokens.stop), (launch.requests.start, launch.requests.stop)
+        assert scratch.total_bytes == launch.bytes
         if kernel == "sparse_decode" and not mixed:  # a batch of decodes: nothing shared
             expected = own(kernel, r1 - r0, 4)
         else:
             shared = {"q_padded"} if mixed else {"q_padded", "out"}
             expected = {name: bytes_ if name not in shared else own(kernel, 1, longest)[name]
                         for name, bytes_ in own(kernel, 1, t1 - t0).items()}
-        assert scratch.buffers == expected, (i, kernel, t1 - t0)
+        assert scratch.buffers == expected, launch
         lengths[kernel].add(r1 - r0 if kernel == "sparse_decode" and not mixed else t1 - t0)
     # Launches of one length (or one decode batch size) would not tell held buffers from own ones.
     assert len(lengths["sparse_decode"]) > 1
     assert mixed or len(lengths["sparse_prefill"]) > 1
-    with pytest.raises(ValueError, match=f"0 to {len(plan) - 1}"):
-        plan.launch_scratch(len(plan))
-    with pytest.raises(ValueError, match="non-negative integer"):
-        plan.launch_scratch(-1)
 
 
 def test_step_mode_is_the_plans_mode() -> None:

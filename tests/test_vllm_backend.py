@@ -1082,11 +1082,11 @@ def test_construction_reserves_the_largest_launch_beyond_stocks_workspace(
     for c in routes:
         for q, d in (([2048], 0), ([1] * 16 + [2032], 16), ([128] * 16, 16)):
             plan = mla_planner.plan_step(q, [0] * len(q), d, c)
-            for k in range(len(plan)):
-                buffers = plan.launch_scratch(k).buffers
-                heads = config.decode_heads if plan.launch_kernels[k] == "sparse_decode" else plan.prefill_heads
+            for launch in plan:
+                buffers = launch.scratch.buffers
+                heads = config.decode_heads if launch.kernel == "sparse_decode" else plan.prefill_heads
                 served = buffers.get("q_padded", 0) + buffers.get("out", 0) if heads == 64 else 0
-                assert int(plan.launch_bytes[k]) - served <= max(largest)
+                assert launch.bytes - served <= max(largest)
     assert backend.reserved == [max(largest)] == [setup.stock_call_allowance]
 
     specs: Any = getattr(backend.impl, "workspace_specs")  # 0.33's; mypy reads 0.26's class

@@ -187,7 +187,9 @@ class Launch:
         """The bytes live while it runs."""
     @property
     def scratch(self) -> Scratch:
-        """Those bytes by buffer (as ``StepPlan.launch_scratch``)."""
+        """Those bytes by buffer; their total is ``bytes``. Those the step holds once for every
+        launch of the kernel are at its longest launch's size: the mixed route's padded q, the
+        separate route's prefill padded q and kernel output. The rest are the launch's own."""
 
 class StepPlan:
     @property
@@ -206,11 +208,6 @@ class StepPlan:
     def launch_kernels(self) -> list[Kernel]: ...
     @property
     def launch_bytes(self) -> IntArray: ...
-    def launch_scratch(self, index: int) -> Scratch:
-        """The buffers live while launch ``index`` runs; their total is ``launch_bytes[index]``.
-        Those the step holds once for every launch of the kernel are at its longest launch's
-        size: the mixed route's padded q, the separate route's prefill padded q and kernel
-        output. The rest are the launch's own."""
     @property
     def bound(self) -> Bound: ...
     @property

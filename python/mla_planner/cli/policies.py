@@ -49,7 +49,7 @@ class LaunchRow:
     requests: tuple[int, int]  # [start, end) requests of the step
     batch: int
     s_q: int  # query tokens per batch entry
-    scratch: Scratch  # stock: the call's buffers; planned: the plan's (`StepPlan.launch_scratch`)
+    scratch: Scratch  # stock: the call's buffers; planned: the plan's (`Launch.scratch`)
 
     @property
     def bytes(self) -> int:

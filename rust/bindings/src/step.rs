@@ -11,7 +11,7 @@ use pyo3::types::{PyIterator, PyList, PySlice};
 use crate::config::StepConfig;
 use mla_planner::geometry::KvDtype;
 
-use crate::convert::{bound_name, count, gather_rows, heads, indexer_rows, lengths, repr, table, OrValueError};
+use crate::convert::{bound_name, count, gather_rows, heads, indexer_rows, lengths, table, OrValueError};
 use crate::plan::PrefillGroups;
 use crate::scratch::Scratch;
 
@@ -157,7 +157,9 @@ impl Launch {
         self.inner.bytes
     }
 
-    /// Those bytes by buffer (as `StepPlan.launch_scratch`).
+    /// Those bytes by buffer. Those the step holds once for every launch of the kernel are at its
+    /// longest launch's size: the mixed route's padded q, the separate route's prefill padded q and
+    /// kernel output. The rest are the launch's own.
     #[getter]
     fn scratch(&self) -> Scratch {
         self.inner.buffers.clone().into()
@@ -243,19 +245,6 @@ impl StepPlan {
     #[getter]
     fn launch_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
         PyArray1::from_vec(py, self.inner.launches.iter().map(|l| l.bytes as i64).collect())
-    }
-
-    /// The buffers live while launch `index` runs, by name; their total is `launch_bytes[index]`.
-    /// Those the step holds once for every launch of the kernel are at its longest launch's size:
-    /// the mixed route's padded q, the separate route's prefill padded q and kernel output.
-    fn launch_scratch(&self, index: &Bound<'_, PyAny>) -> PyResult<Scratch> {
-        let n = self.inner.launches.len();
-        let launch = usize::try_from(count(index, "index")?).ok().and_then(|i| self.inner.launches.get(i));
-        let launch = launch.ok_or_else(|| {
-            let which = if n == 0 { "this plan has no launches".into() } else { format!("0 to {}", n - 1) };
-            PyValueError::new_err(format!("index must be a launch of this plan ({which}), got {}", repr(index)))
-        })?;
-        Ok(launch.buffers.clone().into())
     }
 
     /// What kept the sparse tokens from fewer launches: "none", "budget", "int32_stride" or "grid".
