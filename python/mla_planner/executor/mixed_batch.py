@@ -26,7 +26,7 @@ hands them to :meth:`MixedBatchExecutor.run_launches` on each layer.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,10 +49,12 @@ class Launches:
     longest: int
 
     @classmethod
-    def of(cls, plan: mla_planner.StepPlan) -> Launches:
+    def of(cls, plan: mla_planner.StepPlan, launches: Sequence[mla_planner.Launch] | None = None) -> Launches:
+        """``launches``: the plan's, where the caller already iterated it."""
         if plan.mode != "mixed_batch":
             raise ValueError(f"a mixed-batch executor runs mixed_batch plans, got a {plan.mode} plan")
-        return cls(tuple(launch.tokens for launch in plan), plan.longest_launch("sparse_decode"))
+        return cls(tuple(launch.tokens for launch in (plan if launches is None else launches)),
+                   plan.longest_launch("sparse_decode"))
 
     @property
     def covered(self) -> tuple[int, int]:

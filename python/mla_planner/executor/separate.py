@@ -61,12 +61,13 @@ class SeparateLaunches:
     prefill_in_place: bool
 
     @classmethod
-    def of(cls, plan: mla_planner.StepPlan) -> SeparateLaunches:
+    def of(cls, plan: mla_planner.StepPlan, launches: Sequence[mla_planner.Launch] | None = None) -> SeparateLaunches:
+        """``launches``: the plan's, where the caller already iterated it."""
         if plan.mode != "separate_prefill_decode":
             raise ValueError(f"a separate-route executor runs separate_prefill_decode plans, got a {plan.mode} plan")
         s_q = plan.decode_query_len
         decodes, prefills = [], []
-        for launch in plan:
+        for launch in plan if launches is None else launches:
             rows = launch.tokens
             if launch.kernel == "sparse_decode":
                 decodes.append((rows, (rows.stop - rows.start) // s_q))

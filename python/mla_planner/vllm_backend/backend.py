@@ -66,7 +66,8 @@ class PlannedStep:
         self.plan = plan
         self.schedules: dict[Any, Any] = {}
         """FlashMLA schedules by launch shape, filled by the first layer and reused by the rest."""
-        launches = list(plan)
+        self.launches = launches = tuple(plan)
+        """The plan's launches, iterated once per step."""
         self.sparse_tokens = launches[-1].tokens.stop if launches else 0
         """The tokens the launches cover, in order from 0: those vLLM hands the sparse kernels."""
         # Stock pads the prefill kernel's q as vLLM does: a plan made for native prefill heads is
@@ -79,11 +80,11 @@ class PlannedStep:
 
     @functools.cached_property
     def mixed_launches(self) -> Launches:
-        return Launches.of(self.plan)
+        return Launches.of(self.plan, self.launches)
 
     @functools.cached_property
     def separate_launches(self) -> SeparateLaunches:
-        return SeparateLaunches.of(self.plan)
+        return SeparateLaunches.of(self.plan, self.launches)
 
 
 @dataclasses.dataclass
