@@ -17,7 +17,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from mla_planner import (
     StepConfig,
@@ -253,19 +253,23 @@ STEP_RESERVE_TP1 = int(0.10 * H200_TOTAL_BYTES - 0.87 * GIB) - _STOCK_32K.total_
 STEP_RESERVE_TP2 = int(0.05 * H200_TOTAL_BYTES) - (_BEFORE_O_ACCUM + 429 * MIB)
 
 
-def step_reserve(tp: int) -> int:
-    return STEP_RESERVE_TP1 if tp == 1 else STEP_RESERVE_TP2
+class StepReserve(NamedTuple):
+    bytes: int
+    source: str
+    """Where the figure comes from, as the doctor prints it."""
+
+
+def step_reserve(tp: int) -> StepReserve:
+    """What a step holds at tensor parallel ``tp`` outside the scratch and what vLLM set aside: the
+    test model's TP 1 figure at TP 1, its TP 2 figure from TP 2 up."""
+    if tp == 1:
+        return StepReserve(STEP_RESERVE_TP1, "measured on the test model, TP 1")
+    return StepReserve(STEP_RESERVE_TP2, "measured on the test model, TP 2" if tp == 2 else "assumed: the test model's at TP 2")
 
 
 # Where the figures outside the weights and activations come from, as the doctor prints them: the
 # test model's runs stand in for every model.
 NON_TORCH_SOURCE = "measured on the test model, TP 1"
-
-
-def step_reserve_source(tp: int) -> str:
-    if tp <= 2:
-        return f"measured on the test model, TP {tp}"
-    return "assumed: the test model's at TP 2"
 
 
 # --- the deployment and its diagnosis ------------------------------------------------------------
@@ -309,7 +313,7 @@ class Deployment:
         """Memory a step's unreserved scratch can take: what lies outside util x total, less the
         step's own unreserved memory."""
         u = self.gpu_memory_utilization if util is None else util
-        return self.gpu.total_bytes - int(u * self.gpu.total_bytes) - step_reserve(self.tp)
+        return self.gpu.total_bytes - int(u * self.gpu.total_bytes) - step_reserve(self.tp).bytes
 
     def planner_config(self, *, fp8: bool) -> PlannerConfig:
         try:
@@ -388,7 +392,7 @@ def worst_steps(d: Deployment) -> list[Step]:
 
 def max_stock_util(d: Deployment, stock_peak: int) -> float | None:
     """The highest util (two decimals) at which `stock_peak` fits the headroom, if any."""
-    util = math.floor((1 - (stock_peak + step_reserve(d.tp)) / d.gpu.total_bytes) * 100) / 100
+    util = math.floor((1 - (stock_peak + step_reserve(d.tp).bytes) / d.gpu.total_bytes) * 100) / 100
     return util if util > 0 else None
 
 

@@ -165,7 +165,7 @@ def to_json(diag: Diagnosis, serve: serve_line.ServeArgs) -> dict[str, Any]:
         },
         "memory": {
             "weights_bytes": d.weights_per_rank, "activation_bytes": d.activation,
-            "non_torch_bytes": deployment.NON_TORCH_BYTES, "step_reserve_bytes": deployment.step_reserve(d.tp),
+            "non_torch_bytes": deployment.NON_TORCH_BYTES, "step_reserve_bytes": deployment.step_reserve(d.tp).bytes,
             "headroom_bytes": diag.headroom,
         },
         "worst_step": {"num_tokens": diag.worst_step.num_tokens, "stock_path": diag.stock_path, "paths": diag.paths},
@@ -186,6 +186,7 @@ def _tag(source: str) -> str:
 
 def to_text(diag: Diagnosis, serve: serve_line.ServeArgs) -> list[str]:
     d, a = diag.deployment, diag.assumptions
+    reserve = deployment.step_reserve(d.tp)
     paths = diag.paths
     mixed, sep = paths["mixed_batch"], paths["separate"]
     taken = diag.stock_path
@@ -209,7 +210,7 @@ def to_text(diag: Diagnosis, serve: serve_line.ServeArgs) -> list[str]:
         f"memory      weights {format_bytes(d.weights_per_rank)} ({_tag(a['weights'])}), activation peak {format_bytes(d.activation)} "
         f"({_tag(a['activation'])}), non-PyTorch {format_bytes(deployment.NON_TORCH_BYTES)} ({deployment.NON_TORCH_SOURCE})",
         f"            free for unreserved scratch: {format_bytes(diag.headroom)} = (1 - {d.gpu_memory_utilization:.2f}) x total "
-        f"- {format_bytes(deployment.step_reserve(d.tp))} the step holds ({deployment.step_reserve_source(d.tp)})",
+        f"- {format_bytes(reserve.bytes)} the step holds ({reserve.source})",
         f"stock       worst step {format_bytes(diag.stock.peak_bytes)}: {'fits' if diag.stock.fits else 'FAILS'}"
         + (f" ({diag.stock.limit})" if diag.stock.limit else "")
         + f"; KV cache {format_bytes(diag.stock_kv_bytes)} = {diag.stock_kv_tokens:,} tokens"
