@@ -62,8 +62,8 @@ import matrix_report
 import run_serve
 import serve_phases as sp
 from run_cases import CASE_TITLES, ENV_DEFAULTS, PLANNER_VARS, TOKEN_RANGE, write_json
-from serve_proc import (ERROR_PATTERNS, SHUTDOWN_MARK, Server, ServerSpec, check_stop, free_port, install_cleanup,
-                        log_facts)
+from serve_proc import (ERROR_PATTERNS, QUIET_LEVEL, SHUTDOWN_MARK, Server, ServerSpec, check_stop, free_port,
+                        install_cleanup, log_facts)
 from serve_requests import one_request, run_case
 from serve_tokenizer import check_tokenizer, served_model_dir
 
@@ -77,7 +77,6 @@ DISTURBED = ("Error in memory profiling", "No available memory for the cache blo
              "less than desired GPU memory utilization")
 EXCEPTION_LINE = re.compile(r"\b[A-Za-z_.]*(Error|Exception)\b: ")
 # vLLM's lines below ERROR, which can quote an exception (the ulimit warning names "OSError: ...").
-QUIET_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d ")
 LOAD_PHASES = (("chat", None), ("32k", "1"), ("eight", "2"), ("64k", "4"))
 CHAT_PREFIX, CHAT_LEN, CHAT_MAX_TOKENS, CHAT_SEED = 256, (300, 1100), (16, 256), 2900
 MIN_PHASE_S = 15  # a load phase starts with at least this much left

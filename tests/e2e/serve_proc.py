@@ -38,6 +38,9 @@ HOST = "127.0.0.1"
 ERROR_PATTERNS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error", "illegal memory access",
                   "EngineDeadError", "EngineCore encountered", "Traceback (most recent call last)")
 SHUTDOWN_MARK = "[shutdown] "  # vLLM's first line once a stop began (SIGTERM to the API server or engine)
+# vLLM's prefix of a line logged below ERROR: such a line may quote an error (the H200's ulimit
+# WARNING quotes an OSError) without being one.
+QUIET_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d ")
 
 
 @dataclass(frozen=True)
@@ -324,8 +327,9 @@ def log_facts(text: str) -> dict[str, Any]:
     # traceback of its own: what follows vLLM's first "[shutdown]" line (in 0.26 and 0.33) is the
     # stop's, counted apart from the engine's errors.
     stop = next((i for i, line in enumerate(lines) if SHUTDOWN_MARK in line), len(lines))
+    engine = [line for line in lines[:stop] if not QUIET_LEVEL.search(line)]
     errors: dict[str, list[str]] = {}
-    for line in lines[:stop]:
+    for line in engine:
         for pattern in ERROR_PATTERNS:
             if pattern in line:
                 errors.setdefault(pattern, [])
@@ -338,7 +342,7 @@ def log_facts(text: str) -> dict[str, Any]:
                               None),
         "planner_lines": [line.strip()[:300] for line in text.splitlines() if "mla-planner:" in line][:6],
         "errors": errors,
-        "error_count": {k: sum(k in line for line in lines[:stop]) for k in errors},
+        "error_count": {k: sum(k in line for line in engine) for k in errors},
         "error_lines_at_stop": sum(any(p in line for p in ERROR_PATTERNS) for line in lines[stop:]),
     }
 

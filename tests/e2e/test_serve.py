@@ -192,11 +192,13 @@ def test_server_environment() -> None:
 
 def test_log_facts_leave_the_stops_errors_apart() -> None:
     """What the H200 logged for a stock server that served every request and was then stopped (vLLM
-    0.33.0, shortened): the API server's EngineDeadError after the stop is not the engine's error."""
+    0.33.0, shortened): the API server's EngineDeadError after the stop is not the engine's error, nor
+    is a line logged below ERROR that quotes one."""
     log = "\n".join([
         "(EngineCore pid=1021) INFO 12-01 15:09:10 [gpu_worker.py:436] Available KV cache memory: 45.52 GiB",
         "(EngineCore pid=1021) INFO 12-01 15:09:11 [kv_cache_utils.py:1687] GPU KV cache size: 31,008,592 tokens",
         "(EngineCore pid=1021) ERROR 12-01 15:10:00 [core.py:1586] torch.OutOfMemoryError: CUDA out of memory. Tried",
+        "(EngineCore pid=1021) WARNING 12-01 15:10:01 [x.py:1] retrying after: CUDA out of memory (not the engine's error)",
         "(EngineCore pid=1021) INFO 12-01 15:13:19 [core.py:1525] [shutdown] EngineCore: trigger received signal=SIGTERM",
         "(APIServer pid=835) ERROR 12-01 15:13:19 [async_llm.py:943] Traceback (most recent call last):",
         "(APIServer pid=835) ERROR 12-01 15:13:19 [async_llm.py:943] vllm.v1.engine.exceptions.EngineDeadError: Engine",
