@@ -62,8 +62,8 @@ import matrix_report
 import run_serve
 import serve_phases as sp
 from run_cases import CASE_TITLES, ENV_DEFAULTS, PLANNER_VARS, TOKEN_RANGE, write_json
-from serve_proc import (ERROR_PATTERNS, QUIET_LEVEL, SHUTDOWN_MARK, Server, ServerSpec, check_stop, free_port,
-                        install_cleanup, log_facts)
+from serve_proc import (ERROR_PATTERNS, Server, ServerSpec, check_stop, engine_lines, free_port, install_cleanup,
+                        log_facts)
 from serve_requests import one_request, run_case
 from serve_tokenizer import check_tokenizer, served_model_dir
 
@@ -76,7 +76,6 @@ KV_SIZED = "GPU KV cache size"  # vLLM 0.26's and 0.33's line once the KV cache 
 DISTURBED = ("Error in memory profiling", "No available memory for the cache blocks",
              "less than desired GPU memory utilization")
 EXCEPTION_LINE = re.compile(r"\b[A-Za-z_.]*(Error|Exception)\b: ")
-# vLLM's lines below ERROR, which can quote an exception (the ulimit warning names "OSError: ...").
 LOAD_PHASES = (("chat", None), ("32k", "1"), ("eight", "2"), ("64k", "4"))
 CHAT_PREFIX, CHAT_LEN, CHAT_MAX_TOKENS, CHAT_SEED = 256, (300, 1100), (16, 256), 2900
 MIN_PHASE_S = 15  # a load phase starts with at least this much left
@@ -375,11 +374,7 @@ def first_errors(text: str, limit: int = 5) -> list[str]:
     """The first distinct error lines before the stop began: exception lines and serve_proc's patterns,
     in lines not logged at a level below ERROR."""
     found: list[str] = []
-    for line in text.splitlines():
-        if SHUTDOWN_MARK in line:
-            break
-        if QUIET_LEVEL.search(line):
-            continue
+    for line in engine_lines(text.splitlines()):
         if EXCEPTION_LINE.search(line) or any(p in line for p in ERROR_PATTERNS[:-1]):  # not "Traceback ..."
             short = line.strip()[:400]
             if short not in found:

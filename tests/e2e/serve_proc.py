@@ -323,11 +323,7 @@ def log_facts(text: str) -> dict[str, Any]:
         return float(m.group(1).replace(",", "")) if m else None
 
     lines = text.splitlines()
-    # Stopping a server kills its engine mid-loop, and the API server then logs an EngineDeadError
-    # traceback of its own: what follows vLLM's first "[shutdown]" line (in 0.26 and 0.33) is the
-    # stop's, counted apart from the engine's errors.
-    stop = next((i for i, line in enumerate(lines) if SHUTDOWN_MARK in line), len(lines))
-    engine = [line for line in lines[:stop] if not QUIET_LEVEL.search(line)]
+    engine = engine_lines(lines)
     errors: dict[str, list[str]] = {}
     for line in engine:
         for pattern in ERROR_PATTERNS:
@@ -343,8 +339,20 @@ def log_facts(text: str) -> dict[str, Any]:
         "planner_lines": [line.strip()[:300] for line in text.splitlines() if "mla-planner:" in line][:6],
         "errors": errors,
         "error_count": {k: sum(k in line for line in engine) for k in errors},
-        "error_lines_at_stop": sum(any(p in line for p in ERROR_PATTERNS) for line in lines[stop:]),
+        "error_lines_at_stop": sum(any(p in line for p in ERROR_PATTERNS) for line in lines[stop_index(lines):]),
     }
+
+
+def stop_index(lines: list[str]) -> int:
+    """Where the stop of a server began in its log lines (their length if it did not). Stopping a
+    server kills its engine mid-loop, and the API server then logs an EngineDeadError traceback of
+    its own: what follows vLLM's first "[shutdown]" line (in 0.26 and 0.33) is the stop's."""
+    return next((i for i, line in enumerate(lines) if SHUTDOWN_MARK in line), len(lines))
+
+
+def engine_lines(lines: list[str]) -> list[str]:
+    """The log lines in which an error is the engine's: before the stop, not logged below ERROR."""
+    return [line for line in lines[:stop_index(lines)] if not QUIET_LEVEL.search(line)]
 
 
 def _nvidia_smi(query: str) -> list[list[str]] | None:

@@ -193,7 +193,7 @@ def test_server_environment() -> None:
 def test_log_facts_leave_the_stops_errors_apart() -> None:
     """What the H200 logged for a stock server that served every request and was then stopped (vLLM
     0.33.0, shortened): the API server's EngineDeadError after the stop is not the engine's error, nor
-    is a line logged below ERROR that quotes one."""
+    is a line logged below ERROR that quotes one (the WARNING line, written for this test)."""
     log = "\n".join([
         "(EngineCore pid=1021) INFO 12-01 15:09:10 [gpu_worker.py:436] Available KV cache memory: 45.52 GiB",
         "(EngineCore pid=1021) INFO 12-01 15:09:11 [kv_cache_utils.py:1687] GPU KV cache size: 31,008,592 tokens",
