@@ -384,11 +384,20 @@ class Backend:
     def close(self) -> None:
         self._cpu.__exit__(None, None, None)
 
-    def step(self, query_lens: list[int], context_lens: list[int], gen: torch.Generator) -> dict[str, Any]:
+    def step(self, query_lens: list[int], context_lens: list[int], gen: torch.Generator, *,
+             draft_after_padding: int = 0) -> dict[str, Any]:
+        """The step's metadata, from the builder, and its inputs and reference output.
+        ``draft_after_padding``: the metadata the MTP draft is given after vLLM padded the target
+        step with that many requests of length 0 (the runner's ``unpadded`` of the padded one)."""
         seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
         block_table, num_pages = shuffled_block_table(seq_lens, gen)
         kv_cache = quantize_fp8_ds_mla(random_kv_rows(num_pages * 64, gen)).view(num_pages, 64, 656)
-        metadata = self.builder.build(0, common_metadata(query_lens, context_lens, block_table))
+        pad = draft_after_padding
+        common = common_metadata(query_lens + [0] * pad, context_lens + [0] * pad,
+                                 torch.cat([block_table, block_table.new_zeros((pad, block_table.shape[1]))]))
+        if pad:
+            common = common.unpadded(sum(query_lens), len(query_lens))
+        metadata = self.builder.build(0, common)
         positions = causal_positions(query_lens, context_lens, TOPK, gen)
         q = torch.randn((sum(query_lens), self.num_heads, 576), generator=gen)
         slots = request_slots(positions, query_lens, block_table)
@@ -1206,10 +1215,10 @@ def routes(request: pytest.FixtureRequest, tmp_path: pathlib.Path, monkeypatch: 
 
 
 def run_step(backend: Backend, query_lens: list[int], context_lens: list[int], gen: torch.Generator,
-             rtol: float = 1e-4) -> Any:
+             rtol: float = 1e-4, draft_after_padding: int = 0) -> Any:
     """Build a step's metadata, run the layer's FP8 forward on vLLM's route for it, and check the
     output against the float32 reference; the metadata back."""
-    case = backend.step(query_lens, context_lens, gen)
+    case = backend.step(query_lens, context_lens, gen, draft_after_padding=draft_after_padding)
     md, q = case["metadata"], case["q"]
     n = q.shape[0]
     backend.topk_buffer[:n] = case["positions"]
@@ -1258,6 +1267,20 @@ def test_speculative_decodes_run(routes: Backend, gen: torch.Generator, k: int, 
         assert sum(batch for batch, _ in shapes) == 12
 
 
+def test_the_mtp_drafts_step_after_a_padded_step_is_planned(routes: Backend, gen: torch.Generator) -> None:
+    """The MTP draft's metadata after a target step vLLM padded for a CUDA graph goes through
+    ``unpadded``, which on vLLM 0.26 drops the CPU sequence lengths that planning and vLLM's own
+    separate-route build read: the step is planned all the same, none runs vLLM's own code, and
+    the output is the reference's."""
+    from mla_planner.vllm_backend import stock_steps
+
+    before = sum(stock_steps.counts.values())
+    lens = [2] * 12 + [300]
+    md = run_step(routes, lens, [50 + 13 * i for i in range(len(lens))], gen, draft_after_padding=3)
+    assert md.planned is not None and md.planned.sparse_tokens == sum(lens)
+    assert sum(stock_steps.counts.values()) == before, "no step fell back to vLLM's code"
+
+
 def test_vllms_own_gather_chunks_are_followed(separate: Backend, gen: torch.Generator,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Where vLLM gathers the prefills in chunks of its own (its test patches one request a chunk),
@@ -1290,6 +1313,27 @@ def test_a_step_the_planner_refuses_runs_vllms_own_code(mixed: Backend, gen: tor
     assert sum(stock_steps.counts.values()) == before + 1
     # The step log counts it (tests/e2e/step_log.py reads the debug line).
     assert [s.kind for s in step_log.parse("\n".join(lines))] == [step_log.STOCK_FALLBACK], lines
+
+
+def test_the_fallback_warning_names_where_a_bare_assert_failed() -> None:
+    """A step left to vLLM's code is logged once per reason with the exception's message; an
+    exception with none (a bare ``assert``, vLLM's or the backend's) is named by where it was
+    raised, so that the one warning still says which check failed."""
+    import inspect
+
+    from mla_planner.vllm_backend import stock_steps
+
+    def check(n: int) -> None:
+        if n <= 0:  # a bare assert's failure (pytest rewrites the asserts of a test module)
+            raise AssertionError
+
+    try:
+        check(0)
+    except AssertionError as exc:
+        line = inspect.getsourcelines(check)[1] + 2
+        assert stock_steps.describe(exc).startswith("(no message) raised at ")
+        assert stock_steps.describe(exc).endswith(f"test_vllm_backend.py:{line} in check")
+    assert stock_steps.describe(ValueError("two  words\non two lines")) == "two words on two lines"
 
 
 @pytest.mark.parametrize("num_heads", [16, 32, 64])

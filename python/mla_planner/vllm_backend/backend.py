@@ -135,6 +135,9 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> FlashMLASparseMetadata:
+        # The MTP draft's metadata on 0.26 can lack the CPU sequence lengths that planning and
+        # vLLM's own separate-route build read.
+        common_attn_metadata = vllm_api.with_cpu_seq_lens(common_attn_metadata)
         metadata = FlashMLASparseMetadataBuilder.build(self, common_prefix_len, common_attn_metadata, fast_build)
         # vLLM's tests call builder methods on the class with a stand-in `self`: stock's build.
         if getattr(self, "engine", None) is None:
@@ -147,7 +150,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             except Exception as exc:  # after start-up, never raise: vLLM's own choice runs the prefills
                 setattr(metadata.prefill, masked_mha.PLAN_ATTRIBUTE, None)
                 stock_steps.ran_stock(f"the step's masked-MHA groups could not be planned ({type(exc).__name__})",
-                                      " ".join(str(exc).split()), common_attn_metadata.num_actual_tokens,
+                                      stock_steps.describe(exc), common_attn_metadata.num_actual_tokens,
                                       metadata.num_decode_tokens, metadata.num_prefills)
         if not self.plans_steps:
             return metadata
@@ -155,7 +158,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             self.attach_plan(metadata, common_attn_metadata)
         except Exception as exc:  # after start-up, never raise: vLLM's own code runs the step
             metadata.planned = None
-            stock_steps.ran_stock(f"the step could not be planned ({type(exc).__name__})", " ".join(str(exc).split()),
+            stock_steps.ran_stock(f"the step could not be planned ({type(exc).__name__})", stock_steps.describe(exc),
                                   common_attn_metadata.num_actual_tokens, metadata.num_decode_tokens,
                                   metadata.num_prefills)
         return metadata
@@ -182,7 +185,8 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         starts = common.query_start_loc_cpu.numpy()[: sparse + 1]
         query_lens = starts[1:] - starts[:-1]
         seq_lens = common.seq_lens_cpu_upper_bound
-        assert seq_lens is not None
+        if seq_lens is None:
+            raise LookupError("vLLM's step metadata carries no CPU sequence lengths (seq_lens_cpu_upper_bound)")
         context_lens = seq_lens.numpy()[:sparse] - query_lens
         num_decodes = int(metadata.num_decodes)
         config = self.engine.config

@@ -9,12 +9,30 @@ reads it (``mla-planner step: ..., vLLM's own code (REASON)``; tests/e2e/step_lo
 from __future__ import annotations
 
 import collections
+import traceback
 
 from mla_planner.vllm_backend.log import logger
 
 
 counts: collections.Counter[str] = collections.Counter()
 """Steps (builder) and layer calls (impl) that ran vLLM's own code, by reason."""
+
+
+def describe(exc: BaseException) -> str:
+    """``exc``'s message on one line; for one without (a bare ``assert``, in vLLM's code or this
+    backend's), where it was raised, so that the one warning still says which check failed."""
+    message = " ".join(str(exc).split())
+    if message:
+        return message
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "(no message)"
+    where = frames[-1]
+    path = where.filename.replace("\\", "/")
+    for root in ("/site-packages/", "/python/"):  # vllm/..., mla_planner/...
+        if root in path:
+            path = path.rsplit(root, 1)[1]
+    return f"(no message) raised at {path}:{where.lineno} in {where.name}"
 
 
 def ran_stock(reason: str, detail: str, tokens: int, decode_tokens: int, prefills: int) -> None:
