@@ -385,16 +385,18 @@ class Backend:
         self._cpu.__exit__(None, None, None)
 
     def step(self, query_lens: list[int], context_lens: list[int], gen: torch.Generator, *,
-             draft_after_padding: int = 0) -> dict[str, Any]:
+             draft_after_padding: int = 0, exact_seq_lens: bool = True) -> dict[str, Any]:
         """The step's metadata, from the builder, and its inputs and reference output.
         ``draft_after_padding``: the metadata the MTP draft is given after vLLM padded the target
-        step with that many requests of length 0 (the runner's ``unpadded`` of the padded one)."""
+        step with that many requests of length 0 (the runner's ``unpadded`` of the padded one);
+        ``exact_seq_lens``: see :func:`vllm_cpu.common_metadata`."""
         seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
         block_table, num_pages = shuffled_block_table(seq_lens, gen)
         kv_cache = quantize_fp8_ds_mla(random_kv_rows(num_pages * 64, gen)).view(num_pages, 64, 656)
         pad = draft_after_padding
         common = common_metadata(query_lens + [0] * pad, context_lens + [0] * pad,
-                                 torch.cat([block_table, block_table.new_zeros((pad, block_table.shape[1]))]))
+                                 torch.cat([block_table, block_table.new_zeros((pad, block_table.shape[1]))]),
+                                 exact_seq_lens=exact_seq_lens)
         if pad:
             common = common.unpadded(sum(query_lens), len(query_lens))
         metadata = self.builder.build(0, common)
@@ -1215,10 +1217,11 @@ def routes(request: pytest.FixtureRequest, tmp_path: pathlib.Path, monkeypatch: 
 
 
 def run_step(backend: Backend, query_lens: list[int], context_lens: list[int], gen: torch.Generator,
-             rtol: float = 1e-4, draft_after_padding: int = 0) -> Any:
-    """Build a step's metadata, run the layer's FP8 forward on vLLM's route for it, and check the
-    output against the float32 reference; the metadata back."""
-    case = backend.step(query_lens, context_lens, gen, draft_after_padding=draft_after_padding)
+             rtol: float = 1e-4, **metadata: Any) -> Any:
+    """Build a step's metadata (``metadata``: how vLLM shaped it, :meth:`Backend.step`), run the
+    layer's FP8 forward on vLLM's route for it, and check the output against the float32
+    reference; the metadata back."""
+    case = backend.step(query_lens, context_lens, gen, **metadata)
     md, q = case["metadata"], case["q"]
     n = q.shape[0]
     backend.topk_buffer[:n] = case["positions"]
@@ -1278,6 +1281,25 @@ def test_the_mtp_drafts_step_after_a_padded_step_is_planned(routes: Backend, gen
     lens = [2] * 12 + [300]
     md = run_step(routes, lens, [50 + 13 * i for i in range(len(lens))], gen, draft_after_padding=3)
     assert md.planned is not None and md.planned.sparse_tokens == sum(lens)
+    assert sum(stock_steps.counts.values()) == before, "no step fell back to vLLM's code"
+
+
+def test_the_mtp_drafts_decode_step_without_cpu_sequence_lengths_is_planned(routes: Backend,
+                                                                           gen: torch.Generator) -> None:
+    """Under async scheduling vLLM 0.26's runner keeps no exact CPU sequence lengths, so the MTP
+    draft's step after a padded decode step has none at all: its decodes are planned with contexts
+    of 0 (a decode's context shapes no plan; the planner's proptest
+    ``decode_context_lens_shape_no_plan``), none runs vLLM's own code, and the output is the
+    reference's."""
+    from mla_planner.vllm_backend import stock_steps
+
+    before = sum(stock_steps.counts.values())
+    lens = [2] * 40
+    md = run_step(routes, lens, [50 + 13 * i for i in range(len(lens))], gen, draft_after_padding=8,
+                  exact_seq_lens=False)
+    assert md.num_decodes == len(lens)
+    if sum(lens) > routes.builder.engine.stock_decode_tokens:
+        assert md.planned is not None and md.planned.sparse_tokens == sum(lens)
     assert sum(stock_steps.counts.values()) == before, "no step fell back to vLLM's code"
 
 

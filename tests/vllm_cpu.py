@@ -80,7 +80,10 @@ def vllm_config(model: pathlib.Path, *, kv_cache_dtype: str = "fp8_ds_mla", max_
     return config
 
 
-def common_metadata(query_lens: list[int], context_lens: list[int], block_table: torch.Tensor) -> Any:
+def common_metadata(query_lens: list[int], context_lens: list[int], block_table: torch.Tensor, *,
+                    exact_seq_lens: bool = True) -> Any:
+    """vLLM's metadata of a step. ``exact_seq_lens=False``: without the exact CPU sequence lengths
+    0.26 keeps beside the upper bound, as its runner under async speculative decoding builds it."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     q = torch.tensor(query_lens, dtype=torch.int32)
@@ -90,7 +93,8 @@ def common_metadata(query_lens: list[int], context_lens: list[int], block_table:
     import dataclasses
 
     # 0.26 also keeps the exact CPU sequence lengths; 0.33 has the upper bound only.
-    exact: dict[str, Any] = {"_seq_lens_cpu": seq} if "_seq_lens_cpu" in {f.name for f in dataclasses.fields(CommonAttentionMetadata)} else {}
+    keeps_exact = exact_seq_lens and "_seq_lens_cpu" in {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    exact: dict[str, Any] = {"_seq_lens_cpu": seq} if keeps_exact else {}
     return CommonAttentionMetadata(
         query_start_loc=starts.clone(),
         query_start_loc_cpu=starts,

@@ -184,11 +184,17 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         # vLLM's int32 CPU copies as they are: the planner widens them itself.
         starts = common.query_start_loc_cpu.numpy()[: sparse + 1]
         query_lens = starts[1:] - starts[:-1]
-        seq_lens = common.seq_lens_cpu_upper_bound
-        if seq_lens is None:
-            raise LookupError("vLLM's step metadata carries no CPU sequence lengths (seq_lens_cpu_upper_bound)")
-        context_lens = seq_lens.numpy()[:sparse] - query_lens
         num_decodes = int(metadata.num_decodes)
+        seq_lens = common.seq_lens_cpu_upper_bound
+        if seq_lens is not None:
+            context_lens = seq_lens.numpy()[:sparse] - query_lens
+        elif sparse == num_decodes:
+            # vLLM 0.26's MTP draft after a padded decode step under async scheduling: no CPU
+            # sequence lengths (vllm_api.with_cpu_seq_lens). A decode's context shapes no plan.
+            context_lens = np.zeros_like(query_lens)
+        else:
+            raise LookupError("vLLM's step metadata carries no CPU sequence lengths (seq_lens_cpu_upper_bound), "
+                              "which a prefill's plan reads")
         config = self.engine.config
         plan = routing.choose_plan(self.engine.cost_model, query_lens, context_lens, num_decodes, config)
         mixed = plan.mode == "mixed_batch"

@@ -24,10 +24,12 @@ What differs (0.33.0 wheel, ``F`` = ``vllm/v1/attention/backends/mla/flashmla_sp
   padded q and output views the backend's launches use; 0.26 has none;
 * FlashMLA's SM90 BF16 sparse prefill kernel (``flash_mla_sparse_fwd``) runs 16 and 32 heads
   unpadded in 0.33's build (:data:`NATIVE_PREFILL_KERNELS`); 0.26's runs 64 and 128 only;
-* ``CommonAttentionMetadata.unpadded`` (what the MTP draft is given after a padded target step)
-  keeps ``seq_lens_cpu_upper_bound`` on 0.33; 0.26's drops it (v1/attention/backend.py:563-594)
-  and keeps ``_seq_lens_cpu``, the same CPU array (gpu_model_runner.py:2343-2344, 2405-2407):
-  :func:`with_cpu_seq_lens` restores it;
+* ``CommonAttentionMetadata.unpadded`` (what the MTP draft is given after a target step padded
+  for a full CUDA graph: gpu_model_runner.py:2578-2586) keeps ``seq_lens_cpu_upper_bound`` on
+  0.33; 0.26's drops it (v1/attention/backend.py:563-594) and keeps ``_seq_lens_cpu``, the same
+  CPU array (gpu_model_runner.py:2343-2344, 2405-2407), which :func:`with_cpu_seq_lens` puts back.
+  Under async scheduling with speculative decoding 0.26 keeps no ``_seq_lens_cpu``
+  (gpu_model_runner.py:2354-2356): such a draft step, all decodes, has no CPU sequence lengths;
 * masked-MHA prefill (SM100, FA4, a non-quantized KV cache): the layer asks the impl's
   ``masked_mha_workspace_fits`` and runs the prefills through its ``forward_mha``
   (mla_attention.py:990-1000, 1215-1240); 0.26 has none. The backend plans and runs it in
@@ -266,8 +268,8 @@ def with_cpu_seq_lens(common: CommonAttentionMetadata) -> CommonAttentionMetadat
     """``common`` with its CPU sequence lengths (``seq_lens_cpu_upper_bound``: exact for prefills,
     an upper bound for speculative decodes), which planning and vLLM's own separate-route build
     read. On 0.26 the MTP draft's metadata after a padded target step lacks them (``unpadded``
-    drops the field) but keeps ``_seq_lens_cpu``, the runner's same array: a copy with it filled
-    in. ``common`` itself where it has them, or has neither."""
+    drops the field) but, without async scheduling, keeps ``_seq_lens_cpu``, the runner's same
+    array: a copy with it filled in. ``common`` itself where it has them, or has neither."""
     exact = getattr(common, "_seq_lens_cpu", None)
     if common.seq_lens_cpu_upper_bound is not None or exact is None:
         return common

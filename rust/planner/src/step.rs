@@ -863,6 +863,38 @@ mod tests {
     }
 
     proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2_000))]
+
+        /// A decode's context length shapes no plan (a prefill's does: its gather): the vLLM
+        /// backend plans a step of decodes whose CPU sequence lengths vLLM did not keep with
+        /// contexts of 0, and gets the plan the real ones give.
+        #[test]
+        fn decode_context_lens_shape_no_plan(
+            k in 1u64..4,
+            decodes in 0usize..40,
+            pads in 0usize..8,
+            prefills in prop::collection::vec((1u64..20_000, 0u64..40_000), 0..4),
+            decode_contexts in prop::collection::vec(0u64..200_000, 48),
+            heads in prop_oneof![Just(16u32), Just(32), Just(64), Just(128)],
+            separate in any::<bool>(),
+            budget in (64u64 << 20)..(4 * GIB),
+        ) {
+            let d = decodes + pads;
+            let q: Vec<u64> = std::iter::repeat(k).take(decodes).chain(std::iter::repeat(0).take(pads))
+                .chain(prefills.iter().map(|p| p.0)).collect();
+            let mut c: Vec<u64> = decode_contexts[..d].iter().copied().chain(prefills.iter().map(|p| p.1)).collect();
+            let mode = if separate { StepMode::SeparatePrefillDecode } else { StepMode::MixedBatch };
+            let mut config = cfg(heads, KvDtype::Fp8).with_mode(mode);
+            config.scratch_budget_bytes = budget;
+            config.gather_workspace_rows = 30_000;
+            let real = plan_step(Step { query_lens: &q, context_lens: &c, num_decodes: d }, &config);
+            for x in &mut c[..d] { *x = 0; }
+            let zeros = plan_step(Step { query_lens: &q, context_lens: &c, num_decodes: d }, &config);
+            prop_assert_eq!(real.map_err(|e| e.to_string()), zeros.map_err(|e| e.to_string()));
+        }
+    }
+
+    proptest! {
         #![proptest_config(ProptestConfig::with_cases(10_000))]
 
         /// Every token of a sparse-routed request is computed exactly once
