@@ -1297,9 +1297,8 @@ def test_the_mtp_drafts_decode_step_without_cpu_sequence_lengths_is_planned(rout
     lens = [2] * 40
     md = run_step(routes, lens, [50 + 13 * i for i in range(len(lens))], gen, draft_after_padding=8,
                   exact_seq_lens=False)
-    assert md.num_decodes == len(lens)
-    if sum(lens) > routes.builder.engine.stock_decode_tokens:
-        assert md.planned is not None and md.planned.sparse_tokens == sum(lens)
+    assert md.num_decodes == len(lens) and sum(lens) > routes.builder.engine.stock_decode_tokens
+    assert md.planned is not None and md.planned.sparse_tokens == sum(lens)
     assert sum(stock_steps.counts.values()) == before, "no step fell back to vLLM's code"
 
 
@@ -1349,12 +1348,11 @@ def test_the_fallback_warning_names_where_a_bare_assert_failed() -> None:
         if n <= 0:  # a bare assert's failure (pytest rewrites the asserts of a test module)
             raise AssertionError
 
-    try:
+    with pytest.raises(AssertionError) as raised:
         check(0)
-    except AssertionError as exc:
-        line = inspect.getsourcelines(check)[1] + 2
-        assert stock_steps.describe(exc).startswith("(no message) raised at ")
-        assert stock_steps.describe(exc).endswith(f"test_vllm_backend.py:{line} in check")
+    line = inspect.getsourcelines(check)[1] + 2
+    assert stock_steps.describe(raised.value).startswith("(no message) raised at ")
+    assert stock_steps.describe(raised.value).endswith(f"test_vllm_backend.py:{line} in check")
     assert stock_steps.describe(ValueError("two  words\non two lines")) == "two words on two lines"
 
 
