@@ -872,6 +872,54 @@ def test_cost_profile_puts_a_16_head_prefill_on_the_separate_route(routed: Backe
     assert small.fp8_use_mixed_batch and small.planned.plan.mode == "mixed_batch"
 
 
+def test_a_layer_call_that_cannot_run_its_plan_runs_vllms_code_on_vllms_route(
+        routed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error while a layer call runs its plan raises nothing: vLLM's own code runs the call on
+    the route vLLM's rule took (mixed batch at 16 heads), not on the route the builder rebuilt the
+    step for; the reason is counted, and the step keeps its plan for the other layers."""
+    from mla_planner.vllm_backend import stock_steps
+
+    case = routed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    md, q = case["metadata"], case["q"]
+    assert not md.fp8_use_mixed_batch and md.planned.vllm_route is not None and md.planned.vllm_route[0]
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a launch failed")
+
+    monkeypatch.setattr(routed.impl.separate, "run", fail)
+    reason = "the layer call could not run its plan (RuntimeError)"
+    before = stock_steps.counts[reason]
+    n = q.shape[0]
+    routed.topk_buffer[:n] = case["positions"]
+    out = forward_out(routed.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], routed.topk_buffer[:n],
+                                                                          md))
+    torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
+    assert routed.kernels.decode_calls == [(1, n, 64, 576)] and routed.kernels.prefill_calls == [], \
+        "stock's one mixed-batch call over every token"
+    assert stock_steps.counts[reason] == before + 1
+    assert not md.fp8_use_mixed_batch and md.planned is not None, "the step's metadata is left as planned"
+
+
+def test_a_plan_whose_launches_cannot_be_derived_leaves_vllms_route(
+        routed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The builder changes the step's metadata only once the whole plan is derived: a failure
+    while deriving it leaves vLLM's route and metadata as vLLM's rule built them."""
+    from mla_planner.vllm_backend import backend, stock_steps
+
+    class Failing:
+        @classmethod
+        def of(cls, *args: Any) -> None:
+            raise ValueError("no launches")
+
+    monkeypatch.setattr(backend, "SeparateLaunches", Failing)
+    reason = "the step could not be planned (ValueError)"
+    before = stock_steps.counts[reason]
+    md = run_step(routed, QUERY_LENS, CONTEXT_LENS, gen, rtol=1e-4)
+    assert md.fp8_use_mixed_batch and md.planned is None
+    assert routed.kernels.decode_calls == [(1, sum(QUERY_LENS), 64, 576)]
+    assert stock_steps.counts[reason] == before + 1
+
+
 # ROUTING_PROFILE with the prefill kernel at 16 native heads: 50 + T/10 us, cheaper than padded.
 NATIVE_PROFILE = dict(ROUTING_PROFILE, sparse_prefill={
     "64": [[2, 201], [65536, 32968]], "128": [[1, 204], [65536, 262344]], "16": [[1, 50.1], [65536, 6603.6]]})

@@ -15,8 +15,9 @@ Subclasses vLLM's ``FlashMLASparse*`` classes and changes only what the plan cha
 * BF16-KV steps run stock code, except, on vLLM 0.33, a step whose masked-MHA prefills do not fit
   vLLM's mask workspace together (:mod:`.masked_mha`).
 
-After start-up nothing here raises: a step the planner refuses, or a layer call whose tokens are
-not its plan's, runs vLLM's own code (:mod:`.stock_steps` logs each reason once and counts them).
+After start-up nothing here raises: a step the planner refuses, or a layer call that cannot run
+its plan (tokens not the plan's, or any error before its output is returned), runs vLLM's own code
+on the route vLLM's rule took (:mod:`.stock_steps` logs each reason once and counts them).
 
 Overrides call stock's method by its class, never through zero-argument ``super()``, and behave
 as stock's where ``self`` lacks this backend's state: vLLM's own tests call these methods on the
@@ -26,8 +27,8 @@ comes through :mod:`.vllm_api`, the version seam.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import functools
 import logging
 from typing import Any, cast
 
@@ -62,7 +63,8 @@ class PlannedStep:
     """One step's plan, shared by the step's layers: what every layer would derive from it the
     same way is derived here, once per step (the executors' launches, FlashMLA's schedules)."""
 
-    def __init__(self, plan: mla_planner.StepPlan, config: mla_planner.StepConfig) -> None:
+    def __init__(self, plan: mla_planner.StepPlan, config: mla_planner.StepConfig,
+                 vllm_route: tuple[bool, Any] | None = None) -> None:
         self.plan = plan
         self.schedules: dict[Any, Any] = {}
         """FlashMLA schedules by launch shape, filled by the first layer and reused by the rest."""
@@ -77,14 +79,13 @@ class PlannedStep:
         self.stock_call_bytes = launches[0].bytes if stock_call else None
         """A plan of one launch is the one kernel call stock's forward makes for the step (and its
         gather, on the separate route): the bytes the plan counts for it. ``None`` otherwise."""
-
-    @functools.cached_property
-    def mixed_launches(self) -> Launches:
-        return Launches.of(self.plan, self.launches)
-
-    @functools.cached_property
-    def separate_launches(self) -> SeparateLaunches:
-        return SeparateLaunches.of(self.plan, self.launches)
+        # Derived here, in the builder, where a failure still leaves the step to vLLM's code.
+        mixed = plan.mode == "mixed_batch"
+        self.mixed_launches = Launches.of(plan, launches) if mixed else None
+        self.separate_launches = None if mixed else SeparateLaunches.of(plan, launches)
+        self.vllm_route = vllm_route
+        """``(fp8_use_mixed_batch, fp8_extra_metadata)`` as vLLM's rule built them, where the
+        builder rebuilt the step's FP8 metadata for the plan's route; ``None`` where it kept them."""
 
 
 @dataclasses.dataclass
@@ -209,8 +210,10 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
                 plan = mla_planner.plan_step(query_lens, context_lens, num_decodes,
                                              config.replace(mode=plan.mode, native_prefill_heads=native),
                                              gather_chunks=np.asarray(chunks, dtype=np.int64).reshape(-1, 2))
+        vllm_route = None if mixed == metadata.fp8_use_mixed_batch else (metadata.fp8_use_mixed_batch,
+                                                                          metadata.fp8_extra_metadata)
+        metadata.planned = PlannedStep(plan, config, vllm_route)
         metadata.fp8_use_mixed_batch, metadata.fp8_extra_metadata = mixed, fp8
-        metadata.planned = PlannedStep(plan, config)
         if logger.isEnabledFor(logging.DEBUG):  # the arguments are calls into the plan: none unless logged
             logger.debug("mla-planner step: %d tokens, %d decode tokens, %d prefills, %s, %d launches, peak %d B, "
                          "bound %s", plan.num_tokens, metadata.num_decode_tokens, metadata.num_prefills, plan.mode,
@@ -318,22 +321,31 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         **kwargs: Any,
     ) -> Any:
         # vllm_api: 0.33 returns (out, lse | None) and takes kernel_metadata= (its PCP+DCP decode
-        # rows, which never carry a plan); 0.26 returns out.
-        step = step_to_run(self, attn_metadata, q, kv_c_and_k_pe_cache, topk_indices)
-        if step is None or args or kwargs.get("kernel_metadata") is not None or step.plan.mode != "mixed_batch":
-            return FlashMLASparseImpl._forward_fp8_kv_mixed_batch(
-                self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata, *args, **kwargs
-            )
-        pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_c_and_k_pe_cache, attn_metadata.block_size)
+        # rows, and its separate route's decode rows: stock's own calls, never a plan); 0.26 returns out.
+        if not args and kwargs.get("kernel_metadata") is None:
+            try:
+                step = step_to_run(self, attn_metadata, q, kv_c_and_k_pe_cache, topk_indices)
+                if step is not None and step.mixed_launches is not None:
+                    return self._run_mixed(step, step.mixed_launches, q, kv_c_and_k_pe_cache, topk_indices,
+                                           attn_metadata)
+            except Exception as exc:  # after start-up, never raise: vLLM's own code, on its own route
+                return stock_forward(self, q, kv_c_and_k_pe_cache, topk_indices, vllm_metadata(exc, attn_metadata))
+        return FlashMLASparseImpl._forward_fp8_kv_mixed_batch(
+            self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata, *args, **kwargs
+        )
+
+    def _run_mixed(self, step: PlannedStep, launches: Launches, q: torch.Tensor, kv_cache: torch.Tensor,
+                   topk_indices: torch.Tensor, md: FlashMLASparseMetadata) -> Any:
+        pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
         views = vllm_api.workspace_views(self)
         out = fitted(views.compact_out, (q.shape[0], self.num_heads, self.kv_lora_rank), q)
 
         def slots(rows: slice) -> torch.Tensor:
-            return translate_indices(attn_metadata, topk_indices, rows, block_stride_rows)[0]
+            return translate_indices(md, topk_indices, rows, block_stride_rows)[0]
 
         # On 0.33 the padded q and kernel output go in stock's BF16-prefill workspace views, which
         # this route never otherwise uses: the reservation counts them as served.
-        self.mixed.run_launches(step.mixed_launches, q, pages.view(torch.uint8).unsqueeze(-2), slots, out,
+        self.mixed.run_launches(launches, q, pages.view(torch.uint8).unsqueeze(-2), slots, out,
                                 schedules=step.schedules, q_buffer=views.q_padded, out_buffer=views.padded_out,
                                 softmax_scale=self.softmax_scale)
         return vllm_api.forward_result(out)
@@ -345,36 +357,51 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         topk_indices: torch.Tensor,
         attn_metadata: FlashMLASparseMetadata,
     ) -> Any:
-        step = step_to_run(self, attn_metadata, q, kv_c_and_k_pe_cache, topk_indices)
-        fp8 = attn_metadata.fp8_extra_metadata
-        if step is None or step.plan.mode != "separate_prefill_decode":
-            return FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode(
-                self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata
-            )
-        assert isinstance(fp8, FlashMLASparseMetadata.FP8SeparatePrefillDecode)
-        pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_c_and_k_pe_cache, attn_metadata.block_size)
+        try:
+            step = step_to_run(self, attn_metadata, q, kv_c_and_k_pe_cache, topk_indices)
+            if step is not None and step.separate_launches is not None:
+                return self._run_separate(step, step.separate_launches, q, kv_c_and_k_pe_cache, topk_indices,
+                                          attn_metadata)
+        except Exception as exc:  # after start-up, never raise: vLLM's own code, on its own route
+            return stock_forward(self, q, kv_c_and_k_pe_cache, topk_indices, vllm_metadata(exc, attn_metadata))
+        return FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode(
+            self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata
+        )
+
+    def _run_separate(self, step: PlannedStep, launches: SeparateLaunches, q: torch.Tensor, kv_cache: torch.Tensor,
+                      topk_indices: torch.Tensor, md: FlashMLASparseMetadata) -> Any:
+        fp8 = md.fp8_extra_metadata
+        if not isinstance(fp8, FlashMLASparseMetadata.FP8SeparatePrefillDecode):
+            raise TypeError(f"a separate-route plan with {type(fp8).__name__} metadata")
+        pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
         # Once per layer call: on 0.33 views of the workspace manager's buffer, valid for this call.
         views = vllm_api.workspace_views(self)
-        assert views.gather is not None, "the separate route's gather workspace"
+        if views.gather is None:
+            raise LookupError("the separate route's gather workspace")
         # 0.33's stock writes the step's output into its workspace: so does this route.
         out = fitted(views.compact_out, (q.shape[0], self.num_heads, self.kv_lora_rank), q)
 
         def translate(rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return translate_indices(attn_metadata, topk_indices, rows, block_stride_rows, fp8.prefill)
+            return translate_indices(md, topk_indices, rows, block_stride_rows, fp8.prefill)
 
         chunks = [] if fp8.prefill is None else fp8.prefill.chunks
-        self.separate.run(step.separate_launches, q, pages.view(torch.uint8).unsqueeze(-2), translate, chunks,
+        self.separate.run(launches, q, pages.view(torch.uint8).unsqueeze(-2), translate, chunks,
                           views.gather, out, self.softmax_scale, schedules=step.schedules,
                           buffers=Buffers(views.q_padded, views.padded_out))
         return vllm_api.forward_result(out)
 
 
+class PlanMismatch(ValueError):
+    """A layer call whose sparse tokens are not its step's plan's."""
+
+
 def step_to_run(impl: Any, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
-            topk_indices: torch.Tensor) -> PlannedStep | None:
-    """The plan this layer call runs, or ``None`` for stock's code: no plan, a plan of stock's
-    one call within the allowance, or a call whose tokens are not the plan's. First, once per
-    process each: the reservation handed over once vLLM serves, the index translation warmed. A
-    function, not a method: vLLM's tests call the forwards with a stand-in ``impl``."""
+                topk_indices: torch.Tensor) -> PlannedStep | None:
+    """The plan this layer call runs, or ``None`` for stock's code: no plan, or a plan of stock's
+    one call within the allowance; :class:`PlanMismatch` for a call whose tokens are not the
+    plan's. First, once per process each: the reservation handed over once vLLM serves, the
+    index translation warmed. A function, not a method: vLLM's tests call the forwards with a
+    stand-in ``impl``."""
     setup = getattr(impl, "engine", None)
     if setup is None:  # a BF16 cache, or vLLM's tests' stand-in `self`
         return None
@@ -390,12 +417,35 @@ def step_to_run(impl: Any, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache
     if step is None:
         return None
     if q.shape[0] != step.sparse_tokens:
-        stock_steps.layer_ran_stock("vLLM handed the sparse kernels other tokens than the plan's",
-                                    f"{q.shape[0]} tokens where the plan has {step.sparse_tokens}")
-        return None
+        raise PlanMismatch(f"{q.shape[0]} tokens where the plan has {step.sparse_tokens}")
     if step.stock_call_bytes is not None and step.stock_call_bytes <= setup.stock_call_allowance:
         return None
     return cast(PlannedStep, step)
+
+
+def vllm_metadata(exc: Exception, md: FlashMLASparseMetadata) -> FlashMLASparseMetadata:
+    """After a layer call could not run its plan (``exc`` says why, logged once per reason): the
+    step's metadata on the route vLLM's rule built, where the builder rebuilt it for the plan's."""
+    if isinstance(exc, PlanMismatch):
+        stock_steps.layer_ran_stock("vLLM handed the sparse kernels other tokens than the plan's", str(exc))
+    else:
+        stock_steps.layer_ran_stock(f"the layer call could not run its plan ({type(exc).__name__})",
+                                    stock_steps.describe(exc))
+    step = getattr(md, "planned", None)
+    if step is None or step.vllm_route is None:
+        return md
+    md = copy.copy(md)
+    md.fp8_use_mixed_batch, md.fp8_extra_metadata = step.vllm_route
+    md.planned = None  # type: ignore[attr-defined]
+    return md
+
+
+def stock_forward(impl: Any, q: torch.Tensor, kv_cache: torch.Tensor, topk_indices: torch.Tensor,
+                  md: FlashMLASparseMetadata) -> Any:
+    """vLLM's own FP8 forward for the route ``md`` names."""
+    if md.fp8_use_mixed_batch:
+        return FlashMLASparseImpl._forward_fp8_kv_mixed_batch(impl, q, kv_cache, topk_indices, md)
+    return FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode(impl, q, kv_cache, topk_indices, md)
 
 
 def fitted(view: torch.Tensor | None, shape: tuple[int, int, int], like: torch.Tensor) -> torch.Tensor:
