@@ -323,13 +323,9 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         # vllm_api: 0.33 returns (out, lse | None) and takes kernel_metadata= (its PCP+DCP decode
         # rows, and its separate route's decode rows: stock's own calls, never a plan); 0.26 returns out.
         if not args and kwargs.get("kernel_metadata") is None:
-            try:
-                step = step_to_run(self, attn_metadata, q, kv_c_and_k_pe_cache, topk_indices)
-                if step is not None and step.mixed_launches is not None:
-                    return self._run_mixed(step, step.mixed_launches, q, kv_c_and_k_pe_cache, topk_indices,
-                                           attn_metadata)
-            except Exception as exc:  # after start-up, never raise: vLLM's own code, on its own route
-                return stock_forward(self, q, kv_c_and_k_pe_cache, topk_indices, vllm_metadata(exc, attn_metadata))
+            result = run_plan(self, "mixed_batch", q, kv_c_and_k_pe_cache, topk_indices, attn_metadata)
+            if result is not None:
+                return result
         return FlashMLASparseImpl._forward_fp8_kv_mixed_batch(
             self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata, *args, **kwargs
         )
@@ -357,13 +353,9 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         topk_indices: torch.Tensor,
         attn_metadata: FlashMLASparseMetadata,
     ) -> Any:
-        try:
-            step = step_to_run(self, attn_metadata, q, kv_c_and_k_pe_cache, topk_indices)
-            if step is not None and step.separate_launches is not None:
-                return self._run_separate(step, step.separate_launches, q, kv_c_and_k_pe_cache, topk_indices,
-                                          attn_metadata)
-        except Exception as exc:  # after start-up, never raise: vLLM's own code, on its own route
-            return stock_forward(self, q, kv_c_and_k_pe_cache, topk_indices, vllm_metadata(exc, attn_metadata))
+        result = run_plan(self, "separate_prefill_decode", q, kv_c_and_k_pe_cache, topk_indices, attn_metadata)
+        if result is not None:
+            return result
         return FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode(
             self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata
         )
@@ -395,13 +387,31 @@ class PlanMismatch(ValueError):
     """A layer call whose sparse tokens are not its step's plan's."""
 
 
+def run_plan(impl: Any, route: str, q: torch.Tensor, kv_cache: torch.Tensor, topk_indices: torch.Tensor,
+             md: FlashMLASparseMetadata) -> Any:
+    """The layer call as its step's plan on ``route`` says; ``None`` where stock's code runs it as
+    it stands (no plan, or stock's one call); where the plan cannot run, vLLM's own forward on the
+    route vLLM's rule took. A function, not a method: vLLM's tests call the forwards with a
+    stand-in ``impl``."""
+    try:
+        step = step_to_run(impl, md, q, kv_cache, topk_indices)
+        if step is None or step.plan.mode != route:
+            return None
+        if step.mixed_launches is not None:
+            return impl._run_mixed(step, step.mixed_launches, q, kv_cache, topk_indices, md)
+        if step.separate_launches is not None:
+            return impl._run_separate(step, step.separate_launches, q, kv_cache, topk_indices, md)
+        return None
+    except Exception as exc:  # after start-up, never raise
+        return stock_forward(impl, q, kv_cache, topk_indices, vllm_metadata(exc, md))
+
+
 def step_to_run(impl: Any, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                 topk_indices: torch.Tensor) -> PlannedStep | None:
     """The plan this layer call runs, or ``None`` for stock's code: no plan, or a plan of stock's
     one call within the allowance; :class:`PlanMismatch` for a call whose tokens are not the
     plan's. First, once per process each: the reservation handed over once vLLM serves, the
-    index translation warmed. A function, not a method: vLLM's tests call the forwards with a
-    stand-in ``impl``."""
+    index translation warmed."""
     setup = getattr(impl, "engine", None)
     if setup is None:  # a BF16 cache, or vLLM's tests' stand-in `self`
         return None
