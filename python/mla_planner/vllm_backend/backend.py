@@ -64,7 +64,7 @@ class PlannedStep:
     same way is derived here, once per step (the executors' launches, FlashMLA's schedules)."""
 
     def __init__(self, plan: mla_planner.StepPlan, config: mla_planner.StepConfig,
-                 vllm_route: tuple[bool, Any] | None = None) -> None:
+                 vllm_route: tuple[bool, Any] | None) -> None:
         self.plan = plan
         self.schedules: dict[Any, Any] = {}
         """FlashMLA schedules by launch shape, filled by the first layer and reused by the rest."""
