@@ -872,8 +872,13 @@ def test_cost_profile_puts_a_16_head_prefill_on_the_separate_route(routed: Backe
     assert small.fp8_use_mixed_batch and small.planned.plan.mode == "mixed_batch"
 
 
+# A planner bug (a Rust panic) arrives as pyo3's PanicException, a BaseException.
+FAILURES = [RuntimeError, mla_planner.PanicException]
+
+
+@pytest.mark.parametrize("error", FAILURES)
 def test_a_layer_call_that_cannot_run_its_plan_runs_vllms_code_on_vllms_route(
-        routed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+        routed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]) -> None:
     """An error while a layer call runs its plan raises nothing: vLLM's own code runs the call on
     the route vLLM's rule took (mixed batch at 16 heads), not on the route the builder rebuilt the
     step for; the reason is counted, and the step keeps its plan for the other layers."""
@@ -884,10 +889,10 @@ def test_a_layer_call_that_cannot_run_its_plan_runs_vllms_code_on_vllms_route(
     assert not md.fp8_use_mixed_batch and md.planned.vllm_route is not None and md.planned.vllm_route[0]
 
     def fail(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("a launch failed")
+        raise error("a launch failed")
 
     monkeypatch.setattr(routed.impl.separate, "run", fail)
-    reason = "the layer call could not run its plan (RuntimeError)"
+    reason = f"the layer call could not run its plan ({error.__name__})"
     before = stock_steps.counts[reason]
     n = q.shape[0]
     routed.topk_buffer[:n] = case["positions"]
@@ -900,8 +905,9 @@ def test_a_layer_call_that_cannot_run_its_plan_runs_vllms_code_on_vllms_route(
     assert not md.fp8_use_mixed_batch and md.planned is not None, "the step's metadata is left as planned"
 
 
+@pytest.mark.parametrize("error", FAILURES)
 def test_a_plan_whose_launches_cannot_be_derived_leaves_vllms_route(
-        routed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+        routed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]) -> None:
     """The builder changes the step's metadata only once the whole plan is derived: a failure
     while deriving it leaves vLLM's route and metadata as vLLM's rule built them."""
     from mla_planner.vllm_backend import backend, stock_steps
@@ -909,10 +915,10 @@ def test_a_plan_whose_launches_cannot_be_derived_leaves_vllms_route(
     class Failing:
         @classmethod
         def of(cls, *args: Any) -> None:
-            raise ValueError("no launches")
+            raise error("no launches")
 
     monkeypatch.setattr(backend, "SeparateLaunches", Failing)
-    reason = "the step could not be planned (ValueError)"
+    reason = f"the step could not be planned ({error.__name__})"
     before = stock_steps.counts[reason]
     md = run_step(routed, QUERY_LENS, CONTEXT_LENS, gen, rtol=1e-4)
     assert md.fp8_use_mixed_batch and md.planned is None

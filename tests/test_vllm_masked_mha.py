@@ -418,17 +418,19 @@ def test_a_step_whose_masks_fit_runs_as_stock(engine_factory: Any, gen: torch.Ge
     close_to(out, case["expected"])
 
 
+@pytest.mark.parametrize("error", [RuntimeError, mla_planner.PanicException])
 def test_a_step_the_groups_cannot_plan_runs_as_stock(engine_factory: Any, gen: torch.Generator,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Planning the groups fails (here: made to): the build does not raise, the step carries no
-    plan, the reason is counted once, and the layer runs stock's all-sparse-MQA step."""
+                                                     monkeypatch: pytest.MonkeyPatch, error: type[BaseException]) -> None:
+    """Planning the groups fails (here: made to; a planner bug arrives as pyo3's PanicException,
+    a BaseException): the build does not raise, the step carries no plan, the reason is counted
+    once, and the layer runs stock's all-sparse-MQA step."""
     from mla_planner.vllm_backend import masked_mha, stock_steps
 
     def fail(*_args: Any) -> None:
-        raise RuntimeError("a shape the planner did not expect")
+        raise error("a shape the planner did not expect")
 
     monkeypatch.setattr(masked_mha, "partial_prefill", fail)
-    reason = "the step's masked-MHA groups could not be planned (RuntimeError)"
+    reason = f"the step's masked-MHA groups could not be planned ({error.__name__})"
     before = stock_steps.counts[reason]
     engine = engine_factory(P1_OUT)
     case = engine.step(gen)

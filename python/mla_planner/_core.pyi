@@ -19,6 +19,11 @@ MAX_HEADS: int
 MAX_DECODE_QUERY_LEN: int
 """Longest decode query a step may hold (one length for every decode of a step)."""
 
+class PanicException(BaseException):
+    """A panic in the planner: a bug, never a verdict on the input (bad input raises
+    ``ValueError``). pyo3 raises it as a ``BaseException``, so ``except Exception`` lets it
+    through; code that must not raise names it."""
+
 IntArray = npt.NDArray[np.int64]
 ArrayLike = npt.ArrayLike
 Bound = Literal["none", "budget", "int32_stride", "grid"]

@@ -148,7 +148,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             # Masked MHA needs a non-quantized cache: no FP8 step has a plan from both.
             try:
                 masked_mha.attach_plan(self, metadata, common_attn_metadata)
-            except Exception as exc:  # after start-up, never raise: vLLM's own choice runs the prefills
+            except stock_steps.CAUGHT as exc:  # after start-up, never raise: vLLM's own choice runs the prefills
                 setattr(metadata.prefill, masked_mha.PLAN_ATTRIBUTE, None)
                 stock_steps.ran_stock(f"the step's masked-MHA groups could not be planned ({type(exc).__name__})",
                                       stock_steps.describe(exc), common_attn_metadata.num_actual_tokens,
@@ -157,7 +157,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             return metadata
         try:
             self.attach_plan(metadata, common_attn_metadata)
-        except Exception as exc:  # after start-up, never raise: vLLM's own code runs the step
+        except stock_steps.CAUGHT as exc:  # after start-up, never raise: vLLM's own code runs the step
             metadata.planned = None
             stock_steps.ran_stock(f"the step could not be planned ({type(exc).__name__})", stock_steps.describe(exc),
                                   common_attn_metadata.num_actual_tokens, metadata.num_decode_tokens,
@@ -402,7 +402,7 @@ def run_plan(impl: Any, route: str, q: torch.Tensor, kv_cache: torch.Tensor, top
         if step.separate_launches is not None:
             return impl._run_separate(step, step.separate_launches, q, kv_cache, topk_indices, md)
         return None
-    except Exception as exc:  # after start-up, never raise
+    except stock_steps.CAUGHT as exc:  # after start-up, never raise
         return stock_forward(impl, q, kv_cache, topk_indices, vllm_metadata(exc, md))
 
 
@@ -433,7 +433,7 @@ def step_to_run(impl: Any, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache
     return cast(PlannedStep, step)
 
 
-def vllm_metadata(exc: Exception, md: FlashMLASparseMetadata) -> FlashMLASparseMetadata:
+def vllm_metadata(exc: BaseException, md: FlashMLASparseMetadata) -> FlashMLASparseMetadata:
     """After a layer call could not run its plan (``exc`` says why, logged once per reason): the
     step's metadata on the route vLLM's rule built, where the builder rebuilt it for the plan's."""
     if isinstance(exc, PlanMismatch):

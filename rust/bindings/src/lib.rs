@@ -20,6 +20,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_TOPK", DEFAULT_TOPK)?;
     m.add("H200_NUM_SMS", H200_NUM_SMS)?;
     m.add("MAX_HEADS", MAX_HEADS)?;
+    // A panic is a planner bug; pyo3 raises it as this BaseException, which
+    // `except Exception` lets through. Exported so callers that must not
+    // raise (the vLLM backend) can name it.
+    m.add("PanicException", m.py().get_type::<pyo3::panic::PanicException>())?;
     config::register(m)?;
     scratch::register(m)?;
     plan::register(m)?;
