@@ -440,6 +440,40 @@ def test_a_step_the_groups_cannot_plan_runs_as_stock(engine_factory: Any, gen: t
     assert_stocks_all_sparse_mqa_step(engine, engine.ours, case, ours_md)
 
 
+def test_a_layer_call_whose_groups_cannot_run_runs_every_prefill_on_sparse_mqa(
+        engine_factory: Any, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last group's masked-MHA call fails (here: made to) after the first two groups wrote
+    their rows: nothing raises; every prefill token runs in one sparse-MQA call, as stock runs the
+    step, the decodes in the layer's own call; the reference's output; the reason counted once."""
+    from mla_planner.vllm_backend import masked_mha, stock_steps
+    from mla_planner.vllm_backend.vllm_api import FlashMLASparseImpl
+
+    engine = engine_factory(P1_OUT)
+    case = engine.step(gen)
+    ours_md, _stock = case["metadata"]
+    partial = masked_mha.plan_of(ours_md.prefill)
+    assert partial is not None and partial.runs[-1].path == "masked_mha"
+    original = FlashMLASparseImpl.forward_mha
+
+    def fail_on_the_masked_group(impl: Any, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                                 kv_cache: torch.Tensor, metadata: Any, *rest: Any) -> None:
+        if metadata is partial.runs[-1].metadata:
+            raise RuntimeError("the masked-MHA call failed")
+        original(impl, q, kv_c_normed, k_pe, kv_cache, metadata, *rest)
+
+    monkeypatch.setattr(FlashMLASparseImpl, "forward_mha", fail_on_the_masked_group)
+    reason = "the layer's masked-MHA groups could not run (RuntimeError)"
+    before = stock_steps.counts[reason]
+    out = engine.forward(engine.ours, case, ours_md)
+    prefill_tokens = sum(QUERY_LENS) - DECODES
+    assert engine.dense_calls == [60], "the dense group ran before the failure"
+    assert engine.kernels.prefill_calls == [(1536, 64, 576), (prefill_tokens, 64, 576), (DECODES, 64, 576)], \
+        "P1's group, then every prefill token in one sparse-MQA call, then the decodes"
+    assert engine.fa4.calls == [], "the failed group's call made none"
+    close_to(out, case["expected"])
+    assert stock_steps.counts[reason] == before + 1
+
+
 def test_a_layer_whose_sparse_mqa_path_differs_keeps_stocks_step(engine_factory: Any, gen: torch.Generator) -> None:
     """The layer pads its heads (a weight path the sparse-MQA rows do not take): the builder plans
     no group for it, counted once, and the layer runs stock's all-sparse-MQA step; nothing raises

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 import mla_planner
-from mla_planner.vllm_backend import log, vllm_api
+from mla_planner.vllm_backend import log, stock_steps, vllm_api
 from mla_planner.vllm_backend.log import logger
 from mla_planner.vllm_backend.vllm_api import FlashMLASparseImpl
 
@@ -65,6 +65,9 @@ class PartialPrefill:
 
     groups: mla_planner.PrefillGroups
     runs: tuple[GroupRun, ...]
+    stock: GroupRun
+    """Every prefill on sparse MQA, as stock runs the step: what a layer call whose groups cannot
+    run falls back to."""
 
     def describe(self) -> str:
         return ", ".join(f"{r.requests[0]}..{r.requests[1]} {r.path} ({r.rows.stop - r.rows.start} tokens)"
@@ -115,35 +118,44 @@ def partial_prefill(builder: Any, metadata: Any, common: Any) -> PartialPrefill 
     paths = groups.paths
     if len(paths) < 2:
         return None  # one group: stock's route for the whole set (sparse MQA, as stock found)
-    if "sparse_mqa" in paths:
-        unsupported = vllm_api.sparse_mqa_unsupported(builder)
-        if unsupported is not None:  # the builder's guard runs vLLM's own choice, counted and said once
-            raise ValueError(f"the layer's sparse-MQA path cannot run a group's rows here: {unsupported}")
+    # Every plan can fall back to sparse MQA for all its prefills (as some groups run): where
+    # this backend cannot run the layer's sparse-MQA path, the builder's guard runs vLLM's own
+    # choice, counted and said once.
+    unsupported = vllm_api.sparse_mqa_unsupported(builder)
+    if unsupported is not None:
+        raise ValueError(f"the layer's sparse-MQA path cannot run prefill rows here: {unsupported}")
     qsl = common.query_start_loc_cpu.numpy().astype(np.int64)
     starts = (qsl[decodes : decodes + num_prefills + 1] - qsl[decodes]).tolist()
     runs = []
     dense = 0
     for (r0, r1), path in zip(groups.requests.tolist(), paths):
         t0, t1 = starts[r0], starts[r1]
-        top0 = metadata.num_decode_tokens + t0
-        topk_rows = slice(top0, top0 + t1 - t0)
         if path == "sparse_mqa":
-            narrowed = dataclasses.replace(
-                metadata, prefill=None, num_decodes=0, num_decode_tokens=0, num_prefills=r1 - r0,
-                num_actual_tokens=t1 - t0, req_id_per_token=metadata.req_id_per_token[topk_rows],
-            )
-        else:
-            backend = None
-            if path == "dense_mha":
-                backend = group_prefill_backend(builder, dense)
-                dense += 1
-            group = vllm_api.prefill_metadata_of(builder, metadata, common, r0, r1, backend)
-            narrowed = dataclasses.replace(
-                metadata, prefill=group, num_prefills=r1 - r0, num_decode_tokens=top0,
-                prefill_max_seq_len=int(seq_lens[r0:r1].max()),
-            )
-        runs.append(GroupRun(path, (r0, r1), slice(t0, t1), topk_rows, narrowed))
-    return PartialPrefill(groups, tuple(runs))
+            runs.append(sparse_mqa_run(metadata, r0, r1, t0, t1))
+            continue
+        backend = None
+        if path == "dense_mha":
+            backend = group_prefill_backend(builder, dense)
+            dense += 1
+        group = vllm_api.prefill_metadata_of(builder, metadata, common, r0, r1, backend)
+        top0 = metadata.num_decode_tokens + t0
+        narrowed = dataclasses.replace(
+            metadata, prefill=group, num_prefills=r1 - r0, num_decode_tokens=top0,
+            prefill_max_seq_len=int(seq_lens[r0:r1].max()),
+        )
+        runs.append(GroupRun(path, (r0, r1), slice(t0, t1), slice(top0, top0 + t1 - t0), narrowed))
+    return PartialPrefill(groups, tuple(runs), sparse_mqa_run(metadata, 0, num_prefills, 0, starts[-1]))
+
+
+def sparse_mqa_run(metadata: Any, r0: int, r1: int, t0: int, t1: int) -> GroupRun:
+    """Prefills ``[r0, r1)``, their tokens ``[t0, t1)`` among the step's prefill tokens, on the
+    layer's sparse-MQA path: the step's metadata with their request ids per token and no decodes."""
+    topk_rows = slice(metadata.num_decode_tokens + t0, metadata.num_decode_tokens + t1)
+    narrowed = dataclasses.replace(
+        metadata, prefill=None, num_decodes=0, num_decode_tokens=0, num_prefills=r1 - r0,
+        num_actual_tokens=t1 - t0, req_id_per_token=metadata.req_id_per_token[topk_rows],
+    )
+    return GroupRun("sparse_mqa", (r0, r1), slice(t0, t1), topk_rows, narrowed)
 
 
 def group_prefill_backend(builder: Any, index: int) -> Any:
@@ -171,7 +183,20 @@ def forward(impl: Any, partial: PartialPrefill, q: torch.Tensor, kv_c_normed: to
             kv_cache: torch.Tensor, k_scale: torch.Tensor, output: torch.Tensor) -> None:
     """The step's prefill tokens (``forward_mha``'s inputs), group by group into their rows of
     ``output``: an MHA group through stock's ``forward_mha`` on its own metadata, a sparse-MQA
-    group through the layer's sparse-MQA path for just its rows."""
+    group through the layer's sparse-MQA path for just its rows. Where a group cannot run (any
+    error: after start-up nothing raises), every prefill token runs on sparse MQA, as stock runs
+    the step, logged once per reason and counted."""
+    try:
+        run_groups(impl, partial, q, kv_c_normed, k_pe, kv_cache, k_scale, output)
+    except stock_steps.CAUGHT as exc:
+        stock_steps.layer_ran_stock(f"the layer's masked-MHA groups could not run ({type(exc).__name__})",
+                                    stock_steps.describe(exc))
+        whole = partial.stock
+        vllm_api.sparse_mqa_rows(impl, q, kv_cache, whole.topk_rows, whole.metadata, output)
+
+
+def run_groups(impl: Any, partial: PartialPrefill, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+               kv_cache: torch.Tensor, k_scale: torch.Tensor, output: torch.Tensor) -> None:
     for run in partial.runs:
         rows = run.rows
         if run.path == "sparse_mqa":
