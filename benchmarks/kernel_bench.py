@@ -2,7 +2,9 @@
 
 For T in {4K, 16K, 32K, 64K} tokens x budget in {unbounded, 2 GiB, 1 GiB, 256 MiB}: the
 planner's predicted peak, the allocator's measured peak (inputs and output excluded), and the
-median wall time of the whole executor run over --runs repeats (CUDA events, after warm-up).
+median wall time of the whole executor run over --runs repeats (CUDA events, after warm-up), and
+the median host time of issuing it (from the call to its return, no synchronisation: the Python
+and launch work a layer call adds, which the GPU hides while it is shorter than the kernels).
 Configurations of one T are timed round-robin, so clock and thermal drift hit all of them alike.
 "Unbounded" is the single call; 64K tokens cannot run as one call (int32 stride limit): n/a.
 Rows marked "waves" plan with ``align_waves``: launch lengths in whole waves of the GPU (one CTA
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,10 +46,15 @@ class Row:
     predicted: int = 0
     measured: int = 0
     times_ms: list[float] = field(default_factory=list)
+    host_us: list[float] = field(default_factory=list)
 
     @property
     def median_ms(self) -> float:
         return statistics.median(self.times_ms) if self.times_ms else float("nan")
+
+    @property
+    def median_host_us(self) -> float:
+        return statistics.median(self.host_us) if self.host_us else float("nan")
 
 
 def bench_tokens(
@@ -81,29 +89,36 @@ def bench_tokens(
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
+            issued = time.perf_counter()
             run()
+            issued = time.perf_counter() - issued
             end.record()
             end.synchronize()
             row.times_ms.append(start.elapsed_time(end))
+            row.host_us.append(issued * 1e6)
     return rows
 
 
 def markdown(rows: list[Row], header: str) -> str:
     lines = [
         header, "",
-        "| tokens | budget | launches (lengths) | predicted peak MiB | measured peak MiB | median ms | vs one call |",
-        "|---:|---|---|---:|---:|---:|---:|",
+        "| tokens | budget | launches (lengths) | predicted peak MiB | measured peak MiB | median ms | vs one call "
+        "| host us | host vs one call |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    single = {row.tokens: row.median_ms for row in rows if row.budget == "unbounded" and row.plan is not None}
+    singles = [row for row in rows if row.budget == "unbounded" and row.plan is not None]
+    single = {row.tokens: row.median_ms for row in singles}
+    single_host = {row.tokens: row.median_host_us for row in singles}
     for row in rows:
         if row.plan is None:
-            lines.append(f"| {row.tokens} | {row.budget} | {row.note} | n/a | n/a | n/a | n/a |")
+            lines.append(f"| {row.tokens} | {row.budget} | {row.note} | n/a | n/a | n/a | n/a | n/a | n/a |")
             continue
         lengths = ", ".join(str(n) for n in sorted(set((row.plan.launches[:, 1] - row.plan.launches[:, 0]).tolist())))
         ratio = f"{row.median_ms / single[row.tokens]:.3f}x" if row.tokens in single else "n/a"
+        host_ratio = f"{row.median_host_us / single_host[row.tokens]:.2f}x" if row.tokens in single_host else "n/a"
         lines.append(
             f"| {row.tokens} | {row.budget} | {len(row.plan)} ({lengths}) | {row.predicted / MiB:.1f} "
-            f"| {row.measured / MiB:.1f} | {row.median_ms:.2f} | {ratio} |"
+            f"| {row.measured / MiB:.1f} | {row.median_ms:.2f} | {ratio} | {row.median_host_us:.0f} | {host_ratio} |"
         )
     return "\n".join(lines) + "\n"
 
