@@ -18,6 +18,7 @@ CAUGHT = (Exception, mla_planner.PanicException)
 """What a step or layer call that cannot run its plan may raise, all left to vLLM's own code: a
 planner bug (a Rust panic) arrives as pyo3's ``PanicException``, a ``BaseException``."""
 
+
 counts: collections.Counter[str] = collections.Counter()
 """Steps (builder) and layer calls (impl) that ran vLLM's own code, by reason."""
 

@@ -474,9 +474,9 @@ SM100 only)."""
 def sparse_mqa_unsupported(builder: Any) -> str | None:
     """Why :func:`sparse_mqa_rows` could not run some layer of the builder's, or ``None``: checked
     by the builder before it plans a step's groups (a sparse-MQA group, and the fallback of every
-    plan, run there), so that the impl's forward finds what it needs. Each layer is found by name in vLLM's ``static_forward_context`` (where every layer
-    registers itself, and the forward context's layers come from), with its impl, and none of
-    :data:`SPARSE_MQA_UNSUPPORTED` set."""
+    plan, run there), so that the impl's forward finds what it needs. Each layer is found by name
+    in vLLM's ``static_forward_context`` (where every layer registers itself, and the forward
+    context's layers come from), with its impl, and none of :data:`SPARSE_MQA_UNSUPPORTED` set."""
     layers = builder.vllm_config.compilation_config.static_forward_context
     for name in builder.layer_names:
         layer = layers.get(name)
