@@ -58,7 +58,7 @@ class Row:
 
 
 def bench_tokens(
-    executor: MixedBatchExecutor, aligned: MixedBatchExecutor, tokens: int, args: argparse.Namespace,
+    executor: MixedBatchExecutor, tokens: int, args: argparse.Namespace,
     gen: torch.Generator,
 ) -> list[Row]:
     rows = []
@@ -142,11 +142,10 @@ def main() -> None:
 
     provider = get_provider(args.provider)
     executor = MixedBatchExecutor.for_heads(provider, args.heads, 1 << 50, topk=args.topk)
-    aligned = MixedBatchExecutor.for_heads(provider, args.heads, 1 << 50, topk=args.topk, align_waves=True)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     rows: list[Row] = []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        rows.extend(bench_tokens(executor, aligned, tokens, args, gen))
+        rows.extend(bench_tokens(executor, tokens, args, gen))
         torch.cuda.empty_cache()
 
     header = (
