@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="the backend tests need vLLM 0.26.0 (pip inst
 import mla_planner  # noqa: E402
 from mla_planner.executor.quant import quantize_fp8_ds_mla  # noqa: E402
 from mla_planner.cli.synthetic import random_kv_rows  # noqa: E402
-from mla_planner.vllm_backend import reservation, vllm_api  # noqa: E402
+from mla_planner.vllm_backend import reservation, stock_steps, vllm_api  # noqa: E402
 from mla_planner.vllm_backend.settings import DEFAULT_SCRATCH_MB, SettingsError, read_settings  # noqa: E402
 from fixtures import gen  # noqa: E402, F401  (a pytest fixture)
 from vllm_cpu import (  # noqa: E402
@@ -39,6 +39,12 @@ from vllm_cpu import (  # noqa: E402
     shuffled_block_table,
     vllm_config,
 )
+
+
+def needs_033(reason: str) -> pytest.MarkDecorator:
+    """Skips a test of what only vLLM 0.33 has, saying what."""
+    return pytest.mark.skipif(not vllm_api.V033, reason=reason)
+
 
 BACKEND = "mla_planner.vllm_backend.backend.PlannedFlashMLASparseBackend"
 TOPK = 128
@@ -341,7 +347,8 @@ class Backend:
 
     def __init__(self, tmp: pathlib.Path, monkeypatch: pytest.MonkeyPatch, *, num_heads: int,
                  cost_profile: pathlib.Path | None = None, dense_prefill: bool = False, scratch_mb: int = 0,
-                 max_num_seqs: int = 16, reshape_config: Callable[[Any], None] | None = None) -> None:
+                 max_num_seqs: int = 16, reshape_config: Callable[[Any], None] | None = None,
+                 block_size: int = 64) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
         from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
@@ -364,11 +371,12 @@ class Backend:
         self.kernels = KernelRecorder()
         self.config = vllm_config(model_dir(tmp, num_heads=num_heads, topk=TOPK), dense_prefill=dense_prefill,
                                   max_num_seqs=max_num_seqs)
+        self.config.cache_config.block_size = self.block_size = block_size
         if reshape_config is not None:
             reshape_config(self.config)
         self._cpu = cpu_vllm(monkeypatch, self.provider, self.kernels)
         self._cpu.__enter__()
-        spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8,
+        spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.uint8,
                                 cache_dtype_str="fp8_ds_mla")
         if not is_workspace_manager_initialized():
             init_workspace_manager(torch.device("cpu"))
@@ -391,8 +399,9 @@ class Backend:
         step with that many requests of length 0 (the runner's ``unpadded`` of the padded one);
         ``exact_seq_lens``: see :func:`vllm_cpu.common_metadata`."""
         seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
-        block_table, num_pages = shuffled_block_table(seq_lens, gen)
-        kv_cache = quantize_fp8_ds_mla(random_kv_rows(num_pages * 64, gen)).view(num_pages, 64, 656)
+        block_table, num_blocks = shuffled_block_table(seq_lens, gen, self.block_size)
+        kv_cache = quantize_fp8_ds_mla(random_kv_rows(num_blocks * self.block_size, gen)).view(
+            num_blocks, self.block_size, 656)
         pad = draft_after_padding
         common = common_metadata(query_lens + [0] * pad, context_lens + [0] * pad,
                                  torch.cat([block_table, block_table.new_zeros((pad, block_table.shape[1]))]),
@@ -402,7 +411,7 @@ class Backend:
         metadata = self.builder.build(0, common)
         positions = causal_positions(query_lens, context_lens, TOPK, gen)
         q = torch.randn((sum(query_lens), self.num_heads, 576), generator=gen)
-        slots = request_slots(positions, query_lens, block_table)
+        slots = request_slots(positions, query_lens, block_table, self.block_size)
         return dict(metadata=metadata, kv_cache=kv_cache, positions=positions, q=q,
                     expected=reference_output(q, kv_cache, slots, 576**-0.5))
 
@@ -825,6 +834,35 @@ def test_separate_impl_runs_the_planned_launches(separate: Backend, gen: torch.G
     assert separate.provider.gathers == len(plan.gather_chunks)
 
 
+@needs_033("vLLM 0.26's FlashMLA sparse backend takes 64-row blocks only; 0.33 any multiple of 64 off SM100")
+@pytest.mark.parametrize("block_size", [128, 256])
+@pytest.mark.parametrize("num_heads", [16, 32])  # the mixed route and the separate one
+def test_blocks_of_several_pages_run_planned(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                              gen: torch.Generator, block_size: int, num_heads: int) -> None:
+    """With blocks of several 64-row pages (``--block-size 128`` on Hopper) the kernels read the
+    cache as pages and the prefill gather reads it as blocks, whose ids the chunks' block tables
+    hold: a planned step's output is the reference's, on either route, with no step left to vLLM."""
+    backend = Backend(tmp_path, monkeypatch, num_heads=num_heads, block_size=block_size)
+    try:
+        case = backend.step(QUERY_LENS, CONTEXT_LENS, gen)
+        md, q = case["metadata"], case["q"]
+        assert md.block_size == block_size and md.planned is not None
+        backend.topk_buffer[: q.shape[0]] = case["positions"]
+        topk = backend.topk_buffer[: q.shape[0]]
+        before = dict(stock_steps.counts)
+        if num_heads == 16:
+            assert md.planned.plan.mode == "mixed_batch"
+            out = forward_out(backend.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], topk, md))
+        else:
+            assert md.planned.plan.mode == "separate_prefill_decode"
+            out = forward_out(backend.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], topk, md))
+            assert backend.provider.gathers == len(md.planned.plan.gather_chunks) > 0
+        assert stock_steps.counts == before, "a step was left to vLLM's code"
+        torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
+    finally:
+        backend.close()
+
+
 # A profile in which the separate route wins any prefill of more than a few hundred tokens:
 # decode 10 + T us, prefill 200 + T/2 us, gather almost free.
 ROUTING_PROFILE = {
@@ -1055,8 +1093,7 @@ def test_packaged_profile_for_another_machine_is_vllms_rule_with_one_warning(
 
 # -- vLLM 0.33: the workspace manager's views; the reservation on either vLLM --------------------
 
-needs_033 = pytest.mark.skipif(not __import__("mla_planner.vllm_backend.vllm_api", fromlist=["V033"]).V033,
-                               reason="vLLM 0.33's workspace; 0.26 has none")
+needs_033_workspace = needs_033("vLLM 0.33's workspace; 0.26 has none")
 
 
 def bf16_case(backend: Backend, gen: torch.Generator) -> dict[str, Any]:
@@ -1070,7 +1107,7 @@ def bf16_case(backend: Backend, gen: torch.Generator) -> dict[str, Any]:
     return case
 
 
-@needs_033
+@needs_033_workspace
 def test_mixed_batch_pads_in_stocks_unused_prefill_views(mixed: Backend, gen: torch.Generator) -> None:
     case = bf16_case(mixed, gen)
     md, q = case["metadata"], case["q"]
@@ -1082,7 +1119,7 @@ def test_mixed_batch_pads_in_stocks_unused_prefill_views(mixed: Backend, gen: to
     assert set(mixed.provider.launch_ptrs) == {(views.q_padded.data_ptr(), views.padded_out.data_ptr())}
 
 
-@needs_033
+@needs_033_workspace
 def test_separate_route_runs_in_stocks_workspace_views(separate: Backend, gen: torch.Generator) -> None:
     case = bf16_case(separate, gen)
     md, q = case["metadata"], case["q"]
@@ -1121,7 +1158,7 @@ def test_construction_reserves_the_budget_and_the_output_where_vllm_has_no_works
     assert mixed.reserved == [setup.stock_call_allowance + output]
 
 
-@needs_033
+@needs_033_workspace
 @pytest.mark.parametrize("num_heads", [16, 32])
 def test_construction_reserves_the_largest_launch_beyond_stocks_workspace(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, num_heads: int) -> None:

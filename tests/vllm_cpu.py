@@ -185,13 +185,16 @@ def gather_and_upconvert(
     batch_size: int, seq_starts: torch.Tensor | None = None,
 ) -> None:
     """vLLM's ``cp_gather_and_upconvert_fp8_kv_cache``: each request's rows, from position 0, to
-    ``dst`` from its workspace start up to the next request's (the last one to ``dst``'s end)."""
+    ``dst`` from its workspace start up to the next request's (the last one to ``dst``'s end). As
+    the kernel, it takes the block size from ``src_cache``'s second dimension (vLLM's
+    cache_kernels.cu, both releases)."""
     starts = workspace_starts.tolist() + [dst.shape[0]]
     slots = as_slots(src_cache)
+    block_size = src_cache.shape[1]
     for r in range(batch_size):
         n = starts[r + 1] - starts[r]
         pos = torch.arange(n)
-        slot = slot_of(block_table[r, page_of(pos)], pos)
+        slot = slot_of(block_table[r, page_of(pos, block_size)], pos, block_size)
         dst[starts[r] : starts[r + 1]] = dequantize_fp8_ds_mla(slots[slot], dst.dtype)
 
 
@@ -332,10 +335,12 @@ def forward_out(result: Any) -> torch.Tensor:
     return cast(torch.Tensor, result)
 
 
-def request_slots(indices: torch.Tensor, query_lens: list[int], block_table: torch.Tensor) -> torch.Tensor:
-    """Request-relative top-k positions -> cache slots, request by request (``-1`` stays)."""
+def request_slots(indices: torch.Tensor, query_lens: list[int], block_table: torch.Tensor,
+                  block_size: int = PAGE_SIZE) -> torch.Tensor:
+    """Request-relative top-k positions -> cache slots (rows of the cache as allocated), request by
+    request (``-1`` stays)."""
     req = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
-    slots = convert_req_index_to_global_index(req.to(torch.int32), block_table, indices)
+    slots = convert_req_index_to_global_index(req.to(torch.int32), block_table, indices, BLOCK_SIZE=block_size)
     assert isinstance(slots, torch.Tensor)
     return slots
 
@@ -351,8 +356,9 @@ def causal_positions(query_lens: list[int], context_lens: list[int], topk: int, 
     return draws.masked_fill(torch.rand((len(pos), topk), generator=gen) < 0.1, -1)
 
 
-def shuffled_block_table(seq_lens: list[int], gen: torch.Generator) -> tuple[torch.Tensor, int]:
-    pages = [-(-s // PAGE_SIZE) for s in seq_lens]
+def shuffled_block_table(seq_lens: list[int], gen: torch.Generator, block_size: int = PAGE_SIZE) -> tuple[torch.Tensor, int]:
+    """Each request's blocks, drawn at random from one pool, and the pool's size."""
+    pages = [-(-s // block_size) for s in seq_lens]
     order = torch.randperm(sum(pages), generator=gen).to(torch.int32)
     table = torch.full((len(seq_lens), max(pages)), 0, dtype=torch.int32)
     first = 0

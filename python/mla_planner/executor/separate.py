@@ -114,11 +114,15 @@ class SeparateExecutor:
         *,
         schedules: dict[Any, Any],
         buffers: Buffers = Buffers(),
+        gather_cache: torch.Tensor | None = None,
     ) -> None:
         """q ``(T, H, 576)``; kv_cache ``(pages, 64, 1, 656)`` uint8 (the kernels' page view);
         ``chunks``: the step's gather chunks, which the plan's prefill launches name by index;
         ``gather_workspace`` ``(>= rows of the largest chunk, 576)`` BF16; out ``(T, H, 512)``.
-        ``schedules`` holds FlashMLA's decode schedules by launch shape, shared by the step's layers."""
+        ``schedules`` holds FlashMLA's decode schedules by launch shape, shared by the step's layers.
+        ``gather_cache``: the cache as its blocks are allocated, ``(blocks, block size, ...)``, where
+        a block spans several pages (default: kv_cache): the gather reads the chunks' block tables,
+        whose ids are of blocks, and takes the block size from the cache's second dimension."""
         # Decode launches pad in the caller's buffers, or each in its own (the plan counts each
         # launch's own); prefill launches share one pair for the longest (the plan holds those).
         decode_buffers = self.callers(buffers, launches.longest_decode, self.decode_heads, q)
@@ -136,8 +140,8 @@ class SeparateExecutor:
             chunk = chunks[chunk_index]
             workspace = gather_workspace[: chunk.chunk_tot_seqlen]
             if chunk_index != gathered:
-                self.provider.gather_upconvert(kv_cache, workspace, chunk.block_table, chunk.workspace_starts,
-                                               len(chunk.block_table))
+                self.provider.gather_upconvert(kv_cache if gather_cache is None else gather_cache, workspace,
+                                               chunk.block_table, chunk.workspace_starts, len(chunk.block_table))
                 gathered = chunk_index
             self.prefill(q, rows, launches, workspace, translate, out, softmax_scale, *prefill_buffers)
 

@@ -377,9 +377,11 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
             return translate_indices(md, topk_indices, rows, block_stride_rows, fp8.prefill)
 
         chunks = [] if fp8.prefill is None else fp8.prefill.chunks
+        # The kernels read 64-row pages; the gather, as stock's, the cache as allocated, since the
+        # chunks' block tables hold ids of blocks of md.block_size rows.
         self.separate.run(launches, q, pages.view(torch.uint8).unsqueeze(-2), translate, chunks,
                           views.gather, out, self.softmax_scale, schedules=step.schedules,
-                          buffers=Buffers(views.q_padded, views.padded_out))
+                          buffers=Buffers(views.q_padded, views.padded_out), gather_cache=kv_cache)
         return vllm_api.forward_result(out)
 
 
