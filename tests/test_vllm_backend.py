@@ -624,6 +624,38 @@ def test_decode_only_steps_of_several_tokens_each_are_planned_on_the_separate_ro
     assert separate.kernels.decode_calls == [], "stock's single call must not run"
 
 
+@needs_033("vLLM 0.26 has no index groups")
+def test_a_layer_sharing_its_groups_topk_that_falls_back_converts_them_afresh(
+        separate: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a model whose layers share one indexer's result (0.33's index groups), vLLM's decode path
+    of a later layer reads the slots its group's first layer converted. The first layer ran the plan
+    and converted none: a later layer whose planned launches fail runs vLLM's forward on the slots
+    converted afresh, not an earlier step's."""
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+
+    impl: Any = separate.impl  # 0.33's attributes, which 0.26's type does not have
+    groups = SparseMLAIndexGroupBuilder(separate.topk_buffer, max_decode_rows=512)
+    groups.register_layer(True)  # the group's first layer, with the indexer
+    impl.index_group, impl.index_group_index = groups.register_layer(False)
+    assert impl.index_group_index == 1
+    impl.index_group.physical_topk_indices.zero_()  # an earlier step's slots
+    impl.index_group.valid_topk_counts.fill_(TOPK)
+    separate.builder.reorder_batch_threshold = 128  # 0.33's at 32 heads
+    case = separate.step([40] * 12, [0, 5, 300, 40, 0, 1000, 7, 64, 129, 3, 900, 50], gen)
+    md, q = case["metadata"], case["q"]
+    assert md.num_prefills == 0 and md.planned is not None
+
+    def fail(*args: Any) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(impl, "_run_separate", fail)
+    separate.topk_buffer[: q.shape[0]] = case["positions"]
+    out = forward_out(impl._forward_fp8_kv_separate_prefill_decode(
+        q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md))
+    assert len(separate.kernels.decode_calls) == 1, "vLLM's own decode call runs the layer"
+    torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
+
+
 def test_short_decode_steps_are_planned_where_they_can_outgrow_a_launch(mixed: Backend) -> None:
     """16 one-token decodes (the test's max_num_seqs) fit one launch of the 64 MiB test budget, so
     decode-only steps of up to 16 tokens run stock's code unplanned; 1,024 of them (vLLM's default

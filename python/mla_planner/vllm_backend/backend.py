@@ -405,7 +405,9 @@ def run_plan(impl: Any, route: str, q: torch.Tensor, kv_cache: torch.Tensor, top
             return impl._run_separate(step, step.separate_launches, q, kv_cache, topk_indices, md)
         return None
     except stock_steps.CAUGHT as exc:  # after start-up, never raise
-        return stock_forward(impl, q, kv_cache, topk_indices, vllm_metadata(exc, md))
+        md = vllm_metadata(exc, md)
+        vllm_api.refresh_shared_topk(impl, topk_indices, md, kv_cache)
+        return stock_forward(impl, q, kv_cache, topk_indices, md)
 
 
 def step_to_run(impl: Any, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache: torch.Tensor,

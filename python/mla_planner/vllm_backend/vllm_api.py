@@ -223,6 +223,22 @@ def convert_indices(
     )
 
 
+def refresh_shared_topk(impl: Any, topk_indices: torch.Tensor, metadata: Any, kv_cache: torch.Tensor) -> None:
+    """Before vLLM's own forward runs a layer that reads its index group's converted top-k slots
+    (0.33: a layer after the group's first, ``index_group_index > 0``, in models whose layers share
+    one indexer's result): convert them as the group's first layer does. Where that layer ran this
+    step's plan, which translates per launch, it converted nothing, and the group's buffer still
+    holds an earlier step's slots (``SparseMLAIndexGroup._convert_once``, index_group.py:114)."""
+    group = getattr(impl, "index_group", None)
+    if not V033 or group is None or getattr(impl, "index_group_index", 0) == 0:
+        return
+    if topk_indices.shape[0] > group.physical_topk_indices.shape[0]:
+        return  # the group converts so many rows afresh in every layer
+    _, block_stride_rows = fp8_kv_pages(kv_cache, metadata.block_size)
+    group.convert_logical_to_physical_topk(0, topk_indices, metadata, block_stride_rows=block_stride_rows,
+                                           return_valid_counts=True)
+
+
 def decode_threshold(vllm_config: VllmConfig, num_heads: int, arch: str) -> int:
     """The longest request the FlashMLA sparse builder counts as a decode: its table by heads per
     rank and architecture (F:366-372 on 0.33; the same table on 0.26), raised to a speculative
