@@ -74,14 +74,14 @@ def case_seed(case: str) -> int:
 
 
 def engine_kwargs(backend: str, util: float, mnbt: int, *, model: Path = MODEL_DIR, max_model_len: int = 70000,
-                  max_num_seqs: int = 16, seed: int = 0, tp: int = 1) -> dict[str, Any]:
+                  max_num_seqs: int = 16, seed: int = 0, tp: int = 1, block_size: int = 64) -> dict[str, Any]:
     return {
         "model": str(model),
         "tensor_parallel_size": tp,
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "kv_cache_dtype": "fp8_ds_mla",
-        "block_size": 64,
+        "block_size": block_size,
         "max_model_len": max_model_len,
         "max_num_batched_tokens": mnbt,
         "max_num_seqs": max_num_seqs,
@@ -150,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, default=MODEL_DIR)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (workers in their own processes)")
     ap.add_argument("--heads", type=int, help="the model's attention heads (default: its config's)")
+    ap.add_argument("--block-size", type=int, default=64,
+                    help="KV cache block size (default 64; vLLM 0.33 takes any multiple of 64 on Hopper)")
     ap.add_argument("--case-timeout-s", type=float, default=90,
                     help="limit on one generate call (default 90 s; a 2-layer model prefills 64K tokens in seconds)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, check engine arguments, run nothing")
@@ -165,6 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--repeats must be at least 1")
     if args.tp < 1 or (args.heads is not None and args.heads < 1):
         ap.error("--tp and --heads must be at least 1")
+    if args.block_size < 64 or args.block_size % 64:
+        ap.error("--block-size must be a multiple of 64")
     if "4" in args.cases and args.mnbt < max(CASE_PROMPTS["4"]):
         print(f"note: case 4 with --mnbt {args.mnbt} < 65536 is prefilled in chunks", file=sys.stderr)
     return args
@@ -499,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "stock":  # with it set, our backend would stand in for FLASHMLA_SPARSE
         os.environ.pop(REPLACE_VAR, None)
     model = model_variant(args.model, args.out.parent, heads=args.heads)
-    kwargs = engine_kwargs(args.backend, args.util, args.mnbt, model=model, tp=args.tp)
+    kwargs = engine_kwargs(args.backend, args.util, args.mnbt, model=model, tp=args.tp, block_size=args.block_size)
     data: dict[str, Any] = {
         "schema": 1,
         "run": {"backend": args.backend, "util": args.util, "mnbt": args.mnbt, "cases": args.cases,

@@ -281,6 +281,12 @@ def test_run_cases_arguments() -> None:
     assert sum(run_cases.CASE_PROMPTS["3"][1:]) + 1 == 32768  # the queued prompts + the blocker's decode token
     assert run_cases.engine_kwargs("stock", 0.9, 32768)["attention_backend"] == "FLASHMLA_SPARSE"
     assert run_cases.engine_kwargs("planned", 0.9, 32768)["attention_backend"] == "CUSTOM"
+    assert run_cases.engine_kwargs("planned", 0.9, 32768, block_size=128)["block_size"] == 128
+    assert run_cases.parse_args(["--backend", "planned", "--util", "0.5", "--cases", "1", "--out", "r.json",
+                                 "--block-size", "128"]).block_size == 128
+    with pytest.raises(SystemExit):
+        run_cases.parse_args(["--backend", "planned", "--util", "0.5", "--cases", "1", "--out", "r.json",
+                              "--block-size", "96"])
 
 
 def test_tensor_parallel_runs_scale_the_model_to_16_heads_per_rank(tmp_path: Path) -> None:
