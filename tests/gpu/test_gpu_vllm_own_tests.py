@@ -7,9 +7,11 @@ classes, the backend's at the default budget, and the backend's at ``MLA_PLANNER
 At the default budget every test stock passes passes; at 64 MiB every one passes or is refused
 when the engine's classes are built, its message naming the minimum (``set
 MLA_PLANNER_SCRATCH_MB=N or more``). ``MLA_PLANNER_RESULTS``: a JSON file for every outcome.
-``MLA_PLANNER_OWN_TESTS_RUNS``: which of the three runs (``stock,planned,planned-64``, the default;
-a comparison needs stock's outcomes: where ``stock`` is not run, those of a JSON file of an earlier
-run named by ``MLA_PLANNER_STOCK_RESULTS``). ``MLA_PLANNER_OWN_TESTS_ARGS``: more pytest arguments
+``MLA_PLANNER_OWN_TESTS_RUNS``: which runs (``stock,planned,planned-64``, the default; ``planned-N``
+is the backend's at ``MLA_PLANNER_SCRATCH_MB=N`` for any N, held to the 64 MiB run's rule: a budget
+just above a head count's minimum makes every launch as short as that minimum allows; a comparison
+needs stock's outcomes: where ``stock`` is not run, those of a JSON file of an earlier run named by
+``MLA_PLANNER_STOCK_RESULTS``). ``MLA_PLANNER_OWN_TESTS_ARGS``: more pytest arguments
 for every run, e.g. ``-n 5`` (pytest-xdist: one run alone, one process, takes longer than a device
 call) or a ``-k`` selection (a result recorded from a selection says which).
 ``MLA_PLANNER_OWN_TESTS_DEADLINE_S`` (default 3600): the runs still going then are stopped and
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import time
@@ -42,19 +45,29 @@ from test_vllm_own_tests import (  # noqa: E402
 
 REFUSAL = "or more"  # the start-up refusal's "set MLA_PLANNER_SCRATCH_MB=N or more"
 DEADLINE_VAR = "MLA_PLANNER_OWN_TESTS_DEADLINE_S"
-RUNS = {"stock": ("stock", {}), "planned": ("planned", {}), "planned-64": ("planned", {"MLA_PLANNER_SCRATCH_MB": "64"})}
+DEFAULT_RUNS = "stock,planned,planned-64"
+
+
+def run_of(name: str) -> tuple[str, dict[str, str]] | None:
+    """A run's engine and environment: ``stock``, ``planned`` (the default budget) or ``planned-N``
+    (``MLA_PLANNER_SCRATCH_MB=N``); ``None`` for another name."""
+    if name in ("stock", "planned"):
+        return name, {}
+    budget = re.fullmatch(r"planned-([1-9][0-9]*)", name)
+    return ("planned", {"MLA_PLANNER_SCRATCH_MB": budget[1]}) if budget else None
 
 
 def test_vllm_sparse_mla_tests_on_the_gpu(tmp_path: pathlib.Path) -> None:
     tree = vllm_test_tree_or_skip(tmp_path / "tree")
-    chosen = os.environ.get("MLA_PLANNER_OWN_TESTS_RUNS", ",".join(RUNS)).split(",")
-    unknown = set(chosen) - set(RUNS)
-    assert not unknown, f"MLA_PLANNER_OWN_TESTS_RUNS: {sorted(unknown)} are not runs of {sorted(RUNS)}"
+    chosen = os.environ.get("MLA_PLANNER_OWN_TESTS_RUNS", DEFAULT_RUNS).split(",")
+    unknown = [name for name in chosen if run_of(name) is None]
+    assert not unknown, f"MLA_PLANNER_OWN_TESTS_RUNS: {unknown} are not runs (stock, planned, planned-N)"
     args = tuple(shlex.split(os.environ.get("MLA_PLANNER_OWN_TESTS_ARGS", "")))
-    started = {name: start_vllm_tests(tree, RUNS[name][0], tmp_path / name,
-                                      dict(RUNS[name][1], MLA_PLANNER_OWN_TESTS_ON="gpu", MLA_PLANNER_COST_PROFILE="none"),
-                                      args)
-               for name in chosen}
+    started = {}
+    for name in chosen:
+        engine, env = run_of(name) or ("", {})
+        started[name] = start_vllm_tests(tree, engine, tmp_path / name,
+                                         dict(env, MLA_PLANNER_OWN_TESTS_ON="gpu", MLA_PLANNER_COST_PROFILE="none"), args)
     deadline = time.monotonic() + float(os.environ.get(DEADLINE_VAR, "3600"))
     runs, cut = {}, []
     for name, (proc, report) in started.items():
@@ -88,11 +101,10 @@ def test_vllm_sparse_mla_tests_on_the_gpu(tmp_path: pathlib.Path) -> None:
         lost = {test: runs["planned"].get(test) for test in judged("planned")
                 if runs["planned"].get(test, ("?",))[0] != "passed"}
         assert not lost, f"stock passes, the backend does not: {lost}"
-    if "planned-64" in runs:
-        small = {test: runs["planned-64"].get(test) for test in judged("planned-64")
-                 if runs["planned-64"].get(test, ("?", ""))[0] != "passed"
-                 and REFUSAL not in runs["planned-64"].get(test, ("?", ""))[1]}
-        assert not small, f"at 64 MiB neither passed nor refused naming the minimum: {small}"
+    for name in (name for name in runs if name.startswith("planned-")):
+        small = {test: runs[name].get(test) for test in judged(name)
+                 if runs[name].get(test, ("?", ""))[0] != "passed" and REFUSAL not in runs[name].get(test, ("?", ""))[1]}
+        assert not small, f"{name}: neither passed nor refused naming the minimum: {small}"
     if cut:
         compared = set.intersection(*(set(outcomes) for outcomes in runs.values()))
         pytest.skip(f"{', '.join(cut)} stopped at the deadline ({DEADLINE_VAR}): the {len(compared)} tests every run "
