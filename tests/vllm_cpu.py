@@ -302,6 +302,9 @@ def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kerne
     for name in ("flashmla_sparse", "sparse_utils", "index_group"):
         patch_if_present(monkeypatch, f"vllm.v1.attention.backends.mla.{name}", "triton_convert_req_index_to_global_index",
                          convert_req_index_to_global_index)
+    # Stock's separate route gathers its prefills' rows through vLLM's op (the backend's provider
+    # has its own reference gather).
+    patch_if_present(monkeypatch, "vllm._custom_ops", "cp_gather_and_upconvert_fp8_kv_cache", gather_and_upconvert)
     monkeypatch.setattr(stock, "flash_mla_with_kvcache", kernels.flash_mla_with_kvcache)
     monkeypatch.setattr(stock, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
     monkeypatch.setattr(stock, "get_mla_metadata", lambda *a, **k: (object(), None))
