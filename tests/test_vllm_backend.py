@@ -625,34 +625,50 @@ def test_decode_only_steps_of_several_tokens_each_are_planned_on_the_separate_ro
 
 
 @needs_033("vLLM 0.26 has no index groups")
-def test_a_layer_sharing_its_groups_topk_that_falls_back_converts_them_afresh(
-        separate: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("route", ["mixed", "separate"])
+def test_a_planned_first_layer_fills_its_index_groups_topk_for_the_later_layers(
+        route: str, request: pytest.FixtureRequest, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     """In a model whose layers share one indexer's result (0.33's index groups), vLLM's decode path
-    of a later layer reads the slots its group's first layer converted. The first layer ran the plan
-    and converted none: a later layer whose planned launches fail runs vLLM's forward on the slots
-    converted afresh, not an earlier step's."""
+    of a later layer reads the slots the group's first layer converted into the group's buffer.
+    The first layer running a decode-only step's plan fills that buffer as stock's does; a later
+    layer whose planned launches fail then runs vLLM's forward on this step's slots."""
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
-    impl: Any = separate.impl  # 0.33's attributes, which 0.26's type does not have
-    groups = SparseMLAIndexGroupBuilder(separate.topk_buffer, max_decode_rows=512)
-    groups.register_layer(True)  # the group's first layer, with the indexer
-    impl.index_group, impl.index_group_index = groups.register_layer(False)
-    assert impl.index_group_index == 1
-    impl.index_group.physical_topk_indices.zero_()  # an earlier step's slots
-    impl.index_group.valid_topk_counts.fill_(TOPK)
-    separate.builder.reorder_batch_threshold = 128  # 0.33's at 32 heads
-    case = separate.step([40] * 12, [0, 5, 300, 40, 0, 1000, 7, 64, 129, 3, 900, 50], gen)
+    backend: Backend = request.getfixturevalue(route)
+    impl: Any = backend.impl  # 0.33's attributes, which 0.26's type does not have
+    groups = SparseMLAIndexGroupBuilder(backend.topk_buffer, max_decode_rows=512)
+    impl.index_group, impl.index_group_index = groups.register_layer(True)  # the first layer: the indexer's
+    groups.register_layer(False)
+    group = impl.index_group
+    group.physical_topk_indices.zero_()  # an earlier step's slots
+    group.valid_topk_counts.fill_(TOPK)
+    backend.builder.reorder_batch_threshold = 128  # 0.33's at 16 and 32 heads
+    lens, contexts = [40] * 12, [0, 5, 300, 40, 0, 1000, 7, 64, 129, 3, 900, 50]
+    case = backend.step(lens, contexts, gen)
     md, q = case["metadata"], case["q"]
+    n = q.shape[0]
     assert md.num_prefills == 0 and md.planned is not None
+    assert md.fp8_use_mixed_batch == (route == "mixed")
+    backend.topk_buffer[:n] = case["positions"]
+    forward = (impl._forward_fp8_kv_mixed_batch if route == "mixed" else impl._forward_fp8_kv_separate_prefill_decode)
+    torch.testing.assert_close(forward_out(forward(q, case["kv_cache"], backend.topk_buffer[:n], md)),
+                               case["expected"], rtol=1e-5, atol=1e-5)
+    assert backend.kernels.decode_calls == [], "the first layer ran the plan"
+    # The group's buffer holds this step's slots, valid ones first, with their counts.
+    slots = request_slots(case["positions"], lens, md.block_table)
+    counts = (slots >= 0).sum(1).to(torch.int32)
+    assert torch.equal(group.valid_topk_counts[:n], counts)
+    for row in range(n):
+        assert torch.equal(group.physical_topk_indices[row, : counts[row]].sort().values,
+                           slots[row][slots[row] >= 0].sort().values)
 
     def fail(*args: Any) -> Any:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(impl, "_run_separate", fail)
-    separate.topk_buffer[: q.shape[0]] = case["positions"]
-    out = forward_out(impl._forward_fp8_kv_separate_prefill_decode(
-        q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md))
-    assert len(separate.kernels.decode_calls) == 1, "vLLM's own decode call runs the layer"
+    impl.index_group_index = 1  # a later layer of the group, whose planned launches fail
+    monkeypatch.setattr(impl, "_run_mixed" if route == "mixed" else "_run_separate", fail)
+    out = forward_out(forward(q, case["kv_cache"], backend.topk_buffer[:n], md))
+    assert len(backend.kernels.decode_calls) == 1, "vLLM's own decode call runs the layer"
     torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
 
 
@@ -869,15 +885,24 @@ def test_separate_impl_runs_the_planned_launches(separate: Backend, gen: torch.G
 @needs_033("vLLM 0.26's FlashMLA sparse backend takes 64-row blocks only; 0.33 any multiple of 64 off SM100")
 @pytest.mark.parametrize("block_size", [128, 256])
 @pytest.mark.parametrize("num_heads", [16, 32])  # the mixed route and the separate one
+@pytest.mark.parametrize("gap_rows", [0, 64])
 def test_blocks_of_several_pages_run_planned(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
-                                              gen: torch.Generator, block_size: int, num_heads: int) -> None:
+                                              gen: torch.Generator, block_size: int, num_heads: int,
+                                              gap_rows: int) -> None:
     """With blocks of several 64-row pages (``--block-size 128`` on Hopper) the kernels read the
     cache as pages and the prefill gather reads it as blocks, whose ids the chunks' block tables
-    hold: a planned step's output is the reference's, on either route, with no step left to vLLM."""
+    hold: a planned step's output is the reference's, on either route, with no step left to vLLM.
+    ``gap_rows``: the blocks lie that many rows apart beyond their own (a layout with the block
+    outermost: each layer's block a slice of a larger one)."""
     backend = Backend(tmp_path, monkeypatch, num_heads=num_heads, block_size=block_size)
     try:
         case = backend.step(QUERY_LENS, CONTEXT_LENS, gen)
         md, q = case["metadata"], case["q"]
+        if gap_rows:
+            blocks = case["kv_cache"]
+            spaced = blocks.new_zeros((blocks.shape[0], block_size + gap_rows, blocks.shape[2]))
+            spaced[:, :block_size] = blocks
+            case["kv_cache"] = spaced[:, :block_size]
         assert md.block_size == block_size and md.planned is not None
         backend.topk_buffer[: q.shape[0]] = case["positions"]
         topk = backend.topk_buffer[: q.shape[0]]

@@ -399,15 +399,14 @@ def run_plan(impl: Any, route: str, q: torch.Tensor, kv_cache: torch.Tensor, top
         step = step_to_run(impl, md, q, kv_cache, topk_indices)
         if step is None or step.plan.mode != route:
             return None
+        vllm_api.fill_group_topk(impl, topk_indices, md, kv_cache)
         if step.mixed_launches is not None:
             return impl._run_mixed(step, step.mixed_launches, q, kv_cache, topk_indices, md)
         if step.separate_launches is not None:
             return impl._run_separate(step, step.separate_launches, q, kv_cache, topk_indices, md)
         return None
     except stock_steps.CAUGHT as exc:  # after start-up, never raise
-        md = vllm_metadata(exc, md)
-        vllm_api.refresh_shared_topk(impl, topk_indices, md, kv_cache)
-        return stock_forward(impl, q, kv_cache, topk_indices, md)
+        return stock_forward(impl, q, kv_cache, topk_indices, vllm_metadata(exc, md))
 
 
 def step_to_run(impl: Any, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache: torch.Tensor,

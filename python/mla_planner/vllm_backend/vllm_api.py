@@ -223,20 +223,29 @@ def convert_indices(
     )
 
 
-def refresh_shared_topk(impl: Any, topk_indices: torch.Tensor, metadata: Any, kv_cache: torch.Tensor) -> None:
-    """Before vLLM's own forward runs a layer that reads its index group's converted top-k slots
-    (0.33: a layer after the group's first, ``index_group_index > 0``, in models whose layers share
-    one indexer's result): convert them as the group's first layer does. Where that layer ran this
-    step's plan, which translates per launch, it converted nothing, and the group's buffer still
-    holds an earlier step's slots (``SparseMLAIndexGroup._convert_once``, index_group.py:114)."""
+def fill_group_topk(impl: Any, topk_indices: torch.Tensor, metadata: Any, kv_cache: torch.Tensor) -> None:
+    """Before a plan runs a decode-only layer call of the first layer of an index group that other
+    layers share (0.33, models whose layers share one indexer's result): convert the step's top-k
+    positions into the group's buffer of slots, as stock's first layer does
+    (``SparseMLAIndexGroup._convert_once``, index_group.py:114). The plan translates per launch
+    and converts nothing there, while a later layer of the group that runs vLLM's code (a layer
+    whose plan could not run, or one on a BF16 cache) reads that buffer. With the valid counts
+    and the valid slots first, as the separate route's and the BF16 readers take them; the mixed
+    route's reader masks the ``-1`` slots wherever they are. On the current stream, so that it is
+    ordered before the group's later layers."""
     group = getattr(impl, "index_group", None)
-    if not V033 or group is None or getattr(impl, "index_group_index", 0) == 0:
+    if not V033 or group is None or getattr(impl, "index_group_index", 0) != 0 or group.num_layers < 2:
         return
-    if topk_indices.shape[0] > group.physical_topk_indices.shape[0]:
-        return  # the group converts so many rows afresh in every layer
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
+
+    rows = topk_indices.shape[0]
+    if (type(group) is not SparseMLAIndexGroup or rows != metadata.num_decode_tokens
+            or rows > group.physical_topk_indices.shape[0]):
+        return  # other groups (HiSparse) plan nothing; other steps' readers convert for themselves
     _, block_stride_rows = fp8_kv_pages(kv_cache, metadata.block_size)
-    group.convert_logical_to_physical_topk(0, topk_indices, metadata, block_stride_rows=block_stride_rows,
-                                           return_valid_counts=True)
+    convert_indices(metadata.req_id_per_token[:rows], metadata.block_table, topk_indices,
+                    block_size=metadata.block_size, block_stride_rows=block_stride_rows, return_valid_counts=True,
+                    out=group.physical_topk_indices[:rows], valid_counts_out=group.valid_topk_counts[:rows])
 
 
 def decode_threshold(vllm_config: VllmConfig, num_heads: int, arch: str) -> int:
