@@ -233,15 +233,17 @@ def fill_group_topk(impl: Any, topk_indices: torch.Tensor, metadata: Any, kv_cac
     and the valid slots first, as the separate route's and the BF16 readers take them; the mixed
     route's reader masks the ``-1`` slots wherever they are. On the current stream, so that it is
     ordered before the group's later layers."""
-    group = getattr(impl, "index_group", None)
-    if not V033 or group is None or getattr(impl, "index_group_index", 0) != 0 or group.num_layers < 2:
+    if not V033:
         return
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
 
+    group: Any = getattr(impl, "index_group", None)
+    if type(group) is not SparseMLAIndexGroup:  # none, or a HiSparse group (never planned)
+        return
     rows = topk_indices.shape[0]
-    if (type(group) is not SparseMLAIndexGroup or rows != metadata.num_decode_tokens
+    if (impl.index_group_index != 0 or group.num_layers < 2 or rows != metadata.num_decode_tokens
             or rows > group.physical_topk_indices.shape[0]):
-        return  # other groups (HiSparse) plan nothing; other steps' readers convert for themselves
+        return  # no later layer reads it; other steps' readers convert for themselves
     _, block_stride_rows = fp8_kv_pages(kv_cache, metadata.block_size)
     convert_indices(metadata.req_id_per_token[:rows], metadata.block_table, topk_indices,
                     block_size=metadata.block_size, block_stride_rows=block_stride_rows, return_valid_counts=True,
