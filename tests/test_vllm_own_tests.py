@@ -19,6 +19,7 @@ import inspect
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -177,6 +178,22 @@ def finished_outcomes(report: pathlib.Path) -> dict[str, tuple[str, str]]:
     path = report.with_suffix(".jsonl")
     lines = path.read_text().splitlines() if path.exists() else []
     return {entry["test"]: (entry["outcome"], entry["message"]) for entry in map(json.loads, lines)}
+
+
+def engine_run(name: str) -> tuple[str, dict[str, str]] | None:
+    """A run of vLLM's file by name, as ``MLA_PLANNER_OWN_TESTS_RUNS`` gives it: its classes and
+    environment: ``stock``, ``planned`` (the default budget) or ``planned-N``
+    (``MLA_PLANNER_SCRATCH_MB=N``); ``None`` for another name."""
+    if name in ("stock", "planned"):
+        return name, {}
+    budget = re.fullmatch(r"planned-([1-9][0-9]*)", name)
+    return ("planned", {"MLA_PLANNER_SCRATCH_MB": budget[1]}) if budget else None
+
+
+def test_runs_are_named_by_classes_and_budget() -> None:
+    assert engine_run("stock") == ("stock", {}) and engine_run("planned") == ("planned", {})
+    assert engine_run("planned-130") == ("planned", {"MLA_PLANNER_SCRATCH_MB": "130"})
+    assert [engine_run(bad) for bad in ("planned-0", "planned-", "planned-64x", "stock-64", "")] == [None] * 5
 
 
 def run_vllm_tests(tree: pathlib.Path, classes: str, work: pathlib.Path) -> dict[str, str]:

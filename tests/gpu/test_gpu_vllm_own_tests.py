@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import shlex
 import subprocess
 import time
@@ -36,6 +35,7 @@ pytest.importorskip("vllm", reason="vLLM's own tests need vLLM")
 pytestmark = pytest.mark.gpu
 
 from test_vllm_own_tests import (  # noqa: E402
+    engine_run,
     finished_outcomes,
     outcomes_of,
     start_vllm_tests,
@@ -48,24 +48,15 @@ DEADLINE_VAR = "MLA_PLANNER_OWN_TESTS_DEADLINE_S"
 DEFAULT_RUNS = "stock,planned,planned-64"
 
 
-def run_of(name: str) -> tuple[str, dict[str, str]] | None:
-    """A run's engine and environment: ``stock``, ``planned`` (the default budget) or ``planned-N``
-    (``MLA_PLANNER_SCRATCH_MB=N``); ``None`` for another name."""
-    if name in ("stock", "planned"):
-        return name, {}
-    budget = re.fullmatch(r"planned-([1-9][0-9]*)", name)
-    return ("planned", {"MLA_PLANNER_SCRATCH_MB": budget[1]}) if budget else None
-
-
 def test_vllm_sparse_mla_tests_on_the_gpu(tmp_path: pathlib.Path) -> None:
     tree = vllm_test_tree_or_skip(tmp_path / "tree")
     chosen = os.environ.get("MLA_PLANNER_OWN_TESTS_RUNS", DEFAULT_RUNS).split(",")
-    unknown = [name for name in chosen if run_of(name) is None]
+    unknown = [name for name in chosen if engine_run(name) is None]
     assert not unknown, f"MLA_PLANNER_OWN_TESTS_RUNS: {unknown} are not runs (stock, planned, planned-N)"
     args = tuple(shlex.split(os.environ.get("MLA_PLANNER_OWN_TESTS_ARGS", "")))
     started = {}
     for name in chosen:
-        engine, env = run_of(name) or ("", {})
+        engine, env = engine_run(name) or ("", {})
         started[name] = start_vllm_tests(tree, engine, tmp_path / name,
                                          dict(env, MLA_PLANNER_OWN_TESTS_ON="gpu", MLA_PLANNER_COST_PROFILE="none"), args)
     deadline = time.monotonic() + float(os.environ.get(DEADLINE_VAR, "3600"))
