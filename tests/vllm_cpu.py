@@ -21,7 +21,7 @@ import torch
 
 from mla_planner.executor.layout import PAGE_SIZE, as_slots, page_of, slot_of
 from mla_planner.executor.reference import (
-    dequantize_fp8_ds_mla,
+    gather_upconvert_reference,
     sparse_attention,
     sparse_decode_reference,
     sparse_prefill_reference,
@@ -180,24 +180,6 @@ def compute_token_to_req_indices(query_start_loc: torch.Tensor, out: torch.Tenso
     return out[:num_tokens]
 
 
-def gather_and_upconvert(
-    src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor, workspace_starts: torch.Tensor,
-    batch_size: int, seq_starts: torch.Tensor | None = None,
-) -> None:
-    """vLLM's ``cp_gather_and_upconvert_fp8_kv_cache``: each request's rows, from position 0, to
-    ``dst`` from its workspace start up to the next request's (the last one to ``dst``'s end). As
-    the kernel, it takes the block size from ``src_cache``'s second dimension (vLLM's
-    cache_kernels.cu, both releases)."""
-    starts = workspace_starts.tolist() + [dst.shape[0]]
-    slots = as_slots(src_cache)
-    block_size = src_cache.shape[1]
-    for r in range(batch_size):
-        n = starts[r + 1] - starts[r]
-        pos = torch.arange(n)
-        slot = slot_of(block_table[r, page_of(pos, block_size)], pos, block_size)
-        dst[starts[r] : starts[r + 1]] = dequantize_fp8_ds_mla(slots[slot], dst.dtype)
-
-
 class KernelRecorder:
     """The FlashMLA kernels as the float32 reference, recording each call's shapes."""
 
@@ -302,9 +284,9 @@ def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kerne
     for name in ("flashmla_sparse", "sparse_utils", "index_group"):
         patch_if_present(monkeypatch, f"vllm.v1.attention.backends.mla.{name}", "triton_convert_req_index_to_global_index",
                          convert_req_index_to_global_index)
-    # Stock's separate route gathers its prefills' rows through vLLM's op (the backend's provider
-    # has its own reference gather).
-    patch_if_present(monkeypatch, "vllm._custom_ops", "cp_gather_and_upconvert_fp8_kv_cache", gather_and_upconvert)
+    # Stock's separate route gathers its prefills' rows through vLLM's op: the reference the
+    # backend's provider gathers with.
+    patch_if_present(monkeypatch, "vllm._custom_ops", "cp_gather_and_upconvert_fp8_kv_cache", gather_upconvert_reference)
     monkeypatch.setattr(stock, "flash_mla_with_kvcache", kernels.flash_mla_with_kvcache)
     monkeypatch.setattr(stock, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
     monkeypatch.setattr(stock, "get_mla_metadata", lambda *a, **k: (object(), None))
