@@ -366,6 +366,7 @@ class Backend:
             return False  # nothing held: the tests run in one process
 
         monkeypatch.setattr(reservation, "reserve", reserve)
+        monkeypatch.setattr(reservation, "_kv_cache_sized", False)
         self.num_heads = num_heads
         self.provider = RecordingProvider()
         self.kernels = KernelRecorder()
@@ -588,6 +589,44 @@ def test_the_reservation_is_handed_over_only_once_vllm_serves(mixed: Backend, ge
     assert reservation._held is not None, "a forward over the profiling cache must not hand it over"
     mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md)
     assert case["kv_cache"].shape[0] > profiling_blocks and reservation._held is None
+
+
+def test_the_reservation_is_handed_over_on_a_sized_cache_no_larger_than_the_profiling_one(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator) -> None:
+    """With ``--num-gpu-blocks-override`` at or below the profiling cache's blocks, both caches have
+    the same blocks: once vLLM has made the builders of the cache it sized (it sets
+    ``num_gpu_blocks`` first), a forward over that cache hands the reservation over."""
+    monkeypatch.setattr(reservation, "_held", torch.empty(1 << 20, dtype=torch.uint8))
+    monkeypatch.setattr(reservation, "_reserved_bytes", 1 << 20)
+    blocks = 0
+
+    def forward_over_the_profiling_blocks(backend: Backend) -> None:
+        assert backend.impl.engine is not None
+        nonlocal blocks
+        blocks = backend.impl.engine.profiling_kv_blocks
+        case = backend.step(QUERY_LENS, CONTEXT_LENS, gen)
+        md, q = case["metadata"], case["q"]
+        assert md.planned is not None
+        backend.topk_buffer[: q.shape[0]] = case["positions"]
+        same_blocks = torch.zeros((blocks, 64, 656), dtype=torch.uint8)
+        backend.impl._forward_fp8_kv_mixed_batch(q, same_blocks, backend.topk_buffer[: q.shape[0]], md)
+
+    profiling = Backend(tmp_path, monkeypatch, num_heads=16)  # made before vLLM sets num_gpu_blocks
+    try:
+        forward_over_the_profiling_blocks(profiling)
+    finally:
+        profiling.close()
+    assert reservation._held is not None, "no builder of a sized cache yet: this may be the profiling cache"
+
+    def sized(config: Any) -> None:
+        config.cache_config.num_gpu_blocks = blocks
+
+    served = Backend(tmp_path, monkeypatch, num_heads=16, reshape_config=sized)
+    try:
+        forward_over_the_profiling_blocks(served)
+    finally:
+        served.close()
+    assert reservation._held is None
 
 
 def test_decode_only_steps_of_several_tokens_each_are_planned(mixed: Backend, gen: torch.Generator) -> None:

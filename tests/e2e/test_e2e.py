@@ -71,6 +71,42 @@ def test_planned_finishes_every_case_at_095(tmp_path: Path) -> None:
     assert seen == {"1", "2", "3", "4", "5"}
 
 
+# The sized KV cache no larger than the one vLLM profiles CUDA graphs against: with CUDA graphs, 64
+# sequences and captures up to 64, that cache has 64 blocks, and so does the override's.
+OVERRIDE_BLOCKS = 64
+OVERRIDE_ENGINE = f"""
+import random, sys
+sys.path.insert(0, {str(HERE)!r})
+import run_cases
+from vllm import LLM, SamplingParams
+kwargs = run_cases.engine_kwargs("planned", 0.5, 4096, max_model_len={OVERRIDE_BLOCKS * 64}, max_num_seqs=64)
+kwargs.update(enforce_eager=False, num_gpu_blocks_override={OVERRIDE_BLOCKS},
+              compilation_config={{"max_cudagraph_capture_size": 64}})
+llm = LLM(**kwargs)
+rng = random.Random(0)
+prompts = [run_cases.token_prompt(n, rng) for n in (3000, 200, 200)]
+outputs = llm.generate(prompts, SamplingParams(**run_cases.sampling_kwargs()))
+print("generated", [len(o.outputs[0].token_ids) for o in outputs], flush=True)
+"""
+
+
+@pytest.mark.e2e
+def test_the_reservation_is_handed_over_on_a_kv_cache_of_the_profiling_blocks() -> None:
+    """``--num-gpu-blocks-override`` at the blocks of the minimal cache vLLM profiles CUDA graphs
+    against: the reservation is handed to the kernels once vLLM has sized the KV cache, and the
+    requests finish."""
+    reason = e2e_unavailable()
+    if reason:
+        pytest.skip(reason)
+    env = {**run_cases.ENV_DEFAULTS, **os.environ}
+    r = subprocess.run([sys.executable, "-c", OVERRIDE_ENGINE], capture_output=True, text=True, timeout=600, env=env)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    assert "generated [4, 4, 4]" in log, log[-4000:]
+    sized, handed = log.find("Available KV cache memory"), log.find("handed to the kernels")
+    assert sized >= 0 and handed > sized, log[-4000:]
+
+
 # --- packing and unpacking -------------------------------------------------------------------------
 
 

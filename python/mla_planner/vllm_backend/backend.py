@@ -122,6 +122,8 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             log.once(logging.INFO, "mla-planner: %s: every step runs vLLM's own code", self.stock_reason)
         if not self.plans_steps:
             return
+        if vllm_api.kv_cache_sized(vllm_config):  # the reservation's hand-over waits for this cache
+            reservation.note_kv_cache_sized()
         if (self.reorder_batch_threshold or 1) > self.engine.max_decode_query_len:
             log.once(logging.WARNING, "mla-planner: vLLM counts requests of up to %d tokens as decodes, the budget was "
                      "checked for %d; a step the budget cannot hold runs vLLM's own code",

@@ -9,8 +9,10 @@ bytes the KV cache must leave while the model is built -- vLLM counts them as mo
 workspace, and on 0.26 the step's output too) -- and gives them to PyTorch's caching allocator,
 where the kernels' scratch finds them, once vLLM has sized the KV cache and serves.
 
-When that is: at the first FP8 forward outside a CUDA-graph capture over a KV cache of more blocks
-than the minimal one vLLM profiles CUDA graphs against. Earlier, vLLM's CUDA-graph memory
+When that is: at the first FP8 forward outside a CUDA-graph capture over the KV cache vLLM sized:
+one of more blocks than the minimal cache vLLM profiles CUDA graphs against, or any cache once a
+builder was made for the sized one (:func:`note_kv_cache_sized`; the one sign where an operator's
+``--num-gpu-blocks-override`` gives both caches the same blocks). Earlier, vLLM's CUDA-graph memory
 profiling (0.26 and 0.33) captures every graph size against that minimal cache before it sizes the
 real one: bytes handed over there, or in its warm-up, lower its estimate and the KV cache takes
 them. One reservation per process, whatever the number of layers, since layers run one at a time.
@@ -25,6 +27,7 @@ import torch
 _lock = threading.Lock()
 _held: torch.Tensor | None = None
 _reserved_bytes = 0
+_kv_cache_sized = False
 
 
 def reserve(num_bytes: int, device: torch.device) -> bool:
@@ -57,10 +60,17 @@ def reserved_bytes() -> int:
     return _reserved_bytes
 
 
+def note_kv_cache_sized() -> None:
+    """vLLM has sized the KV cache: a metadata builder was made for it
+    (:func:`.vllm_api.kv_cache_sized`). Only its forwards follow."""
+    global _kv_cache_sized
+    _kv_cache_sized = True
+
+
 def serving(kv_cache_blocks: int, profiling_kv_blocks: int) -> bool:
     """Whether a forward over a KV cache of ``kv_cache_blocks`` blocks runs after vLLM sized the
     KV cache: outside a CUDA-graph capture, over more blocks than vLLM's CUDA-graph memory
-    profiling uses (``profiling_kv_blocks``)."""
-    if kv_cache_blocks <= profiling_kv_blocks:
+    profiling uses (``profiling_kv_blocks``), or over any once :func:`note_kv_cache_sized`."""
+    if kv_cache_blocks <= profiling_kv_blocks and not _kv_cache_sized:
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

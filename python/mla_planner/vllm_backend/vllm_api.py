@@ -318,6 +318,17 @@ def profiling_kv_blocks(vllm_config: VllmConfig) -> int:
     return min(vllm_config.scheduler_config.max_num_seqs, captures) or 1
 
 
+def kv_cache_sized(vllm_config: VllmConfig) -> bool:
+    """Whether the attention backends now being built serve the KV cache vLLM sized: vLLM sets
+    ``cache_config.num_gpu_blocks`` before it builds the sized cache's backends (0.33
+    v1/worker/gpu_worker.py:870, 0.26 :722) and only after it built the minimal profiling cache's
+    (0.33 v1/worker/gpu_model_runner.py:6166-6167 and v1/worker/gpu/cudagraph_utils.py:1061-1062,
+    0.26 v1/worker/gpu_model_runner.py:6462-6463), clearing it when that cache goes (0.33 :6207 and
+    gpu/cudagraph_utils.py:1098, 0.26 :6518). The one sign left where both caches have the same blocks
+    (``--num-gpu-blocks-override`` at or below :func:`profiling_kv_blocks`)."""
+    return vllm_config.cache_config.num_gpu_blocks is not None
+
+
 def workspace_padded_heads(vllm_config: VllmConfig, num_heads: int) -> int | None:
     """Heads of the impl's padded-q and kernel-output workspace views: 0.33's prefill padding of
     its heads (F:815-831); ``None`` on 0.26, which has no such views."""
