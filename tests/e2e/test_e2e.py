@@ -79,7 +79,7 @@ import random, sys
 sys.path.insert(0, {str(HERE)!r})
 import run_cases
 from vllm import LLM, SamplingParams
-kwargs = run_cases.engine_kwargs("planned", 0.5, 4096, max_model_len={OVERRIDE_BLOCKS * 64}, max_num_seqs=64)
+kwargs = run_cases.engine_kwargs("planned", 0.5, 4096, max_model_len={(OVERRIDE_BLOCKS - 1) * 64}, max_num_seqs=64)
 kwargs.update(enforce_eager=False, num_gpu_blocks_override={OVERRIDE_BLOCKS},
               compilation_config={{"max_cudagraph_capture_size": 64}})
 llm = LLM(**kwargs)
@@ -105,6 +105,7 @@ def test_the_reservation_is_handed_over_on_a_kv_cache_of_the_profiling_blocks() 
     assert "generated [4, 4, 4]" in log, log[-4000:]
     sized, handed = log.find("Available KV cache memory"), log.find("handed to the kernels")
     assert sized >= 0 and handed > sized, log[-4000:]
+    print(*(line for line in log.splitlines() if re.search("KV cache|reservation|handed|generated", line)), sep="\n")
 
 
 # --- packing and unpacking -------------------------------------------------------------------------
