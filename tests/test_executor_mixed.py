@@ -42,9 +42,7 @@ class RecordingProvider(ReferenceProvider):
 
 def executor_for(provider: ReferenceProvider, heads: int, budget: int = UNBOUNDED, *, topk: int = 2048,
                  translated: bool = False) -> MixedBatchExecutor:
-    config = mla_planner.StepConfig(heads, scratch_budget_bytes=budget, topk=topk, max_model_len=1 << 17,
-                                    decode_takes_out=provider.decode_takes_out, translated_indices=translated)
-    return MixedBatchExecutor(provider, config)
+    return MixedBatchExecutor.for_heads(provider, heads, budget, topk=topk, translated_indices=translated)
 
 
 def lengths_of(plan: mla_planner.StepPlan) -> list[int]:
