@@ -1439,6 +1439,45 @@ def test_decode_batches_padded_to_a_captured_size_run(routes: Backend, gen: torc
     assert sum(stock_steps.counts.values()) == before, "no step fell back to vLLM's code"
 
 
+@pytest.mark.parametrize("spec_tokens", [0, 2])
+def test_full_cuda_graph_metadata_run_eagerly_is_planned_with_its_padding(
+        routes: Backend, gen: torch.Generator, spec_tokens: int) -> None:
+    """vLLM's full-CUDA-graph metadata counts the padded batch's tokens (``num_actual_tokens``)
+    and its padding requests at length 0; where dual-batch overlap runs it eagerly, q has a row for
+    every padded token. The plan covers those rows too: no fallback to stock's one call, and the
+    real rows are the reference's."""
+    import dataclasses
+
+    assert routes.impl.engine is not None
+    every_decode_step_planned = dataclasses.replace(routes.impl.engine, stock_decode_tokens=0)
+    routes.builder.engine = routes.impl.engine = every_decode_step_planned
+    per_request, real, size = 1 + spec_tokens, 13, 16
+    lens = [per_request] * real + [0] * (size - real)
+    contexts = [40 + 7 * i if q else 0 for i, q in enumerate(lens)]
+    block_table, num_blocks = shuffled_block_table([max(q + c, 1) for q, c in zip(lens, contexts)], gen,
+                                                   routes.block_size)
+    kv_cache = quantize_fp8_ds_mla(random_kv_rows(num_blocks * routes.block_size, gen)).view(
+        num_blocks, routes.block_size, 656)
+    tokens, padded = per_request * real, per_request * size
+    common = dataclasses.replace(common_metadata(lens, contexts, block_table), num_actual_tokens=padded,
+                                 slot_mapping=torch.zeros(padded, dtype=torch.int64))
+    routes.builder.reorder_batch_threshold = per_request
+    md = routes.builder.build(0, common)
+    assert md.num_prefills == 0 and md.planned is not None and md.planned.sparse_tokens == padded
+    positions = causal_positions(lens, contexts, TOPK, gen)
+    q = torch.randn((padded, routes.num_heads, 576), generator=gen)
+    routes.topk_buffer[:padded] = -1
+    routes.topk_buffer[:tokens] = positions
+    before = sum(stock_steps.counts.values())
+    forward = (routes.impl._forward_fp8_kv_mixed_batch if md.fp8_use_mixed_batch
+               else routes.impl._forward_fp8_kv_separate_prefill_decode)
+    out = forward_out(forward(q, kv_cache, routes.topk_buffer[:padded], md))
+    expected = reference_output(q[:tokens], kv_cache, request_slots(positions, lens, block_table, routes.block_size),
+                                576**-0.5)
+    torch.testing.assert_close(out[:tokens], expected, rtol=1e-4, atol=1e-4)
+    assert sum(stock_steps.counts.values()) == before, "no layer call fell back to vLLM's code"
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("prefill", [False, True])
 def test_speculative_decodes_run(routes: Backend, gen: torch.Generator, k: int, prefill: bool) -> None:

@@ -198,6 +198,10 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         else:
             raise LookupError("vLLM's step metadata carries no CPU sequence lengths (seq_lens_cpu_upper_bound), "
                               "which a prefill's plan reads")
+        padding = int(common.num_actual_tokens) - int(starts[-1])
+        if padding > 0 and metadata.num_prefills == 0:
+            query_lens, context_lens = with_padding_tokens(query_lens, context_lens, padding)
+            num_decodes = len(query_lens)
         config = self.engine.config
         plan = routing.choose_plan(self.engine.cost_model, query_lens, context_lens, num_decodes, config)
         mixed = plan.mode == "mixed_batch"
@@ -220,6 +224,28 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             logger.debug("mla-planner step: %d tokens, %d decode tokens, %d prefills, %s, %d launches, peak %d B, "
                          "bound %s", plan.num_tokens, metadata.num_decode_tokens, metadata.num_prefills, plan.mode,
                          len(plan), plan.peak_bytes, plan.bound)
+
+
+def with_padding_tokens(query_lens: np.ndarray, context_lens: np.ndarray,
+                        padding: int) -> tuple[np.ndarray, np.ndarray]:
+    """A decode-only step's lengths with its ``padding`` tokens past the requests' as decodes
+    without context: its trailing requests of length 0 take as many each as its longest request
+    has, and what is left comes as further requests of up to that many. vLLM's full-CUDA-graph
+    metadata counts the padded batch's tokens in ``num_actual_tokens`` and its padding requests at
+    length 0 (0.33 v1/worker/gpu_model_runner.py:2370 and v1/worker/gpu/model_runner.py:1462-1467,
+    0.26 v1/worker/gpu_model_runner.py:2409). It is mostly replayed, but a layer runs it eagerly,
+    with q of every padded token, where dual-batch overlap gives up its micro-batches for a
+    captured size (0.33 v1/worker/gpu_ubatch_wrapper.py:365-377, 0.26 :449-461)."""
+    nonzero = np.flatnonzero(query_lens)
+    first_pad = int(nonzero[-1]) + 1 if nonzero.size else 0
+    per_request = int(query_lens.max()) if nonzero.size else 1
+    pads = len(query_lens) - first_pad
+    filled = min(pads, padding // per_request)
+    left = padding - filled * per_request
+    extra = [per_request] * (left // per_request) + ([left % per_request] if left % per_request else [])
+    query_lens = np.concatenate([query_lens[:first_pad], [per_request] * filled, query_lens[first_pad + filled:], extra])
+    context_lens = np.concatenate([context_lens[:first_pad], [0] * (len(query_lens) - first_pad)])
+    return query_lens.astype(np.int64), context_lens.astype(np.int64)
 
 
 def translate_indices(
