@@ -1462,7 +1462,7 @@ def test_full_cuda_graph_metadata_run_eagerly_is_planned_with_its_padding(
     common = dataclasses.replace(common_metadata(lens, contexts, block_table), num_actual_tokens=padded,
                                  slot_mapping=torch.zeros(padded, dtype=torch.int64))
     routes.builder.reorder_batch_threshold = per_request
-    md = routes.builder.build(0, common)
+    md: Any = routes.builder.build(0, common)
     assert md.num_prefills == 0 and md.planned is not None and md.planned.sparse_tokens == padded
     positions = causal_positions(lens, contexts, TOPK, gen)
     q = torch.randn((padded, routes.num_heads, 576), generator=gen)
