@@ -4,6 +4,7 @@ stands in for vLLM's GPU-only pieces)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import pathlib
@@ -394,11 +395,13 @@ class Backend:
         self._cpu.__exit__(None, None, None)
 
     def step(self, query_lens: list[int], context_lens: list[int], gen: torch.Generator, *,
-             draft_after_padding: int = 0, exact_seq_lens: bool = True) -> dict[str, Any]:
+             draft_after_padding: int = 0, exact_seq_lens: bool = True, padding_tokens: int = 0) -> dict[str, Any]:
         """The step's metadata, from the builder, and its inputs and reference output.
         ``draft_after_padding``: the metadata the MTP draft is given after vLLM padded the target
         step with that many requests of length 0 (the runner's ``unpadded`` of the padded one);
-        ``exact_seq_lens``: see :func:`vllm_cpu.common_metadata`."""
+        ``exact_seq_lens``: see :func:`vllm_cpu.common_metadata`; ``padding_tokens``: tokens past
+        the requests' that the metadata counts, as vLLM's full-CUDA-graph metadata does: q has a
+        row for each, the reference output the requests' rows only."""
         seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
         block_table, num_blocks = shuffled_block_table(seq_lens, gen, self.block_size)
         kv_cache = quantize_fp8_ds_mla(random_kv_rows(num_blocks * self.block_size, gen)).view(
@@ -409,12 +412,16 @@ class Backend:
                                  exact_seq_lens=exact_seq_lens)
         if pad:
             common = common.unpadded(sum(query_lens), len(query_lens))
+        tokens = sum(query_lens)
+        if padding_tokens:
+            common = dataclasses.replace(common, num_actual_tokens=tokens + padding_tokens,
+                                         slot_mapping=torch.zeros(tokens + padding_tokens, dtype=torch.int64))
         metadata = self.builder.build(0, common)
         positions = causal_positions(query_lens, context_lens, TOPK, gen)
-        q = torch.randn((sum(query_lens), self.num_heads, 576), generator=gen)
+        q = torch.randn((tokens + padding_tokens, self.num_heads, 576), generator=gen)
         slots = request_slots(positions, query_lens, block_table, self.block_size)
         return dict(metadata=metadata, kv_cache=kv_cache, positions=positions, q=q,
-                    expected=reference_output(q, kv_cache, slots, 576**-0.5))
+                    expected=reference_output(q[:tokens], kv_cache, slots, 576**-0.5))
 
 
 @pytest.fixture
@@ -598,11 +605,9 @@ def test_the_reservation_is_handed_over_on_a_sized_cache_no_larger_than_the_prof
     ``num_gpu_blocks`` first), a forward over that cache hands the reservation over."""
     monkeypatch.setattr(reservation, "_held", torch.empty(1 << 20, dtype=torch.uint8))
     monkeypatch.setattr(reservation, "_reserved_bytes", 1 << 20)
-    blocks = 0
 
     def forward_over_the_profiling_blocks(backend: Backend) -> None:
         assert backend.impl.engine is not None
-        nonlocal blocks
         blocks = backend.impl.engine.profiling_kv_blocks
         case = backend.step(QUERY_LENS, CONTEXT_LENS, gen)
         md, q = case["metadata"], case["q"]
@@ -618,8 +623,8 @@ def test_the_reservation_is_handed_over_on_a_sized_cache_no_larger_than_the_prof
         profiling.close()
     assert reservation._held is not None, "no builder of a sized cache yet: this may be the profiling cache"
 
-    def sized(config: Any) -> None:
-        config.cache_config.num_gpu_blocks = blocks
+    def sized(config: Any) -> None:  # as many blocks as the profiling cache
+        config.cache_config.num_gpu_blocks = vllm_api.profiling_kv_blocks(config)
 
     served = Backend(tmp_path, monkeypatch, num_heads=16, reshape_config=sized)
     try:
@@ -726,8 +731,6 @@ def test_decode_steps_run_unplanned_only_where_every_decode_shape_fits_a_launch(
     the 64 MiB test budget, 168 of them are one launch, but one request of 167 tokens fits no
     launch. Where vLLM counts such requests as decodes (its decode threshold), no decode step runs
     stock's code unplanned."""
-    import dataclasses
-
     from mla_planner.vllm_backend import engine
 
     setup, config = separate.builder.engine, separate.builder.engine.config
@@ -744,8 +747,6 @@ def test_decode_steps_run_unplanned_only_within_the_stock_call_allowance(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, heads: int) -> None:
     """Stock's decode call allocates its padded q and output itself: they must fit what the
     reservation holds for the kernels (the engine's allowance, which builder and impl share)."""
-    import dataclasses
-
     from mla_planner.vllm_backend import engine
 
     backend = Backend(tmp_path, monkeypatch, num_heads=heads)
@@ -846,8 +847,6 @@ def test_a_launch_over_the_stock_allowance_runs_the_planned_launches(mixed: Back
     """Where stock's call would allocate more than the reservation holds for it (vLLM 0.33: the
     reservation holds what this backend allocates beyond vLLM's workspace, not the padded q and
     output stock allocates itself), the executor runs the plan's one launch."""
-    import dataclasses
-
     case = mixed.step([1, 1, 100], [70, 9, 0], gen)
     md, q = case["metadata"], case["q"]
     assert mixed.impl.engine is not None
@@ -1446,35 +1445,24 @@ def test_full_cuda_graph_metadata_run_eagerly_is_planned_with_its_padding(
     and its padding requests at length 0; where dual-batch overlap runs it eagerly, q has a row for
     every padded token. The plan covers those rows too: no fallback to stock's one call, and the
     real rows are the reference's."""
-    import dataclasses
-
     assert routes.impl.engine is not None
     every_decode_step_planned = dataclasses.replace(routes.impl.engine, stock_decode_tokens=0)
     routes.builder.engine = routes.impl.engine = every_decode_step_planned
-    per_request, real, size = 1 + spec_tokens, 13, 16
+    routes.builder.reorder_batch_threshold = per_request = 1 + spec_tokens
+    real, size = 13, 16
     lens = [per_request] * real + [0] * (size - real)
-    contexts = [40 + 7 * i if q else 0 for i, q in enumerate(lens)]
-    block_table, num_blocks = shuffled_block_table([max(q + c, 1) for q, c in zip(lens, contexts)], gen,
-                                                   routes.block_size)
-    kv_cache = quantize_fp8_ds_mla(random_kv_rows(num_blocks * routes.block_size, gen)).view(
-        num_blocks, routes.block_size, 656)
-    tokens, padded = per_request * real, per_request * size
-    common = dataclasses.replace(common_metadata(lens, contexts, block_table), num_actual_tokens=padded,
-                                 slot_mapping=torch.zeros(padded, dtype=torch.int64))
-    routes.builder.reorder_batch_threshold = per_request
-    md: Any = routes.builder.build(0, common)
+    case = routes.step(lens, [40 + 7 * i if q else 0 for i, q in enumerate(lens)], gen,
+                       padding_tokens=per_request * (size - real))
+    md, q = case["metadata"], case["q"]
+    tokens, padded = per_request * real, q.shape[0]
     assert md.num_prefills == 0 and md.planned is not None and md.planned.sparse_tokens == padded
-    positions = causal_positions(lens, contexts, TOPK, gen)
-    q = torch.randn((padded, routes.num_heads, 576), generator=gen)
     routes.topk_buffer[:padded] = -1
-    routes.topk_buffer[:tokens] = positions
+    routes.topk_buffer[:tokens] = case["positions"]
     before = sum(stock_steps.counts.values())
     forward = (routes.impl._forward_fp8_kv_mixed_batch if md.fp8_use_mixed_batch
                else routes.impl._forward_fp8_kv_separate_prefill_decode)
-    out = forward_out(forward(q, kv_cache, routes.topk_buffer[:padded], md))
-    expected = reference_output(q[:tokens], kv_cache, request_slots(positions, lens, block_table, routes.block_size),
-                                576**-0.5)
-    torch.testing.assert_close(out[:tokens], expected, rtol=1e-4, atol=1e-4)
+    out = forward_out(forward(q, case["kv_cache"], routes.topk_buffer[:padded], md))
+    torch.testing.assert_close(out[:tokens], case["expected"], rtol=1e-4, atol=1e-4)
     assert sum(stock_steps.counts.values()) == before, "no layer call fell back to vLLM's code"
 
 
