@@ -328,16 +328,23 @@ def test_seam_follows_the_installed_vllm(tmp_path: pathlib.Path) -> None:
 # -- reservation --------------------------------------------------------------------------------
 
 
-def test_reservation_is_once_per_process_and_released_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reservation_is_once_per_engine_and_released_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer of an engine asks; the first allocates. An engine built in the same process after
+    the first one served (its reservation released) gets its own, and waits for its own KV cache."""
     monkeypatch.setattr(reservation, "_held", None)
     monkeypatch.setattr(reservation, "_reserved_bytes", 0)
+    monkeypatch.setattr(reservation, "_kv_cache_sized", False)
     assert reservation.reserve(1 << 20, torch.device("cpu"))
     assert not reservation.reserve(1 << 20, torch.device("cpu")), "a second layer must not reserve again"
     assert reservation.reserved_bytes() == 1 << 20
     assert reservation._held is not None and reservation._held.numel() == 1 << 20
+    reservation.note_kv_cache_sized()
     assert reservation.release()
     assert not reservation.release()
     assert reservation._held is None
+    assert reservation.reserve(2 << 20, torch.device("cpu")), "the next engine's first layer"
+    assert reservation.reserved_bytes() == 2 << 20 and reservation._held is not None
+    assert not reservation._kv_cache_sized, "the next engine's KV cache is not sized yet"
 
 
 # -- builder and impl ---------------------------------------------------------------------------

@@ -304,7 +304,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         self.separate = SeparateExecutor(provider, self.engine.config)
         # Model construction: vLLM counts this as model memory, so the KV cache leaves room. Not
         # the profile run: vLLM 0.33's DeepSeek-V3.2 layer returns there before any impl hook.
-        if reservation.reserve(self.engine.reserved_bytes, device):  # once per process
+        if reservation.reserve(self.engine.reserved_bytes, device):  # once per engine
             settings = self.engine.settings
             logger.info("mla-planner: sparse MLA scratch budget %d MiB (%s); %d MiB reserved from the KV cache for "
                         "the largest launch beyond vLLM's workspace%s; %d heads per rank", settings.scratch_mb,

@@ -15,7 +15,9 @@ builder was made for the sized one (:func:`note_kv_cache_sized`; the one sign wh
 ``--num-gpu-blocks-override`` gives both caches the same blocks). Earlier, vLLM's CUDA-graph memory
 profiling (0.26 and 0.33) captures every graph size against that minimal cache before it sizes the
 real one: bytes handed over there, or in its warm-up, lower its estimate and the KV cache takes
-them. One reservation per process, whatever the number of layers, since layers run one at a time.
+them. One reservation per engine, whatever the number of layers, since layers run one at a time: every
+layer's impl (the MTP draft's too) asks while the engine is built, and only the first allocates; an
+engine built in the same process after an earlier one served gets its own.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ _kv_cache_sized = False
 
 
 def reserve(num_bytes: int, device: torch.device) -> bool:
-    """Hold ``num_bytes`` on ``device`` until :func:`release`. Only the first call in a process
-    allocates; it returns whether this call did."""
-    global _held, _reserved_bytes
+    """Hold ``num_bytes`` on ``device`` until :func:`release`, unless a reservation is held already
+    (the engine's first layer made it); returns whether this call allocated. After a release (the
+    engine served), a call comes from the model construction of another engine."""
+    global _held, _reserved_bytes, _kv_cache_sized
     with _lock:
-        if _reserved_bytes:
+        if _held is not None:
             return False
         _held = torch.empty(num_bytes, dtype=torch.uint8, device=device)
         _reserved_bytes = num_bytes
+        _kv_cache_sized = False
         return True
 
 
@@ -56,7 +60,7 @@ def held() -> bool:
 
 
 def reserved_bytes() -> int:
-    """Bytes reserved in this process so far (kept after :func:`release`)."""
+    """Bytes of the latest reservation (kept after :func:`release`)."""
     return _reserved_bytes
 
 
