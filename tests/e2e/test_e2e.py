@@ -108,6 +108,40 @@ def test_the_reservation_is_handed_over_on_a_kv_cache_of_the_profiling_blocks() 
     print(*(line for line in log.splitlines() if re.search("KV cache|reservation|handed|generated", line)), sep="\n")
 
 
+# Two engines one after the other in one process (the engine core in this process, as
+# VLLM_ENABLE_V1_MULTIPROCESSING=0 runs it): each reserves, and hands over, its own.
+SEQUENTIAL_ENGINES = f"""
+import gc, random, sys
+sys.path.insert(0, {str(HERE)!r})
+import run_cases
+from vllm import LLM, SamplingParams
+from vllm.distributed import cleanup_dist_env_and_memory
+rng = random.Random(0)
+for engine in range(2):
+    llm = LLM(**run_cases.engine_kwargs("planned", 0.4, 4096, max_model_len=8192))
+    outputs = llm.generate([run_cases.token_prompt(3000, rng)], SamplingParams(**run_cases.sampling_kwargs()))
+    print("engine", engine, "generated", [len(o.outputs[0].token_ids) for o in outputs], flush=True)
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+"""
+
+
+@pytest.mark.e2e
+def test_an_engine_after_another_in_one_process_reserves_its_own() -> None:
+    reason = e2e_unavailable()
+    if reason:
+        pytest.skip(reason)
+    env = {**run_cases.ENV_DEFAULTS, **os.environ}
+    r = subprocess.run([sys.executable, "-c", SEQUENTIAL_ENGINES], capture_output=True, text=True, timeout=600, env=env)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    assert "engine 1 generated [4]" in log, log[-4000:]
+    print(*(line for line in log.splitlines() if re.search("KV cache|reserved|handed|generated", line)), sep="\n")
+    assert log.count("reserved from the KV cache") == 2, "the second engine made no reservation"
+    assert log.count("handed to the kernels") == 2
+
+
 # --- packing and unpacking -------------------------------------------------------------------------
 
 
