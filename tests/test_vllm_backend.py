@@ -1423,9 +1423,12 @@ def run_step(backend: Backend, query_lens: list[int], context_lens: list[int], g
     forward = (backend.impl._forward_fp8_kv_mixed_batch if md.fp8_use_mixed_batch
                else backend.impl._forward_fp8_kv_separate_prefill_decode)
     out = forward_out(forward(q, case["kv_cache"], backend.topk_buffer[:n], md))
-    if out.dtype == torch.bfloat16:  # vLLM 0.33's own separate route writes its BF16 workspace
-        out, rtol = out.float(), max(rtol, 1e-2)
-    torch.testing.assert_close(out, case["expected"], rtol=rtol, atol=rtol)
+    expected = case["expected"]
+    if out.dtype == torch.bfloat16:  # vLLM 0.33's own separate route: q, KV and output in BF16
+        error = float((out.float() - expected).norm() / expected.norm())
+        assert error <= 1e-2, f"relative error {error:.2e} of BF16 output"  # about 3e-3 here
+    else:
+        torch.testing.assert_close(out, expected, rtol=rtol, atol=rtol)
     return md
 
 

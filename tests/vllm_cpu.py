@@ -212,7 +212,7 @@ class KernelRecorder:
         self.prefill_calls.append(tuple(q.shape))
         self.prefill_q.append(q.clone())
         self.prefill_q_ptrs.append(q.data_ptr())
-        result, lse = sparse_prefill_reference(q, kv, indices, sm_scale)
+        result, lse = sparse_prefill_reference(q, kv, indices, sm_scale, topk_length)
         if out is not None:
             assert out.shape == result.shape and out.stride(-1) == 1
             self.prefill_out_ptrs.append(out.data_ptr())

@@ -245,10 +245,7 @@ class ReferenceProvider:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if q.shape[1] not in self.prefill_heads:
             raise ValueError(f"this sparse prefill kernel takes {', '.join(map(str, self.prefill_heads))} heads, got {q.shape[1]}")
-        if topk_length is not None:  # an index past a query's length does not count
-            past = torch.arange(indices.shape[-1], device=indices.device) >= topk_length.view(-1, 1, 1)
-            indices = indices.masked_fill(past, -1)
-        o, lse = sparse_prefill_reference(q, kv, indices, softmax_scale)
+        o, lse = sparse_prefill_reference(q, kv, indices, softmax_scale, topk_length)
         return _into(out, o, self.prefill_takes_out), lse
 
     def gather_upconvert(self, kv_cache: torch.Tensor, workspace: torch.Tensor, block_table: torch.Tensor,

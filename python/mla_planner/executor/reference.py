@@ -81,10 +81,15 @@ def sparse_decode_reference(
 
 
 def sparse_prefill_reference(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
+    topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_mla_sparse_fwd`` in float32: q ``(s, h, 576)``, kv ``(n, 1, 576)`` BF16 rows,
-    indices ``(s, 1, topk)`` -> out ``(s, h, 512)`` in q's dtype, lse ``(s, h)`` float32."""
+    indices ``(s, 1, topk)`` -> out ``(s, h, 512)`` in q's dtype, lse ``(s, h)`` float32.
+    ``topk_length`` ``(s,)``: only each query's first that many indices count."""
+    if topk_length is not None:
+        past = torch.arange(indices.shape[-1], device=indices.device) >= topk_length.view(-1, 1, 1)
+        indices = indices.masked_fill(past, -1)
     out, lse = sparse_attention(q, kv.reshape(kv.shape[0], D_QK), indices.reshape(indices.shape[0], -1), softmax_scale)
     return out.to(q.dtype), lse
 
