@@ -71,6 +71,19 @@ def test_planned_finishes_every_case_at_095(tmp_path: Path) -> None:
     assert seen == {"1", "2", "3", "4", "5"}
 
 
+def engine_script_log(script: str) -> str:
+    """The log of ``script`` (vLLM engines in a Python process of their own, the engine core in
+    it); skips where vLLM cannot run here, fails where the script does."""
+    reason = e2e_unavailable()
+    if reason:
+        pytest.skip(reason)
+    env = {**run_cases.ENV_DEFAULTS, **os.environ}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    return log
+
+
 # The sized KV cache no larger than the one vLLM profiles CUDA graphs against: with CUDA graphs, 64
 # sequences and captures up to 64, that cache has 64 blocks, and so does the override's.
 OVERRIDE_BLOCKS = 64
@@ -95,13 +108,7 @@ def test_the_reservation_is_handed_over_on_a_kv_cache_of_the_profiling_blocks() 
     """``--num-gpu-blocks-override`` at the blocks of the minimal cache vLLM profiles CUDA graphs
     against: the reservation is handed to the kernels once vLLM has sized the KV cache, and the
     requests finish."""
-    reason = e2e_unavailable()
-    if reason:
-        pytest.skip(reason)
-    env = {**run_cases.ENV_DEFAULTS, **os.environ}
-    r = subprocess.run([sys.executable, "-c", OVERRIDE_ENGINE], capture_output=True, text=True, timeout=600, env=env)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-4000:]
+    log = engine_script_log(OVERRIDE_ENGINE)
     assert "generated [4, 4, 4]" in log, log[-4000:]
     sized, handed = log.find("Available KV cache memory"), log.find("handed to the kernels")
     assert sized >= 0 and handed > sized, log[-4000:]
@@ -129,13 +136,7 @@ for engine in range(2):
 
 @pytest.mark.e2e
 def test_an_engine_after_another_in_one_process_reserves_its_own() -> None:
-    reason = e2e_unavailable()
-    if reason:
-        pytest.skip(reason)
-    env = {**run_cases.ENV_DEFAULTS, **os.environ}
-    r = subprocess.run([sys.executable, "-c", SEQUENTIAL_ENGINES], capture_output=True, text=True, timeout=600, env=env)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-4000:]
+    log = engine_script_log(SEQUENTIAL_ENGINES)
     assert "engine 1 generated [4]" in log, log[-4000:]
     print(*(line for line in log.splitlines() if re.search("KV cache|reserved|handed|generated", line)), sep="\n")
     assert log.count("reserved from the KV cache") == 2, "the second engine made no reservation"
