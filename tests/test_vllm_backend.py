@@ -349,6 +349,19 @@ def test_reservation_is_once_per_engine_and_released_once(monkeypatch: pytest.Mo
     assert not reservation._kv_cache_sized, "the next engine's KV cache is not sized yet"
 
 
+def test_the_released_reservation_goes_back_to_the_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A freed block serves only its own stream, and vLLM serves on another than the one the model
+    is built on: released, the reservation's bytes are given back to the driver (the cache
+    emptied once they are free), for the launches' stream to allocate."""
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(reservation._held is None))
+    monkeypatch.setattr(reservation, "_held", SimpleNamespace(is_cuda=True))
+    assert reservation.release() and emptied == [True]
+    assert not reservation.release() and emptied == [True]
+    monkeypatch.setattr(reservation, "_held", torch.empty(1 << 20, dtype=torch.uint8))
+    assert reservation.release() and emptied == [True], "nothing to give back off CUDA"
+
+
 # -- builder and impl ---------------------------------------------------------------------------
 
 

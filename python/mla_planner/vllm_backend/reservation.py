@@ -6,8 +6,8 @@ never reserves it: that is the OOM). vLLM 0.33's ``reserve_workspace()`` hook do
 its DeepSeek-V3.2 layer returns in the profile run before calling it. So the impl allocates the
 bytes the KV cache must leave while the model is built -- vLLM counts them as model memory
 (:attr:`.engine.EngineSetup.reserved_bytes`: the largest launch of any plan beyond vLLM 0.33's
-workspace, and on 0.26 the step's output too) -- and gives them to PyTorch's caching allocator,
-where the kernels' scratch finds them, once vLLM has sized the KV cache and serves.
+workspace, and on 0.26 the step's output too) -- and gives them back to the driver, where the
+kernels' scratch finds them, once vLLM has sized the KV cache and serves.
 
 When that is: at the first FP8 forward outside a CUDA-graph capture over the KV cache vLLM sized:
 one of more blocks than the minimal cache vLLM profiles CUDA graphs against, or any cache once a
@@ -18,6 +18,13 @@ real one: bytes handed over there, or in its warm-up, lower its estimate and the
 them. One reservation per engine, whatever the number of layers, since layers run one at a time: every
 layer's impl (the MTP draft's too) asks while the engine is built, and only the first allocates; an
 engine built in the same process after an earlier one served gets its own.
+
+Back to the driver, not to PyTorch's cache: the caching allocator gives a freed block only to
+allocations on the stream it was allocated on, and vLLM may serve on another stream than the one
+the model was built on (its ``current_stream()`` makes one of its own on the first call that finds
+none tracked: 0.26 ``vllm/utils/torch_utils.py:685-687``, 0.33 ``:824-829``). Cached, the bytes
+would then serve no launch, and the launches would allocate as much again beside them; given back,
+the next launch allocates them on its own stream, whichever that is.
 """
 
 from __future__ import annotations
@@ -47,12 +54,18 @@ def reserve(num_bytes: int, device: torch.device) -> bool:
 
 
 def release() -> bool:
-    """Give the reserved bytes to the allocator's cache (not back to the driver). Returns
-    whether anything was held."""
+    """Give the reserved bytes back to the driver, for the allocations of whichever stream runs
+    the kernels. Returns whether anything was held."""
     global _held
     with _lock:
         held, _held = _held, None
-    return held is not None
+    if held is None:
+        return False
+    on_cuda = held.is_cuda
+    del held
+    if on_cuda:
+        torch.cuda.empty_cache()
+    return True
 
 
 def held() -> bool:
