@@ -362,6 +362,26 @@ def test_the_released_reservation_goes_back_to_the_driver(monkeypatch: pytest.Mo
     assert reservation.release() and emptied == [True], "nothing to give back off CUDA"
 
 
+def test_the_hand_over_says_whether_the_reservation_was_made_on_another_stream(
+        mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log line of the hand-over says where vLLM serves on another CUDA stream than the one
+    the model was built on (why the bytes go back to the driver). (CPU: the streams are stand-ins.)"""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *_: SimpleNamespace(cuda_stream=2))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    for made_on, said in ((1, True), (2, False)):
+        monkeypatch.setattr(reservation, "_held", torch.empty(1 << 20, dtype=torch.uint8))
+        monkeypatch.setattr(reservation, "_reserved_bytes", 1 << 20)
+        monkeypatch.setattr(reservation, "_stream", made_on)
+        case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
+        q = case["q"]
+        mixed.topk_buffer[: q.shape[0]] = case["positions"]
+        with debug_lines() as lines:
+            mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]],
+                                                   case["metadata"])
+        handed = [line for line in lines if "handed to the kernels" in line]
+        assert len(handed) == 1 and ("made on another CUDA stream" in handed[0]) == said, lines
+
+
 # -- builder and impl ---------------------------------------------------------------------------
 
 

@@ -35,6 +35,8 @@ import torch
 
 _lock = threading.Lock()
 _held: torch.Tensor | None = None
+_stream: int | None = None
+"""The CUDA stream the reservation was allocated on (its handle), for the hand-over's log line."""
 _reserved_bytes = 0
 _kv_cache_sized = False
 
@@ -43,11 +45,12 @@ def reserve(num_bytes: int, device: torch.device) -> bool:
     """Hold ``num_bytes`` on ``device`` until :func:`release`, unless a reservation is held already
     (the engine's first layer made it); returns whether this call allocated. After a release (the
     engine served), a call comes from the model construction of another engine."""
-    global _held, _reserved_bytes, _kv_cache_sized
+    global _held, _stream, _reserved_bytes, _kv_cache_sized
     with _lock:
         if _held is not None:
             return False
         _held = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        _stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
         _reserved_bytes = num_bytes
         _kv_cache_sized = False
         return True
@@ -70,6 +73,12 @@ def release() -> bool:
 
 def held() -> bool:
     return _held is not None
+
+
+def made_on_another_stream() -> bool:
+    """Whether the reservation was allocated on a CUDA stream other than the current one (what
+    giving it back to the driver is for)."""
+    return _stream is not None and torch.cuda.current_stream().cuda_stream != _stream
 
 
 def reserved_bytes() -> int:
