@@ -361,6 +361,13 @@ def test_the_released_reservation_goes_back_to_the_driver(monkeypatch: pytest.Mo
     monkeypatch.setattr(reservation, "_held", torch.empty(1 << 20, dtype=torch.uint8))
     assert reservation.release() and emptied == [True], "nothing to give back off CUDA"
 
+    def refused() -> None:  # as vLLM's VLLM_GPU_SYNC_CHECK=error refuses a synchronisation
+        raise RuntimeError("GPU synchronization detected")
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", refused)
+    monkeypatch.setattr(reservation, "_held", SimpleNamespace(is_cuda=True))
+    assert reservation.release() and reservation._held is None, "the hand-over never raises"
+
 
 def test_the_hand_over_says_whether_the_reservation_was_made_on_another_stream(
         mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
