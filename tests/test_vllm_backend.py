@@ -443,6 +443,12 @@ class Backend:
     def close(self) -> None:
         self._cpu.__exit__(None, None, None)
 
+    def fp8_forward(self, md: Any) -> Callable[..., Any]:
+        """The impl's FP8 forward on the route a step's metadata names, as vLLM's layer picks it."""
+        if md.fp8_use_mixed_batch:
+            return self.impl._forward_fp8_kv_mixed_batch
+        return self.impl._forward_fp8_kv_separate_prefill_decode
+
     def step(self, query_lens: list[int], context_lens: list[int], gen: torch.Generator, *,
              draft_after_padding: int = 0, exact_seq_lens: bool = True, padding_tokens: int = 0) -> dict[str, Any]:
         """The step's metadata, from the builder, and its inputs and reference output.
@@ -1460,9 +1466,7 @@ def run_step(backend: Backend, query_lens: list[int], context_lens: list[int], g
     md, q = case["metadata"], case["q"]
     n = q.shape[0]
     backend.topk_buffer[:n] = case["positions"]
-    forward = (backend.impl._forward_fp8_kv_mixed_batch if md.fp8_use_mixed_batch
-               else backend.impl._forward_fp8_kv_separate_prefill_decode)
-    out = forward_out(forward(q, case["kv_cache"], backend.topk_buffer[:n], md))
+    out = forward_out(backend.fp8_forward(md)(q, case["kv_cache"], backend.topk_buffer[:n], md))
     expected = case["expected"]
     if out.dtype == torch.bfloat16:  # vLLM 0.33's own separate route: q, KV and output in BF16
         error = float((out.float() - expected).norm() / expected.norm())
@@ -1513,9 +1517,7 @@ def test_full_cuda_graph_metadata_run_eagerly_is_planned_with_its_padding(
     routes.topk_buffer[:padded] = -1
     routes.topk_buffer[:tokens] = case["positions"]
     before = sum(stock_steps.counts.values())
-    forward = (routes.impl._forward_fp8_kv_mixed_batch if md.fp8_use_mixed_batch
-               else routes.impl._forward_fp8_kv_separate_prefill_decode)
-    out = forward_out(forward(q, case["kv_cache"], routes.topk_buffer[:padded], md))
+    out = forward_out(routes.fp8_forward(md)(q, case["kv_cache"], routes.topk_buffer[:padded], md))
     torch.testing.assert_close(out[:tokens], case["expected"], rtol=1e-4, atol=1e-4)
     assert sum(stock_steps.counts.values()) == before, "no layer call fell back to vLLM's code"
 
