@@ -397,8 +397,8 @@ class Backend:
 
     def __init__(self, tmp: pathlib.Path, monkeypatch: pytest.MonkeyPatch, *, num_heads: int,
                  cost_profile: pathlib.Path | None = None, dense_prefill: bool = False, scratch_mb: int = 0,
-                 max_num_seqs: int = 16, reshape_config: Callable[[Any], None] | None = None,
-                 block_size: int = 64) -> None:
+                 max_num_seqs: int = 16, max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
+                 reshape_config: Callable[[Any], None] | None = None, block_size: int = 64) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
         from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
@@ -421,7 +421,8 @@ class Backend:
         self.provider = RecordingProvider()
         self.kernels = KernelRecorder()
         self.config = vllm_config(model_dir(tmp, num_heads=num_heads, topk=TOPK), dense_prefill=dense_prefill,
-                                  max_num_seqs=max_num_seqs)
+                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=max_model_len)
         self.config.cache_config.block_size = self.block_size = block_size
         if reshape_config is not None:
             reshape_config(self.config)
@@ -1578,9 +1579,12 @@ def batch_mixes(draw: st.DrawFn, decode_threshold: int, max_tokens: int, max_mod
     tokens: single tokens, speculative tokens, short chunks), then prefills past the threshold,
     with or without context; or, after decodes of one length, CUDA-graph padding (requests of
     length 0); within ``max_num_batched_tokens`` and ``max_model_len``."""
+    longest = min(max_tokens, max_model_len)  # one request's tokens
+    decode_threshold = min(decode_threshold, longest)
     decode_len = st.integers(1, decode_threshold)
     lens = draw(st.lists(st.one_of(st.just(1), decode_len), max_size=12))
-    prefills = draw(st.lists(st.integers(decode_threshold + 1, max_tokens), max_size=3))
+    prefill_len = st.integers(decode_threshold + 1, longest)
+    prefills = draw(st.lists(prefill_len, max_size=3)) if decode_threshold < longest else []
     uniform = len(set(lens)) <= 1
     padding = draw(st.integers(0, 4)) if uniform and not prefills else 0
     lens = lens + prefills
@@ -1617,6 +1621,91 @@ def test_any_batch_mix_runs_and_matches_the_reference(any_engine: Backend, data:
     assert sum(stock_steps.counts.values()) == before, (query_lens, context_lens, dict(stock_steps.counts))
     if md.planned is not None:
         assert md.planned.sparse_tokens == sum(query_lens)
+
+
+@st.composite
+def engine_flags(draw: st.DrawFn) -> dict[str, Any]:
+    """What an operator sets: heads per rank (the model's heads over the tensor-parallel size), the
+    budget, vLLM's batch limits and context length, and a cost profile or vLLM's rule."""
+    max_num_seqs = draw(st.integers(1, 256))
+    return dict(
+        num_heads=draw(st.sampled_from([16, 32, 64, 128])),
+        scratch_mb=draw(st.integers(64, 160)),  # 64 MiB the least allowed; at the tests' top-k of 128 engines need about that
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=draw(st.integers(max(max_num_seqs, 64), 2048)),
+        max_model_len=draw(st.integers(256, 8192)),
+        spec_tokens=draw(st.sampled_from([0, 0, 1, 3])),
+        profile=draw(st.booleans()),
+    )
+
+
+def started(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, flags: dict[str, Any]) -> Backend:
+    """The engine ``flags`` describe, or, where it refuses its budget at start-up, the one at the
+    budget its error names: that error is one line, names a larger budget, and that one starts."""
+    import json
+    import re
+
+    profile = None
+    if flags.pop("profile"):
+        profile = tmp_path / "profile.json"
+        profile.write_text(json.dumps(ROUTING_PROFILE))
+    spec_tokens = flags.pop("spec_tokens")
+
+    def speculative(config: Any) -> None:  # MTP: decodes of 1 + k tokens (what vLLM's builder reads of it)
+        if spec_tokens:
+            config.speculative_config = SimpleNamespace(method="mtp", num_speculative_tokens=spec_tokens,
+                                                        parallel_drafting=False, attention_backend=None)
+
+    try:
+        return Backend(tmp_path, monkeypatch, cost_profile=profile, reshape_config=speculative, **flags)
+    except SettingsError as err:
+        message = str(err)
+        named = re.search(r"set MLA_PLANNER_SCRATCH_MB=(\d+) or more$", message)
+        assert named and "\n" not in message, message
+        assert int(named.group(1)) > flags["scratch_mb"], message
+        flags["scratch_mb"] = int(named.group(1))
+        return Backend(tmp_path, monkeypatch, cost_profile=profile, reshape_config=speculative, **flags)
+
+
+def assert_within_the_reservation(backend: Backend, md: Any, query_lens: list[int], context_lens: list[int]) -> None:
+    """The step allocates no more than the engine holds for it: a planned launch no more than the
+    budget, and a step run as vLLM's one call (no plan, or a plan of that one call) no more than
+    the reservation."""
+    setup = backend.builder.engine
+    step = md.planned
+    if step is None:  # every prefill is sparse here: only a short decode-only step runs unplanned
+        assert md.num_prefills == 0 and md.num_decode_tokens <= setup.stock_decode_tokens
+        call = mla_planner.plan_step(query_lens, context_lens, len(query_lens), setup.config)
+        assert len(call) == 1 and call.peak_bytes <= setup.stock_call_allowance, (len(call), call.peak_bytes)
+    elif step.stock_call_bytes is None or step.stock_call_bytes > setup.stock_call_allowance:
+        budget = setup.config.launch_budget_bytes
+        assert max(launch.bytes for launch in step.launches) <= budget
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(flags=engine_flags(), data=st.data())
+def test_any_engine_that_starts_runs_any_step_within_its_reservation(tmp_path: pathlib.Path,
+                                                                     flags: dict[str, Any], data: st.DataObject) -> None:
+    """Random operator flags: the engine starts, or refuses its budget at start-up naming one that
+    starts; then random steps within its limits run without falling back to vLLM's code, within
+    the bytes the engine holds for them, and match the float32 reference."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        backend = started(tmp_path, monkeypatch, flags)
+        try:
+            scheduler = backend.config.scheduler_config
+            for _ in range(2):
+                query_lens, context_lens = data.draw(batch_mixes(
+                    backend.builder.reorder_batch_threshold or 1, scheduler.max_num_batched_tokens,
+                    backend.config.model_config.max_model_len))
+                gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
+                before = sum(stock_steps.counts.values())
+                md = run_step(backend, query_lens, context_lens, gen)
+                backend.provider.launch_q.clear()
+                backend.provider.prefill_q.clear()
+                assert sum(stock_steps.counts.values()) == before, (query_lens, context_lens, dict(stock_steps.counts))
+                assert_within_the_reservation(backend, md, query_lens, context_lens)
+        finally:
+            backend.close()
 
 
 def test_vllms_own_gather_chunks_are_followed(separate: Backend, gen: torch.Generator,
