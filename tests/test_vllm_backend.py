@@ -1609,7 +1609,14 @@ def any_engine(request: pytest.FixtureRequest) -> Backend:
 def test_any_batch_mix_runs_and_matches_the_reference(any_engine: Backend, data: st.DataObject) -> None:
     """Random steps: the layer call's output is the float32 reference's, and no step or layer call
     falls back to vLLM's code for want of a plan."""
-    backend = any_engine
+    md, query_lens, _context_lens = run_a_drawn_step(any_engine, data)
+    if md.planned is not None:
+        assert md.planned.sparse_tokens == sum(query_lens)
+
+
+def run_a_drawn_step(backend: Backend, data: st.DataObject) -> tuple[Any, list[int], list[int]]:
+    """A step drawn within the engine's limits (:func:`batch_mixes`), run and checked by
+    :func:`run_step`, and not left to vLLM's code: its metadata and lengths."""
     query_lens, context_lens = data.draw(batch_mixes(backend.builder.reorder_batch_threshold or 1,
                                                      backend.config.scheduler_config.max_num_batched_tokens,
                                                      backend.config.model_config.max_model_len))
@@ -1619,8 +1626,7 @@ def test_any_batch_mix_runs_and_matches_the_reference(any_engine: Backend, data:
     backend.provider.launch_q.clear()
     backend.provider.prefill_q.clear()
     assert sum(stock_steps.counts.values()) == before, (query_lens, context_lens, dict(stock_steps.counts))
-    if md.planned is not None:
-        assert md.planned.sparse_tokens == sum(query_lens)
+    return md, query_lens, context_lens
 
 
 @st.composite
@@ -1692,18 +1698,8 @@ def test_any_engine_that_starts_runs_any_step_within_its_reservation(tmp_path: p
     with pytest.MonkeyPatch.context() as monkeypatch:
         backend = started(tmp_path, monkeypatch, flags)
         try:
-            scheduler = backend.config.scheduler_config
             for _ in range(2):
-                query_lens, context_lens = data.draw(batch_mixes(
-                    backend.builder.reorder_batch_threshold or 1, scheduler.max_num_batched_tokens,
-                    backend.config.model_config.max_model_len))
-                gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
-                before = sum(stock_steps.counts.values())
-                md = run_step(backend, query_lens, context_lens, gen)
-                backend.provider.launch_q.clear()
-                backend.provider.prefill_q.clear()
-                assert sum(stock_steps.counts.values()) == before, (query_lens, context_lens, dict(stock_steps.counts))
-                assert_within_the_reservation(backend, md, query_lens, context_lens)
+                assert_within_the_reservation(backend, *run_a_drawn_step(backend, data))
         finally:
             backend.close()
 
