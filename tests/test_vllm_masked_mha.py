@@ -474,6 +474,20 @@ def test_a_layer_call_whose_groups_cannot_run_runs_every_prefill_on_sparse_mqa(
     assert stock_steps.counts[reason] == before + 1
 
 
+def test_the_builder_links_each_impl_to_its_layer_before_planning_groups(engine_factory: Any,
+                                                                         gen: torch.Generator) -> None:
+    """Groups on sparse MQA, and the fallback of every group, run the layer's absorbed weights: the
+    builder links the impl to its layer when it plans a step's groups, so no layer call has to find
+    it (a lookup that failed there would fail the fallback too)."""
+    from mla_planner.vllm_backend import masked_mha
+
+    engine = engine_factory(P1_OUT)
+    impl = engine.ours.impl
+    assert impl.mla_layer is None
+    ours_md, _stock = engine.step(gen)["metadata"]
+    assert masked_mha.plan_of(ours_md.prefill) is not None and impl.mla_layer is engine.ours
+
+
 def test_a_layer_whose_sparse_mqa_path_differs_keeps_stocks_step(engine_factory: Any, gen: torch.Generator) -> None:
     """The layer pads its heads (a weight path the sparse-MQA rows do not take): the builder plans
     no group for it, counted once, and the layer runs stock's all-sparse-MQA step; nothing raises

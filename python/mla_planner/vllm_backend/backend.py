@@ -218,12 +218,14 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
                                              gather_chunks=np.asarray(chunks, dtype=np.int64).reshape(-1, 2))
         vllm_route = None if mixed == metadata.fp8_use_mixed_batch else (metadata.fp8_use_mixed_batch,
                                                                           metadata.fp8_extra_metadata)
-        metadata.planned = PlannedStep(plan, config, vllm_route)
-        metadata.fp8_use_mixed_batch, metadata.fp8_extra_metadata = mixed, fp8
+        planned = PlannedStep(plan, config, vllm_route)
         if logger.isEnabledFor(logging.DEBUG):  # the arguments are calls into the plan: none unless logged
             logger.debug("mla-planner step: %d tokens, %d decode tokens, %d prefills, %s, %d launches, peak %d B, "
                          "bound %s", plan.num_tokens, metadata.num_decode_tokens, metadata.num_prefills, plan.mode,
                          len(plan), plan.peak_bytes, plan.bound)
+        # Last, so that nothing after it can leave the step on the plan's route without its plan.
+        metadata.planned = planned
+        metadata.fp8_use_mixed_batch, metadata.fp8_extra_metadata = mixed, fp8
 
 
 def with_padding_tokens(query_lens: np.ndarray, context_lens: np.ndarray,
@@ -276,8 +278,8 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
     """The engine's setup on an FP8 cache; ``None`` (and stock's code) otherwise."""
 
     mla_layer: Any = None
-    """vLLM 0.33, masked MHA: the ``MLAAttention`` layer of this impl, found when a step first
-    runs prefills on sparse MQA inside ``forward_mha`` (:func:`.vllm_api.attention_layer`)."""
+    """vLLM 0.33, masked MHA: the ``MLAAttention`` layer of this impl, linked by the builder before
+    it plans prefill rows on sparse MQA (:func:`.vllm_api.link_attention_layers`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         FlashMLASparseImpl.__init__(self, *args, **kwargs)

@@ -124,6 +124,7 @@ def partial_prefill(builder: Any, metadata: Any, common: Any) -> PartialPrefill 
     unsupported = vllm_api.sparse_mqa_unsupported(builder)
     if unsupported is not None:
         raise ValueError(f"the layer's sparse-MQA path cannot run prefill rows here: {unsupported}")
+    vllm_api.link_attention_layers(builder)
     qsl = common.query_start_loc_cpu.numpy().astype(np.int64)
     starts = (qsl[decodes : decodes + num_prefills + 1] - qsl[decodes]).tolist()
     runs = []

@@ -526,17 +526,22 @@ def sparse_mqa_unsupported(builder: Any) -> str | None:
     return None
 
 
-def attention_layer(impl: Any) -> Any:
-    """The ``MLAAttention`` layer whose impl ``impl`` is, found once in the forward context's layers:
-    its absorbed weights run sparse-MQA rows, as they do in the layer's own decode path. The
-    builder checked it is there (:func:`sparse_mqa_unsupported`) before planning such rows."""
-    layer = impl.mla_layer
-    if layer is None:
-        from vllm.forward_context import get_forward_context
+def link_attention_layers(builder: Any) -> None:
+    """Give each impl of the builder's layers its ``MLAAttention`` layer (``impl.mla_layer``), in the
+    builder, once :func:`sparse_mqa_unsupported` found them all: the impl's forward then needs no
+    lookup of its own, where a failure would reach the fallback that runs every prefill row there."""
+    layers = builder.vllm_config.compilation_config.static_forward_context
+    for name in builder.layer_names:
+        layers[name].impl.mla_layer = layers[name]
 
-        layer = impl.mla_layer = next(layer for layer in get_forward_context().no_compile_layers.values()
-                                      if getattr(layer, "impl", None) is impl)
-    return layer
+
+def attention_layer(impl: Any) -> Any:
+    """The ``MLAAttention`` layer whose impl ``impl`` is (:func:`link_attention_layers`): its absorbed
+    weights run sparse-MQA rows, as they do in the layer's own decode path."""
+    if impl.mla_layer is None:
+        raise LookupError("no MLAAttention layer linked to this impl (the builder links them before planning "
+                          "sparse-MQA rows)")
+    return impl.mla_layer
 
 
 def sparse_mqa_rows(impl: Any, q: torch.Tensor, kv_cache: torch.Tensor, topk_rows: slice, metadata: Any,
