@@ -1,0 +1,67 @@
+"""On the GPU: the reservation's hand-over gives its bytes back to the driver, so that launches on
+any stream find them (docs/vllm.md, "Reserving the budget from the KV cache").
+
+PyTorch's caching allocator gives a freed block only to allocations on the stream it was allocated
+on. vLLM may serve on another stream than the one the model (and the reservation) was built on;
+cached, the bytes would serve no launch there, and the launches would take as much again from the
+device. Measured with the driver's free memory (``torch.cuda.mem_get_info``), which counts every
+allocation of the process, cached or live."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from mla_planner.vllm_backend import reservation
+
+from gpu_helpers import MiB
+
+pytestmark = pytest.mark.gpu
+
+RESERVED = 512 * MiB
+SLACK = 4 * MiB
+"""Driver-level noise between two readings: the allocator's 2 MiB rounding, a small segment."""
+
+
+def free_bytes() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+@pytest.fixture
+def fresh_reservation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name, value in (("_held", None), ("_stream", None), ("_reserved_bytes", 0), ("_kv_cache_sized", False)):
+        monkeypatch.setattr(reservation, name, value)
+    torch.cuda.empty_cache()
+    yield
+    reservation.release()
+    torch.cuda.empty_cache()
+
+
+def test_the_hand_over_gives_the_bytes_back_to_the_driver(fresh_reservation: None) -> None:
+    before = free_bytes()
+    assert reservation.reserve(RESERVED, torch.device("cuda"))
+    held = free_bytes()
+    assert before - held >= RESERVED, (before, held)
+    assert reservation.release() and not reservation.held()
+    after = free_bytes()
+    print(f"free MiB: before {before // MiB}, reserved {held // MiB}, handed over {after // MiB}")
+    assert after - held >= RESERVED - SLACK, "the freed reservation stayed in PyTorch's cache"
+
+
+def test_a_launch_on_another_stream_after_the_hand_over_takes_no_more_than_the_reservation(
+        fresh_reservation: None) -> None:
+    before = free_bytes()
+    assert reservation.reserve(RESERVED, torch.device("cuda"))  # the model's stream
+    serving = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(serving):  # vLLM's own stream, made after the model was built
+        assert reservation.made_on_another_stream()
+        reservation.release()
+        scratch = torch.empty(RESERVED, dtype=torch.uint8, device="cuda")  # a launch's scratch
+        peak_taken = before - free_bytes()
+        del scratch
+    print(f"taken from the device while the launch's scratch is live: {peak_taken // MiB} MiB "
+          f"(reservation {RESERVED // MiB} MiB)")
+    assert peak_taken <= RESERVED + SLACK, "the launch allocated beside the cached reservation"
