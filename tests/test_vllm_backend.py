@@ -1464,17 +1464,28 @@ def run_step(backend: Backend, query_lens: list[int], context_lens: list[int], g
     layer's FP8 forward on vLLM's route for it, and check the output against the float32
     reference; the metadata back."""
     case = backend.step(query_lens, context_lens, gen, **metadata)
-    md, q = case["metadata"], case["q"]
-    n = q.shape[0]
-    backend.topk_buffer[:n] = case["positions"]
+    md = case["metadata"]
+    n = sparse_rows(backend, md, case["q"].shape[0])
+    if n == 0:  # dense prefills alone: the layer calls no FP8 forward
+        return md
+    q, expected = case["q"][:n], case["expected"][:n]
+    backend.topk_buffer[:n] = case["positions"][:n]
     out = forward_out(backend.fp8_forward(md)(q, case["kv_cache"], backend.topk_buffer[:n], md))
-    expected = case["expected"]
     if out.dtype == torch.bfloat16:  # vLLM 0.33's own separate route: q, KV and output in BF16
         error = float((out.float() - expected).norm() / expected.norm())
         assert error <= 1e-2, f"relative error {error:.2e} of BF16 output"  # about 3e-3 here
     else:
         torch.testing.assert_close(out, expected, rtol=rtol, atol=rtol)
     return md
+
+
+def sparse_rows(backend: Backend, md: Any, rows: int) -> int:
+    """The rows of a step's q (``rows`` of them) that vLLM's layer hands the FP8 forward: all, or
+    the decodes' only where it runs the step's prefills dense (a dense prefill backend, and vLLM's
+    verdict in the metadata, :func:`.vllm_api.prefills_run_dense`)."""
+    if backend.builder.force_mqa or not vllm_api.prefills_run_dense(md):
+        return rows
+    return int(md.num_decode_tokens)
 
 
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48]  # vLLM's first CUDA-graph capture sizes
@@ -1574,11 +1585,12 @@ def test_the_mtp_drafts_decode_step_without_cpu_sequence_lengths_is_planned(rout
 
 
 @st.composite
-def batch_mixes(draw: st.DrawFn, decode_threshold: int, max_tokens: int, max_model_len: int) -> tuple[list[int], list[int]]:
+def batch_mixes(draw: st.DrawFn, decode_threshold: int, max_tokens: int, max_model_len: int,
+                max_requests: int) -> tuple[list[int], list[int]]:
     """A step as vLLM lays one out: decodes first (requests of up to the decode threshold's query
     tokens: single tokens, speculative tokens, short chunks), then prefills past the threshold,
     with or without context; or, after decodes of one length, CUDA-graph padding (requests of
-    length 0); within ``max_num_batched_tokens`` and ``max_model_len``."""
+    length 0); within ``max_num_batched_tokens``, ``max_model_len`` and ``max_num_seqs``."""
     longest = min(max_tokens, max_model_len)  # one request's tokens
     decode_threshold = min(decode_threshold, longest)
     decode_len = st.integers(1, decode_threshold)
@@ -1588,18 +1600,20 @@ def batch_mixes(draw: st.DrawFn, decode_threshold: int, max_tokens: int, max_mod
     uniform = len(set(lens)) <= 1
     padding = draw(st.integers(0, 4)) if uniform and not prefills else 0
     lens = lens + prefills
-    while sum(lens) > max_tokens:
+    while sum(lens) > max_tokens or len(lens) > max_requests:
         lens.pop()
     if not lens:
         lens = [1]
+    padding = min(padding, max_requests - len(lens))
     contexts = [draw(st.integers(0, max_model_len - q)) for q in lens]
     return lens + [0] * padding, contexts + [0] * padding
 
 
-@pytest.fixture(params=["mixed", "separate", "routed", "native_routed"])
+@pytest.fixture(params=["mixed", "separate", "routed", "native_routed", "chat"])
 def any_engine(request: pytest.FixtureRequest) -> Backend:
-    """vLLM's rule on either route (16 and 32 heads), and a cost profile choosing the route step by
-    step, at padded and at native prefill heads."""
+    """vLLM's rule on either route (16 and 32 heads), a cost profile choosing the route step by
+    step, at padded and at native prefill heads, and a dense prefill backend beside the sparse
+    kernels (``chat``)."""
     backend: Backend = request.getfixturevalue(request.param)
     return backend
 
@@ -1611,15 +1625,16 @@ def test_any_batch_mix_runs_and_matches_the_reference(any_engine: Backend, data:
     falls back to vLLM's code for want of a plan."""
     md, query_lens, _context_lens = run_a_drawn_step(any_engine, data)
     if md.planned is not None:
-        assert md.planned.sparse_tokens == sum(query_lens)
+        assert md.planned.sparse_tokens == sparse_rows(any_engine, md, sum(query_lens))
 
 
 def run_a_drawn_step(backend: Backend, data: st.DataObject) -> tuple[Any, list[int], list[int]]:
     """A step drawn within the engine's limits (:func:`batch_mixes`), run and checked by
     :func:`run_step`, and not left to vLLM's code: its metadata and lengths."""
+    scheduler = backend.config.scheduler_config
     query_lens, context_lens = data.draw(batch_mixes(backend.builder.reorder_batch_threshold or 1,
-                                                     backend.config.scheduler_config.max_num_batched_tokens,
-                                                     backend.config.model_config.max_model_len))
+                                                     scheduler.max_num_batched_tokens,
+                                                     backend.config.model_config.max_model_len, scheduler.max_num_seqs))
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
     before = sum(stock_steps.counts.values())
     md = run_step(backend, query_lens, context_lens, gen)
@@ -1632,7 +1647,8 @@ def run_a_drawn_step(backend: Backend, data: st.DataObject) -> tuple[Any, list[i
 @st.composite
 def engine_flags(draw: st.DrawFn) -> dict[str, Any]:
     """What an operator sets: heads per rank (the model's heads over the tensor-parallel size), the
-    budget, vLLM's batch limits and context length, and a cost profile or vLLM's rule."""
+    budget, vLLM's batch limits and context length, MTP, a cost profile or vLLM's rule; and whether
+    the layer has a dense prefill backend (short prefills run dense, beside the sparse kernels)."""
     max_num_seqs = draw(st.integers(1, 256))
     return dict(
         num_heads=draw(st.sampled_from([16, 32, 64, 128])),
@@ -1642,6 +1658,7 @@ def engine_flags(draw: st.DrawFn) -> dict[str, Any]:
         max_model_len=draw(st.integers(256, 8192)),
         spec_tokens=draw(st.sampled_from([0, 0, 1, 3])),
         profile=draw(st.booleans()),
+        dense_prefill=draw(st.booleans()),
     )
 
 
@@ -1679,10 +1696,12 @@ def assert_within_the_reservation(backend: Backend, md: Any, query_lens: list[in
     the reservation."""
     setup = backend.builder.engine
     step = md.planned
-    if step is None:  # every prefill is sparse here: only a short decode-only step runs unplanned
-        assert md.num_prefills == 0 and md.num_decode_tokens <= setup.stock_decode_tokens
-        call = mla_planner.plan_step(query_lens, context_lens, len(query_lens), setup.config)
-        assert len(call) == 1 and call.peak_bytes <= setup.stock_call_allowance, (len(call), call.peak_bytes)
+    if step is None:  # only decodes reach the sparse kernels: a decode-only step, or beside dense prefills
+        assert sparse_rows(backend, md, sum(query_lens)) == md.num_decode_tokens <= setup.stock_decode_tokens
+        decodes = int(md.num_decodes)
+        if decodes:
+            call = mla_planner.plan_step(query_lens[:decodes], context_lens[:decodes], decodes, setup.config)
+            assert len(call) == 1 and call.peak_bytes <= setup.stock_call_allowance, (len(call), call.peak_bytes)
     elif step.stock_call_bytes is None or step.stock_call_bytes > setup.stock_call_allowance:
         budget = setup.config.launch_budget_bytes
         assert max(launch.bytes for launch in step.launches) <= budget

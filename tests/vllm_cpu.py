@@ -302,11 +302,13 @@ def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kerne
     sparse_mla = "vllm.model_executor.layers.attention.sparse_mla_attention"
     # One rank, with no process groups: 0.33's sparse-MLA impl asks the TP group's size.
     patch_if_present(monkeypatch, sparse_mla, "get_tensor_model_parallel_world_size", lambda: 1)
-    # No pinned host memory without a GPU (0.33's sparse-MLA builder imports the flag).
-    for name in ("vllm.utils.torch_utils", sparse_mla):
+    # No pinned host memory without a GPU: 0.33's MLA builders import the flag, 0.26's ask for
+    # it outright (the chunked-context metadata of a dense prefill with context).
+    for name in ("vllm.utils.torch_utils", sparse_mla, "vllm.model_executor.layers.attention.mla_attention"):
         patch_if_present(monkeypatch, name, "PIN_MEMORY", False)
-    zeros = torch.zeros
+    zeros, empty = torch.zeros, torch.empty
     monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: zeros(*a, **k))
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
     yield
 
 
