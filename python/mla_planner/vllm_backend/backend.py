@@ -279,7 +279,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
 
     mla_layer: Any = None
     """vLLM 0.33, masked MHA: the ``MLAAttention`` layer of this impl, linked by the builder before
-    it plans prefill rows on sparse MQA (:func:`.vllm_api.link_attention_layers`)."""
+    it plans prefill rows on sparse MQA (:func:`.vllm_api.link_sparse_mqa_layers`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         FlashMLASparseImpl.__init__(self, *args, **kwargs)

@@ -121,10 +121,9 @@ def partial_prefill(builder: Any, metadata: Any, common: Any) -> PartialPrefill 
     # Every plan can fall back to sparse MQA for all its prefills (as some groups run): where
     # this backend cannot run the layer's sparse-MQA path, the builder's guard runs vLLM's own
     # choice, counted and said once.
-    unsupported = vllm_api.sparse_mqa_unsupported(builder)
+    unsupported = vllm_api.link_sparse_mqa_layers(builder)
     if unsupported is not None:
         raise ValueError(f"the layer's sparse-MQA path cannot run prefill rows here: {unsupported}")
-    vllm_api.link_attention_layers(builder)
     qsl = common.query_start_loc_cpu.numpy().astype(np.int64)
     starts = (qsl[decodes : decodes + num_prefills + 1] - qsl[decodes]).tolist()
     runs = []

@@ -509,12 +509,13 @@ path for a BF16 cache on CUDA (no head padding, no ROCm or CPU weight kernels; m
 SM100 only)."""
 
 
-def sparse_mqa_unsupported(builder: Any) -> str | None:
-    """Why :func:`sparse_mqa_rows` could not run some layer of the builder's, or ``None``: checked
-    by the builder before it plans a step's groups (a sparse-MQA group, and the fallback of every
-    plan, run there), so that the impl's forward finds what it needs. Each layer is found by name
-    in vLLM's ``static_forward_context`` (where every layer registers itself, and the forward
-    context's layers come from), with its impl, and none of :data:`SPARSE_MQA_UNSUPPORTED` set."""
+def link_sparse_mqa_layers(builder: Any) -> str | None:
+    """Ready the builder's layers for :func:`sparse_mqa_rows` before it plans a step's groups (a
+    sparse-MQA group, and the fallback of every plan, run there): give each impl its
+    ``MLAAttention`` layer (``impl.mla_layer``), so that the impl's forward needs no lookup of its
+    own; or say why some layer could not run those rows. Each layer is found by name in vLLM's
+    ``static_forward_context`` (where every layer registers itself, and the forward context's layers
+    come from), with its impl, and none of :data:`SPARSE_MQA_UNSUPPORTED` set."""
     layers = builder.vllm_config.compilation_config.static_forward_context
     for name in builder.layer_names:
         layer = layers.get(name)
@@ -523,20 +524,12 @@ def sparse_mqa_unsupported(builder: Any) -> str | None:
         unsupported = [setting for setting in SPARSE_MQA_UNSUPPORTED if getattr(layer, setting, None)]
         if unsupported:
             return f"layer {name} sets {', '.join(unsupported)}"
+        layer.impl.mla_layer = layer
     return None
 
 
-def link_attention_layers(builder: Any) -> None:
-    """Give each impl of the builder's layers its ``MLAAttention`` layer (``impl.mla_layer``), in the
-    builder, once :func:`sparse_mqa_unsupported` found them all: the impl's forward then needs no
-    lookup of its own, where a failure would reach the fallback that runs every prefill row there."""
-    layers = builder.vllm_config.compilation_config.static_forward_context
-    for name in builder.layer_names:
-        layers[name].impl.mla_layer = layers[name]
-
-
 def attention_layer(impl: Any) -> Any:
-    """The ``MLAAttention`` layer whose impl ``impl`` is (:func:`link_attention_layers`): its absorbed
+    """The ``MLAAttention`` layer whose impl ``impl`` is (:func:`link_sparse_mqa_layers`): its absorbed
     weights run sparse-MQA rows, as they do in the layer's own decode path."""
     if impl.mla_layer is None:
         raise LookupError("no MLAAttention layer linked to this impl (the builder links them before planning "
