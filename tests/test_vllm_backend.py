@@ -1668,26 +1668,31 @@ def started(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, flags: dict
     import json
     import re
 
+    options = dict(flags)  # the drawn flags stay as drawn, for hypothesis's report of a failure
     profile = None
-    if flags.pop("profile"):
+    if options.pop("profile"):
         profile = tmp_path / "profile.json"
         profile.write_text(json.dumps(ROUTING_PROFILE))
-    spec_tokens = flags.pop("spec_tokens")
+    spec_tokens = options.pop("spec_tokens")
+    scratch_mb = options.pop("scratch_mb")
 
     def speculative(config: Any) -> None:  # MTP: decodes of 1 + k tokens (what vLLM's builder reads of it)
         if spec_tokens:
             config.speculative_config = SimpleNamespace(method="mtp", num_speculative_tokens=spec_tokens,
                                                         parallel_drafting=False, attention_backend=None)
 
+    def start(budget_mb: int) -> Backend:
+        return Backend(tmp_path, monkeypatch, cost_profile=profile, reshape_config=speculative, scratch_mb=budget_mb,
+                       **options)
+
     try:
-        return Backend(tmp_path, monkeypatch, cost_profile=profile, reshape_config=speculative, **flags)
+        return start(scratch_mb)
     except SettingsError as err:
         message = str(err)
         named = re.search(r"set MLA_PLANNER_SCRATCH_MB=(\d+) or more$", message)
         assert named and "\n" not in message, message
-        assert int(named.group(1)) > flags["scratch_mb"], message
-        flags["scratch_mb"] = int(named.group(1))
-        return Backend(tmp_path, monkeypatch, cost_profile=profile, reshape_config=speculative, **flags)
+        assert int(named.group(1)) > scratch_mb, message
+        return start(int(named.group(1)))
 
 
 def assert_within_the_reservation(backend: Backend, md: Any, query_lens: list[int], context_lens: list[int]) -> None:
