@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import logging
 import pathlib
+import sys
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -369,16 +370,73 @@ def test_the_released_reservation_goes_back_to_the_driver(monkeypatch: pytest.Mo
     assert reservation.release() and reservation._held is None, "the hand-over never raises"
 
 
+class FakePool:
+    """A PyTorch memory pool as vLLM's CuMem allocator keeps one: segments with their live bytes."""
+
+    def __init__(self, *segments: tuple[int, int, int]) -> None:
+        self.segments = [{"address": a, "total_size": size, "allocated_size": live} for a, size, live in segments]
+
+    def snapshot(self) -> list[dict[str, int]]:
+        return self.segments
+
+
+def sleep_mode_allocator(monkeypatch: pytest.MonkeyPatch, pools: dict[str, Any],
+                         asleep: frozenset[int] = frozenset()) -> list[int]:
+    """vLLM's CuMem allocator as sleep mode leaves it (its module imported, its instance made), with
+    ``pools`` per tag; returns the list the segments it unmaps are appended to."""
+    unmapped: list[int] = []
+    data = {seg["address"]: SimpleNamespace(is_asleep=seg["address"] in asleep)
+            for entry in pools.values() for pool, _ in (entry if isinstance(entry, list) else [entry])
+            for seg in pool.snapshot()}
+
+    def free_callback(address: int) -> tuple[int, int]:
+        data.pop(address)
+        return (0, address)  # vLLM's handle, which unmap_and_release takes
+
+    allocator = SimpleNamespace(allocator_and_pools=pools, pointer_to_data=data, _python_free_callback=free_callback)
+    module = SimpleNamespace(CuMemAllocator=SimpleNamespace(instance=allocator),
+                             unmap_and_release=lambda handle: unmapped.append(handle[1]))
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", module)
+    return unmapped
+
+
+@pytest.mark.parametrize("per_tag", ["one pool (0.26)", "a list of pools (0.33)"])
+def test_under_sleep_mode_the_freed_reservation_is_unmapped_from_vllms_pool(
+        monkeypatch: pytest.MonkeyPatch, per_tag: str) -> None:
+    """Under vLLM's CuMem allocator the reservation is made in the model's pool, which keeps a freed
+    segment mapped: the hand-over unmaps the one free segment that holds it, and nothing else."""
+    monkeypatch.delitem(sys.modules, "vllm.device_allocator.cumem", raising=False)
+    assert not vllm_api.release_from_sleep_mode_pool(0x1000), "no CuMem allocator: nothing to unmap"
+    weights = FakePool((0x1000, 0x400, 0), (0x2000, 0x400, 0x100), (0x3000, 0x400, 0))
+    cache = FakePool((0x8000, 0x400, 0))
+    pools: dict[str, Any] = ({"weights": (weights, None), "kv_cache": (cache, None)} if per_tag.startswith("one")
+                             else {"weights": [(FakePool(), None), (weights, None)], "kv_cache": [(cache, None)]})
+    unmapped = sleep_mode_allocator(monkeypatch, pools, asleep=frozenset({0x3000}))
+    assert vllm_api.release_from_sleep_mode_pool(0x1000 + 0x10) and unmapped == [0x1000]
+    assert not vllm_api.release_from_sleep_mode_pool(0x1000), "unmapped once"
+    assert not vllm_api.release_from_sleep_mode_pool(0x2000), "a segment with live blocks stays"
+    assert not vllm_api.release_from_sleep_mode_pool(0x3000), "a sleeping segment is off the GPU already"
+    assert not vllm_api.release_from_sleep_mode_pool(0x5000), "an address outside vLLM's pools"
+    assert unmapped == [0x1000]
+
+
 def test_the_hand_over_says_whether_the_reservation_was_made_on_another_stream(
         mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     """The log line of the hand-over says where vLLM serves on another CUDA stream than the one
-    the model was built on (why the bytes go back to the driver). (CPU: the streams are stand-ins.)"""
+    the model was built on (why the bytes go back to the driver), and where it unmapped the bytes
+    from vLLM's sleep-mode pool. (CPU: the streams and the pool are stand-ins.)"""
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *_: SimpleNamespace(cuda_stream=2))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    for made_on, said in ((1, True), (2, False)):
-        monkeypatch.setattr(reservation, "_held", torch.empty(1 << 20, dtype=torch.uint8))
+    monkeypatch.delitem(sys.modules, "vllm.device_allocator.cumem", raising=False)
+    for made_on, said, sleep_mode in ((1, True, False), (2, False, False), (2, False, True)):
+        held = torch.empty(1 << 20, dtype=torch.uint8)
+        monkeypatch.setattr(reservation, "_held", held)
         monkeypatch.setattr(reservation, "_reserved_bytes", 1 << 20)
+        address = held.data_ptr()
+        monkeypatch.setattr(reservation, "_address", address)
         monkeypatch.setattr(reservation, "_stream", made_on)
+        if sleep_mode:
+            unmapped = sleep_mode_allocator(monkeypatch, {"weights": (FakePool((address, 1 << 20, 0)), None)})
         case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
         q = case["q"]
         mixed.topk_buffer[: q.shape[0]] = case["positions"]
@@ -387,6 +445,8 @@ def test_the_hand_over_says_whether_the_reservation_was_made_on_another_stream(
                                                    case["metadata"])
         handed = [line for line in lines if "handed to the kernels" in line]
         assert len(handed) == 1 and ("made on another CUDA stream" in handed[0]) == said, lines
+        assert ("unmapped from vLLM's sleep-mode memory pool" in handed[0]) == sleep_mode, lines
+    assert unmapped == [address]
 
 
 # -- builder and impl ---------------------------------------------------------------------------

@@ -32,7 +32,8 @@ def free_bytes() -> int:
 
 @pytest.fixture
 def fresh_reservation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name, value in (("_held", None), ("_stream", None), ("_reserved_bytes", 0), ("_kv_cache_sized", False)):
+    for name, value in (("_held", None), ("_stream", None), ("_reserved_bytes", 0), ("_address", 0),
+                        ("_kv_cache_sized", False)):
         monkeypatch.setattr(reservation, name, value)
     torch.cuda.empty_cache()
     yield
@@ -65,3 +66,33 @@ def test_a_launch_on_another_stream_after_the_hand_over_takes_no_more_than_the_r
     print(f"taken from the device while the launch's scratch is live: {peak_taken // MiB} MiB "
           f"(reservation {RESERVED // MiB} MiB)")
     assert peak_taken <= RESERVED + SLACK, "the launch allocated beside the cached reservation"
+
+
+def test_under_sleep_mode_the_hand_over_gives_the_bytes_back_to_the_driver(fresh_reservation: None) -> None:
+    """Under vLLM's CuMem allocator (``--enable-sleep-mode``) the reservation is made in the model's
+    memory pool, which keeps a freed segment mapped: the hand-over unmaps it from there, and the
+    allocator still sleeps and wakes."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError as exc:  # no vLLM, or one without its CuMem extension
+        pytest.skip(f"vLLM's CuMem allocator does not load here: {exc}")
+    from mla_planner.vllm_backend import vllm_api
+
+    allocator = CuMemAllocator.get_instance()
+    before = free_bytes()
+    with allocator.use_memory_pool(tag="weights"):  # as vLLM builds the model under sleep mode
+        weight = torch.ones(8 * MiB, dtype=torch.uint8, device="cuda")
+        assert reservation.reserve(RESERVED, torch.device("cuda"))
+    held = free_bytes()
+    assert before - held >= RESERVED, (before, held)
+    assert reservation.release()
+    cached = free_bytes()
+    assert vllm_api.release_from_sleep_mode_pool(reservation.address())
+    after = free_bytes()
+    print(f"free MiB: before {before // MiB}, reserved {held // MiB}, released {cached // MiB}, "
+          f"unmapped {after // MiB}")
+    assert after - held >= RESERVED - SLACK, "the reservation stayed mapped in vLLM's pool"
+    assert not vllm_api.release_from_sleep_mode_pool(reservation.address()), "unmapped once"
+    allocator.sleep(offload_tags=("weights",))
+    allocator.wake_up()
+    assert int(weight.sum().item()) == 8 * MiB, "the model's pool no longer sleeps and wakes intact"

@@ -451,9 +451,11 @@ def step_to_run(impl: Any, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache
     if reservation.held() and reservation.serving(kv_cache.shape[0], setup.profiling_kv_blocks):
         elsewhere = reservation.made_on_another_stream()
         reservation.release()
-        logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels%s",
+        unmapped = vllm_api.release_from_sleep_mode_pool(reservation.address())
+        logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels%s%s",
                     reservation.reserved_bytes() >> 20,
-                    " (made on another CUDA stream than this one)" if elsewhere else "")
+                    " (made on another CUDA stream than this one)" if elsewhere else "",
+                    " (unmapped from vLLM's sleep-mode memory pool)" if unmapped else "")
     if warmup.pending:
         _pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
         warmup.maybe_warm_up(setup.routes if setup.plans_fp8 else (), md.block_table, md.block_size, block_stride_rows,

@@ -24,7 +24,9 @@ allocations on the stream it was allocated on, and vLLM may serve on another str
 the model was built on (its ``current_stream()`` makes one of its own on the first call that finds
 none tracked: 0.26 ``vllm/utils/torch_utils.py:685-687``, 0.33 ``:824-829``). Cached, the bytes
 would then serve no launch, and the launches would allocate as much again beside them; given back,
-the next launch allocates them on its own stream, whichever that is.
+the next launch allocates them on its own stream, whichever that is. Under vLLM's sleep mode the
+model's memory pool is vLLM's and keeps a freed segment mapped: the caller unmaps it from there
+(:func:`.vllm_api.release_from_sleep_mode_pool`, at :func:`address`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ _held: torch.Tensor | None = None
 _stream: int | None = None
 """The CUDA stream the reservation was allocated on (its handle), for the hand-over's log line."""
 _reserved_bytes = 0
+_address = 0
 _kv_cache_sized = False
 
 
@@ -45,11 +48,12 @@ def reserve(num_bytes: int, device: torch.device) -> bool:
     """Hold ``num_bytes`` on ``device`` until :func:`release`, unless a reservation is held already
     (the engine's first layer made it); returns whether this call allocated. After a release (the
     engine served), a call comes from the model construction of another engine."""
-    global _held, _stream, _reserved_bytes, _kv_cache_sized
+    global _held, _stream, _reserved_bytes, _address, _kv_cache_sized
     with _lock:
         if _held is not None:
             return False
         _held = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        _address = _held.data_ptr()
         _stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
         _reserved_bytes = num_bytes
         _kv_cache_sized = False
@@ -87,6 +91,11 @@ def made_on_another_stream() -> bool:
 def reserved_bytes() -> int:
     """Bytes of the latest reservation (kept after :func:`release`)."""
     return _reserved_bytes
+
+
+def address() -> int:
+    """Device address of the latest reservation (kept after :func:`release`)."""
+    return _address
 
 
 def note_kv_cache_sized() -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import sys
 from typing import Any
 
 import torch
@@ -327,6 +328,36 @@ def kv_cache_sized(vllm_config: VllmConfig) -> bool:
     gpu/cudagraph_utils.py:1098, 0.26 :6518). The one sign left where both caches have the same blocks
     (``--num-gpu-blocks-override`` at or below :func:`profiling_kv_blocks`)."""
     return vllm_config.cache_config.num_gpu_blocks is not None
+
+
+def release_from_sleep_mode_pool(address: int) -> bool:
+    """Unmap the free segment at ``address`` from vLLM's CuMem allocator, where one holds it.
+
+    Under sleep mode (``--enable-sleep-mode``, ``enable_cumem_allocator``) vLLM builds the model in
+    a memory pool of its own (``use_memory_pool(tag="weights")``: 0.26 v1/worker/gpu_worker.py:424-431,
+    0.33 :594-601), and so the reservation. Freed, its segment stays mapped there: PyTorch's
+    ``empty_cache()`` leaves a pluggable allocator's live pool alone, and vLLM releases a pool's
+    free segments only when its context exits or the tag is entered again (0.33
+    device_allocator/cumem.py:399-402 and ``_trim``, 424-429; 0.26 inline at the end of
+    ``use_memory_pool``). This does what ``_trim`` does, for the one segment: nothing allocates
+    from the model's pool after loading. Returns whether it unmapped one; never imports the
+    allocator (vLLM has, where it runs)."""
+    cumem: Any = sys.modules.get("vllm.device_allocator.cumem")
+    allocator = getattr(getattr(cumem, "CuMemAllocator", None), "instance", None)
+    if allocator is None:
+        return False
+    for entry in list(allocator.allocator_and_pools.values()):
+        for pool, _ in entry if isinstance(entry, list) else [entry]:  # 0.33 keeps a list per tag
+            for segment in pool.snapshot():
+                start = segment["address"]
+                if not start <= address < start + segment["total_size"]:
+                    continue
+                data = allocator.pointer_to_data.get(start)
+                if segment["allocated_size"] or data is None or data.is_asleep:
+                    return False  # shared with a live block, or already off the GPU
+                cumem.unmap_and_release(allocator._python_free_callback(start))
+                return True
+    return False
 
 
 def workspace_padded_heads(vllm_config: VllmConfig, num_heads: int) -> int | None:
