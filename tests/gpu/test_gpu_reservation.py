@@ -54,10 +54,12 @@ def test_the_hand_over_gives_the_bytes_back_to_the_driver(fresh_reservation: Non
 
 def test_a_launch_on_another_stream_after_the_hand_over_takes_no_more_than_the_reservation(
         fresh_reservation: None) -> None:
+    # vLLM's own stream, made after the model was built. Made before the first reading: the first
+    # stream PyTorch hands out creates its pool of streams, whose device memory is no launch's.
+    serving = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     before = free_bytes()
     assert reservation.reserve(RESERVED, torch.device("cuda"))  # the model's stream
-    serving = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    with torch.cuda.stream(serving):  # vLLM's own stream, made after the model was built
+    with torch.cuda.stream(serving):
         assert reservation.made_on_another_stream()
         reservation.release()
         scratch = torch.empty(RESERVED, dtype=torch.uint8, device="cuda")  # a launch's scratch
