@@ -25,6 +25,8 @@ steps:
   builds them;
 * ``chat``: the 64 decodes plus one new 1,000-token prompt, which runs dense MHA: the sparse
   kernels see the 64 decode tokens only (vLLM bench serve's chat workload);
+* ``mid``: the 64 decodes plus one 2,500-token prompt, past top-k, so every token is sparse; one
+  call within the budget;
 * ``long``: the 64 decodes plus one 8,000-token prompt, past top-k, so every token is sparse; the
   planner splits it under the budget.
 
@@ -81,6 +83,7 @@ STEPS = {
     "decode": ([1] * DECODES, [CONTEXT] * DECODES),
     "capture": ([1] * DECODES, [0] * DECODES),
     "chat": ([1] * DECODES + [1000], [CONTEXT] * DECODES + [0]),
+    "mid": ([1] * DECODES + [2500], [CONTEXT] * DECODES + [0]),
     "long": ([1] * DECODES + [8000], [CONTEXT] * DECODES + [0]),
 }
 
