@@ -449,6 +449,32 @@ def test_the_hand_over_says_whether_the_reservation_was_made_on_another_stream(
     assert unmapped == [address]
 
 
+def test_a_failed_unmap_from_the_sleep_mode_pool_is_said_and_the_step_runs_its_plan(
+        mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's unmap raising (a CUDA error) at the hand-over: a warning, the hand-over's line, and the
+    layer call runs its plan, never raising."""
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    held = torch.empty(1 << 20, dtype=torch.uint8)
+    monkeypatch.setattr(reservation, "_held", held)
+    monkeypatch.setattr(reservation, "_reserved_bytes", 1 << 20)
+    monkeypatch.setattr(reservation, "_address", held.data_ptr())
+    sleep_mode_allocator(monkeypatch, {"weights": (FakePool((held.data_ptr(), 1 << 20, 0)), None)})
+
+    def failing_unmap(handle: Any) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(sys.modules["vllm.device_allocator.cumem"], "unmap_and_release", failing_unmap)
+    case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    q, md = case["q"], case["metadata"]
+    mixed.topk_buffer[: q.shape[0]] = case["positions"]
+    with debug_lines() as lines:
+        out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md))
+    assert any("unmapping the scratch reservation" in line and "illegal memory access" in line for line in lines), lines
+    assert any("handed to the kernels" in line and "sleep-mode" not in line for line in lines), lines
+    assert reservation._held is None and not any("vLLM's own code" in line for line in lines), lines
+    torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
+
+
 # -- builder and impl ---------------------------------------------------------------------------
 
 

@@ -98,3 +98,7 @@ def test_under_sleep_mode_the_hand_over_gives_the_bytes_back_to_the_driver(fresh
     allocator.sleep(offload_tags=("weights",))
     allocator.wake_up()
     assert int(weight.sum().item()) == 8 * MiB, "the model's pool no longer sleeps and wakes intact"
+    # Leave vLLM's allocator (one per process) as a later engine's start-up expects it: holding nothing.
+    address = weight.data_ptr()
+    del weight
+    assert vllm_api.release_from_sleep_mode_pool(address) and allocator.get_current_usage() == 0

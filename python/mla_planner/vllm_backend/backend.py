@@ -451,7 +451,12 @@ def step_to_run(impl: Any, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache
     if reservation.held() and reservation.serving(kv_cache.shape[0], setup.profiling_kv_blocks):
         elsewhere = reservation.made_on_another_stream()
         reservation.release()
-        unmapped = vllm_api.release_from_sleep_mode_pool(reservation.address())
+        try:
+            unmapped = vllm_api.release_from_sleep_mode_pool(reservation.address())
+        except stock_steps.CAUGHT as exc:  # vLLM's unmap failed (a CUDA error): the step goes on, once said
+            unmapped = False
+            log.once(logging.WARNING, "mla-planner: unmapping the scratch reservation from vLLM's sleep-mode memory "
+                                      "pool failed (%s): its bytes stay mapped there", exc)
         logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels%s%s",
                     reservation.reserved_bytes() >> 20,
                     " (made on another CUDA stream than this one)" if elsewhere else "",
