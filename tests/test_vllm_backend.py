@@ -370,6 +370,15 @@ def test_the_released_reservation_goes_back_to_the_driver(monkeypatch: pytest.Mo
     assert reservation.release() and reservation._held is None, "the hand-over never raises"
 
 
+def hold_reservation(monkeypatch: pytest.MonkeyPatch) -> int:
+    """A 1 MiB reservation held, as the engine's first layer leaves it; returns its address."""
+    held = torch.empty(1 << 20, dtype=torch.uint8)
+    monkeypatch.setattr(reservation, "_held", held)
+    monkeypatch.setattr(reservation, "_reserved_bytes", 1 << 20)
+    monkeypatch.setattr(reservation, "_address", held.data_ptr())
+    return held.data_ptr()
+
+
 class FakePool:
     """A PyTorch memory pool as vLLM's CuMem allocator keeps one: segments with their live bytes."""
 
@@ -429,11 +438,7 @@ def test_the_hand_over_says_whether_the_reservation_was_made_on_another_stream(
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.delitem(sys.modules, "vllm.device_allocator.cumem", raising=False)
     for made_on, said, sleep_mode in ((1, True, False), (2, False, False), (2, False, True)):
-        held = torch.empty(1 << 20, dtype=torch.uint8)
-        monkeypatch.setattr(reservation, "_held", held)
-        monkeypatch.setattr(reservation, "_reserved_bytes", 1 << 20)
-        address = held.data_ptr()
-        monkeypatch.setattr(reservation, "_address", address)
+        address = hold_reservation(monkeypatch)
         monkeypatch.setattr(reservation, "_stream", made_on)
         if sleep_mode:
             unmapped = sleep_mode_allocator(monkeypatch, {"weights": (FakePool((address, 1 << 20, 0)), None)})
@@ -454,11 +459,8 @@ def test_a_failed_unmap_from_the_sleep_mode_pool_is_said_and_the_step_runs_its_p
     """vLLM's unmap raising (a CUDA error) at the hand-over: a warning, the hand-over's line, and the
     layer call runs its plan, never raising."""
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    held = torch.empty(1 << 20, dtype=torch.uint8)
-    monkeypatch.setattr(reservation, "_held", held)
-    monkeypatch.setattr(reservation, "_reserved_bytes", 1 << 20)
-    monkeypatch.setattr(reservation, "_address", held.data_ptr())
-    sleep_mode_allocator(monkeypatch, {"weights": (FakePool((held.data_ptr(), 1 << 20, 0)), None)})
+    address = hold_reservation(monkeypatch)
+    sleep_mode_allocator(monkeypatch, {"weights": (FakePool((address, 1 << 20, 0)), None)})
 
     def failing_unmap(handle: Any) -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -724,8 +726,7 @@ def test_the_reservation_is_handed_over_only_once_vllm_serves(mixed: Backend, ge
     """vLLM's CUDA-graph memory profiling runs forwards, planned ones too, against a minimal KV cache
     before it sizes the real one: bytes freed there lower its estimate and the KV cache takes
     them. The reservation is handed over at the first forward over a larger cache, once."""
-    monkeypatch.setattr(reservation, "_held", torch.empty(1 << 20, dtype=torch.uint8))
-    monkeypatch.setattr(reservation, "_reserved_bytes", 1 << 20)
+    hold_reservation(monkeypatch)
     assert mixed.impl.engine is not None
     profiling_blocks = mixed.impl.engine.profiling_kv_blocks
     assert profiling_blocks == min(16, mixed.config.compilation_config.max_cudagraph_capture_size or 0) or 1
@@ -745,8 +746,7 @@ def test_the_reservation_is_handed_over_on_a_sized_cache_no_larger_than_the_prof
     """With ``--num-gpu-blocks-override`` at or below the profiling cache's blocks, both caches have
     the same blocks: once vLLM has made the builders of the cache it sized (it sets
     ``num_gpu_blocks`` first), a forward over that cache hands the reservation over."""
-    monkeypatch.setattr(reservation, "_held", torch.empty(1 << 20, dtype=torch.uint8))
-    monkeypatch.setattr(reservation, "_reserved_bytes", 1 << 20)
+    hold_reservation(monkeypatch)
 
     def forward_over_the_profiling_blocks(backend: Backend) -> None:
         assert backend.impl.engine is not None

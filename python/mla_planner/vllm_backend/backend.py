@@ -439,6 +439,23 @@ def run_plan(impl: Any, route: str, q: torch.Tensor, kv_cache: torch.Tensor, top
         return stock_forward(impl, q, kv_cache, topk_indices, vllm_metadata(exc, md))
 
 
+def hand_over_reservation() -> None:
+    """Give the reserved bytes to the kernels: back to the driver, and, under sleep mode, out of
+    vLLM's pool for the model (which keeps a freed segment mapped); said in one line."""
+    elsewhere = reservation.made_on_another_stream()
+    reservation.release()
+    try:
+        unmapped = vllm_api.release_from_sleep_mode_pool(reservation.address())
+    except stock_steps.CAUGHT as exc:  # vLLM's unmap failed (a CUDA error): the step goes on, once said
+        unmapped = False
+        log.once(logging.WARNING, "mla-planner: unmapping the scratch reservation from vLLM's sleep-mode memory "
+                                  "pool failed (%s): its bytes stay mapped there", exc)
+    logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels%s%s",
+                reservation.reserved_bytes() >> 20,
+                " (made on another CUDA stream than this one)" if elsewhere else "",
+                " (unmapped from vLLM's sleep-mode memory pool)" if unmapped else "")
+
+
 def step_to_run(impl: Any, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                 topk_indices: torch.Tensor) -> PlannedStep | None:
     """The plan this layer call runs, or ``None`` for stock's code: no plan, or a plan of stock's
@@ -449,18 +466,7 @@ def step_to_run(impl: Any, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache
     if setup is None:  # a BF16 cache, or vLLM's tests' stand-in `self`
         return None
     if reservation.held() and reservation.serving(kv_cache.shape[0], setup.profiling_kv_blocks):
-        elsewhere = reservation.made_on_another_stream()
-        reservation.release()
-        try:
-            unmapped = vllm_api.release_from_sleep_mode_pool(reservation.address())
-        except stock_steps.CAUGHT as exc:  # vLLM's unmap failed (a CUDA error): the step goes on, once said
-            unmapped = False
-            log.once(logging.WARNING, "mla-planner: unmapping the scratch reservation from vLLM's sleep-mode memory "
-                                      "pool failed (%s): its bytes stay mapped there", exc)
-        logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels%s%s",
-                    reservation.reserved_bytes() >> 20,
-                    " (made on another CUDA stream than this one)" if elsewhere else "",
-                    " (unmapped from vLLM's sleep-mode memory pool)" if unmapped else "")
+        hand_over_reservation()
     if warmup.pending:
         _pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
         warmup.maybe_warm_up(setup.routes if setup.plans_fp8 else (), md.block_table, md.block_size, block_stride_rows,
