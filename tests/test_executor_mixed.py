@@ -112,6 +112,33 @@ def test_head_padding_is_zero_and_real_heads_are_copied(gen: torch.Generator) ->
         assert not bool(q_kernel[0, :, heads:].any()), "padded heads must stay zero"
 
 
+@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("takes_out", [True, False], ids=["out=", "copy"])
+def test_without_out_one_launch_returns_the_kernels_output(gen: torch.Generator, heads: int, takes_out: bool) -> None:
+    """No ``out``: a plan of one launch returns the kernel's own output, its real heads (a
+    strided view where heads are padded, in the caller's out buffer when it gave one), as stock's
+    call returns it; a plan of several returns a new output. Both equal a run into ``out``."""
+    t = 150
+    case = mixed_case(t, heads, 128, 256, gen)
+    whole, whole_plan = _run(case, ReferenceProvider(takes_out), UNBOUNDED)
+    executor = executor_for(RecordingProvider(takes_out), heads, topk=128)
+    out_buffer = torch.full((t, 64, 512), float("nan"))
+    result = executor.run(whole_plan, case.q, case.kv_cache, case.indices, out_buffer=out_buffer)
+    torch.testing.assert_close(result, whole, rtol=0, atol=0)
+    assert result.shape == (t, heads, 512)
+    padded_into_buffer = takes_out and heads == 16  # the kernel writes the caller's buffer
+    assert (result.data_ptr() == out_buffer.data_ptr()) == padded_into_buffer
+    assert result.is_contiguous() == (heads == 64)
+
+    budget = _budget_for(t // 3 + 7, heads, executor.writes_in_place)
+    chunked, plan = _run(case, ReferenceProvider(takes_out), budget)
+    split = executor_for(ReferenceProvider(takes_out), heads, budget, topk=128)
+    assert len(plan) >= 2
+    result = split.run(plan, case.q, case.kv_cache, case.indices, out_buffer=out_buffer)
+    torch.testing.assert_close(result, chunked, rtol=0, atol=0)
+    assert result.is_contiguous() and result.data_ptr() != out_buffer.data_ptr()
+
+
 def test_caller_buffers_hold_the_padded_q_and_kernel_output(gen: torch.Generator) -> None:
     """vLLM 0.33's workspace views: the padded q and the kernel's padded output go in the caller's
     buffers (their old contents overwritten; padded heads zeroed), with the same result."""

@@ -271,7 +271,8 @@ def test_passes_vllm_configuration_checks(kv_cache_dtype: str, capability: tuple
 # vLLM internals whose shape differs between 0.26 and 0.33: only vllm_api may name them.
 VERSIONED = ("triton_convert_req_index_to_global_index", "get_prefill_workspace_size", "prefill_bf16_workspace",
              "_build_fp8_mixed_decode_prefill", "_fp8_kv_pages", "workspace_specs", "current_workspace_manager",
-             "get_simultaneous", "QUANTIZED_DS_MLA_CACHE_FORMATS",
+             "get_simultaneous", "QUANTIZED_DS_MLA_CACHE_FORMATS", "is_locked", "dbo_current_ubatch_id",
+             "_workspace_lane",
              # 0.33's masked-MHA prefill (masked_mha.py plans it; vllm_api holds what it asks of vLLM).
              "topk_mask_workspace", "_use_masked_mha", "_masked_mha_workspace_fits", "SparseMLAPrefillMetadata")
 
@@ -1333,15 +1334,21 @@ def test_packaged_profile_for_another_machine_is_vllms_rule_with_one_warning(
 needs_033_workspace = needs_033("vLLM 0.33's workspace; 0.26 has none")
 
 
-def bf16_case(backend: Backend, gen: torch.Generator) -> dict[str, Any]:
+def bf16_case(backend: Backend, gen: torch.Generator, query_lens: list[int] = QUERY_LENS,
+              context_lens: list[int] = CONTEXT_LENS) -> dict[str, Any]:
     """A step with a bf16 q, as vLLM runs it (the workspace views are bf16); the reference in
     float32 from the same q."""
-    case = backend.step(QUERY_LENS, CONTEXT_LENS, gen)
+    case = backend.step(query_lens, context_lens, gen)
     case["q"] = case["q"].to(torch.bfloat16)
-    slots = request_slots(case["positions"], QUERY_LENS, case["metadata"].block_table)
+    slots = request_slots(case["positions"], query_lens, case["metadata"].block_table)
     case["expected"] = reference_output(case["q"].float(), case["kv_cache"], slots, 576**-0.5)
     backend.topk_buffer[: case["q"].shape[0]] = case["positions"]
     return case
+
+
+def view_ptr(view: torch.Tensor | None) -> int:
+    assert view is not None
+    return view.data_ptr()
 
 
 @needs_033_workspace
@@ -1351,9 +1358,83 @@ def test_mixed_batch_pads_in_stocks_unused_prefill_views(mixed: Backend, gen: to
     out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md))
     torch.testing.assert_close(out.float(), case["expected"], rtol=2e-2, atol=2e-2)
     views = vllm_api.workspace_views(mixed.impl)
-    assert views.q_padded is not None and views.padded_out is not None
     assert len(mixed.provider.launch_ptrs) == len(md.planned.plan) > 1
-    assert set(mixed.provider.launch_ptrs) == {(views.q_padded.data_ptr(), views.padded_out.data_ptr())}
+    assert set(mixed.provider.launch_ptrs) == {(view_ptr(views.q_padded()), view_ptr(views.padded_out()))}
+    assert out.data_ptr() == view_ptr(views.compact_out()), "several launches write the step's output view"
+
+
+@needs_033_workspace
+def test_a_step_of_one_planned_launch_returns_the_kernels_output_as_stock_does(
+        mixed: Backend, gen: torch.Generator) -> None:
+    """A step the plan runs in one launch (stock's call is over the allowance, the launch beyond
+    the workspace is not) returns the kernel's output in the padded-output view, its real heads
+    (strided), as stock's call returns its own: no copy, no second output."""
+    case = bf16_case(mixed, gen, [1, 1, 1, 150], [70, 200, 5, 130])
+    md, q = case["metadata"], case["q"]
+    step, setup = md.planned, mixed.impl.engine
+    assert setup is not None and len(step.plan) == 1 and step.stock_call_bytes > setup.stock_call_allowance
+    out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md))
+    torch.testing.assert_close(out.float(), case["expected"], rtol=2e-2, atol=2e-2)
+    views = vllm_api.workspace_views(mixed.impl)
+    assert mixed.provider.launch_ptrs == [(view_ptr(views.q_padded()), view_ptr(views.padded_out()))]
+    assert out.data_ptr() == view_ptr(views.padded_out()) and out.shape == (q.shape[0], 16, 512)
+    assert out.stride() == (64 * 512, 512, 1), "the real heads of the 64 the kernel ran"
+
+
+@needs_033_workspace
+def test_once_vllm_locks_its_workspace_a_steps_layers_share_their_views(
+        mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Views are made anew per call while the manager may still grow its buffer; once it is
+    locked (vLLM serves), the step's later layers reuse the first's, per micro-batch."""
+    from vllm.v1.worker.workspace import lock_workspace, unlock_workspace
+
+    case = bf16_case(mixed, gen)
+    md, q = case["metadata"], case["q"]
+    memo = md.planned.workspace
+    first = vllm_api.workspace_views(mixed.impl, memo)
+    assert vllm_api.workspace_views(mixed.impl, memo) is not first and not memo, "unlocked: nothing kept"
+    lock_workspace()
+    try:
+        for _layer in range(2):
+            out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"],
+                                                                     mixed.topk_buffer[: q.shape[0]], md))
+            torch.testing.assert_close(out.float(), case["expected"], rtol=2e-2, atol=2e-2)
+        assert len(memo) == 1
+        kept = vllm_api.workspace_views(mixed.impl, memo)
+        assert kept is next(iter(memo.values()))
+        assert kept.q_padded(8) is kept.q_padded(8), "a view of the same rows is made once"
+        monkeypatch.setattr(vllm_api._ubatching, "dbo_current_ubatch_id", lambda: 1)
+        assert vllm_api.workspace_views(mixed.impl, memo) is not kept and len(memo) == 2, "another micro-batch's own"
+    finally:
+        unlock_workspace()
+    assert {ptrs for ptrs in mixed.provider.launch_ptrs} == {(view_ptr(kept.q_padded()), view_ptr(kept.padded_out()))}
+
+
+@needs_033_workspace
+def test_a_workspace_placed_elsewhere_than_the_layout_reads_is_a_start_up_error(
+        mixed: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = vllm_api._workspace.current_workspace_manager()
+    real = manager.get_simultaneous
+
+    def shifted(*specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
+        """Stock's request placed 256 bytes further on than the single span the backend asks for."""
+        views: list[torch.Tensor] = real(((256,), torch.uint8), *specs)[1:] if len(specs) > 1 else real(*specs)
+        return views
+
+    monkeypatch.setattr(manager, "get_simultaneous", shifted)
+    with pytest.raises(RuntimeError, match="elsewhere than this backend reads it"):
+        vllm_api.workspace_layout(mixed.impl)
+
+
+@needs_033_workspace
+def test_a_workspace_view_is_never_longer_than_its_spec(mixed: Backend) -> None:
+    layout = mixed.impl.workspace_layout
+    assert layout is not None and layout.q_padded is not None
+    views = vllm_api.workspace_views(mixed.impl)
+    rows = layout.q_padded.shape[0]
+    assert view_ptr(views.q_padded(rows)) == view_ptr(views.q_padded())
+    with pytest.raises(ValueError, match="rows of a workspace view"):
+        views.q_padded(rows + 1)  # past it lies the next spec's memory
 
 
 @needs_033_workspace
@@ -1363,13 +1444,13 @@ def test_separate_route_runs_in_stocks_workspace_views(separate: Backend, gen: t
     out = forward_out(separate.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md))
     torch.testing.assert_close(out.float(), case["expected"], rtol=2e-2, atol=2e-2)
     views = vllm_api.workspace_views(separate.impl)
-    assert views.compact_out is not None and views.q_padded is not None and views.padded_out is not None
-    assert out.data_ptr() == views.compact_out.data_ptr(), "the step's output is stock's, as stock's is"
+    q_padded, padded_out = view_ptr(views.q_padded()), view_ptr(views.padded_out())
+    assert out.data_ptr() == view_ptr(views.compact_out()), "the step's output is stock's, as stock's is"
     assert len(separate.provider.prefill_calls) > 1
-    assert set(separate.provider.prefill_q_ptrs) == {views.q_padded.data_ptr()}
-    assert set(separate.provider.prefill_out_ptrs) == {views.padded_out.data_ptr()}
+    assert set(separate.provider.prefill_q_ptrs) == {q_padded}
+    assert set(separate.provider.prefill_out_ptrs) == {padded_out}
     # The decode launches pad q and take the kernel's output in the same views.
-    assert {ptrs for ptrs in separate.provider.launch_ptrs} == {(views.q_padded.data_ptr(), views.padded_out.data_ptr())}
+    assert {ptrs for ptrs in separate.provider.launch_ptrs} == {(q_padded, padded_out)}
 
 
 class FakeWorkspaceManager:

@@ -16,6 +16,9 @@ memory, launch by launch, is what the plan's ``launch_bytes`` says:
 
 A caller that already holds memory for the padded q and the kernel's padded output (vLLM 0.33's
 workspace views) passes it as ``q_buffer`` and ``out_buffer``: nothing is allocated for them then.
+A caller that passes no ``out`` gets, for a plan of one launch, the kernel's output itself (its
+real heads, as stock's call returns it: a view, strided where heads are padded), so a step the
+plan runs whole costs no copy and no second output; for more launches, a new ``out``.
 
 Plus one FlashMLA schedule per distinct launch length: a schedule may only be reused by calls of
 the same shape; pass ``schedules`` to share them across calls with the same plan (vLLM's layers of
@@ -103,13 +106,13 @@ class MixedBatchExecutor:
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         indices: IndexSource,
-        out: torch.Tensor,
+        out: torch.Tensor | None = None,
         *,
         schedules: dict[int, Any] | None = None,
         q_buffer: torch.Tensor | None = None,
         out_buffer: torch.Tensor | None = None,
         softmax_scale: float | None = None,
-    ) -> None:
+    ) -> torch.Tensor:
         """Attend q ``(T, H, 576)`` over kv_cache ``(pages, page_size, 1, 656)`` uint8 at indices
         ``(T, topk)`` int32 slots (``-1`` unused), writing out ``(T, H, 512)``. With
         ``translates_indices``, ``indices`` is a function from a launch's row slice to its slots.
@@ -118,9 +121,10 @@ class MixedBatchExecutor:
         launch, kernel heads, 512)``, contiguous, q's dtype: memory to pad q and to take the kernel's
         output in, when heads are padded (ignored otherwise, and where they are not of that shape:
         then the run allocates its own); their contents are overwritten. ``softmax_scale``: the
-        layer's (default: the executor's)."""
-        self.run_launches(Launches.of(plan), q, kv_cache, indices, out, schedules=schedules, q_buffer=q_buffer,
-                          out_buffer=out_buffer, softmax_scale=softmax_scale)
+        layer's (default: the executor's). Returns the output: ``out``, or without it the kernel's
+        own for one launch (see the module's doc), a new tensor for more."""
+        return self.run_launches(Launches.of(plan), q, kv_cache, indices, out, schedules=schedules, q_buffer=q_buffer,
+                                 out_buffer=out_buffer, softmax_scale=softmax_scale)
 
     def run_launches(
         self,
@@ -128,20 +132,23 @@ class MixedBatchExecutor:
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         indices: IndexSource,
-        out: torch.Tensor,
+        out: torch.Tensor | None = None,
         *,
         schedules: dict[int, Any] | None = None,
         q_buffer: torch.Tensor | None = None,
         out_buffer: torch.Tensor | None = None,
         softmax_scale: float | None = None,
-    ) -> None:
+    ) -> torch.Tensor:
         """:meth:`run` of a plan's :class:`Launches` (``Launches.of(plan)``), which a caller running
         the plan on several layers derives once."""
         if callable(indices) != self.translates_indices:
             raise ValueError("indices must be a function of a row slice exactly when the executor translates indices")
         self._check(launches, q, kv_cache, None if callable(indices) else indices, out)
+        if out is None and (len(launches.rows) != 1 or self.writes_in_place):
+            out = q.new_empty((q.shape[0], self.num_heads, D_V))
         if not launches.rows:
-            return
+            assert out is not None
+            return out
         q_padded = kernel_out = None
         if self.kernel_heads != self.num_heads:
             longest = launches.longest
@@ -159,7 +166,8 @@ class MixedBatchExecutor:
             length = rows.stop - rows.start
             if length not in schedules:
                 schedules[length] = self.provider.new_decode_schedule()
-            self._launch(rows, q, q_padded, kv_cache, indices, out, schedules[length], scale, kernel_out)
+            result = self._launch(rows, q, q_padded, kv_cache, indices, out, schedules[length], scale, kernel_out)
+        return result
 
     def _buffer(self, buffer: torch.Tensor | None, rows: int, width: int, q: torch.Tensor) -> torch.Tensor | None:
         """``(1, rows, kernel heads, width)`` of ``buffer`` where it is a contiguous ``(>= rows,
@@ -168,7 +176,7 @@ class MixedBatchExecutor:
                 or tuple(buffer.shape[1:]) != (self.kernel_heads, width) or buffer.dtype != q.dtype
                 or not buffer.is_contiguous()):
             return None
-        return buffer[:rows].unsqueeze(0)
+        return (buffer if buffer.shape[0] == rows else buffer[:rows]).unsqueeze(0)
 
     def _launch(
         self,
@@ -177,28 +185,37 @@ class MixedBatchExecutor:
         q_padded: torch.Tensor | None,
         kv_cache: torch.Tensor,
         indices: IndexSource,
-        out: torch.Tensor,
+        out: torch.Tensor | None,
         schedule: Any,
         softmax_scale: float,
         kernel_out: torch.Tensor | None = None,
-    ) -> None:
+    ) -> torch.Tensor:
+        """One launch: its rows of ``out``, or without ``out`` (a plan of one launch) the kernel's
+        output of the real heads, which it returns; ``out`` otherwise."""
         # A function of its own so the kernel's out and lse (and translated indices) die on
         # return, before the next launch allocates its own: holding them would raise the peak.
+        # Whole tensors are taken as they are, not sliced: each slice costs the host a dispatch.
+        n = rows.stop - rows.start
+        q_rows = q if n == q.shape[0] else q[rows]
         if q_padded is None:
-            q_kernel = q[rows].unsqueeze(0)
+            q_kernel = q_rows.unsqueeze(0)
         else:
-            q_kernel = q_padded[:, : rows.stop - rows.start]
-            q_kernel[0, :, : self.num_heads].copy_(q[rows])
+            q_kernel = q_padded if n == q_padded.shape[1] else q_padded[:, :n]
+            q_kernel[0, :, : self.num_heads].copy_(q_rows)
         idx = (indices(rows) if callable(indices) else indices[rows]).unsqueeze(0)
         if self.writes_in_place:
+            assert out is not None
             self.provider.sparse_decode(q_kernel, kv_cache, idx, schedule, softmax_scale, out=out[rows].unsqueeze(0))
-        elif kernel_out is not None:
-            o = kernel_out[:, : rows.stop - rows.start]
+            return out
+        if kernel_out is not None:
+            o = kernel_out if n == kernel_out.shape[1] else kernel_out[:, :n]
             self.provider.sparse_decode(q_kernel, kv_cache, idx, schedule, softmax_scale, out=o)
-            out[rows].copy_(o[0, :, : self.num_heads])
         else:
             o, _lse = self.provider.sparse_decode(q_kernel, kv_cache, idx, schedule, softmax_scale)
-            out[rows].copy_(o[0, :, : self.num_heads])
+        if out is None:
+            return o[0, :, : self.num_heads]
+        out[rows].copy_(o[0, :, : self.num_heads])
+        return out
 
     def _check(
         self,
@@ -206,12 +223,12 @@ class MixedBatchExecutor:
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         indices: torch.Tensor | None,
-        out: torch.Tensor,
+        out: torch.Tensor | None,
     ) -> None:
         t = q.shape[0]
         if q.shape != (t, self.num_heads, D_QK) or not q.is_contiguous():
             raise ValueError(f"q must be contiguous ({t}, {self.num_heads}, {D_QK}), got {tuple(q.shape)}")
-        if out.shape != (t, self.num_heads, D_V) or out.dtype != q.dtype or not out.is_contiguous():
+        if out is not None and (out.shape != (t, self.num_heads, D_V) or out.dtype != q.dtype or not out.is_contiguous()):
             raise ValueError(f"out must be contiguous ({t}, {self.num_heads}, {D_V}) {q.dtype}, got {tuple(out.shape)} {out.dtype}")
         if indices is not None and (indices.dim() != 2 or indices.shape[0] != t or indices.dtype != torch.int32 or not indices.is_contiguous()):
             raise ValueError(f"indices must be contiguous ({t}, topk) int32, got {tuple(indices.shape)} {indices.dtype}")

@@ -68,6 +68,9 @@ class PlannedStep:
         self.plan = plan
         self.schedules: dict[Any, Any] = {}
         """FlashMLA schedules by launch shape, filled by the first layer and reused by the rest."""
+        self.workspace: dict[Any, Any] = {}
+        """vLLM 0.33's workspace views, made by the first layer and reused by the rest once vLLM
+        serves (:func:`.vllm_api.workspace_views`)."""
         self.launches = launches = tuple(plan)
         """The plan's launches, iterated once per step."""
         self.sparse_tokens = launches[-1].tokens.stop if launches else 0
@@ -363,17 +366,20 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
     def _run_mixed(self, step: PlannedStep, launches: Launches, q: torch.Tensor, kv_cache: torch.Tensor,
                    topk_indices: torch.Tensor, md: FlashMLASparseMetadata) -> Any:
         pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
-        views = vllm_api.workspace_views(self)
-        out = fitted(views.compact_out, (q.shape[0], self.num_heads, self.kv_lora_rank), q)
+        views = vllm_api.workspace_views(self, step.workspace)
 
         def slots(rows: slice) -> torch.Tensor:
             return translate_indices(md, topk_indices, rows, block_stride_rows)[0]
 
         # On 0.33 the padded q and kernel output go in stock's BF16-prefill workspace views, which
-        # this route never otherwise uses: the reservation counts them as served.
-        self.mixed.run_launches(launches, q, pages.view(torch.uint8).unsqueeze(-2), slots, out,
-                                schedules=step.schedules, q_buffer=views.q_padded, out_buffer=views.padded_out,
-                                softmax_scale=self.softmax_scale)
+        # this route never otherwise uses: the reservation counts them as served. One launch
+        # returns the kernel's output as it stands, as stock's call does; several write the
+        # step's output (on 0.33 in its workspace view, as stock's separate route does).
+        longest = launches.longest
+        out = step_output(views, q, self.kv_lora_rank) if len(launches.rows) > 1 else None
+        out = self.mixed.run_launches(launches, q, pages.view(torch.uint8).unsqueeze(-2), slots, out,
+                                      schedules=step.schedules, q_buffer=views.q_padded(longest),
+                                      out_buffer=views.padded_out(longest), softmax_scale=self.softmax_scale)
         return vllm_api.forward_result(out)
 
     def _forward_fp8_kv_separate_prefill_decode(
@@ -397,11 +403,12 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
             raise TypeError(f"a separate-route plan with {type(fp8).__name__} metadata")
         pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
         # Once per layer call: on 0.33 views of the workspace manager's buffer, valid for this call.
-        views = vllm_api.workspace_views(self)
-        if views.gather is None:
+        views = vllm_api.workspace_views(self, step.workspace)
+        gather = views.gather()
+        if gather is None:
             raise LookupError("the separate route's gather workspace")
         # 0.33's stock writes the step's output into its workspace: so does this route.
-        out = fitted(views.compact_out, (q.shape[0], self.num_heads, self.kv_lora_rank), q)
+        out = step_output(views, q, self.kv_lora_rank)
 
         def translate(rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
             return translate_indices(md, topk_indices, rows, block_stride_rows, fp8.prefill)
@@ -410,8 +417,8 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         # The kernels read 64-row pages; the gather, as stock's, the cache as allocated, since the
         # chunks' block tables hold ids of blocks of md.block_size rows.
         self.separate.run(launches, q, pages.view(torch.uint8).unsqueeze(-2), translate, chunks,
-                          views.gather, out, self.softmax_scale, schedules=step.schedules,
-                          buffers=Buffers(views.q_padded, views.padded_out), gather_cache=kv_cache)
+                          gather, out, self.softmax_scale, schedules=step.schedules,
+                          buffers=Buffers(views.q_padded(), views.padded_out()), gather_cache=kv_cache)
         return vllm_api.forward_result(out)
 
 
@@ -506,13 +513,14 @@ def stock_forward(impl: Any, q: torch.Tensor, kv_cache: torch.Tensor, topk_indic
     return FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode(impl, q, kv_cache, topk_indices, md)
 
 
-def fitted(view: torch.Tensor | None, shape: tuple[int, int, int], like: torch.Tensor) -> torch.Tensor:
-    """The first ``shape[0]`` rows of a workspace view of ``shape``'s other dimensions and
-    ``like``'s dtype (the layout was checked at construction); a new tensor where there is none
-    (vLLM 0.26, whose reservation counts it)."""
-    if view is None or view.dtype != like.dtype or tuple(view.shape[1:]) != shape[1:] or view.shape[0] < shape[0]:
-        return like.new_empty(shape)
-    return view[: shape[0]]
+def step_output(views: vllm_api.WorkspaceViews, q: torch.Tensor, rank: int) -> torch.Tensor:
+    """The step's output ``(tokens, heads, rank)``: its workspace view on 0.33 (the layout was
+    checked at construction), a new tensor where there is none (vLLM 0.26, whose reservation
+    counts it) or q is not of its dtype."""
+    out = views.compact_out(q.shape[0])
+    if out is None or out.dtype != q.dtype:
+        return q.new_empty((q.shape[0], q.shape[1], rank))
+    return out
 
 
 class PlannedFlashMLASparseBackend(FlashMLASparseBackend):

@@ -40,7 +40,9 @@ What differs (0.33.0 wheel, ``F`` = ``vllm/v1/attention/backends/mla/flashmla_sp
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
+import math
 import sys
 from typing import Any
 
@@ -103,6 +105,12 @@ for native prefill heads can run; 0.26's has 64- and 128-head kernels only."""
 MASKED_MHA = V033
 """0.33 has masked-MHA prefill (0.26 none): the builder plans the prefills that fit in groups and
 the impl runs them (:mod:`.masked_mha`, which only 0.33 imports)."""
+
+# 0.33's modules a layer call reads, imported once (stock's module imports them already): an
+# import statement in a layer call costs the host on every call. Any-typed, as ``stock``.
+_workspace: Any = importlib.import_module("vllm.v1.worker.workspace") if V033 else None
+_ubatching: Any = importlib.import_module("vllm.v1.worker.ubatching") if V033 else None
+_index_group: Any = importlib.import_module("vllm.v1.attention.backends.mla.index_group") if V033 else None
 
 
 def device_arch() -> str:
@@ -236,10 +244,8 @@ def fill_group_topk(impl: Any, topk_indices: torch.Tensor, metadata: Any, kv_cac
     ordered before the group's later layers."""
     if not V033:
         return
-    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
-
     group: Any = getattr(impl, "index_group", None)
-    if type(group) is not SparseMLAIndexGroup:  # none, or a HiSparse group (never planned)
+    if type(group) is not _index_group.SparseMLAIndexGroup:  # none, or a HiSparse group (never planned)
         return
     rows = topk_indices.shape[0]
     if (impl.index_group_index != 0 or group.num_layers < 2 or rows != metadata.num_decode_tokens
@@ -369,73 +375,148 @@ def workspace_padded_heads(vllm_config: VllmConfig, num_heads: int) -> int | Non
     return -(-num_heads // PREFILL_PADDING) * PREFILL_PADDING
 
 
-@dataclasses.dataclass
-class WorkspaceViews:
-    """The impl's workspace for one layer call. ``gather``: the separate path's BF16 gather
-    workspace. The rest exist on 0.33 only (``None`` on 0.26), as views of the workspace manager's
-    buffer stock reserves (F:793-832): ``q_padded`` ``(max_tokens, padded heads, 576)`` and
-    ``padded_out`` ``(max_tokens, padded heads, 512)`` -- the BF16 prefill kernel's padded q and
-    output, which the backend's launches of either kernel take theirs from -- and ``compact_out``
-    ``(max_tokens, heads, 512)``, the step's output. ``q_concat`` (BF16 cache only)
-    ``(max_tokens, heads padded to 64, 576)``: the sparse-MQA query stock's ``forward_mqa``
-    concatenates (its first view)."""
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One of the impl's ``workspace_specs`` (0.33): where vLLM's ``get_simultaneous`` puts it in
+    the workspace manager's buffer (bytes from the buffer's start), its shape and dtype."""
 
-    gather: torch.Tensor | None
-    q_padded: torch.Tensor | None = None
-    padded_out: torch.Tensor | None = None
-    compact_out: torch.Tensor | None = None
-    q_concat: torch.Tensor | None = None
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def of(self, buffer: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """This spec's view of ``buffer`` (the manager's, as bytes): its first ``rows`` rows, all
+        of them by default."""
+        if rows is None:
+            rows = self.shape[0]
+        elif not 0 <= rows <= self.shape[0]:  # past the spec is the next spec's memory
+            raise ValueError(f"{rows} rows of a workspace view of {self.shape[0]}")
+        row_bytes = self.dtype.itemsize * math.prod(self.shape[1:])
+        return buffer[self.offset : self.offset + rows * row_bytes].view(self.dtype).view((rows, *self.shape[1:]))
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkspaceLayout:
-    """Where each view sits in the impl's ``workspace_specs`` (0.33), found by shape at
-    construction and checked: a layout this backend does not know is a start-up error, never a
-    silent allocation per step."""
+    """The impl's workspace on 0.33, read at construction from where vLLM's ``get_simultaneous``
+    put each of its ``workspace_specs`` and checked: a layout this backend does not know is a
+    start-up error, never a silent allocation per step. Stock's specs (F:793-832): ``q_concat``
+    ``(max_tokens, heads padded to 64, 576)``, the sparse-MQA query stock's ``forward_mqa``
+    concatenates; on an FP8 cache then the separate path's BF16 ``gather`` workspace (after it,
+    PCP+DCP only, the all-gathered one), ``q_padded`` ``(max_tokens, padded heads, 576)`` and
+    ``padded_out`` ``(max_tokens, padded heads, 512)`` -- the BF16 prefill kernel's padded q and
+    output, which the backend's launches of either kernel take theirs from -- and ``compact_out``
+    ``(max_tokens, heads, 512)``, the step's output. ``span``: the bytes they take together."""
 
-    gather: int
-    q_padded: int
-    padded_out: int
-    compact_out: int
+    q_concat: Slot
+    gather: Slot | None
+    q_padded: Slot | None
+    padded_out: Slot | None
+    compact_out: Slot | None
+    span: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkspaceViews:
+    """The impl's workspace for one layer call: on 0.33 views of the workspace manager's buffer
+    (``buffer``, as bytes), each made when first asked for and exactly the rows asked for; on 0.26
+    the impl's own gather workspace alone (the rest are ``None``)."""
+
+    buffer: torch.Tensor | None
+    layout: WorkspaceLayout | None
+    legacy_gather: torch.Tensor | None = None
+    _made: dict[tuple[int, int | None], torch.Tensor] = dataclasses.field(default_factory=dict, compare=False)
+
+    def _view(self, slot: Slot | None, rows: int | None) -> torch.Tensor | None:
+        if slot is None or self.buffer is None:
+            return None
+        key = (id(slot), rows)
+        view = self._made.get(key)
+        if view is None:
+            view = self._made[key] = slot.of(self.buffer, rows)
+        return view
+
+    def gather(self) -> torch.Tensor | None:
+        return self.legacy_gather if self.layout is None else self._view(self.layout.gather, None)
+
+    def q_concat(self, rows: int | None = None) -> torch.Tensor | None:
+        return None if self.layout is None else self._view(self.layout.q_concat, rows)
+
+    def q_padded(self, rows: int | None = None) -> torch.Tensor | None:
+        return None if self.layout is None else self._view(self.layout.q_padded, rows)
+
+    def padded_out(self, rows: int | None = None) -> torch.Tensor | None:
+        return None if self.layout is None else self._view(self.layout.padded_out, rows)
+
+    def compact_out(self, rows: int | None = None) -> torch.Tensor | None:
+        return None if self.layout is None else self._view(self.layout.compact_out, rows)
+
+
+_LAYOUTS: dict[WorkspaceLayout, WorkspaceLayout] = {}
+"""One instance per distinct layout, so that every layer of a model shares its layer's views."""
 
 
 def workspace_layout(impl: Any) -> WorkspaceLayout | None:
-    """The FP8 impl's workspace layout on 0.33 (``None`` on 0.26, and where no plan runs).
-    Stock appends the gather workspace (``impl.prefill_workspace_shape``) after q_concat, then
-    (PCP+DCP only) the all-gathered one, then the padded q, the padded output and the step's
-    output (F:793-832)."""
-    if not V033 or impl.kv_cache_dtype != PLANNED_KV or getattr(impl, "pcp_dcp_kv_gather", False):
-        return None  # no views this backend uses: stock's code runs nvfp4_ds_mla and PCP+DCP steps
-    specs = [tuple(shape) for shape, _dtype in impl.workspace_specs]
-    gather = specs.index(tuple(impl.prefill_workspace_shape))
-    layout = WorkspaceLayout(gather, len(specs) - 3, len(specs) - 2, len(specs) - 1)
+    """The impl's workspace layout on 0.33 (``None`` on 0.26). Only ``q_concat`` where no plan
+    runs (a BF16 or ``nvfp4_ds_mla`` cache, PCP+DCP: stock's code runs those steps)."""
+    if not V033:
+        return None
+    manager = _workspace.current_workspace_manager()
+    specs = [(tuple(shape), dtype) for shape, dtype in impl.workspace_specs]
+    views = manager.get_simultaneous(*specs)  # stock's construction asked for as much: no growth
+    base = _byte_offset(views[0])
+    slots = [Slot(_byte_offset(view) - base, shape, dtype) for view, (shape, dtype) in zip(views, specs)]
+    span = slots[-1].offset + views[-1].numel() * views[-1].element_size()
+    buffer = manager.get_simultaneous(((span,), torch.uint8))[0]
+    for slot, view in zip(slots, views):  # the views this layout carves are vLLM's own
+        mine = slot.of(buffer)
+        if (mine.shape, mine.stride(), mine.dtype, _byte_offset(mine)) != (view.shape, view.stride(), view.dtype,
+                                                                          _byte_offset(view)):
+            raise RuntimeError(f"mla-planner: vLLM {VLLM_VERSION}'s workspace manager placed {slot.shape} {slot.dtype} "
+                               f"elsewhere than this backend reads it; install a supported vLLM ({', '.join(SUPPORTED)})")
+    if impl.kv_cache_dtype != PLANNED_KV or getattr(impl, "pcp_dcp_kv_gather", False):
+        q_concat_only = WorkspaceLayout(slots[0], None, None, None, None, span)
+        return _LAYOUTS.setdefault(q_concat_only, q_concat_only)
     heads, width, rank = impl.num_heads, impl.q_head_size, impl.kv_lora_rank
     padded = -(-heads // impl.prefill_padding) * impl.prefill_padding
-    expected = {layout.q_padded: (padded, width), layout.padded_out: (padded, rank), layout.compact_out: (heads, rank)}
-    found = {i: specs[i][1:] for i in expected}
-    if found != expected or any(dtype != torch.bfloat16 for _shape, dtype in impl.workspace_specs[-3:]):
+    expected = [((padded, width), torch.bfloat16), ((padded, rank), torch.bfloat16), ((heads, rank), torch.bfloat16)]
+    gather = tuple(impl.prefill_workspace_shape)
+    if len(slots) != 5 or slots[1].shape != gather or [(s.shape[1:], s.dtype) for s in slots[-3:]] != expected:
         raise RuntimeError(
             f"mla-planner: vLLM {VLLM_VERSION}'s FlashMLA sparse workspace is {impl.workspace_specs}, not the layout this "
-            f"backend knows (last three: {expected} in bfloat16); install a supported vLLM ({', '.join(SUPPORTED)})"
+            f"backend knows (q_concat, the gather workspace {gather}, then {expected}); install a supported vLLM "
+            f"({', '.join(SUPPORTED)})"
         )
-    return layout
+    q_concat, gather_slot, q_padded, padded_out, compact_out = slots
+    layout = WorkspaceLayout(q_concat, gather_slot, q_padded, padded_out, compact_out, span)
+    return _LAYOUTS.setdefault(layout, layout)
 
 
-def workspace_views(impl: Any) -> WorkspaceViews:
-    """This call's workspace views. On 0.33 they are valid for this layer call only: another
-    layer may grow the manager's buffer before it is locked, so none may be kept across calls."""
-    if V033:
-        from vllm.v1.worker.workspace import current_workspace_manager
+def _byte_offset(view: torch.Tensor) -> int:
+    return int(view.storage_offset()) * view.element_size()
 
-        views = current_workspace_manager().get_simultaneous(*impl.workspace_specs)
-        layout: WorkspaceLayout | None = getattr(impl, "workspace_layout", None)
-        if layout is None:
-            layout = workspace_layout(impl)
-        if layout is None:  # no FP8 cache: q_concat only
-            return WorkspaceViews(None, q_concat=views[0])
-        return WorkspaceViews(views[layout.gather], views[layout.q_padded], views[layout.padded_out],
-                              views[layout.compact_out])
-    return WorkspaceViews(getattr(impl, "prefill_bf16_workspace", None))
+
+def workspace_views(impl: Any, memo: dict[Any, WorkspaceViews] | None = None) -> WorkspaceViews:
+    """This call's workspace. On 0.33 one view of the manager's buffer, in bytes, as long as all of
+    the impl's specs together, makes sure the buffer holds them all as stock's own request does;
+    the call then makes only the views it uses from it: five views of vLLM's request cost the
+    host more than a launch. These views may not outlive the layer call while the manager may
+    still grow its buffer (another layer may grow it before vLLM locks it). Once vLLM has locked
+    it (it serves), its buffers stay put, and ``memo`` (a step's, shared by its layers) keeps the
+    first layer's views for the rest, by micro-batch and lane: each has a buffer of its own."""
+    if not V033:
+        return WorkspaceViews(None, None, getattr(impl, "prefill_bf16_workspace", None))
+    layout: WorkspaceLayout | None = getattr(impl, "workspace_layout", None)
+    if layout is None:  # vLLM's tests' stand-in ``self``
+        layout = workspace_layout(impl)
+    assert layout is not None
+    manager = _workspace.current_workspace_manager()
+    if memo is None or not manager.is_locked():
+        return WorkspaceViews(manager.get_simultaneous(((layout.span,), torch.uint8))[0], layout)
+    key = (id(layout), _ubatching.dbo_current_ubatch_id(), _workspace._workspace_lane.get())
+    views = memo.get(key)
+    if views is None:
+        views = memo[key] = WorkspaceViews(manager.get_simultaneous(((layout.span,), torch.uint8))[0], layout)
+    return views
 
 
 # -- masked-MHA prefill (0.33 only; see .masked_mha) ----------------------------------------------
@@ -582,9 +663,8 @@ def sparse_mqa_rows(impl: Any, q: torch.Tensor, kv_cache: torch.Tensor, topk_row
     q_nope, q_pe = torch.split(q, [impl.qk_nope_head_dim, impl.qk_rope_head_dim], dim=-1)
     ql_nope = q_nope.new_empty((n, heads, impl.kv_lora_rank))
     torch.bmm(q_nope.transpose(0, 1), layer.W_UK_T, out=ql_nope.transpose(0, 1))
-    q_concat = workspace_views(impl).q_concat
-    assert q_concat is not None
-    q_mqa = q_concat[:n]
+    q_mqa = workspace_views(impl).q_concat(n)
+    assert q_mqa is not None
     if q_pe.shape[-1] == 0:  # NoPE: no rope part to concatenate (stock's branch)
         q_mqa[:, :heads, : impl.kv_lora_rank].copy_(ql_nope)
         if impl.q_head_size > impl.kv_lora_rank:
