@@ -1,7 +1,7 @@
 """The CPU-side overhead the planned backend adds to a vLLM step, next to stock FlashMLA sparse:
 microseconds per metadata build and per layer call on the same steps, with fake kernels.
 
-    .venv/bin/python benchmarks/step_overhead_bench.py [--repeats 2000] [--baseline TREE]
+    .venv/bin/python benchmarks/step_overhead_bench.py [--repeats 500] [--layers 61] [--baseline TREE]
 
 It times the ``mla_planner`` the environment has installed (``scripts/test.sh`` installs this
 checkout's into ``.venv``): install again after a change. ``tests/`` (vLLM's CPU stand-ins) it finds
@@ -17,7 +17,9 @@ compared between the two backends on the same machine, not as GPU step times.
 
 The engine is the issue's (#14) tiny DeepSeek-V3.2 shape: 16 heads per rank, top-k 2048, FP8
 cache (``fp8_ds_mla``), a dense-MHA prefill backend (short prefills, under top-k tokens, never
-reach the sparse kernels), the default 1 GiB scratch budget, two attention layers per step. The
+reach the sparse kernels), the default 1 GiB scratch budget, and DeepSeek-V3.2's 61 attention
+layers per step (``--layers``): a step's first layer call does work its later ones reuse (FlashMLA's
+schedules; on vLLM 0.33 the plugin's workspace views), so the number of layers weighs it. The
 steps:
 
 * ``decode``: 64 decodes of 1,000 tokens of context (uniform decode, what FULL CUDA graphs replay);
@@ -25,14 +27,17 @@ steps:
   builds them;
 * ``chat``: the 64 decodes plus one new 1,000-token prompt, which runs dense MHA: the sparse
   kernels see the 64 decode tokens only (vLLM bench serve's chat workload);
-* ``mid``: the 64 decodes plus one 2,500-token prompt, past top-k, so every token is sparse; one
-  call within the budget;
+* ``mid``: the 64 decodes plus one 2,500-token prompt, past top-k, so every token is sparse, in one
+  call: over what the engine holds on vLLM 0.33, so the plan runs it as one launch; within it on
+  0.26 (which reserves the whole budget), so stock's call runs it;
 * ``long``: the 64 decodes plus one 8,000-token prompt, past top-k, so every token is sparse; the
   planner splits it under the budget.
 
-Each engine builds the step and runs its two layer calls; engines take turns within every repeat,
-in an order drawn afresh for each step (seeded), so that drift and whichever engine ran just before
-hit them alike; the figures are medians. "planned" routes by
+Each engine builds the step and runs its layer calls; engines take turns within every repeat, in
+an order drawn afresh for each step (seeded), so that drift and whichever engine ran just before
+hit them alike. A layer call's figure is the step's layer calls' time over its layers; the figures
+are medians over the repeats. "runs" counts the kernel calls a layer call made: stock's, or the
+plan's launches. "planned" routes by
 vLLM's rule (``MLA_PLANNER_COST_PROFILE=none``); "planned+profile" by the packaged H200 cost
 profile (no GPU here, so the machine check is skipped, as in the CPU tests).
 
@@ -76,7 +81,7 @@ from vllm_cpu import (  # noqa: E402  (tests/ is a plain directory of helpers)
 )
 
 META = torch.device("meta")
-NUM_HEADS, TOPK, LAYERS = 16, 2048, 2
+NUM_HEADS, TOPK, LAYERS = 16, 2048, 61
 MAX_MODEL_LEN, MAX_TOKENS, MAX_SEQS = 16384, 8192, 256
 DECODES, CONTEXT = 64, 1000
 STEPS = {
@@ -88,24 +93,38 @@ STEPS = {
 }
 
 
+KERNEL_CALLS = {"stock": 0, "plan": 0}
+"""Calls of the fake kernels since the last reset: through stock's code, or the plan's provider."""
+
+
+def decode_out(q: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    o = q.new_empty((*q.shape[:3], 512)) if out is None else out
+    return o, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+def prefill_out(q: torch.Tensor, d_v: int, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    o = q.new_empty((q.shape[0], q.shape[1], d_v)) if out is None else out
+    return o, q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
 class FakeKernels(KernelRecorder):
     """vLLM's FlashMLA kernels: an output of the right shape, nothing computed."""
 
     def flash_mla_with_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, *args: Any,
                                out: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        o = q.new_empty((*q.shape[:3], 512)) if out is None else out
-        return o, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        KERNEL_CALLS["stock"] += 1
+        return decode_out(q, out)
 
     def flash_mla_sparse_fwd(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                              d_v: int = 512, topk_length: torch.Tensor | None = None,
                              out: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        o = q.new_empty((q.shape[0], q.shape[1], d_v)) if out is None else out
-        lse = q.new_empty(q.shape[:2], dtype=torch.float32)
+        KERNEL_CALLS["stock"] += 1
+        o, lse = prefill_out(q, d_v, out)
         return o, lse, lse
 
 
 class FakeProvider:
-    """The planned executor's kernel provider, with the same fake decode kernel."""
+    """The planned executor's kernel provider, with the same fake kernels."""
 
     name = "fake"
     decode_takes_out = True
@@ -116,13 +135,14 @@ class FakeProvider:
 
     def sparse_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, schedule: Any,
                       softmax_scale: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return FakeKernels().flash_mla_with_kvcache(q, kv_cache, out=out)
+        KERNEL_CALLS["plan"] += 1
+        return decode_out(q, out)
 
     def sparse_prefill(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
                        out: torch.Tensor | None = None,
                        topk_length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        o, _max_logits, lse = FakeKernels().flash_mla_sparse_fwd(q, kv, indices, softmax_scale, out=out)
-        return o, lse
+        KERNEL_CALLS["plan"] += 1
+        return prefill_out(q, 512, out)
 
     def gather_upconvert(self, *args: Any) -> None:
         """vLLM's ``cp_gather_and_upconvert_fp8_kv_cache``."""
@@ -203,9 +223,9 @@ class Engine:
     builder: Any
     impl: Any
     build_us: dict[str, list[float]] = field(default_factory=dict)
-    layer_us: dict[str, list[float]] = field(default_factory=dict)
+    layer_us: dict[str, list[float]] = field(default_factory=dict)  # per layer call, each repeat's mean
     translation_us: dict[str, list[float]] = field(default_factory=dict)  # of layer_us, in the fake translation
-    launches: dict[str, str] = field(default_factory=dict)
+    runs: dict[str, str] = field(default_factory=dict)
 
 
 def make_engine(name: str, config: Any, package: str | None, profile: str) -> Engine:
@@ -243,7 +263,7 @@ def sparse_tokens(metadata: Any, query_lens: list[int], context_lens: list[int])
     return metadata.num_decode_tokens if dense or not prefill_seq else sum(query_lens)
 
 
-def time_step(engine: Engine, step: str, common: Any, kv_cache: torch.Tensor) -> None:
+def time_step(engine: Engine, step: str, common: Any, kv_cache: torch.Tensor, layers: int) -> None:
     query_lens, context_lens = STEPS[step]
     start = time.perf_counter()
     if step == "capture":
@@ -253,25 +273,35 @@ def time_step(engine: Engine, step: str, common: Any, kv_cache: torch.Tensor) ->
     engine.build_us.setdefault(step, []).append((time.perf_counter() - start) * 1e6)
     tokens = sparse_tokens(metadata, query_lens, context_lens)
     q = torch.empty((tokens, NUM_HEADS, 576), dtype=torch.bfloat16, device=META)
-    for _ in range(LAYERS):
-        TRANSLATION_US[0] = 0.0
-        start = time.perf_counter()
+    TRANSLATION_US[0] = 0.0
+    KERNEL_CALLS.update(stock=0, plan=0)
+    start = time.perf_counter()
+    for _ in range(layers):
         engine.impl.forward_mqa(q, kv_cache, metadata, None)
-        engine.layer_us.setdefault(step, []).append((time.perf_counter() - start) * 1e6)
-        engine.translation_us.setdefault(step, []).append(TRANSLATION_US[0])
+    engine.layer_us.setdefault(step, []).append((time.perf_counter() - start) * 1e6 / layers)
+    engine.translation_us.setdefault(step, []).append(TRANSLATION_US[0] / layers)
     planned = getattr(metadata, "planned", None)
-    engine.launches[step] = "stock" if planned is None else f"{len(planned.plan)} ({planned.plan.mode})"
+    launches, calls = KERNEL_CALLS["plan"] / layers, KERNEL_CALLS["stock"] / layers
+    if launches:
+        engine.runs[step] = f"{launches:g} launch{'es' * (launches != 1)} ({planned.plan.mode})"
+    else:
+        engine.runs[step] = f"stock's {calls:g} call{'s' * (calls != 1)}"
 
 
-def run(repeats: int, baseline: pathlib.Path | None) -> list[Engine]:
+def run(repeats: int, layers: int, baseline: pathlib.Path | None) -> list[Engine]:
     with tempfile.TemporaryDirectory() as tmp:
         packages = [] if baseline is None else [load_baseline(baseline, pathlib.Path(tmp))]
         with fake_vllm(pytest.MonkeyPatch(), packages):
-            return run_engines(pathlib.Path(tmp), repeats, packages)
+            return run_engines(pathlib.Path(tmp), repeats, layers, packages)
 
 
-def run_engines(tmp: pathlib.Path, repeats: int, baseline_packages: list[str]) -> list[Engine]:
-    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+def run_engines(tmp: pathlib.Path, repeats: int, layers: int, baseline_packages: list[str]) -> list[Engine]:
+    from vllm.v1.worker.workspace import (
+        init_workspace_manager,
+        is_workspace_manager_initialized,
+        lock_workspace,
+        unlock_workspace,
+    )
 
     config = vllm_config(model_dir(tmp, num_heads=NUM_HEADS, topk=TOPK), max_model_len=MAX_MODEL_LEN,
                          max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS, dense_prefill=True)
@@ -284,45 +314,54 @@ def run_engines(tmp: pathlib.Path, repeats: int, baseline_packages: list[str]) -
     block_table = torch.zeros((DECODES + 1, MAX_MODEL_LEN // 64), dtype=torch.int32, device=META)
     commons = {step: common_metadata(q, c, block_table[: len(q)]) for step, (q, c) in STEPS.items()}
     order = random.Random(0)
-    for _ in range(repeats):
-        for step, common in commons.items():
-            # a fresh order each time: an engine's figure must not depend on which ran before it
-            for engine in order.sample(engines, len(engines)):
-                time_step(engine, step, common, kv_cache)
+    lock_workspace()  # as vLLM does once warm-up has sized it: serving steps run on a locked workspace
+    try:
+        for _ in range(repeats):
+            for step, common in commons.items():
+                # a fresh order each time: an engine's figure must not depend on which ran before it
+                for engine in order.sample(engines, len(engines)):
+                    time_step(engine, step, common, kv_cache, layers)
+    finally:
+        unlock_workspace()
     return engines
 
 
-def report(engines: list[Engine], repeats: int) -> str:
+def report(engines: list[Engine], repeats: int, layers: int) -> str:
     stock = engines[0]
 
     def med(values: list[float]) -> float:
         return statistics.median(values)
 
     lines = [f"CPU-side overhead per step, fake kernels, meta-device tensors; {NUM_HEADS} heads, top-k {TOPK}, "
-             f"{LAYERS} layers, median of {repeats} interleaved repeats (torch {torch.__version__}, "
+             f"{layers} layers, median of {repeats} interleaved repeats (torch {torch.__version__}, "
              f"vLLM {__import__('vllm').__version__}).", "",
-             "| step | engine | launches | build us | layer call us | of it, index translation us | "
+             "| step | engine | a layer call runs | build us | layer call us | vs stock's | of it, index translation us | "
              "layer call less translation us | step us (build + layers) | vs stock |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for step in STEPS:
-        base = med(stock.build_us[step]) + LAYERS * med(stock.layer_us[step])
+        stock_layer = med(stock.layer_us[step])
+        base = med(stock.build_us[step]) + layers * stock_layer
         for engine in engines:
             build, layer = med(engine.build_us[step]), med(engine.layer_us[step])
             translation = med(engine.translation_us[step])
             own = med([a - b for a, b in zip(engine.layer_us[step], engine.translation_us[step])])
-            total = build + LAYERS * layer
-            lines.append(f"| {step} | {engine.name} | {engine.launches[step]} | {build:.1f} | {layer:.1f} | "
-                         f"{translation:.1f} | {own:.1f} | {total:.1f} | {total - base:+.1f} |")
+            total = build + layers * layer
+            lines.append(f"| {step} | {engine.name} | {engine.runs[step]} | {build:.1f} | {layer:.1f} | "
+                         f"{100 * (layer / stock_layer - 1):+.1f}% | {translation:.1f} | {own:.1f} | {total:.1f} | "
+                         f"{total - base:+.1f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=500)
+    parser.add_argument("--layers", type=int, default=LAYERS, help="attention layers per step")
     parser.add_argument("--baseline", type=pathlib.Path, help="another checkout's tree, run beside this one")
     args = parser.parse_args()
-    engines = run(args.repeats, args.baseline)
-    print(report(engines, args.repeats))
+    if args.repeats < 1 or args.layers < 1:
+        parser.error("--repeats and --layers take a positive number")
+    engines = run(args.repeats, args.layers, args.baseline)
+    print(report(engines, args.repeats, args.layers))
 
 
 if __name__ == "__main__":
