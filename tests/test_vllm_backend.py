@@ -1405,6 +1405,8 @@ def test_once_vllm_locks_its_workspace_a_steps_layers_share_their_views(
         assert kept.q_padded(8) is kept.q_padded(8), "a view of the same rows is made once"
         monkeypatch.setattr(vllm_api._ubatching, "dbo_current_ubatch_id", lambda: 1)
         assert vllm_api.workspace_views(mixed.impl, memo) is not kept and len(memo) == 2, "another micro-batch's own"
+        monkeypatch.setattr(vllm_api, "_workspace_lane", None)  # a vLLM without the lane variable
+        assert vllm_api.workspace_views(mixed.impl, memo) is not vllm_api.workspace_views(mixed.impl, memo)
     finally:
         unlock_workspace()
     assert {ptrs for ptrs in mixed.provider.launch_ptrs} == {(view_ptr(kept.q_padded()), view_ptr(kept.padded_out()))}

@@ -16,9 +16,10 @@ memory, launch by launch, is what the plan's ``launch_bytes`` says:
 
 A caller that already holds memory for the padded q and the kernel's padded output (vLLM 0.33's
 workspace views) passes it as ``q_buffer`` and ``out_buffer``: nothing is allocated for them then.
-A caller that passes no ``out`` gets, for a plan of one launch, the kernel's output itself (its
-real heads, as stock's call returns it: a view, strided where heads are padded), so a step the
-plan runs whole costs no copy and no second output; for more launches, a new ``out``.
+A caller that passes no ``out`` gets, for a plan of one launch whose heads are padded or whose
+kernel allocates its output, the kernel's output itself (its real heads, as stock's call returns
+it: a view, strided where heads are padded), so a step the plan runs whole costs no copy and no
+second output; otherwise a new ``out``.
 
 Plus one FlashMLA schedule per distinct launch length: a schedule may only be reused by calls of
 the same shape; pass ``schedules`` to share them across calls with the same plan (vLLM's layers of
@@ -122,7 +123,7 @@ class MixedBatchExecutor:
         output in, when heads are padded (ignored otherwise, and where they are not of that shape:
         then the run allocates its own); their contents are overwritten. ``softmax_scale``: the
         layer's (default: the executor's). Returns the output: ``out``, or without it the kernel's
-        own for one launch (see the module's doc), a new tensor for more."""
+        own for one launch (see the module's doc), a new tensor otherwise."""
         return self.run_launches(Launches.of(plan), q, kv_cache, indices, out, schedules=schedules, q_buffer=q_buffer,
                                  out_buffer=out_buffer, softmax_scale=softmax_scale)
 

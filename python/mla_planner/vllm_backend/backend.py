@@ -372,14 +372,19 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
             return translate_indices(md, topk_indices, rows, block_stride_rows)[0]
 
         # On 0.33 the padded q and kernel output go in stock's BF16-prefill workspace views, which
-        # this route never otherwise uses: the reservation counts them as served. One launch
-        # returns the kernel's output as it stands, as stock's call does; several write the
-        # step's output (on 0.33 in its workspace view, as stock's separate route does).
-        longest = launches.longest
-        out = step_output(views, q, self.kv_lora_rank) if len(launches.rows) > 1 else None
-        out = self.mixed.run_launches(launches, q, pages.view(torch.uint8).unsqueeze(-2), slots, out,
-                                      schedules=step.schedules, q_buffer=views.q_padded(longest),
-                                      out_buffer=views.padded_out(longest), softmax_scale=self.softmax_scale)
+        # this route never otherwise uses: the reservation counts them as served. One launch of
+        # padded heads returns the kernel's output as it stands, as stock's call does; otherwise
+        # the launches write the step's output (on 0.33 its workspace view, as stock's separate
+        # route writes it).
+        mixed, longest = self.mixed, launches.longest
+        q_buffer = out_buffer = out = None
+        if mixed.kernel_heads != mixed.num_heads:
+            q_buffer, out_buffer = views.q_padded(longest), views.padded_out(longest)
+        if len(launches.rows) > 1 or mixed.writes_in_place:
+            out = step_output(views, q, self.kv_lora_rank)
+        out = mixed.run_launches(launches, q, pages.view(torch.uint8).unsqueeze(-2), slots, out,
+                                 schedules=step.schedules, q_buffer=q_buffer, out_buffer=out_buffer,
+                                 softmax_scale=self.softmax_scale)
         return vllm_api.forward_result(out)
 
     def _forward_fp8_kv_separate_prefill_decode(

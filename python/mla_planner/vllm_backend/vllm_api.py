@@ -111,6 +111,9 @@ the impl runs them (:mod:`.masked_mha`, which only 0.33 imports)."""
 _workspace: Any = importlib.import_module("vllm.v1.worker.workspace") if V033 else None
 _ubatching: Any = importlib.import_module("vllm.v1.worker.ubatching") if V033 else None
 _index_group: Any = importlib.import_module("vllm.v1.attention.backends.mla.index_group") if V033 else None
+_workspace_lane: Any = getattr(_workspace, "_workspace_lane", None)
+"""0.33's context variable of the current workspace lane (private): without it a step's layers
+make their workspace views each call (:func:`workspace_views`), never another lane's."""
 
 
 def device_arch() -> str:
@@ -510,9 +513,9 @@ def workspace_views(impl: Any, memo: dict[Any, WorkspaceViews] | None = None) ->
         layout = workspace_layout(impl)
     assert layout is not None
     manager = _workspace.current_workspace_manager()
-    if memo is None or not manager.is_locked():
+    if memo is None or _workspace_lane is None or not manager.is_locked():
         return WorkspaceViews(manager.get_simultaneous(((layout.span,), torch.uint8))[0], layout)
-    key = (id(layout), _ubatching.dbo_current_ubatch_id(), _workspace._workspace_lane.get())
+    key = (id(layout), _ubatching.dbo_current_ubatch_id(), _workspace_lane.get())
     views = memo.get(key)
     if views is None:
         views = memo[key] = WorkspaceViews(manager.get_simultaneous(((layout.span,), torch.uint8))[0], layout)
