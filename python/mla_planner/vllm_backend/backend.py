@@ -407,7 +407,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         if not isinstance(fp8, FlashMLASparseMetadata.FP8SeparatePrefillDecode):
             raise TypeError(f"a separate-route plan with {type(fp8).__name__} metadata")
         pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
-        # Once per layer call: on 0.33 views of the workspace manager's buffer, valid for this call.
+        # On 0.33 views of the workspace manager's buffer, shared by the step's layers once vLLM serves.
         views = vllm_api.workspace_views(self, step.workspace)
         gather = views.gather()
         if gather is None:
