@@ -64,3 +64,25 @@ def test_route_bench_plans_each_route_as_the_backend_would(kernels: str, heads: 
     assert bench.kernel_heads(separate, heads) == separate.plan.prefill_heads
     chosen = mixed if choice.mixed_batch else separate
     assert chosen.plan.launches.tolist() == choice.plan.launches.tolist()
+
+
+def test_step_overhead_bench_times_what_each_engine_runs() -> None:
+    """step_overhead_bench (one repeat, two layers; its figures are not checked, only what it
+    says each layer call ran): decode-only steps run stock's call on every engine; the long
+    prompt runs the plan's launches; the mid-sized one the plan's one launch where stock's call is
+    over what the engine holds (0.33), stock's call where the reservation holds it (0.26)."""
+    from mla_planner.vllm_backend import vllm_api
+
+    script = BENCHMARKS[0].parent / "step_overhead_bench.py"
+    done = subprocess.run([sys.executable, str(script), "--repeats", "1", "--layers", "2"], capture_output=True,
+                          text=True, timeout=600, cwd=script.parent)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    runs = {(cells[1], cells[2]): cells[3] for line in done.stdout.splitlines()
+            if line.startswith("| ") and len(cells := [c.strip() for c in line.split("|")]) > 4}
+    engines = ("stock", "planned", "planned+profile")
+    for step in ("decode", "capture", "chat"):
+        assert [runs[step, engine] for engine in engines] == ["stock's 1 call"] * 3, step
+    assert runs["long", "stock"] == runs["mid", "stock"] == "stock's 1 call"
+    assert runs["long", "planned"] == "4 launches (mixed_batch)"
+    assert runs["mid", "planned"] == ("1 launch (mixed_batch)" if vllm_api.STOCK_WORKSPACE else "stock's 1 call")
+    assert runs["mid", "planned+profile"].endswith("launches (separate_prefill_decode)")
