@@ -96,6 +96,17 @@ class MixedBatchExecutor:
     def translates_indices(self) -> bool:
         return self.config.translated_indices
 
+    @property
+    def pads_heads(self) -> bool:
+        """The kernel runs more heads than the layer has (16 -> 64): launches pad q, and take the
+        kernel's padded output."""
+        return self.kernel_heads != self.num_heads
+
+    def writes_out(self, launches: Launches) -> bool:
+        """Whether a run of ``launches`` writes a step output (several launches, or a kernel that
+        writes in place); otherwise, run without ``out``, it returns the kernel's own."""
+        return len(launches.rows) != 1 or self.writes_in_place
+
     def plan(self, num_tokens: int) -> mla_planner.StepPlan:
         """The plan of ``num_tokens`` sparse tokens (one request, all through the decode kernel)."""
         requests = [num_tokens] if num_tokens else []
@@ -145,13 +156,13 @@ class MixedBatchExecutor:
         if callable(indices) != self.translates_indices:
             raise ValueError("indices must be a function of a row slice exactly when the executor translates indices")
         self._check(launches, q, kv_cache, None if callable(indices) else indices, out)
-        if out is None and (len(launches.rows) != 1 or self.writes_in_place):
+        if out is None and self.writes_out(launches):
             out = q.new_empty((q.shape[0], self.num_heads, D_V))
         if not launches.rows:
             assert out is not None
             return out
         q_padded = kernel_out = None
-        if self.kernel_heads != self.num_heads:
+        if self.pads_heads:
             longest = launches.longest
             q_padded = self._buffer(q_buffer, longest, D_QK, q)
             if q_padded is None:

@@ -378,9 +378,9 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         # route writes it).
         mixed, longest = self.mixed, launches.longest
         q_buffer = out_buffer = out = None
-        if mixed.kernel_heads != mixed.num_heads:
+        if mixed.pads_heads:
             q_buffer, out_buffer = views.q_padded(longest), views.padded_out(longest)
-        if len(launches.rows) > 1 or mixed.writes_in_place:
+        if mixed.writes_out(launches):
             out = step_output(views, q, self.kv_lora_rank)
         out = mixed.run_launches(launches, q, pages.view(torch.uint8).unsqueeze(-2), slots, out,
                                  schedules=step.schedules, q_buffer=q_buffer, out_buffer=out_buffer,

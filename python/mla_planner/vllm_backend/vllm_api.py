@@ -469,7 +469,7 @@ def workspace_layout(impl: Any) -> WorkspaceLayout | None:
     base = _byte_offset(views[0])
     slots = [Slot(_byte_offset(view) - base, shape, dtype) for view, (shape, dtype) in zip(views, specs)]
     span = slots[-1].offset + views[-1].numel() * views[-1].element_size()
-    buffer = manager.get_simultaneous(((span,), torch.uint8))[0]
+    buffer = _span_of(manager, span)
     for slot, view in zip(slots, views):  # the views this layout carves are vLLM's own
         mine = slot.of(buffer)
         if (mine.shape, mine.stride(), mine.dtype, _byte_offset(mine)) != (view.shape, view.stride(), view.dtype,
@@ -498,6 +498,13 @@ def _byte_offset(view: torch.Tensor) -> int:
     return int(view.storage_offset()) * view.element_size()
 
 
+def _span_of(manager: Any, span: int) -> torch.Tensor:
+    """The manager's buffer for this micro-batch and lane, its first ``span`` bytes: one request,
+    which sizes the buffer as stock's request of every spec does."""
+    buffer: torch.Tensor = manager.get_simultaneous(((span,), torch.uint8))[0]
+    return buffer
+
+
 def workspace_views(impl: Any, memo: dict[Any, WorkspaceViews] | None = None) -> WorkspaceViews:
     """This call's workspace. On 0.33 one view of the manager's buffer, in bytes, as long as all of
     the impl's specs together, makes sure the buffer holds them all as stock's own request does;
@@ -514,11 +521,11 @@ def workspace_views(impl: Any, memo: dict[Any, WorkspaceViews] | None = None) ->
     assert layout is not None
     manager = _workspace.current_workspace_manager()
     if memo is None or _workspace_lane is None or not manager.is_locked():
-        return WorkspaceViews(manager.get_simultaneous(((layout.span,), torch.uint8))[0], layout)
+        return WorkspaceViews(_span_of(manager, layout.span), layout)
     key = (id(layout), _ubatching.dbo_current_ubatch_id(), _workspace_lane.get())
     views = memo.get(key)
     if views is None:
-        views = memo[key] = WorkspaceViews(manager.get_simultaneous(((layout.span,), torch.uint8))[0], layout)
+        views = memo[key] = WorkspaceViews(_span_of(manager, layout.span), layout)
     return views
 
 
