@@ -4,8 +4,9 @@ What vLLM does, per GPU (docs/kernels.md, "Two vLLM facts about reservation"): i
 ``util x total - (weights + profiled activation peak + non-PyTorch memory)``. The profile run never
 calls the sparse-MLA kernels, so stock vLLM's attention scratch must come out of what lies outside
 ``util x total``, less what a step holds that the profile did not set aside (``step_reserve``,
-measured on the H200). The plugin reserves its budget inside the model memory instead, so its KV
-cache is exactly the budget smaller and its scratch never exceeds the budget.
+measured on the H200). The plugin reserves what its largest launch allocates, and on 0.26 the
+step's output, inside the model memory instead (:func:`plugin_reservation`), so its KV cache is
+that much smaller and its scratch comes out of the reservation.
 
 Every byte of scratch comes from the planner core (`policies.stock`, `plan_step`); this module only
 adds the memory model around it, and labels each figure as measured or assumed.
@@ -28,6 +29,8 @@ from mla_planner import (
     prefill_scratch,
     topk_mask_bytes,
 )
+
+from mla_planner.vllm_backend import sizing
 
 from . import policies, presets
 from .config import CliError, PlannerConfig
@@ -349,6 +352,7 @@ class Diagnosis:
     plugin_kv_bytes: int
     stock_kv_tokens: int
     plugin_kv_tokens: int
+    reserved_bytes: int  # what the plugin holds back from the KV cache (plugin_reservation)
     max_stock_util: float | None
     budget_kv_tokens: int  # the KV tokens the plugin's budget would hold (fp8_ds_mla)
     stock_path: str  # the path vLLM 0.26 takes for this cache and heads per rank
@@ -378,6 +382,19 @@ def plugin_step(d: Deployment, step: Step) -> StepVerdict:
         raise CliError(f"the planner cannot plan the worst step: {e}") from None
     fits = plan.peak_bytes <= d.budget_bytes + max(0, d.headroom())
     return StepVerdict(plan.peak_bytes, len(plan), None, fits)
+
+
+def plugin_reservation(d: Deployment) -> int:
+    """What the plugin holds back from the KV cache on vLLM 0.26, as its engine setup sizes it: the
+    most one launch of either FP8 route's plans allocates at this step size (the packaged cost
+    profiles route by both) and the step's output. Without speculative decoding, which raises the
+    decode threshold. The H200 logged 1,535 MiB at 32,768 tokens a step and 2,047 MiB at 65,536
+    (docs/e2e.md, 26.16)."""
+    step = d.planner_config(fp8=True).step
+    tokens = d.max_num_batched_tokens
+    max_decode = min(sizing.builder_decode_threshold(d.heads_per_rank, d.gpu.arch), tokens)
+    routes = [step.replace(mode=route) for route in sizing.ROUTES]
+    return sizing.largest_launch_bytes(routes, tokens, max_decode, None) + sizing.step_output_bytes(tokens, d.heads_per_rank)
 
 
 def worst_steps(d: Deployment) -> list[Step]:
@@ -422,7 +439,8 @@ def diagnose(d: Deployment) -> Diagnosis:
     stock = max((stock_step(d, s) for s in steps), key=lambda v: (v.limit is not None, v.peak_bytes))
     plugin = max((plugin_step(d, s) for s in steps), key=lambda v: v.peak_bytes)
     stock_kv = d.stock_kv_bytes()
-    plugin_kv = stock_kv - d.budget_bytes
+    reserved = plugin_reservation(d)
+    plugin_kv = stock_kv - reserved
     stride = max_tokens_per_launch(d.heads_per_rank)[0]
     return Diagnosis(
         deployment=d,
@@ -435,6 +453,7 @@ def diagnose(d: Deployment) -> Diagnosis:
         plugin_kv_bytes=plugin_kv,
         stock_kv_tokens=kv_tokens(d, stock_kv, d.kv_fp8),
         plugin_kv_tokens=kv_tokens(d, plugin_kv, True),
+        reserved_bytes=reserved,
         max_stock_util=None if stock.limit else max_stock_util(d, stock.peak_bytes),
         stride_tokens=stride,
         budget_kv_tokens=d.budget_bytes // d.model.kv_bytes_per_token(True),

@@ -18,13 +18,12 @@ import torch
 
 import mla_planner
 from mla_planner import routing
-from mla_planner.vllm_backend import vllm_api
+from mla_planner.vllm_backend import sizing, vllm_api
 from mla_planner.vllm_backend.log import logger
 from mla_planner.vllm_backend.settings import NATIVE_VAR, Settings, SettingsError, read_settings
 
 
 MIB = 1 << 20
-ROUTES = ("mixed_batch", "separate_prefill_decode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +94,7 @@ def setup(vllm_config: Any, num_heads: int, device: torch.device) -> EngineSetup
 def make_setup(vllm_config: Any, num_heads: int, device: torch.device, settings: Settings) -> EngineSetup:
     config = step_config(vllm_config, num_heads, device, settings)
     cost_model = cost_model_for(config, settings)
-    routes = ROUTES if cost_model is not None else (config.mode,)
+    routes = sizing.ROUTES if cost_model is not None else (config.mode,)
     scheduler = vllm_config.scheduler_config
     max_step_tokens = int(scheduler.max_num_batched_tokens)
     max_decode = min(vllm_api.decode_threshold(vllm_config, num_heads, config.arch), max_step_tokens)
@@ -105,10 +104,10 @@ def make_setup(vllm_config: Any, num_heads: int, device: torch.device, settings:
     if not partial.plans_fp8:
         return partial
     check_budget(partial)
-    allowance = max(c.largest_launch_bytes(max_step_tokens, max_decode, partial.workspace_heads)
-                    for c in partial.route_configs())
+    allowance = sizing.largest_launch_bytes(partial.route_configs(), max_step_tokens, max_decode,
+                                            partial.workspace_heads)
     # vLLM 0.26 has no workspace view for the step's output: the executors allocate it.
-    output = 0 if vllm_api.STOCK_WORKSPACE else max_step_tokens * num_heads * 512 * 2
+    output = 0 if vllm_api.STOCK_WORKSPACE else sizing.step_output_bytes(max_step_tokens, num_heads)
     with_allowance = dataclasses.replace(partial, stock_call_allowance=allowance, reserved_bytes=allowance + output)
     stock_decodes = stock_decode_tokens(with_allowance, int(scheduler.max_num_seqs),
                                         vllm_api.uniform_decode_len(vllm_config))

@@ -58,6 +58,8 @@ from vllm.v1.attention.backends.mla.flashmla_sparse import (
     FlashMLASparseMetadataBuilder as FlashMLASparseMetadataBuilder,
 )
 
+from mla_planner.vllm_backend import sizing
+
 # Any-typed: the members called through these differ in signature between the versions.
 stock: Any = _stock_module
 utils: Any = _utils_module
@@ -265,10 +267,7 @@ def decode_threshold(vllm_config: VllmConfig, num_heads: int, arch: str) -> int:
     rank and architecture (F:366-372 on 0.33; the same table on 0.26), raised to a speculative
     verification's length (``_init_reorder_batch_threshold``, v1/attention/backend.py:658 on 0.33,
     651 on 0.26). tests/test_vllm_backend.py holds it against the builder's own."""
-    if arch == "sm100":
-        threshold = {8: 128, 16: 128, 32: 128, 64: 256, 128: 1024}.get(num_heads, 1024)
-    else:
-        threshold = {16: 128, 32: 128, 64: 256, 128: 256}.get(num_heads, 256)
+    threshold = sizing.builder_decode_threshold(num_heads, arch)
     spec = vllm_config.speculative_config
     if spec is None or spec.num_speculative_tokens is None:
         return threshold
