@@ -29,7 +29,7 @@ from mla_planner import (
     prefill_scratch,
     topk_mask_bytes,
 )
-
+from mla_planner import routing
 from mla_planner.vllm_backend import sizing
 
 from . import policies, presets
@@ -38,6 +38,7 @@ from .steps import Step
 from .units import GIB
 
 MIB = 1 << 20
+PROFILED_KERNELS = "vllm 0.26.0"  # the kernels whose packaged cost profile routes the plugin's steps here
 
 
 # --- GPUs ---------------------------------------------------------------------
@@ -386,14 +387,16 @@ def plugin_step(d: Deployment, step: Step) -> StepVerdict:
 
 def plugin_reservation(d: Deployment) -> int:
     """What the plugin holds back from the KV cache on vLLM 0.26, as its engine setup sizes it: the
-    most one launch of either FP8 route's plans allocates at this step size (the packaged cost
-    profiles route by both) and the step's output. Without speculative decoding, which raises the
-    decode threshold. The H200 logged 1,535 MiB at 32,768 tokens a step and 2,047 MiB at 65,536
+    most one launch of any plan of the routes its steps may take allocates at this step size (both
+    FP8 routes where a packaged cost profile routes this architecture's steps, vLLM's rule's route
+    otherwise), and the step's output. Without speculative decoding, which raises the decode
+    threshold. The H200 logged 1,535 MiB at 32,768 tokens a step and 2,047 MiB at 65,536
     (docs/e2e.md, 26.16)."""
     step = d.planner_config(fp8=True).step
     tokens = d.max_num_batched_tokens
     max_decode = min(sizing.builder_decode_threshold(d.heads_per_rank, d.gpu.arch), tokens)
-    routes = [step.replace(mode=route) for route in sizing.ROUTES]
+    profiled = routing.default_profile_path(d.gpu.arch, PROFILED_KERNELS).exists()
+    routes = [step.replace(mode=route) for route in sizing.ROUTES] if profiled else [step]
     return sizing.largest_launch_bytes(routes, tokens, max_decode, None) + sizing.step_output_bytes(tokens, d.heads_per_rank)
 
 
