@@ -354,6 +354,7 @@ class Diagnosis:
     stock_kv_tokens: int
     plugin_kv_tokens: int
     reserved_bytes: int  # what the plugin holds back from the KV cache (plugin_reservation)
+    reserved_kv_tokens: int  # the KV tokens those bytes would hold (fp8_ds_mla)
     max_stock_util: float | None
     budget_kv_tokens: int  # the KV tokens the plugin's budget would hold (fp8_ds_mla)
     stock_path: str  # the path vLLM 0.26 takes for this cache and heads per rank
@@ -457,6 +458,7 @@ def diagnose(d: Deployment) -> Diagnosis:
         stock_kv_tokens=kv_tokens(d, stock_kv, d.kv_fp8),
         plugin_kv_tokens=kv_tokens(d, plugin_kv, True),
         reserved_bytes=reserved,
+        reserved_kv_tokens=kv_tokens(d, reserved, True),
         max_stock_util=None if stock.limit else max_stock_util(d, stock.peak_bytes),
         stride_tokens=stride,
         budget_kv_tokens=d.budget_bytes // d.model.kv_bytes_per_token(True),

@@ -101,10 +101,6 @@ def run(args: argparse.Namespace) -> int:
 # --- verdict and fixes ------------------------------------------------------------
 
 
-def kv_tokens_of(diag: Diagnosis, num_bytes: int) -> int:
-    return deployment.kv_tokens(diag.deployment, num_bytes, True)
-
-
 def flags_to_add(serve: serve_line.ServeArgs) -> list[str]:
     have = {"--attention-backend": (serve.attention_backend or "").upper(), "--kv-cache-dtype": serve.kv_cache_dtype,
             "--block-size": str(serve.block_size or "")}  # fmt: skip
@@ -125,10 +121,9 @@ def _stock_problem(diag: Diagnosis) -> str:
 def verdict(diag: Diagnosis, serve: serve_line.ServeArgs) -> tuple[str, list[str]]:
     """One line, and the flag changes it recommends."""
     d, s, p = diag.deployment, diag.stock, diag.plugin
-    cost = kv_tokens_of(diag, diag.reserved_bytes)
     plugin_text = (
         f"with the plugin: fits ({format_bytes(d.budget_bytes)} budget; {format_bytes(diag.reserved_bytes)} "
-        f"held back from the KV cache, {cost:,} tokens)"
+        f"held back from the KV cache, {diag.reserved_kv_tokens:,} tokens)"
         if p.fits else f"with the plugin: does not fit ({format_bytes(p.peak_bytes)} > budget + headroom)"
     )  # fmt: skip
     if d.plugin:
@@ -223,7 +218,7 @@ def to_text(diag: Diagnosis, serve: serve_line.ServeArgs) -> list[str]:
         + (f"; fits up to gpu_memory_utilization {diag.max_stock_util:.2f}" if diag.max_stock_util is not None else "; no utilization fits"),
         f"plugin      budget {format_bytes(d.budget_bytes)}, worst step {format_bytes(diag.plugin.peak_bytes)} in {diag.plugin.launches} launches: "
         f"{'fits' if diag.plugin.fits else 'FAILS'}; KV cache {format_bytes(diag.plugin_kv_bytes)} = {diag.plugin_kv_tokens:,} tokens "
-        f"({format_bytes(diag.reserved_bytes)} held back from it: {kv_tokens_of(diag, diag.reserved_bytes):,} tokens)",
+        f"({format_bytes(diag.reserved_bytes)} held back from it: {diag.reserved_kv_tokens:,} tokens)",
         "",
     ]
     line, fixes = verdict(diag, serve)
