@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from mla_planner.cli import deployment as dep
+from mla_planner.cli import doctor
 from mla_planner.cli import serve_line
 from mla_planner.cli.steps import Step
 from mla_planner.vllm_backend.settings import DEFAULT_SCRATCH_MB, MAX_SCRATCH_MB
@@ -111,6 +112,23 @@ def test_cli_e2e_line_json() -> None:
     assert doc["stock"]["max_gpu_memory_utilization"] == 0.90
     assert doc["fixes"] == ["add: --attention-backend CUSTOM (pip install mla-planner)", "or lower --gpu-memory-utilization to 0.90"]
     assert set(doc["sources"]) >= {"gpu_total", "weights", "activation", "non_torch", "step_reserve"}
+
+
+def test_cli_names_the_release_it_models_and_the_one_installed() -> None:
+    doc = doctor_json("--builtin-parser", *E2E_LINE)
+    assert doc["release"] == {"modelled": "0.26.0", "installed": dep.installed_vllm()}
+    out = cli("doctor", "--builtin-parser", *E2E_LINE).stdout
+    assert f"release     {doctor.release_line(dep.installed_vllm())}\n" in out
+
+
+@pytest.mark.parametrize("installed, says", [
+    (None, "models vLLM 0.26.0"),
+    ("0.26.0", "models vLLM 0.26.0 (installed here)"),
+    ("0.33.0", "models vLLM 0.26.0; vLLM 0.33.0 is installed here, whose stock engine and KV cache differ"),
+])  # fmt: skip
+def test_release_line_says_where_the_installed_vllm_is_another(installed: str | None, says: str) -> None:
+    assert doctor.release_line(installed).startswith(says)
+    assert ("Other vLLM releases" in doctor.release_line(installed)) == (installed == "0.33.0")
 
 
 def test_cli_text_and_quoted_line() -> None:

@@ -38,7 +38,18 @@ from .steps import Step
 from .units import GIB
 
 MIB = 1 << 20
-PROFILED_KERNELS = "vllm 0.26.0"  # the kernels whose packaged cost profile routes the plugin's steps here
+MODELLED_VLLM = "0.26.0"  # the release whose defaults, memory and plugin this module models
+PROFILED_KERNELS = f"vllm {MODELLED_VLLM}"  # the kernels whose packaged cost profile routes the plugin's steps here
+
+
+def installed_vllm() -> str | None:
+    """The vLLM release installed here, if any (read from its metadata: nothing is imported)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 # --- GPUs ---------------------------------------------------------------------

@@ -91,10 +91,11 @@ def run(args: argparse.Namespace) -> int:
             f"{format_bytes(d.activation)} + non-PyTorch {format_bytes(deployment.NON_TORCH_BYTES)} exceed "
             f"{serve.gpu_memory_utilization} x {format_bytes(d.gpu.total_bytes)}: raise --tp or pass --weights if the estimate is off"
         )
+    installed = deployment.installed_vllm()
     if args.json:
-        print(json.dumps(to_json(diag, serve), indent=2))
+        print(json.dumps(to_json(diag, serve, installed), indent=2))
     else:
-        print("\n".join(to_text(diag, serve)))
+        print("\n".join(to_text(diag, serve, installed)))
     return 0
 
 
@@ -149,11 +150,23 @@ def _verdict_json(v: StepVerdict) -> dict[str, Any]:
     return {"peak_bytes": v.peak_bytes, "launches": v.launches, "limit": v.limit, "fits": v.fits}
 
 
-def to_json(diag: Diagnosis, serve: serve_line.ServeArgs) -> dict[str, Any]:
+def release_line(installed: str | None) -> str:
+    """The release whose figures these are and, where another is installed here, that it differs."""
+    line = f"models vLLM {deployment.MODELLED_VLLM}"
+    if installed is None:
+        return line
+    if installed.split(".")[:2] == deployment.MODELLED_VLLM.split(".")[:2]:
+        return f"{line} (installed here)"
+    return (f"{line}; vLLM {installed} is installed here, whose stock engine and KV cache differ "
+            f"(docs/cli.md, \"Other vLLM releases\")")
+
+
+def to_json(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None) -> dict[str, Any]:
     d = diag.deployment
     line, fixes = verdict(diag, serve)
     return {
         "schema": SCHEMA,
+        "release": {"modelled": deployment.MODELLED_VLLM, "installed": installed},
         "serve": {"parser": serve.parser, "model": serve.model, "env": serve.env},
         "deployment": {
             "model": d.model.name, "num_heads": d.model.num_heads, "tp": d.tp, "heads_per_rank": d.heads_per_rank,
@@ -185,7 +198,7 @@ def _tag(source: str) -> str:
     return "measured" if source.startswith("measured") else "assumed" if source.startswith("assumed") else source
 
 
-def to_text(diag: Diagnosis, serve: serve_line.ServeArgs) -> list[str]:
+def to_text(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None) -> list[str]:
     d, a = diag.deployment, diag.assumptions
     reserve = deployment.step_reserve(d.tp)
     paths = diag.paths
@@ -199,6 +212,7 @@ def to_text(diag: Diagnosis, serve: serve_line.ServeArgs) -> list[str]:
         f"serve line  max_num_batched_tokens {d.max_num_batched_tokens:,}, gpu_memory_utilization {d.gpu_memory_utilization:.2f}, "
         f"max_model_len {d.max_model_len:,}, KV {'fp8' if d.kv_fp8 else 'bf16'} "
         f"({serve.parser} parser)",
+        f"release     {release_line(installed)}",
         "",
         f"worst step  {diag.worst_step.num_tokens:,} tokens; one call of them through each path (stock takes {taken}):",
         f"  mixed batch  {format_bytes(mixed['bytes'])}" + (" - past the int32 stride limit" if mixed["limit"] else ""),
