@@ -1,4 +1,4 @@
-"""Issue 6 end to end: stock FLASHMLA_SPARSE vs the planned backend, one engine per subprocess.
+"""End to end in-process: stock FLASHMLA_SPARSE vs the planned backend, one engine per subprocess.
 
     PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_e2e.py --group A --out /tmp/e2e   # 0.95: cases 1-5
     PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_e2e.py --group B --out /tmp/e2e   # 0.90: throughput, same function
@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import e2e_report
+import serve_proc
 from run_cases import ENV_DEFAULTS
 
 HERE = Path(__file__).resolve().parent
@@ -92,26 +92,20 @@ def command(run: Run, out: Path, args: argparse.Namespace) -> list[str]:
 
 
 def run_one(cmd: list[str], log: Path, timeout_s: float, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Runs ``cmd`` in its own process group, output to ``log``; kills the group at the timeout."""
+    """Runs ``cmd`` in its own process group (``serve_proc.spawn``: SIGTERM to it if this driver
+    dies, so no engine outlives it on the GPU), output to ``log``; kills the group at the timeout."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
     for key, value in ENV_DEFAULTS.items():
         env.setdefault(key, value)
     t0 = time.monotonic()
     with log.open("w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = serve_proc.spawn(cmd, f, env)
         timed_out = False
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                rc = proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                rc = proc.wait()
+            rc = serve_proc.kill_group(proc, grace_s=15)["rc"]
     return {"rc": rc, "timed_out": timed_out, "timeout_s": round(timeout_s), "wall_s": time.monotonic() - t0,
             "log": log.name}
 

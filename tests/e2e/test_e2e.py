@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import e2e_bundle as eb
 import e2e_report
 import run_cases
 import run_e2e
+import serve_proc
 
 HERE = Path(__file__).resolve().parent
 PLANNED_095 = ("planned-0.95-32k", "planned-0.95-64k")
@@ -515,6 +517,32 @@ def test_driver_deadline_and_timeout(tmp_path: Path) -> None:
     assert "not run (deadline): stock-0.90-32k, planned-0.90-32k" in md
     result = run_e2e.run_one([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "sleep.log", 1)
     assert result["timed_out"] and result["rc"] != 0 and result["wall_s"] < 30
+
+
+def test_no_run_outlives_a_killed_driver(tmp_path: Path) -> None:
+    """The device tool kills what a call leaves when it returns; a run_cases.py engine left holding
+    the GPU would spoil the next call on the same machine. SIGKILL to the driver: the kernel sends
+    the run's group SIGTERM (PR_SET_PDEATHSIG)."""
+    pid_file = tmp_path / "run.pid"
+    sleeper = [sys.executable, "-c",
+               f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(300)"]
+    driver = subprocess.Popen([sys.executable, "-c", f"import pathlib, sys; sys.path.insert(0, {str(HERE)!r}); import run_e2e; "
+                               f"run_e2e.run_one({sleeper!r}, pathlib.Path({str(tmp_path / 'run.log')!r}), 300)"])
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and driver.poll() is None, "the run did not start"
+            time.sleep(0.1)
+        pid = int(pid_file.read_text())
+        driver.kill()
+        driver.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while serve_proc.group_pids(pid):
+            assert time.monotonic() < deadline, f"the run outlived its driver: {serve_proc.group_pids(pid)}"
+            time.sleep(0.1)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
 
 
 def startup_ok(**extra: Any) -> dict[str, Any]:
