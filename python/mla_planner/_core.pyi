@@ -88,6 +88,10 @@ class StepConfig:
                              served_heads: int | None = None) -> int:
         """The most one launch of any plan of this route allocates within those limits, less its
         padded q and kernel output where the kernel runs ``served_heads`` (a workspace holds them)."""
+    def bounded_configs(self, allowance: int, shrink: int = 4) -> list[StepConfig]:
+        """The bounded path's configurations, one per rung: mixed batch, every launch's bytes
+        within ``allowance`` (what is reserved for one launch), each rung's launches a ``shrink``th
+        of the one before, down to one token. ``ValueError`` where not even one token fits."""
     @property
     def gather_workspace_rows(self) -> int: ...
     @property
@@ -217,6 +221,9 @@ class StepPlan:
     def bound(self) -> Bound: ...
     @property
     def peak_bytes(self) -> int: ...
+    def peak_beyond_workspace(self, decode_heads: int, served_heads: int | None = None) -> int:
+        """The largest launch's bytes beyond a workspace that holds the padded q and kernel output
+        of launches whose kernel runs ``served_heads`` heads: what of the peak a reservation holds."""
     @property
     def prefill_groups(self) -> PrefillGroups: ...
     @property

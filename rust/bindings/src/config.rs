@@ -258,6 +258,20 @@ impl StepConfig {
         bounds::largest_launch_bytes(&self.inner, limits(max_step_tokens, max_decode_query_len)?, served).py()
     }
 
+    /// The bounded path's configurations, one per rung: mixed batch, every launch's bytes within
+    /// `allowance` (the bytes reserved for one launch), each rung's launches a `shrink`th of the
+    /// one before, down to one token. `ValueError` where not even one token fits `allowance`.
+    #[pyo3(signature = (allowance, shrink=None))]
+    fn bounded_configs(
+        &self,
+        allowance: &Bound<'_, PyAny>,
+        shrink: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<StepConfig>> {
+        let shrink = count_or(shrink, "shrink", 4)?;
+        let configs = bounds::bounded_configs(&self.inner, count(allowance, "allowance")?, shrink).py()?;
+        Ok(configs.into_iter().map(|c| self.with_inner(c)).collect())
+    }
+
     /// The arguments that rebuild this configuration.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.inner;

@@ -1,6 +1,7 @@
 //! `plan_step`: a whole scheduler step under one `StepConfig`, and the
 //! `StepPlan` the executor runs launch by launch.
 
+use mla_planner::bounds;
 use mla_planner::step::{self, Kernel};
 use numpy::{PyArray1, PyArray2};
 use pyo3::exceptions::PyValueError;
@@ -257,6 +258,19 @@ impl StepPlan {
     #[getter]
     fn peak_bytes(&self) -> u64 {
         self.inner.peak_bytes
+    }
+
+    /// The largest launch's bytes beyond a caller's workspace that holds the padded q and kernel
+    /// output of launches whose kernel runs `served_heads` heads (`None`: no such workspace); what
+    /// of the peak the reservation holds. `decode_heads`: the configuration's `decode_heads`.
+    #[pyo3(signature = (decode_heads, served_heads=None))]
+    fn peak_beyond_workspace(
+        &self,
+        decode_heads: &Bound<'_, PyAny>,
+        served_heads: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let served = served_heads.map(heads).transpose()?;
+        Ok(bounds::peak_beyond_workspace(&self.inner, heads(decode_heads)?, served))
     }
 
     /// The prefills' attention paths, request indices from the step's first request.

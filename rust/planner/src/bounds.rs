@@ -4,12 +4,14 @@
 //! two limits of the engine: the most tokens of a step and the longest decode.
 
 use crate::config::{StepConfig, StepMode, ALLOCATOR_RESERVE_BYTES};
-use crate::error::{add, Result};
+use crate::error::{add, Bytes, PlanError, Result};
 use crate::geometry::decode_padded_heads;
 use crate::limits::max_tokens_per_launch;
 use crate::plan::prefill_launch_tokens;
 use crate::scratch::{decode_scratch, prefill_scratch, Breakdown};
-use crate::step::{decode_shape, mixed_config, prefill_in_place, prefill_shape, MAX_DECODE_QUERY_LEN};
+use crate::step::{
+    decode_shape, mixed_config, prefill_in_place, prefill_shape, Kernel, KernelLaunch, StepPlan, MAX_DECODE_QUERY_LEN,
+};
 
 /// The steps an engine may hand the planner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,12 +138,69 @@ pub fn largest_launch_bytes(cfg: &StepConfig, limits: EngineLimits, served_heads
     }
 }
 
+/// The most one launch of `plan` allocates beyond a caller's workspace that holds the padded q
+/// and kernel output of every launch whose kernel runs `served_heads` heads (vLLM 0.33's views;
+/// `None`: no such workspace): what of the plan's peak the reservation must hold, which
+/// [`largest_launch_bytes`] bounds. `decode_heads`: the heads the decode kernel runs
+/// ([`StepConfig::decode_heads`]).
+pub fn peak_beyond_workspace(plan: &StepPlan, decode_heads: u32, served_heads: Option<u32>) -> u64 {
+    plan.launches.iter().map(|l| l.bytes - served_bytes(l, plan, decode_heads, served_heads)).max().unwrap_or(0)
+}
+
+fn served_bytes(launch: &KernelLaunch, plan: &StepPlan, decode_heads: u32, served_heads: Option<u32>) -> u64 {
+    let heads = if launch.kernel == Kernel::SparseDecode { decode_heads } else { plan.prefill_heads };
+    if served_heads == Some(heads) {
+        launch.buffers.get("q_padded") + launch.buffers.get("out")
+    } else {
+        0
+    }
+}
+
+/// The configurations of the bounded path: where a step cannot run its plan, its layer calls run
+/// their tokens on the mixed-batch route (any subset of a step's tokens can take it, each token
+/// attending to its own top-k rows) in launches whose every byte -- padded q and output included
+/// -- fits `allowance`, the bytes reserved for one launch. The first rung's budget holds launches
+/// of up to `allowance` bytes (or `cfg`'s own budget, where that is smaller); each next rung's
+/// launches take at most a `shrink`th of the one before, down to the smallest budget a one-token
+/// launch needs, which is the last rung: what an allocation failure retries with.
+/// [`PlanError::BudgetTooSmall`] where not even one token fits `allowance`.
+pub fn bounded_configs(cfg: &StepConfig, allowance: u64, shrink: u64) -> Result<Vec<StepConfig>> {
+    cfg.validate()?;
+    if shrink < 2 {
+        return Err(PlanError::InvalidArgument { what: "shrink", rule: "at least 2", got: shrink.to_string() });
+    }
+    let mixed = cfg.with_mode(StepMode::MixedBatch);
+    let one_token = mixed_config(&mixed, u64::MAX).launch_scratch(1)?.total_bytes();
+    let minimum = add("the smallest budget", one_token, ALLOCATOR_RESERVE_BYTES)?;
+    let first = cfg.scratch_budget_bytes.min(add("the bounded budget", allowance, ALLOCATOR_RESERVE_BYTES)?);
+    if first < minimum {
+        return Err(PlanError::BudgetTooSmall {
+            budget: Bytes(allowance),
+            minimum: Bytes(one_token),
+            tokens: 1,
+            num_heads: cfg.num_heads,
+            arch: cfg.gpu.arch.name(),
+            detail: "the bounded path's launches must fit the reservation".into(),
+        });
+    }
+    let mut budgets = vec![first];
+    let mut launch = first - ALLOCATOR_RESERVE_BYTES;
+    while launch / shrink + ALLOCATOR_RESERVE_BYTES > minimum {
+        launch /= shrink;
+        budgets.push(launch + ALLOCATOR_RESERVE_BYTES);
+    }
+    if budgets.last() != Some(&minimum) {
+        budgets.push(minimum);
+    }
+    Ok(budgets.into_iter().map(|b| StepConfig { scratch_budget_bytes: b, ..mixed }).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::Execution;
     use crate::geometry::{Gpu, KvDtype};
-    use crate::step::{plan_step, Kernel, Step};
+    use crate::step::{plan_step, Step};
     use proptest::prelude::*;
 
     fn config(num_heads: u32, budget: u64, mode: StepMode, native: bool) -> StepConfig {
@@ -185,6 +244,23 @@ mod tests {
         assert!(min_scratch_budget(&separate, longer).unwrap() > 64 << 20);
     }
 
+    #[test]
+    fn bounded_rungs_shrink_to_one_token() {
+        let cfg = config(16, 1 << 30, StepMode::SeparatePrefillDecode, false);
+        let one_token = mixed_config(&cfg.with_mode(StepMode::MixedBatch), u64::MAX).launch_scratch(1).unwrap();
+        let minimum = one_token.total_bytes() + ALLOCATOR_RESERVE_BYTES;
+        let rungs = bounded_configs(&cfg, 600 << 20, 4).unwrap();
+        let budgets: Vec<u64> = rungs.iter().map(|c| c.scratch_budget_bytes).collect();
+        assert_eq!(budgets[0], (600 << 20) + ALLOCATOR_RESERVE_BYTES);
+        assert_eq!(*budgets.last().unwrap(), minimum);
+        assert!(budgets.windows(2).all(|w| w[1] < w[0]), "{budgets:?}");
+        assert!(rungs.iter().all(|c| c.mode() == StepMode::MixedBatch));
+        // The engine's own budget caps the first rung; an allowance below one token is refused.
+        assert_eq!(bounded_configs(&cfg, 4 << 30, 4).unwrap()[0].scratch_budget_bytes, 1 << 30);
+        assert!(matches!(bounded_configs(&cfg, one_token.total_bytes() - 1, 4), Err(PlanError::BudgetTooSmall { .. })));
+        assert_eq!(bounded_configs(&cfg, one_token.total_bytes(), 4).unwrap().len(), 1);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(3_000))]
 
@@ -225,6 +301,32 @@ mod tests {
             prop_assert!(fails, "every unit plans one byte below the smallest budget");
         }
 
+        /// Every launch of any bounded plan, at every rung, fits the allowance it was made for,
+        /// whatever the engine's routes and budget: the bounded path never takes more than the
+        /// reservation.
+        #[test]
+        fn every_bounded_launch_fits_the_allowance(
+            heads in prop_oneof![Just(16u32), Just(32), Just(64), Just(128)],
+            separate in any::<bool>(),
+            budget_mib in 40u64..2048,
+            allowance_mib in 20u64..2048,
+            tokens in 1u64..70_000,
+        ) {
+            let mode = if separate { StepMode::SeparatePrefillDecode } else { StepMode::MixedBatch };
+            let cfg = config(heads, budget_mib << 20, mode, false);
+            let Ok(rungs) = bounded_configs(&cfg, allowance_mib << 20, 4) else { return Ok(()) };
+            for rung in &rungs {
+                let q = [tokens];
+                let plan = plan_step(Step { query_lens: &q, context_lens: &[0], num_decodes: 0 }, rung).unwrap();
+                prop_assert_eq!(plan.launches.first().map(|l| l.tokens.start), Some(0));
+                prop_assert_eq!(plan.launches.last().map(|l| l.tokens.end), Some(tokens));
+                for l in &plan.launches {
+                    prop_assert!(l.kernel == Kernel::SparseDecode);
+                    prop_assert!(l.bytes <= allowance_mib << 20, "{} > {}", l.bytes, allowance_mib << 20);
+                }
+            }
+        }
+
         /// No launch of any plan within the limits allocates more beyond the workspace than
         /// `largest_launch_bytes` says: what the reservation must hold.
         #[test]
@@ -248,11 +350,10 @@ mod tests {
             let served_heads = workspace.then(|| probe.prefill_padded_heads());
             let largest = largest_launch_bytes(&probe, limits, served_heads).unwrap();
             let plan = plan_step(Step { query_lens: &q, context_lens: &c, num_decodes: d }, &probe).unwrap();
-            for l in &plan.launches {
-                let kernel_heads = if l.kernel == Kernel::SparseDecode { probe.decode_heads() } else { plan.prefill_heads };
-                let served = if served_heads == Some(kernel_heads) { l.buffers.get("q_padded") + l.buffers.get("out") } else { 0 };
-                prop_assert!(l.bytes - served <= largest, "{:?} of {} tokens: {} > {}", l.kernel, l.len(), l.bytes - served, largest);
-            }
+            let beyond = peak_beyond_workspace(&plan, probe.decode_heads(), served_heads);
+            prop_assert!(beyond <= largest, "{} > {}", beyond, largest);
+            let with_served = peak_beyond_workspace(&plan, probe.decode_heads(), None);
+            prop_assert_eq!(with_served, plan.peak_bytes);
         }
     }
 }
