@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -24,7 +25,9 @@ pytest.importorskip("vllm", reason="the backend tests need vLLM 0.26.0 (pip inst
 import mla_planner  # noqa: E402
 from mla_planner.executor.quant import quantize_fp8_ds_mla  # noqa: E402
 from mla_planner.cli.synthetic import random_kv_rows  # noqa: E402
-from mla_planner.vllm_backend import reservation, stock_steps, vllm_api  # noqa: E402
+from mla_planner.vllm_backend import fallback, vllm_api  # noqa: E402
+from mla_planner.vllm_backend.reservation import Reservation  # noqa: E402
+from mla_planner.vllm_backend.backend import PlannedFlashMLASparseMetadataBuilder  # noqa: E402
 from mla_planner.vllm_backend.settings import DEFAULT_SCRATCH_MB, SettingsError, read_settings  # noqa: E402
 from fixtures import gen  # noqa: E402, F401  (a pytest fixture)
 from vllm_cpu import (  # noqa: E402
@@ -281,9 +284,9 @@ def test_only_the_seam_names_what_differs_between_vllm_versions() -> None:
     import ast
     import inspect
 
-    from mla_planner.vllm_backend import backend, engine, log, masked_mha, plugin, settings, stock_steps, warmup
+    from mla_planner.vllm_backend import backend, engine, log, masked_mha, plugin, reservation, settings, stats, warmup
 
-    for module in (backend, engine, log, masked_mha, plugin, settings, reservation, stock_steps, warmup):
+    for module in (backend, engine, fallback, log, masked_mha, plugin, settings, reservation, stats, warmup):
         names = {node.attr if isinstance(node, ast.Attribute) else node.id
                  for node in ast.walk(ast.parse(inspect.getsource(module)))
                  if isinstance(node, (ast.Attribute, ast.Name))}
@@ -298,9 +301,9 @@ def test_only_the_seam_imports_vllm() -> None:
     import ast
     import inspect
 
-    from mla_planner.vllm_backend import backend, engine, log, masked_mha, reservation, settings, stock_steps, warmup
+    from mla_planner.vllm_backend import backend, engine, log, masked_mha, reservation, settings, stats, warmup
 
-    for module in (backend, engine, log, masked_mha, settings, reservation, stock_steps, warmup):
+    for module in (backend, engine, fallback, log, masked_mha, settings, reservation, stats, warmup):
         tree = ast.parse(inspect.getsource(module))
         imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
@@ -332,51 +335,50 @@ def test_seam_follows_the_installed_vllm(tmp_path: pathlib.Path) -> None:
 # -- reservation --------------------------------------------------------------------------------
 
 
-def test_reservation_is_once_per_engine_and_released_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every layer of an engine asks; the first allocates. An engine built in the same process after
-    the first one served (its reservation released) gets its own, and waits for its own KV cache."""
-    monkeypatch.setattr(reservation, "_held", None)
-    monkeypatch.setattr(reservation, "_reserved_bytes", 0)
-    monkeypatch.setattr(reservation, "_kv_cache_sized", False)
+def test_reservation_is_once_per_engine_and_released_once() -> None:
+    """Every layer of an engine asks; the first allocates, once for the engine's life."""
+    reservation = Reservation()
     assert reservation.reserve(1 << 20, torch.device("cpu"))
     assert not reservation.reserve(1 << 20, torch.device("cpu")), "a second layer must not reserve again"
-    assert reservation.reserved_bytes() == 1 << 20
-    assert reservation._held is not None and reservation._held.numel() == 1 << 20
+    assert reservation.reserved_bytes == 1 << 20
+    assert reservation.held() and reservation._held is not None and reservation._held.numel() == 1 << 20
     reservation.note_kv_cache_sized()
     assert reservation.release()
     assert not reservation.release()
-    assert reservation._held is None
-    assert reservation.reserve(2 << 20, torch.device("cpu")), "the next engine's first layer"
-    assert reservation.reserved_bytes() == 2 << 20 and reservation._held is not None
-    assert not reservation._kv_cache_sized, "the next engine's KV cache is not sized yet"
+    assert not reservation.held()
+    assert not reservation.reserve(2 << 20, torch.device("cpu")), "an engine that served reserves no more"
+    assert reservation.reserved_bytes == 1 << 20
 
 
 def test_the_released_reservation_goes_back_to_the_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     """A freed block serves only its own stream, and vLLM serves on another than the one the model
     is built on: released, the reservation's bytes are given back to the driver (the cache
     emptied once they are free), for the launches' stream to allocate."""
+    reservation = Reservation()
     emptied: list[bool] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(reservation._held is None))
-    monkeypatch.setattr(reservation, "_held", SimpleNamespace(is_cuda=True))
+    reservation._held = SimpleNamespace(is_cuda=True)  # type: ignore[assignment]
     assert reservation.release() and emptied == [True]
     assert not reservation.release() and emptied == [True]
-    monkeypatch.setattr(reservation, "_held", torch.empty(1 << 20, dtype=torch.uint8))
+    reservation._held = torch.empty(1 << 20, dtype=torch.uint8)
     assert reservation.release() and emptied == [True], "nothing to give back off CUDA"
 
     def refused() -> None:  # as vLLM's VLLM_GPU_SYNC_CHECK=error refuses a synchronisation
         raise RuntimeError("GPU synchronization detected")
 
     monkeypatch.setattr(torch.cuda, "empty_cache", refused)
-    monkeypatch.setattr(reservation, "_held", SimpleNamespace(is_cuda=True))
+    reservation._held = SimpleNamespace(is_cuda=True)  # type: ignore[assignment]
     assert reservation.release() and reservation._held is None, "the hand-over never raises"
 
 
-def hold_reservation(monkeypatch: pytest.MonkeyPatch) -> int:
-    """A 1 MiB reservation held, as the engine's first layer leaves it; returns its address."""
-    held = torch.empty(1 << 20, dtype=torch.uint8)
-    monkeypatch.setattr(reservation, "_held", held)
-    monkeypatch.setattr(reservation, "_reserved_bytes", 1 << 20)
-    monkeypatch.setattr(reservation, "_address", held.data_ptr())
+def hold_reservation(backend: Backend) -> int:
+    """A 1 MiB reservation held by the backend's engine, as its first layer leaves it; returns its
+    address."""
+    assert backend.impl.engine is not None
+    reservation = backend.impl.engine.state.reservation
+    reservation._held = held = torch.empty(1 << 20, dtype=torch.uint8)
+    reservation.reserved_bytes = 1 << 20
+    reservation.address = held.data_ptr()
     return held.data_ptr()
 
 
@@ -439,8 +441,9 @@ def test_the_hand_over_says_whether_the_reservation_was_made_on_another_stream(
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.delitem(sys.modules, "vllm.device_allocator.cumem", raising=False)
     for made_on, said, sleep_mode in ((1, True, False), (2, False, False), (2, False, True)):
-        address = hold_reservation(monkeypatch)
-        monkeypatch.setattr(reservation, "_stream", made_on)
+        address = hold_reservation(mixed)
+        assert mixed.impl.engine is not None
+        mixed.impl.engine.state.reservation._stream = made_on
         if sleep_mode:
             unmapped = sleep_mode_allocator(monkeypatch, {"weights": (FakePool((address, 1 << 20, 0)), None)})
         case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
@@ -460,7 +463,7 @@ def test_a_failed_unmap_from_the_sleep_mode_pool_is_said_and_the_step_runs_its_p
     """vLLM's unmap raising (a CUDA error) at the hand-over: a warning, the hand-over's line, and the
     layer call runs its plan, never raising."""
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    address = hold_reservation(monkeypatch)
+    address = hold_reservation(mixed)
     sleep_mode_allocator(monkeypatch, {"weights": (FakePool((address, 1 << 20, 0)), None)})
 
     def failing_unmap(handle: Any) -> None:
@@ -474,7 +477,8 @@ def test_a_failed_unmap_from_the_sleep_mode_pool_is_said_and_the_step_runs_its_p
         out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md))
     assert any("unmapping the scratch reservation" in line and "illegal memory access" in line for line in lines), lines
     assert any("handed to the kernels" in line and "sleep-mode" not in line for line in lines), lines
-    assert reservation._held is None and not any("vLLM's own code" in line for line in lines), lines
+    assert mixed.impl.engine is not None and not mixed.impl.engine.state.reservation.held()
+    assert not any("bounded path" in line for line in lines), lines
     torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
 
 
@@ -487,12 +491,13 @@ class Backend:
     def __init__(self, tmp: pathlib.Path, monkeypatch: pytest.MonkeyPatch, *, num_heads: int,
                  cost_profile: pathlib.Path | None = None, dense_prefill: bool = False, scratch_mb: int = 0,
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
-                 reshape_config: Callable[[Any], None] | None = None, block_size: int = 64) -> None:
+                 reshape_config: Callable[[Any], None] | None = None, block_size: int = 64,
+                 real_reservation: bool = False) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
         from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
 
-        from mla_planner.vllm_backend.backend import PlannedFlashMLASparseImpl, PlannedFlashMLASparseMetadataBuilder
+        from mla_planner.vllm_backend.backend import PlannedFlashMLASparseImpl
 
         monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", str(scratch_mb or SCRATCH_MB))
         # No profile unless the test gives one: the packaged H200 profile must not leak in (it
@@ -500,12 +505,12 @@ class Backend:
         monkeypatch.setenv("MLA_PLANNER_COST_PROFILE", str(cost_profile or "none"))
         self.reserved: list[int] = []  # what the impl asks the reservation to hold, per call
 
-        def reserve(num_bytes: int, device: torch.device) -> bool:
+        def reserve(_: Reservation, num_bytes: int, device: torch.device) -> bool:
             self.reserved.append(num_bytes)
-            return False  # nothing held: the tests run in one process
+            return False  # nothing held: a test holds what it needs (hold_reservation)
 
-        monkeypatch.setattr(reservation, "reserve", reserve)
-        monkeypatch.setattr(reservation, "_kv_cache_sized", False)
+        if not real_reservation:
+            monkeypatch.setattr(Reservation, "reserve", reserve)
         self.num_heads = num_heads
         self.provider = RecordingProvider()
         self.kernels = KernelRecorder()
@@ -522,8 +527,9 @@ class Backend:
         if not is_workspace_manager_initialized():
             init_workspace_manager(torch.device("cpu"))
         self.topk_buffer = torch.empty((2048, TOPK), dtype=torch.int32)
+        self.spec = spec
         with set_current_vllm_config(self.config):
-            self.builder = PlannedFlashMLASparseMetadataBuilder(spec, ["layers.0.attn"], self.config, torch.device("cpu"))
+            self.builder = self.new_builder()
             self.impl = PlannedFlashMLASparseImpl(
                 num_heads, 576, 576**-0.5, 1, None, None, "fp8_ds_mla", None, "decoder", None,
                 q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192,
@@ -532,6 +538,10 @@ class Backend:
 
     def close(self) -> None:
         self._cpu.__exit__(None, None, None)
+
+    def new_builder(self) -> PlannedFlashMLASparseMetadataBuilder:
+        """A metadata builder of this engine, as vLLM makes one per KV cache it builds."""
+        return PlannedFlashMLASparseMetadataBuilder(self.spec, ["layers.0.attn"], self.config, torch.device("cpu"))
 
     def fp8_forward(self, md: Any) -> Callable[..., Any]:
         """The impl's FP8 forward on the route a step's metadata names, as vLLM's layer picks it."""
@@ -722,13 +732,39 @@ def test_every_fp8_step_is_logged_for_the_step_log(mixed: Backend, gen: torch.Ge
         (3, 3, 0, step_log.DECODE_ONLY), (sum(QUERY_LENS), 3, 2, "planned: mixed_batch")], lines
 
 
+def test_the_builder_counts_every_step_and_says_the_summary_at_vllms_interval(mixed: Backend,
+                                                                               gen: torch.Generator) -> None:
+    """Planned steps (split or not, with their launches) and steps on vLLM's one call are counted
+    as the builder makes them; the summary line comes at vLLM's stats interval, from the build."""
+    assert mixed.impl.engine is not None
+    stats = mixed.impl.engine.state.stats
+    assert stats.interval_s == vllm_api.stats_interval_s() > 0
+    assert stats.reserved_bytes == mixed.impl.engine.reserved_bytes
+    clock = [0.0]
+    stats.clock = lambda: clock[0]
+    with debug_lines() as lines:
+        run_step(mixed, [1, 1, 1], [40, 9, 300], gen)
+        md = run_step(mixed, QUERY_LENS, CONTEXT_LENS, gen)
+        clock[0] += stats.interval_s
+        run_step(mixed, [1, 1], [5, 6], gen)
+    plan = md.planned.plan
+    assert (stats.planned, stats.split, stats.launches, stats.stock_calls) == (1, int(len(plan) > 1), len(plan), 2)
+    assert stats.largest_launch_bytes == md.planned.reserved_peak <= mixed.impl.engine.stock_call_allowance
+    assert md.planned.reserved_peak == plan.peak_beyond_workspace(64, mixed.impl.engine.workspace_heads)
+    assert (md.planned.reserved_peak < plan.peak_bytes) == vllm_api.STOCK_WORKSPACE, "0.33's workspace holds q and out"
+    summaries = [line for line in lines if "since start-up" in line]
+    assert len(summaries) == 1 and f"1 steps planned ({stats.split} split, {len(plan)} launches), 2 on vLLM's call" \
+        in summaries[0], lines
+
+
 def test_the_reservation_is_handed_over_only_once_vllm_serves(mixed: Backend, gen: torch.Generator,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's CUDA-graph memory profiling runs forwards, planned ones too, against a minimal KV cache
     before it sizes the real one: bytes freed there lower its estimate and the KV cache takes
     them. The reservation is handed over at the first forward over a larger cache, once."""
-    hold_reservation(monkeypatch)
+    hold_reservation(mixed)
     assert mixed.impl.engine is not None
+    reservation = mixed.impl.engine.state.reservation
     profiling_blocks = mixed.impl.engine.profiling_kv_blocks
     assert profiling_blocks == min(16, mixed.config.compilation_config.max_cudagraph_capture_size or 0) or 1
     case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
@@ -737,44 +773,68 @@ def test_the_reservation_is_handed_over_only_once_vllm_serves(mixed: Backend, ge
     mixed.topk_buffer[: q.shape[0]] = case["positions"]
     minimal = torch.zeros((profiling_blocks, 64, 656), dtype=torch.uint8)
     mixed.impl._forward_fp8_kv_mixed_batch(q, minimal, mixed.topk_buffer[: q.shape[0]], md)
-    assert reservation._held is not None, "a forward over the profiling cache must not hand it over"
+    assert reservation.held(), "a forward over the profiling cache must not hand it over"
     mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md)
-    assert case["kv_cache"].shape[0] > profiling_blocks and reservation._held is None
+    assert case["kv_cache"].shape[0] > profiling_blocks and not reservation.held()
 
 
 def test_the_reservation_is_handed_over_on_a_sized_cache_no_larger_than_the_profiling_one(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator) -> None:
+        mixed: Backend, gen: torch.Generator) -> None:
     """With ``--num-gpu-blocks-override`` at or below the profiling cache's blocks, both caches have
     the same blocks: once vLLM has made the builders of the cache it sized (it sets
     ``num_gpu_blocks`` first), a forward over that cache hands the reservation over."""
-    hold_reservation(monkeypatch)
+    hold_reservation(mixed)
+    assert mixed.impl.engine is not None
+    reservation = mixed.impl.engine.state.reservation
 
-    def forward_over_the_profiling_blocks(backend: Backend) -> None:
-        assert backend.impl.engine is not None
-        blocks = backend.impl.engine.profiling_kv_blocks
-        case = backend.step(QUERY_LENS, CONTEXT_LENS, gen)
+    def forward_over_the_profiling_blocks() -> None:
+        assert mixed.impl.engine is not None
+        blocks = mixed.impl.engine.profiling_kv_blocks
+        case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
         md, q = case["metadata"], case["q"]
         assert md.planned is not None
-        backend.topk_buffer[: q.shape[0]] = case["positions"]
+        mixed.topk_buffer[: q.shape[0]] = case["positions"]
         same_blocks = torch.zeros((blocks, 64, 656), dtype=torch.uint8)
-        backend.impl._forward_fp8_kv_mixed_batch(q, same_blocks, backend.topk_buffer[: q.shape[0]], md)
+        mixed.impl._forward_fp8_kv_mixed_batch(q, same_blocks, mixed.topk_buffer[: q.shape[0]], md)
 
-    profiling = Backend(tmp_path, monkeypatch, num_heads=16)  # made before vLLM sets num_gpu_blocks
+    forward_over_the_profiling_blocks()  # the builder was made before vLLM set num_gpu_blocks
+    assert reservation.held(), "no builder of a sized cache yet: this may be the profiling cache"
+    mixed.config.cache_config.num_gpu_blocks = vllm_api.profiling_kv_blocks(mixed.config)
+    mixed.builder = mixed.new_builder()  # vLLM's builder for the cache it sized, of as many blocks
+    forward_over_the_profiling_blocks()
+    assert not reservation.held()
+
+
+def test_each_engine_in_a_process_reserves_hands_over_and_warms_up_its_own(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator) -> None:
+    """Two engines side by side (two ``LLM`` objects, an RL trainer's colocated engines), and one
+    made after another served: each reserves at its construction, hands over at its own first
+    serving forward, and warms up once; the MTP draft's copy of an engine's configuration is that
+    engine."""
+    from vllm.config.utils import replace
+
+    from mla_planner.vllm_backend import engine
+
+    first, second = (Backend(tmp_path, monkeypatch, num_heads=16, real_reservation=True) for _ in range(2))
     try:
-        forward_over_the_profiling_blocks(profiling)
+        states = [b.impl.engine.state for b in (first, second) if b.impl.engine is not None]
+        assert len(states) == 2 and states[0] is not states[1]
+        assert all(s.reservation.held() and s.reservation.reserved_bytes > 0 for s in states)
+        draft = replace(first.config, attention_config=replace(first.config.attention_config, backend=None))
+        assert draft is not first.config and engine.state_of(draft) is states[0]
+        run_step(first, QUERY_LENS, CONTEXT_LENS, gen)
+        assert not states[0].reservation.held() and not states[0].warm_up.pending
+        assert states[1].reservation.held() and states[1].warm_up.pending, "the first engine served, not the second"
+        run_step(second, QUERY_LENS, CONTEXT_LENS, gen)
+        assert not states[1].reservation.held() and not states[1].warm_up.pending
     finally:
-        profiling.close()
-    assert reservation._held is not None, "no builder of a sized cache yet: this may be the profiling cache"
-
-    def sized(config: Any) -> None:  # as many blocks as the profiling cache
-        config.cache_config.num_gpu_blocks = vllm_api.profiling_kv_blocks(config)
-
-    served = Backend(tmp_path, monkeypatch, num_heads=16, reshape_config=sized)
+        first.close()
+        second.close()
+    later = Backend(tmp_path, monkeypatch, num_heads=16, real_reservation=True)
     try:
-        forward_over_the_profiling_blocks(served)
+        assert later.impl.engine is not None and later.impl.engine.state.reservation.held()
     finally:
-        served.close()
-    assert reservation._held is None
+        later.close()
 
 
 def test_decode_only_steps_of_several_tokens_each_are_planned(mixed: Backend, gen: torch.Generator) -> None:
@@ -818,7 +878,7 @@ def test_a_planned_first_layer_fills_its_index_groups_topk_for_the_later_layers(
     """In a model whose layers share one indexer's result (0.33's index groups), vLLM's decode path
     of a later layer reads the slots the group's first layer converted into the group's buffer.
     The first layer running a decode-only step's plan fills that buffer as stock's does; a later
-    layer whose planned launches fail then runs vLLM's forward on this step's slots."""
+    layer whose planned launches fail runs the bounded path, translating its own slots."""
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
     backend: Backend = request.getfixturevalue(route)
@@ -849,13 +909,20 @@ def test_a_planned_first_layer_fills_its_index_groups_topk_for_the_later_layers(
         assert torch.equal(group.physical_topk_indices[row, : counts[row]].sort().values,
                            slots[row][slots[row] >= 0].sort().values)
 
-    def fail(*args: Any) -> Any:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    name = "_run_mixed" if route == "mixed" else "_run_separate"
+    run = getattr(impl, name)
+    failed: list[int] = []
+
+    def fail_once(*args: Any) -> Any:
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return run(*args)
 
     impl.index_group_index = 1  # a later layer of the group, whose planned launches fail
-    monkeypatch.setattr(impl, "_run_mixed" if route == "mixed" else "_run_separate", fail)
+    monkeypatch.setattr(impl, name, fail_once)
     out = forward_out(forward(q, case["kv_cache"], backend.topk_buffer[:n], md))
-    assert len(backend.kernels.decode_calls) == 1, "vLLM's own decode call runs the layer"
+    assert failed and backend.kernels.decode_calls == [], "the bounded path, not vLLM's whole-step call, runs the layer"
     torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)
 
 
@@ -1000,23 +1067,21 @@ def test_a_launch_over_the_stock_allowance_runs_the_planned_launches(mixed: Back
     assert [tuple(x.shape) for x in mixed.provider.launch_q] == [(1, 102, 64, 576)] and mixed.kernels.decode_calls == []
 
 
-def test_tokens_the_plan_does_not_cover_run_vllms_own_code(chat: Backend, gen: torch.Generator,
-                                                           caplog: pytest.LogCaptureFixture) -> None:
-    """A layer call whose sparse tokens are not its plan's raises nothing: vLLM's own code runs
-    it, the reason is counted, and a debug line says so for the step log."""
-    from mla_planner.vllm_backend import stock_steps
-
+def test_tokens_the_plan_does_not_cover_take_the_bounded_path(chat: Backend, gen: torch.Generator,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A layer call whose sparse tokens are not its plan's raises nothing: it takes the bounded
+    path -- here vLLM's own call, the one bounded launch for its three tokens --, the reason is
+    counted, and a debug line says so for the step log."""
     case = chat.step([1, 1, 1, TOPK + 1], CHAT_CONTEXT_LENS, gen)  # every token sparse: 132
     chat.topk_buffer[:3] = case["positions"][:3]
-    before = sum(stock_steps.counts.values())
     with caplog.at_level(logging.DEBUG, logger="vllm.mla_planner"):
         out = forward_out(chat.impl._forward_fp8_kv_mixed_batch(case["q"][:3], case["kv_cache"], chat.topk_buffer[:3],
                                                                 case["metadata"]))
     torch.testing.assert_close(out, case["expected"][:3], rtol=1e-5, atol=1e-5)
     assert chat.kernels.decode_calls == [(1, 3, 64, 576)] and chat.provider.launch_q == []
-    assert sum(stock_steps.counts.values()) == before + 1
-    assert "mla-planner layer: vLLM's own code (vLLM handed the sparse kernels other tokens than the plan's)" in [
-        r.getMessage() for r in caplog.records]
+    reason = "vLLM handed the layer call other tokens than its plan's"
+    assert chat.impl.engine is not None and chat.impl.engine.state.stats.fallbacks == {reason: 1}
+    assert f"mla-planner layer: bounded path ({reason})" in [r.getMessage() for r in caplog.records]
 
 
 def test_separate_decodes_next_to_a_dense_prefill_run_stocks_call(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
@@ -1087,7 +1152,8 @@ def test_blocks_of_several_pages_run_planned(tmp_path: pathlib.Path, monkeypatch
         assert md.block_size == block_size and md.planned is not None
         backend.topk_buffer[: q.shape[0]] = case["positions"]
         topk = backend.topk_buffer[: q.shape[0]]
-        before = dict(stock_steps.counts)
+        assert backend.impl.engine is not None
+        stats = backend.impl.engine.state.stats
         if num_heads == 16:
             assert md.planned.plan.mode == "mixed_batch"
             out = forward_out(backend.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], topk, md))
@@ -1095,7 +1161,7 @@ def test_blocks_of_several_pages_run_planned(tmp_path: pathlib.Path, monkeypatch
             assert md.planned.plan.mode == "separate_prefill_decode"
             out = forward_out(backend.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], topk, md))
             assert backend.provider.gathers == len(md.planned.plan.gather_chunks) > 0
-        assert stock_steps.counts == before, "a step was left to vLLM's code"
+        assert not stats.fallbacks, "a step fell back"
         torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
     finally:
         backend.close()
@@ -1152,41 +1218,149 @@ def test_cost_profile_puts_a_16_head_prefill_on_the_separate_route(routed: Backe
 FAILURES = [RuntimeError, mla_planner.PanicException]
 
 
-@pytest.mark.parametrize("error", FAILURES)
-def test_a_layer_call_that_cannot_run_its_plan_runs_vllms_code_on_vllms_route(
-        routed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]) -> None:
-    """An error while a layer call runs its plan raises nothing: vLLM's own code runs the call on
-    the route vLLM's rule took (mixed batch at 16 heads), not on the route the builder rebuilt the
-    step for; the reason is counted, and the step keeps its plan for the other layers."""
-    from mla_planner.vllm_backend import stock_steps
+def fallbacks(backend: Backend) -> int:
+    """Steps of the backend's engine that fell back to the bounded path."""
+    assert backend.impl.engine is not None
+    return sum(backend.impl.engine.state.stats.fallbacks.values())
 
-    case = routed.step(QUERY_LENS, CONTEXT_LENS, gen)
+
+def bounded_launches(backend: Backend, tokens: int, rung: int = 0) -> list[tuple[int, ...]]:
+    """The q shapes of the bounded path's launches of ``tokens`` tokens at ``rung``; each
+    launch's bytes checked to be within the engine's allowance."""
+    setup = backend.impl.engine
+    assert setup is not None
+    plan = mla_planner.plan_step([tokens], [0], 0, setup.bounded_configs[rung])
+    assert all(launch.bytes <= setup.stock_call_allowance for launch in plan)
+    return [(1, launch.tokens.stop - launch.tokens.start, 64, 576) for launch in plan]
+
+
+def layer_calls(backend: Backend, case: dict[str, Any], layers: int = 2, rtol: float = 1e-4) -> None:
+    """The step's FP8 forward on each of ``layers`` layers, each checked against the reference."""
     md, q = case["metadata"], case["q"]
+    n = q.shape[0]
+    backend.topk_buffer[:n] = case["positions"]
+    for _ in range(layers):
+        out = forward_out(backend.fp8_forward(md)(q, case["kv_cache"], backend.topk_buffer[:n], md))
+        torch.testing.assert_close(out, case["expected"], rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("error", [*FAILURES, torch.OutOfMemoryError])
+def test_a_layer_call_that_cannot_run_its_plan_falls_back_within_the_reservation(
+        routed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]) -> None:
+    """An error while a layer call runs its plan raises nothing: the call runs the bounded path,
+    mixed-batch launches each within the reservation's allowance, and so do the step's later
+    layers, without trying the plan again; the step is counted once, by reason. vLLM's own call
+    over the whole step never runs."""
+    case = routed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    md = case["metadata"]
     assert not md.fp8_use_mixed_batch and md.planned.vllm_route is not None and md.planned.vllm_route[0]
+    tried: list[int] = []
 
     def fail(*args: Any, **kwargs: Any) -> None:
+        tried.append(1)
         raise error("a launch failed")
 
     monkeypatch.setattr(routed.impl.separate, "run", fail)
-    reason = f"the layer call could not run its plan ({error.__name__})"
-    before = stock_steps.counts[reason]
+    layer_calls(routed, case)
+    assert tried == [1], "the step decided once: its second layer went straight to the bounded path"
+    bounded = bounded_launches(routed, sum(QUERY_LENS))
+    assert len(bounded) > 1 and [tuple(x.shape) for x in routed.provider.launch_q] == bounded * 2
+    assert routed.kernels.decode_calls == [] and routed.kernels.prefill_calls == [], "vLLM's whole-step call never ran"
+    reason = ("an allocation failed in a planned launch" if error is torch.OutOfMemoryError
+              else f"the layer call could not run its plan ({error.__name__})")
+    assert routed.impl.engine is not None and routed.impl.engine.state.stats.fallbacks == {reason: 1}
+    assert not md.fp8_use_mixed_batch and md.planned.bounded is not None, "the step's metadata is left as planned"
+
+
+def test_an_allocation_failure_in_a_split_steps_second_launch_frees_the_first_then_falls_back(
+        mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planned launches' buffers -- what the failed launch and the exception's frames held --
+    are gone before the bounded path's first launch allocates."""
+    import weakref
+
+    case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    assert len(case["metadata"].planned.launches) > 1
+    decode = mixed.provider.sparse_decode
+    launches: list[int] = []
+    held: list[weakref.ref[torch.Tensor]] = []
+
+    def second_fails(q: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        launches.append(q.shape[1])
+        if len(launches) == 2:
+            scratch = torch.empty(1 << 16)  # what the kernel had allocated when it failed
+            held.append(weakref.ref(scratch))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        if len(launches) > 2:
+            assert held and held[0]() is None, "the failed launch's buffers outlived it"
+        return decode(q, *args, **kwargs)
+
+    monkeypatch.setattr(mixed.provider, "sparse_decode", second_fails)
+    layer_calls(mixed, case)
+    bounded = [shape[1] for shape in bounded_launches(mixed, sum(QUERY_LENS))]
+    assert launches[2:] == bounded * 2
+
+
+def test_an_allocation_failure_on_the_bounded_path_takes_smaller_launches(
+        mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where memory is short even for the bounded launches, each retry's launches take a quarter of
+    the bytes; the step's later layers start at the rung that ran."""
+    case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    decode = mixed.provider.sparse_decode
+    lengths: list[int] = []
+
+    def only_short(q: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        lengths.append(q.shape[1])
+        if q.shape[1] > 40:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return decode(q, *args, **kwargs)
+
+    monkeypatch.setattr(mixed.provider, "sparse_decode", only_short)
+    layer_calls(mixed, case)
+    assert mixed.impl.engine is not None
+    rungs = mixed.impl.engine.bounded_configs
+    ran = next(r for r in range(len(rungs)) if max(s[1] for s in bounded_launches(mixed, sum(QUERY_LENS), r)) <= 40)
+    assert ran >= 1, "the first rung's launches fit the test's memory: nothing to retry"
+    second_layer = [s[1] for s in bounded_launches(mixed, sum(QUERY_LENS), ran)]
+    assert lengths[-len(second_layer):] == second_layer
+    assert sum(1 for n in lengths if n > 40) == ran + 1, "one failed launch per rung above, the plan's included"
+
+
+def test_a_failure_no_bounded_path_avoids_reaches_vllm_in_one_line(
+        mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not even one-token launches allocate: an OutOfMemoryError naming the call's tokens and the
+    bytes asked. Another error on the bounded path too: a RuntimeError saying so. Both counted."""
+    case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    md, q = case["metadata"], case["q"]
     n = q.shape[0]
-    routed.topk_buffer[:n] = case["positions"]
-    out = forward_out(routed.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], routed.topk_buffer[:n],
-                                                                          md))
-    torch.testing.assert_close(out, case["expected"], rtol=1e-4, atol=1e-4)
-    assert routed.kernels.decode_calls == [(1, n, 64, 576)] and routed.kernels.prefill_calls == [], \
-        "stock's one mixed-batch call over every token"
-    assert stock_steps.counts[reason] == before + 1
-    assert not md.fp8_use_mixed_batch and md.planned is not None, "the step's metadata is left as planned"
+    mixed.topk_buffer[:n] = case["positions"]
+
+    def no_memory(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(mixed.provider, "sparse_decode", no_memory)
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:n], md)
+    message = str(raised.value)
+    assert "\n" not in message and f"a layer call of {n:,} tokens" in message and "bytes asked" in message
+    assert "launches of 1 tokens" in message and "an allocation failed in a planned launch" in message
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("an illegal shape")
+
+    case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    monkeypatch.setattr(mixed.provider, "sparse_decode", broken)
+    with pytest.raises(RuntimeError, match=f"a layer call of {n:,} tokens failed on the bounded path too"):
+        mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[:n], case["metadata"])
+    assert mixed.impl.engine is not None and mixed.impl.engine.state.stats.unavoidable == 2
 
 
 @pytest.mark.parametrize("error", FAILURES)
-def test_a_plan_whose_launches_cannot_be_derived_leaves_vllms_route(
+def test_a_step_whose_launches_cannot_be_derived_keeps_vllms_route_and_takes_the_bounded_path(
         routed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]) -> None:
     """The builder changes the step's metadata only once the whole plan is derived: a failure
-    while deriving it leaves vLLM's route and metadata as vLLM's rule built them."""
-    from mla_planner.vllm_backend import backend, stock_steps
+    while deriving it leaves vLLM's route and metadata as vLLM's rule built them, and the step's
+    layer calls take the bounded path on them."""
+    from mla_planner.vllm_backend import backend
 
     class Failing:
         @classmethod
@@ -1194,12 +1368,14 @@ def test_a_plan_whose_launches_cannot_be_derived_leaves_vllms_route(
             raise error("no launches")
 
     monkeypatch.setattr(backend, "SeparateLaunches", Failing)
+    case = routed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    md = case["metadata"]
+    assert md.fp8_use_mixed_batch and isinstance(md.planned, fallback.BoundedStep)
+    layer_calls(routed, case)
+    assert [tuple(x.shape) for x in routed.provider.launch_q] == bounded_launches(routed, sum(QUERY_LENS)) * 2
+    assert routed.kernels.decode_calls == []
     reason = f"the step could not be planned ({error.__name__})"
-    before = stock_steps.counts[reason]
-    md = run_step(routed, QUERY_LENS, CONTEXT_LENS, gen, rtol=1e-4)
-    assert md.fp8_use_mixed_batch and md.planned is None
-    assert routed.kernels.decode_calls == [(1, sum(QUERY_LENS), 64, 576)]
-    assert stock_steps.counts[reason] == before + 1
+    assert routed.impl.engine is not None and routed.impl.engine.state.stats.fallbacks == {reason: 1}
 
 
 # ROUTING_PROFILE with the prefill kernel at 16 native heads: 50 + T/10 us, cheaper than padded.
@@ -1564,18 +1740,17 @@ def test_warm_up_translates_once_per_variant_stock_does_not_compile(
 
 def test_the_first_fp8_forward_warms_up_once(mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the call's block table width, block size, the cache's block stride and top-k, before
-    stock's code runs (a decode-only step: vLLM's capture warm-up)."""
-    from mla_planner.vllm_backend import warmup
+    stock's code runs (a decode-only step: vLLM's capture warm-up); once per engine."""
+    from mla_planner.vllm_backend.warmup import WarmUp
 
     calls: list[tuple[tuple[str, ...], int, int, int | None, int]] = []
 
-    def recording(routes: Collection[str], block_table: torch.Tensor, block_size: int, block_stride_rows: int | None,
-                  topk: int) -> None:
+    def recording(self: WarmUp, routes: Collection[str], block_table: torch.Tensor, block_size: int,
+                  block_stride_rows: int | None, topk: int) -> None:
         calls.append((tuple(routes), block_table.shape[1], block_size, block_stride_rows, topk))
-        warmup.pending = False
+        self.pending = False
 
-    monkeypatch.setattr(warmup, "pending", True)
-    monkeypatch.setattr(warmup, "maybe_warm_up", recording)
+    monkeypatch.setattr(WarmUp, "maybe", recording)
     case = mixed.step([1, 1, 1], [40, 9, 300], gen)
     mixed.topk_buffer[:3] = case["positions"]
     for _ in range(2):
@@ -1584,11 +1759,9 @@ def test_the_first_fp8_forward_warms_up_once(mixed: Backend, gen: torch.Generato
     assert calls == [(("mixed_batch",), case["metadata"].block_table.shape[1], 64, stride, TOPK)]
 
 
-def warm_up_pending() -> bool:
-    """The warm-up module's flag, read afresh (an assert on the attribute would narrow it for mypy)."""
-    from mla_planner.vllm_backend import warmup
-
-    return warmup.pending
+def pending(warm_up: Any) -> bool:
+    """A warm-up's flag, read afresh (an assert on the attribute would narrow it for mypy)."""
+    return bool(warm_up.pending)
 
 
 def test_no_warm_up_off_cuda_or_inside_a_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1596,24 +1769,29 @@ def test_no_warm_up_off_cuda_or_inside_a_graph_capture(monkeypatch: pytest.Monke
 
     warmed: list[object] = []
     monkeypatch.setattr(warmup, "warm_up", lambda *args: warmed.append(args))
-    monkeypatch.setattr(warmup, "pending", True)
-    warmup.maybe_warm_up(["mixed_batch"], torch.zeros((1, 8), dtype=torch.int32), 64, None, TOPK)
-    assert warmed == [] and not warm_up_pending(), "no Triton on the CPU: nothing to compile, ever"
+    on_cpu = warmup.WarmUp()
+    on_cpu.maybe(["mixed_batch"], torch.zeros((1, 8), dtype=torch.int32), 64, None, TOPK)
+    assert warmed == [] and not pending(on_cpu), "no Triton on the CPU: nothing to compile, ever"
 
-    class CudaTable:  # what maybe_warm_up reads of a CUDA block table
+    class CudaTable:  # what maybe reads of a CUDA block table
         device = torch.device("cuda")
 
     capturing = [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(warmup, "pending", True)
-    warmup.maybe_warm_up(["mixed_batch"], CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
-    assert warmed == [] and warm_up_pending(), "a capture would record the warm-up into the graph: later"
+    first = warmup.WarmUp()
+    first.maybe(["mixed_batch"], CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
+    assert warmed == [] and pending(first), "a capture would record the warm-up into the graph: later"
     capturing[0] = False
-    warmup.maybe_warm_up(["mixed_batch"], CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
-    assert len(warmed) == 1 and not warm_up_pending()
-    monkeypatch.setattr(warmup, "pending", True)
-    warmup.maybe_warm_up([], CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]  # the engine plans no step
-    assert len(warmed) == 1 and not warm_up_pending(), "stock's code only: nothing beyond vLLM's own variants"
+    first.maybe(["mixed_batch"], CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
+    assert len(warmed) == 1 and not pending(first)
+    first.maybe(["mixed_batch"], CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
+    assert len(warmed) == 1, "once per engine"
+    second = warmup.WarmUp()  # another engine in the process
+    second.maybe(["mixed_batch"], CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]
+    assert len(warmed) == 2 and not pending(second)
+    third = warmup.WarmUp()
+    third.maybe([], CudaTable(), 64, None, TOPK)  # type: ignore[arg-type]  # the engine plans no step
+    assert len(warmed) == 2 and not pending(third), "stock's code only: nothing beyond vLLM's own variants"
 
 
 # -- after start-up, never raise: the shapes vLLM builds ------------------------------------------
@@ -1665,16 +1843,14 @@ def test_decode_batches_padded_to_a_captured_size_run(routes: Backend, gen: torc
     """vLLM pads a decode batch up to a captured CUDA-graph size with requests of length 0, counted
     as decodes: planned (past the 16 tokens stock's call holds) or not, the step runs, its plan
     covers the real tokens, and the output is the reference's."""
-    from mla_planner.vllm_backend import stock_steps
-
-    before = sum(stock_steps.counts.values())
+    before = fallbacks(routes)
     real = max(1, size - 3)
     lens = [1] * real + [0] * (size - real)
     md = run_step(routes, lens, [40 + 7 * i if q else 0 for i, q in enumerate(lens)], gen)
     assert md.num_decodes == size
     if real > routes.builder.engine.stock_decode_tokens:
         assert md.planned is not None and md.planned.sparse_tokens == real
-    assert sum(stock_steps.counts.values()) == before, "no step fell back to vLLM's code"
+    assert fallbacks(routes) == before, "a step fell back"
 
 
 @pytest.mark.parametrize("spec_tokens", [0, 2])
@@ -1697,10 +1873,44 @@ def test_full_cuda_graph_metadata_run_eagerly_is_planned_with_its_padding(
     assert md.num_prefills == 0 and md.planned is not None and md.planned.sparse_tokens == padded
     routes.topk_buffer[:padded] = -1
     routes.topk_buffer[:tokens] = case["positions"]
-    before = sum(stock_steps.counts.values())
+    before = fallbacks(routes)
     out = forward_out(routes.fp8_forward(md)(q, case["kv_cache"], routes.topk_buffer[:padded], md))
     torch.testing.assert_close(out[:tokens], case["expected"], rtol=1e-4, atol=1e-4)
-    assert sum(stock_steps.counts.values()) == before, "no layer call fell back to vLLM's code"
+    assert fallbacks(routes) == before, "a layer call fell back"
+
+
+@pytest.mark.parametrize("query_lens, padding, expected", [
+    ([3, 3, 0, 0], 6, [3, 3, 3, 3]),  # the padding requests take the requests' length
+    ([3, 3, 0, 0], 9, [3, 3, 3, 3, 3]),  # and further ones of it
+    ([3, 3, 0, 0], 4, [1] * 10),  # not a whole number of them: one-token decodes
+    ([1, 1, 0], 5, [1] * 7),
+    ([2, 1, 0], 2, [1] * 5),  # already not uniform (a speculative decode cut short)
+    ([0, 0], 3, [1, 1, 1]),
+])
+def test_padding_tokens_keep_a_decode_step_uniform(query_lens: list[int], padding: int, expected: list[int]) -> None:
+    from mla_planner.vllm_backend.backend import with_padding_tokens
+
+    context = np.array([40 + i if n else 0 for i, n in enumerate(query_lens)], dtype=np.int64)
+    lens, contexts = with_padding_tokens(np.array(query_lens, dtype=np.int64), context, padding)
+    assert lens.tolist() == expected and sum(expected) == sum(query_lens) + padding
+    assert len(contexts) == len(lens) and set(contexts[sum(1 for n in query_lens if n):].tolist()) <= {0}
+
+
+@settings(max_examples=200, deadline=None)
+@given(per_request=st.integers(1, 4), real=st.integers(0, 12), zeros=st.integers(0, 6), padding=st.integers(0, 40))
+def test_padded_decode_steps_plan_on_either_route(per_request: int, real: int, zeros: int, padding: int) -> None:
+    """Whatever the padding, the padded step's decodes are uniform: the planner takes them on
+    either route, covering every token."""
+    from mla_planner.vllm_backend.backend import with_padding_tokens
+
+    lens = np.array([per_request] * real + [0] * zeros, dtype=np.int64)
+    q, c = with_padding_tokens(lens, np.full(len(lens), 50, dtype=np.int64), padding)
+    assert int(q.sum()) == per_request * real + padding
+    for heads in (16, 32):
+        config = mla_planner.StepConfig(heads, scratch_budget_bytes=256 << 20, topk=TOPK, max_model_len=4096)
+        plan = mla_planner.plan_step(q, c, len(q), config)
+        covered = int(plan.launches[-1, 1]) if len(plan) else 0
+        assert covered == int(q.sum()), (q.tolist(), heads)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -1726,13 +1936,11 @@ def test_the_mtp_drafts_step_after_a_padded_step_is_planned(routes: Backend, gen
     ``unpadded``, which on vLLM 0.26 drops the CPU sequence lengths that planning and vLLM's own
     separate-route build read: the step is planned all the same, none runs vLLM's own code, and
     the output is the reference's."""
-    from mla_planner.vllm_backend import stock_steps
-
-    before = sum(stock_steps.counts.values())
+    before = fallbacks(routes)
     lens = [2] * 12 + [300]
     md = run_step(routes, lens, [50 + 13 * i for i in range(len(lens))], gen, draft_after_padding=3)
     assert md.planned is not None and md.planned.sparse_tokens == sum(lens)
-    assert sum(stock_steps.counts.values()) == before, "no step fell back to vLLM's code"
+    assert fallbacks(routes) == before, "a step fell back"
 
 
 def test_the_mtp_drafts_decode_step_without_cpu_sequence_lengths_is_planned(routes: Backend,
@@ -1742,15 +1950,13 @@ def test_the_mtp_drafts_decode_step_without_cpu_sequence_lengths_is_planned(rout
     of 0 (a decode's context shapes no plan; the planner's proptest
     ``decode_context_lens_shape_no_plan``), none runs vLLM's own code, and the output is the
     reference's."""
-    from mla_planner.vllm_backend import stock_steps
-
-    before = sum(stock_steps.counts.values())
+    before = fallbacks(routes)
     lens = [2] * 40
     md = run_step(routes, lens, [50 + 13 * i for i in range(len(lens))], gen, draft_after_padding=8,
                   exact_seq_lens=False)
     assert md.num_decodes == len(lens) and sum(lens) > routes.builder.engine.stock_decode_tokens
     assert md.planned is not None and md.planned.sparse_tokens == sum(lens)
-    assert sum(stock_steps.counts.values()) == before, "no step fell back to vLLM's code"
+    assert fallbacks(routes) == before, "a step fell back"
 
 
 @st.composite
@@ -1797,19 +2003,63 @@ def test_any_batch_mix_runs_and_matches_the_reference(any_engine: Backend, data:
         assert md.planned.sparse_tokens == sparse_rows(any_engine, md, sum(query_lens))
 
 
-def run_a_drawn_step(backend: Backend, data: st.DataObject) -> tuple[Any, list[int], list[int]]:
-    """A step drawn within the engine's limits (:func:`batch_mixes`), run and checked by
-    :func:`run_step`, and not left to vLLM's code: its metadata and lengths."""
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_batch_mix_whose_launch_fails_runs_within_the_reservation(any_engine: Backend, data: st.DataObject) -> None:
+    """Random steps whose k-th kernel launch fails (an allocation failure or any error): the layer
+    call raises nothing and matches the float32 reference; from the failure on, it runs the
+    bounded path's launches (each within the allowance, :func:`bounded_launches`), or vLLM's own
+    call where that is the one bounded launch; the step is counted once."""
+    backend = any_engine
     scheduler = backend.config.scheduler_config
     query_lens, context_lens = data.draw(batch_mixes(backend.builder.reorder_batch_threshold or 1,
                                                      scheduler.max_num_batched_tokens,
                                                      backend.config.model_config.max_model_len, scheduler.max_num_seqs))
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
-    before = sum(stock_steps.counts.values())
+    fail_at = data.draw(st.integers(1, 3), label="the failing launch")
+    error = data.draw(st.sampled_from([torch.OutOfMemoryError, RuntimeError]), label="error")
+    launched: list[str] = []
+    decode, prefill = backend.provider.sparse_decode, backend.provider.sparse_prefill
+
+    def counted(run: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            launched.append(kind)
+            if len(launched) == fail_at:
+                raise error("injected")
+            return run(*args, **kwargs)
+        return launch
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(backend.provider, "sparse_decode", counted(decode, "decode"))
+        monkeypatch.setattr(backend.provider, "sparse_prefill", counted(prefill, "prefill"))
+        before, stock_before = fallbacks(backend), len(backend.kernels.decode_calls)
+        md = run_step(backend, query_lens, context_lens, gen)
+    if len(launched) < fail_at:  # the step ran fewer launches (or stock's one call): nothing failed
+        assert fallbacks(backend) == before
+        return
+    assert fallbacks(backend) == before + 1
+    tokens = sparse_rows(backend, md, sum(query_lens))
+    bounded = bounded_launches(backend, tokens)
+    after = [tuple(q.shape) for q in backend.provider.launch_q][-(len(launched) - fail_at):] if len(launched) > fail_at else []
+    if len(bounded) == 1 and len(backend.kernels.decode_calls) > stock_before:
+        assert backend.kernels.decode_calls[-1] == (1, tokens, 64, 576) and after == []
+    else:
+        assert after == bounded and launched[fail_at:] == ["decode"] * len(bounded)
+
+
+def run_a_drawn_step(backend: Backend, data: st.DataObject) -> tuple[Any, list[int], list[int]]:
+    """A step drawn within the engine's limits (:func:`batch_mixes`), run and checked by
+    :func:`run_step`, and not fallen back: its metadata and lengths."""
+    scheduler = backend.config.scheduler_config
+    query_lens, context_lens = data.draw(batch_mixes(backend.builder.reorder_batch_threshold or 1,
+                                                     scheduler.max_num_batched_tokens,
+                                                     backend.config.model_config.max_model_len, scheduler.max_num_seqs))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
+    before = fallbacks(backend)
     md = run_step(backend, query_lens, context_lens, gen)
     backend.provider.launch_q.clear()
     backend.provider.prefill_q.clear()
-    assert sum(stock_steps.counts.values()) == before, (query_lens, context_lens, dict(stock_steps.counts))
+    assert fallbacks(backend) == before, (query_lens, context_lens)
     return md, query_lens, context_lens
 
 
@@ -1910,25 +2160,25 @@ def test_vllms_own_gather_chunks_are_followed(separate: Backend, gen: torch.Gene
     assert separate.provider.gathers == 2
 
 
-def test_a_step_the_planner_refuses_runs_vllms_own_code(mixed: Backend, gen: torch.Generator,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whatever the planner raises in a build, the build raises nothing: the step carries no plan,
-    vLLM's own code runs it, and the reason is counted once per step."""
+def test_a_step_the_planner_refuses_takes_the_bounded_path(mixed: Backend, gen: torch.Generator,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the planner raises in a build, the build raises nothing: the step takes the
+    bounded path, and the reason is counted once per step."""
     from mla_planner import routing
-    from mla_planner.vllm_backend import stock_steps
 
     def refuse(*args: Any) -> Any:
         raise ValueError("a step no rule admits")
 
     monkeypatch.setattr(routing, "choose_plan", refuse)
     step_log = step_log_module(monkeypatch)
-    before = sum(stock_steps.counts.values())
     with debug_lines() as lines:
         md = run_step(mixed, QUERY_LENS, CONTEXT_LENS, gen, rtol=1e-5)
-    assert md.planned is None and mixed.kernels.decode_calls == [(1, sum(QUERY_LENS), 64, 576)]
-    assert sum(stock_steps.counts.values()) == before + 1
+    assert isinstance(md.planned, fallback.BoundedStep) and mixed.kernels.decode_calls == []
+    assert [tuple(x.shape) for x in mixed.provider.launch_q] == bounded_launches(mixed, sum(QUERY_LENS))
+    assert mixed.impl.engine is not None
+    assert mixed.impl.engine.state.stats.fallbacks == {"the step could not be planned (ValueError)": 1}
     # The step log counts it (tests/e2e/step_log.py reads the debug line).
-    assert [s.kind for s in step_log.parse("\n".join(lines))] == [step_log.STOCK_FALLBACK], lines
+    assert [s.kind for s in step_log.parse("\n".join(lines))] == [step_log.FALLBACK], lines
 
 
 def test_the_fallback_warning_names_where_a_bare_assert_failed() -> None:
@@ -1937,8 +2187,6 @@ def test_the_fallback_warning_names_where_a_bare_assert_failed() -> None:
     raised, so that the one warning still says which check failed."""
     import inspect
 
-    from mla_planner.vllm_backend import stock_steps
-
     def check(n: int) -> None:
         if n <= 0:  # a bare assert's failure (pytest rewrites the asserts of a test module)
             raise AssertionError
@@ -1946,9 +2194,9 @@ def test_the_fallback_warning_names_where_a_bare_assert_failed() -> None:
     with pytest.raises(AssertionError) as raised:
         check(0)
     line = inspect.getsourcelines(check)[1] + 2
-    assert stock_steps.describe(raised.value).startswith("(no message) raised at ")
-    assert stock_steps.describe(raised.value).endswith(f"test_vllm_backend.py:{line} in check")
-    assert stock_steps.describe(ValueError("two  words\non two lines")) == "two words on two lines"
+    assert fallback.describe(raised.value).startswith("(no message) raised at ")
+    assert fallback.describe(raised.value).endswith(f"test_vllm_backend.py:{line} in check")
+    assert fallback.describe(ValueError("two  words\non two lines")) == "two words on two lines"
 
 
 @pytest.mark.parametrize("num_heads", [16, 32, 64])

@@ -27,7 +27,8 @@ pytest.importorskip("vllm", reason="the backend tests need vLLM (pip install '.[
 
 import mla_planner  # noqa: E402
 from mla_planner.executor.reference import sparse_attention  # noqa: E402
-from mla_planner.vllm_backend import reservation, vllm_api  # noqa: E402
+from mla_planner.vllm_backend import vllm_api  # noqa: E402
+from mla_planner.vllm_backend.reservation import Reservation  # noqa: E402
 from fixtures import gen  # noqa: E402, F401  (a pytest fixture)
 from vllm_cpu import (  # noqa: E402
     KernelRecorder,
@@ -186,7 +187,7 @@ class Engine:
         from mla_planner.vllm_backend.backend import PlannedFlashMLASparseBackend
 
         monkeypatch.setenv("MLA_PLANNER_COST_PROFILE", "none")
-        monkeypatch.setattr(reservation, "reserve", lambda num_bytes, device: False)
+        monkeypatch.setattr(Reservation, "reserve", lambda self, num_bytes, device: False)
         self.kernels = KernelRecorder()
         self._cpu = cpu_vllm(monkeypatch, RecordingProvider(), self.kernels)
         self._cpu.__enter__()
@@ -424,18 +425,18 @@ def test_a_step_the_groups_cannot_plan_runs_as_stock(engine_factory: Any, gen: t
     """Planning the groups fails (here: made to; a planner bug arrives as pyo3's PanicException,
     a BaseException): the build does not raise, the step carries no plan, the reason is counted
     once, and the layer runs stock's all-sparse-MQA step."""
-    from mla_planner.vllm_backend import masked_mha, stock_steps
+    from mla_planner.vllm_backend import masked_mha
 
     def fail(*_args: Any) -> None:
         raise error("a shape the planner did not expect")
 
     monkeypatch.setattr(masked_mha, "partial_prefill", fail)
     reason = f"the step's masked-MHA groups could not be planned ({error.__name__})"
-    before = stock_steps.counts[reason]
+    before = masked_mha.left[reason]
     engine = engine_factory(P1_OUT)
     case = engine.step(gen)
     ours_md, _stock = case["metadata"]
-    assert stock_steps.counts[reason] == before + 1
+    assert masked_mha.left[reason] == before + 1
     assert masked_mha.plan_of(ours_md.prefill) is None
     assert_stocks_all_sparse_mqa_step(engine, engine.ours, case, ours_md)
 
@@ -445,7 +446,7 @@ def test_a_layer_call_whose_groups_cannot_run_runs_every_prefill_on_sparse_mqa(
     """The last group's masked-MHA call fails (here: made to) after the first two groups wrote
     their rows: nothing raises; every prefill token runs in one sparse-MQA call, as stock runs the
     step, the decodes in the layer's own call; the reference's output; the reason counted once."""
-    from mla_planner.vllm_backend import masked_mha, stock_steps
+    from mla_planner.vllm_backend import masked_mha
     from mla_planner.vllm_backend.vllm_api import FlashMLASparseImpl
 
     engine = engine_factory(P1_OUT)
@@ -463,7 +464,7 @@ def test_a_layer_call_whose_groups_cannot_run_runs_every_prefill_on_sparse_mqa(
 
     monkeypatch.setattr(FlashMLASparseImpl, "forward_mha", fail_on_the_masked_group)
     reason = "the layer's masked-MHA groups could not run (RuntimeError)"
-    before = stock_steps.counts[reason]
+    before = masked_mha.left[reason]
     out = engine.forward(engine.ours, case, ours_md)
     prefill_tokens = sum(QUERY_LENS) - DECODES
     assert engine.dense_calls == [60], "the dense group ran before the failure"
@@ -471,7 +472,7 @@ def test_a_layer_call_whose_groups_cannot_run_runs_every_prefill_on_sparse_mqa(
         "P1's group, then every prefill token in one sparse-MQA call, then the decodes"
     assert engine.fa4.calls == [], "the failed group's call made none"
     close_to(out, case["expected"])
-    assert stock_steps.counts[reason] == before + 1
+    assert masked_mha.left[reason] == before + 1
 
 
 def test_the_builder_links_each_impl_to_its_layer_before_planning_groups(engine_factory: Any,
@@ -492,15 +493,15 @@ def test_a_layer_whose_sparse_mqa_path_differs_keeps_stocks_step(engine_factory:
     """The layer pads its heads (a weight path the sparse-MQA rows do not take): the builder plans
     no group for it, counted once, and the layer runs stock's all-sparse-MQA step; nothing raises
     in the forward."""
-    from mla_planner.vllm_backend import masked_mha, stock_steps
+    from mla_planner.vllm_backend import masked_mha
 
     engine = engine_factory(P1_OUT)
     engine.ours.q_pad_num_heads = 64
     reason = "the step's masked-MHA groups could not be planned (ValueError)"
-    before = stock_steps.counts[reason]
+    before = masked_mha.left[reason]
     case = engine.step(gen)
     ours_md, _stock = case["metadata"]
-    assert stock_steps.counts[reason] == before + 1
+    assert masked_mha.left[reason] == before + 1
     assert masked_mha.plan_of(ours_md.prefill) is None
     engine.ours.q_pad_num_heads = None  # the CPU stand-ins run the unpadded path only
     assert_stocks_all_sparse_mqa_step(engine, engine.ours, case, ours_md)

@@ -104,7 +104,7 @@ def row(rec: dict[str, Any]) -> str:
              "yes" if c.get("cuda_graphs") else "eager", "on" if c.get("chunked_prefill") else "**off**",
              "**on**" if c.get("prefix_caching") else "off", startup_cell(rec), kv_plugin, kv_stock, kv_diff,
              _reserved(plugin), min_cell(rec), *(phase_cell(phases.get(k)) for k, _ in PHASE_COLUMNS),
-             plugin.get("own_code_lines", "–"), alive_text]
+             plugin.get("fallback_lines", "–"), alive_text]
     return "| " + " | ".join(str(x) for x in cells) + " |"
 
 
@@ -122,7 +122,7 @@ KV_NOTES = {
 }
 HEADER = ("| server | model | MTP | max-num-seqs | budget MiB | CUDA graphs | chunked prefill | prefix caching "
           "| start-up | KV GiB plugin | KV GiB stock | Δ GiB | reserved GiB | min found MiB | chat burst | 32K "
-          "| 8 prompts | 64K | own-code lines | alive at end |")
+          "| 8 prompts | 64K | fallback lines | alive at end |")
 
 
 def notes(rec: dict[str, Any]) -> list[str]:
@@ -160,8 +160,8 @@ def notes(rec: dict[str, Any]) -> list[str]:
     shown = [line for line in lines if "budget" in line or "reservation" in line][:3]
     for line in shown:
         out.append(f"  - `{_cell(line[line.find('mla-planner'):], 300)}`")
-    for line in plugin.get("own_code_examples") or []:
-        out.append(f"  - own code: `{_cell(line[line.find('mla-planner'):], 300)}`")
+    for line in plugin.get("fallback_examples") or []:
+        out.append(f"  - fallback: `{_cell(line[line.find('mla-planner'):], 300)}`")
     if plugin.get("mla_planner_line_count", 0) > len(shown):
         out.append(f"  - {plugin['mla_planner_line_count']} mla-planner lines in all")
     for line in plugin.get("first_errors") or []:
@@ -205,8 +205,8 @@ def render(data: dict[str, Any]) -> str:
     lines += ["", f"Phases with failed requests: {failed}; engines dead at the end: {', '.join(dead) or 'none'}; "
                   f"servers not up: {', '.join(never) or 'none'}.", "",
               "Δ GiB is plugin − stock (negative: the plugin's KV cache is smaller); reserved GiB is the "
-              "reservation the plugin's log names. " + KV_NOTES.get(str(run.get("start")), "") + " Own-code lines: the "
-              "plugin's lines saying a step ran vLLM's own code.", "", "## Notes", ""]
+              "reservation the plugin's log names. " + KV_NOTES.get(str(run.get("start")), "") + " Fallback lines: the "
+              "plugin's lines saying a step fell back to the bounded path.", "", "## Notes", ""]
     for rec in records:
         lines += notes(rec)
     return "\n".join(lines) + "\n"

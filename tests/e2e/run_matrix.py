@@ -32,8 +32,8 @@ What runs, in order (``--deadline-s`` ends it; what it cut is recorded as not ru
    256-token prefix, 16-256 tokens out, ``ignore_eos``), then run_cases' 32K case (1), eight
    prompts (2) and 64K case (4); ``/health`` after each.
 4. **The end**: per server, alive (process and ``/health`` 200), then stopped; its log read for the
-   KV cache, the plugin's ``mla-planner`` lines (reservation, and lines that say a step ran vLLM's
-   own code) and the first error lines.
+   KV cache, the plugin's ``mla-planner`` lines (reservation, and lines that say a step fell back
+   to the bounded path) and the first error lines.
 
 ``DIR/matrix.json`` is rewritten after every step; server logs are in ``DIR/logs``, model copies and
 their generated tokenizers in ``DIR/variants`` and ``DIR/model``; ``DIR/matrix.md`` (matrix_report.py)
@@ -70,7 +70,7 @@ from serve_tokenizer import check_tokenizer, served_model_dir
 PHASE = "matrix"  # run_serve's detach/follow files: DIR/matrix-driver.log, DIR/matrix-driver.pid
 REFUSAL = re.compile(r"set MLA_PLANNER_SCRATCH_MB=(\d+(?:\.\d+)?) or more")
 RESERVATION = re.compile(r"scratch reservation of ([\d,]+) MiB")
-OWN_CODE = "vLLM's own code"  # the plugin's line for a step it left to vLLM's code
+FELL_BACK = "falls back to the bounded path"  # the plugin's warning for a step that could not run its plan
 KV_SIZED = "GPU KV cache size"  # vLLM 0.26's and 0.33's line once the KV cache is sized (kv_cache_utils.py)
 # a start that failed because other servers' memory changed during its profiling: retried alone
 DISTURBED = ("Error in memory profiling", "No available memory for the cache blocks",
@@ -360,13 +360,13 @@ def disturbed(text: str) -> str | None:
 
 
 def plugin_facts(text: str) -> dict[str, Any]:
-    """The plugin's lines (all of them, up to 40), those saying a step ran vLLM's own code, and the
+    """The plugin's lines (all of them, up to 40), those saying a step fell back, and the
     reservation the log names."""
     lines = [line.strip()[:400] for line in text.splitlines() if "mla-planner" in line]
     reserved = [int(m.group(1).replace(",", "")) for line in lines for m in [RESERVATION.search(line)] if m]
     return {"mla_planner_lines": lines[:40], "mla_planner_line_count": len(lines),
-            "own_code_lines": sum(OWN_CODE in line for line in text.splitlines()),
-            "own_code_examples": [line for line in lines if OWN_CODE in line][:5],
+            "fallback_lines": sum(FELL_BACK in line for line in text.splitlines()),
+            "fallback_examples": [line for line in lines if FELL_BACK in line][:5],
             "reserved_mib": reserved[-1] if reserved else None}
 
 

@@ -56,9 +56,9 @@ class FakeServer:
         self.die_over = int(die_over) if die_over else None  # any engine: a longer prompt kills it
         hang_over = os.environ.get("FAKE_SERVE_HANG_OVER")
         self.hang_over = int(hang_over) if hang_over else None  # any engine: a longer prompt never answers
-        # the line a step that ran vLLM's own code logs (plugin with speculative decoding), once
-        self.own_code_line: str | None = (
-            "mla-planner: a step ran vLLM's own code (uniform decodes of 1 + k tokens); logged once per reason"
+        # the line a step that fell back logs (plugin with speculative decoding), once
+        self.fallback_line: str | None = (
+            "mla-planner: a step falls back to the bounded path: uniform decodes of 1 + k tokens (said once per reason)"
             if args.attention_backend == "CUSTOM" and args.speculative_config else None)
         self.in_flight = 0
         self.lock = threading.Lock()
@@ -135,9 +135,9 @@ def handler(server: FakeServer) -> type[BaseHTTPRequestHandler]:
             ids = list(prompt) if isinstance(prompt, list) else encode(prompt)
             server.log(f"INFO fake: completion request of {len(ids)} prompt tokens")
             with server.lock:
-                own_code, server.own_code_line = server.own_code_line, None
-            if own_code:
-                server.log(f"INFO [backend.py:1] {own_code}")
+                fell_back, server.fallback_line = server.fallback_line, None
+            if fell_back:
+                server.log(f"INFO [backend.py:1] {fell_back}")
             if server.hang_over is not None and len(ids) > server.hang_over:
                 time.sleep(3600)
             if server.die_over is not None and len(ids) > server.die_over:

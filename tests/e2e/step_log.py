@@ -55,15 +55,15 @@ from typing import Any, Iterator
 
 PLUGIN_LOGGER = "vllm.mla_planner"
 STEP = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) .*mla-planner step: (\d+) tokens, (\d+) decode tokens, "
-                  r"(\d+) prefills, (stock's code|vLLM's own code|\w+)")
-LAYER = re.compile(r"mla-planner layer: vLLM's own code \((.*)\)")  # a layer call its plan did not fit
+                  r"(\d+) prefills, (stock's code|bounded path|\w+)")
+LAYER = re.compile(r"mla-planner layer: bounded path \((.*)\)")  # a layer call that could not run its plan
 ITERATION = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) .*Iteration\((\d+)\): (\d+) context requests, "
                        r"(\d+) context tokens, (\d+) generation requests, (\d+) generation tokens, "
                        r"iteration elapsed time: ([\d.]+) ms(?! \(dummy\))")
 DECODE_ONLY = "decode-only, stock's code"
-STOCK_FALLBACK = "vLLM's own code (could not be planned)"  # the plugin's stock_steps: counted, each reason logged once
+FALLBACK = "bounded path (could not be planned)"  # the plugin's fallback: counted, each reason logged once
 KINDS = (DECODE_ONLY, "decodes + dense prefills, stock's code", "planned: mixed_batch", "planned: separate_prefill_decode",
-         STOCK_FALLBACK)
+         FALLBACK)
 DECODE_STEP, CONTEXT_STEP = ITERATION_KINDS = ("decode-only", "with context tokens")  # vLLM's iteration lines
 DEFAULT_GAP_S = 0.5
 STAMP = "%m-%d %H:%M:%S.%f"  # vLLM's log time under `config` (local time), to the microsecond; lines show ms
@@ -139,8 +139,8 @@ def write_config(path: Path, plugin_steps: bool = True) -> None:
 def kind_of(detail: str, prefills: int) -> str:
     if detail == "stock's code":
         return DECODE_ONLY if prefills == 0 else KINDS[1]
-    if detail == "vLLM's own code":
-        return STOCK_FALLBACK
+    if detail == "bounded path":
+        return FALLBACK
     return f"planned: {detail}"
 
 
@@ -169,13 +169,53 @@ def parse(text: str) -> list[Step]:
 
 
 def layer_fallbacks(text: str) -> list[str]:
-    """The report's lines on the layer calls that ran vLLM's own code, by reason (the plugin's
-    debug line for each; its warning says each reason once)."""
+    """The report's lines on the steps whose layer calls could not run their plan, by reason (the
+    plugin's debug line for each, at the step's first such layer call; its warning says each
+    reason once)."""
     reasons = collections.Counter(m[1] for m in LAYER.finditer(text))
     if not reasons:
-        return ["no layer call ran vLLM's own code"]
-    return [f"layer calls on vLLM's own code: {sum(reasons.values()):,}"] + [
+        return ["no layer call fell back to the bounded path"]
+    return [f"steps a layer call of which fell back to the bounded path: {sum(reasons.values()):,}"] + [
         f"- {reason}: {n:,}" for reason, n in reasons.most_common()]
+
+
+SUMMARY = re.compile(r"since start-up ([\d,]+) steps planned \(([\d,]+) split, ([\d,]+) launches\), ([\d,]+) on "
+                     r"vLLM's call; .*; ([\d,]+) fallbacks")
+LAUNCHES = re.compile(r", (\d+) launches, ")
+
+
+def summaries(text: str) -> list[str]:
+    """Whether each of the plugin's summary lines (its counts at vLLM's stats interval) holds the
+    counts of the step lines before it: planned, split, launches, on vLLM's call, fell back."""
+    counts = [0, 0, 0, 0, 0]
+    said = matching = 0
+    wrong: list[str] = []
+    for line in text.splitlines():
+        m = STEP.search(line)
+        if m is not None:
+            kind = m[5]
+            if kind == "stock's code":
+                counts[3] += 1
+            elif kind == "bounded path":
+                counts[4] += 1
+            else:
+                launches = LAUNCHES.search(line)
+                n = int(launches[1]) if launches else 1
+                counts[0] += 1
+                counts[1] += n > 1
+                counts[2] += n
+            continue
+        s = SUMMARY.search(line)
+        if s is not None:
+            said += 1
+            got = [int(g.replace(",", "")) for g in s.groups()]
+            if got == counts:
+                matching += 1
+            else:
+                wrong.append(f"- {line[s.start():][:160]}: the step lines before it count {counts}")
+    if not said:
+        return ["no summary line"]
+    return [f"summary lines: {said:,}, {matching:,} of them holding the counts of the step lines before them", *wrong]
 
 
 def parse_iterations(text: str, windows: list[Window] | None = None) -> list[Step]:
@@ -425,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     text = args.log.read_text(errors="replace")
     steps = parse_iterations(text) if args.iterations else parse(text)
     lines = breakdown(steps, args.gap_s, before=args.iterations)
-    print("\n".join(lines if args.iterations else [*lines, "", *layer_fallbacks(text)]))
+    print("\n".join(lines if args.iterations else [*lines, "", *layer_fallbacks(text), *summaries(text)]))
     return 0
 
 

@@ -216,9 +216,9 @@ def test_the_minimum_comes_from_the_refusal_line() -> None:
     assert run_matrix.refusal("ValueError: a budget of 64.0 MiB is below the 64.4 MiB ...") == (None, None)
     assert run_matrix.disturbed("AssertionError: Error in memory profiling. Initial free memory") is not None
     facts = run_matrix.plugin_facts("mla-planner: scratch reservation of 1,024 MiB handed to the kernels\n"
-                                    "mla-planner: a step ran vLLM's own code (x)\nmla-planner: a step ran vLLM's own "
-                                    "code (y)\nother line")
-    assert facts["reserved_mib"] == 1024 and facts["own_code_lines"] == 2 and facts["mla_planner_line_count"] == 3
+                                    "mla-planner: a step falls back to the bounded path: x\nmla-planner: a step "
+                                    "falls back to the bounded path: y\nother line")
+    assert facts["reserved_mib"] == 1024 and facts["fallback_lines"] == 2 and facts["mla_planner_line_count"] == 3
     errors = run_matrix.first_errors("Traceback (most recent call last):\nValueError: decode query lengths must be "
                                      "one length\n[shutdown] EngineCore: trigger\nRuntimeError: after the stop")
     assert errors == ["ValueError: decode query lengths must be one length"]
@@ -260,7 +260,7 @@ def test_the_whole_matrix_on_stand_ins(full_run: tuple[Path, subprocess.Complete
         assert rec["twin"]["kv_cache_memory_gib"] == 60.0
         assert plugin["kv_cache_memory_gib"] == pytest.approx(60 - rec["scratch_mb"] / 1024, abs=0.005)
         assert plugin["reserved_mib"] == rec["scratch_mb"] and plugin["first_errors"] == []
-        assert plugin["own_code_lines"] == (1 if rec["config"]["mtp"] else 0)
+        assert plugin["fallback_lines"] == (1 if rec["config"]["mtp"] else 0)
         assert list(rec["phases"]) == ["chat", "32k", "eight", "64k"]
         for key, result in rec["phases"].items():
             assert result["status"] == "ok" and result["health_after"] == 200, (name, key, result)
@@ -344,7 +344,7 @@ def test_report_of_hand_made_results() -> None:
             "coverage_gaps": ["budget=4096"], "servers": {
                 "s1": {"name": "s1", "config": md.DESIGN[0].values(), "scratch_mb": 1024,
                        "plugin": {"startup": {"status": "ok", "elapsed_s": 91.2}, "alive_at_end": False,
-                                  "health_at_end": None, "kv_cache_memory_gib": 5.5, "own_code_lines": 3,
+                                  "health_at_end": None, "kv_cache_memory_gib": 5.5, "fallback_lines": 3,
                                   "first_errors": ["ValueError: decode query lengths must be one length"]},
                        "twin": {"startup": {"status": "ok"}, "kv_cache_memory_gib": 6.25},
                        "phases": {"chat": {"status": "error", "n_requests": 100, "requests_ok": 97, "health_after": None,

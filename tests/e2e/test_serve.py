@@ -716,18 +716,44 @@ def test_step_log_breakdown() -> None:
                                         "3 launches, peak 1 B, bound budget"))[0].decode_only
 
 
-def test_step_log_counts_the_layer_calls_left_to_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    reason = "vLLM handed the sparse kernels other tokens than the plan's"
-    layer = f"(EngineCore pid=7) DEBUG 12-02 02:30:00.001 [stock_steps.py:40] mla-planner layer: vLLM's own code ({reason})"
+def test_step_log_counts_the_steps_a_layer_call_of_which_fell_back(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    reason = "vLLM handed the layer call other tokens than its plan's"
+    layer = f"(EngineCore pid=7) DEBUG 12-02 02:30:00.001 [fallback.py:40] mla-planner layer: bounded path ({reason})"
     decode = step_line("00.000", "32 tokens, 32 decode tokens, 0 prefills, stock's code")
-    assert step_log.layer_fallbacks(decode) == ["no layer call ran vLLM's own code"]
+    assert step_log.layer_fallbacks(decode) == ["no layer call fell back to the bounded path"]
     log = tmp_path / "plugin.log"
     log.write_text("\n".join([decode, layer, layer, step_line("00.005", "32 tokens, 32 decode tokens, 0 prefills, "
                                                                        "stock's code")]) + "\n")
     assert step_log.main(["report", str(log)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[-2:] == ["layer calls on vLLM's own code: 2", f"- {reason}: 2"]
+    assert out[-3:] == ["steps a layer call of which fell back to the bounded path: 2", f"- {reason}: 2", "no summary line"]
     assert out[0].startswith("2 steps logged"), "layer lines are not steps"
+
+
+def test_step_log_checks_the_summary_lines_against_the_step_lines_before_them(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    decode = step_line("00.000", "32 tokens, 32 decode tokens, 0 prefills, stock's code")
+    planned = step_line("00.001", "32768 tokens, 0 decode tokens, 1 prefills, mixed_batch, 14 launches, peak 1 B, "
+                                  "bound budget")
+    one = step_line("00.002", "2048 tokens, 0 decode tokens, 1 prefills, mixed_batch, 1 launches, peak 1 B, bound none")
+    fell = step_line("00.003", "900 tokens, 3 decode tokens, 2 prefills, bounded path (the step could not be planned "
+                               "(ValueError))")
+
+    def summary(p: int, split: int, launches: int, stock: int, fallbacks: int) -> str:
+        reasons = " (the step could not be planned (ValueError): 1)" if fallbacks else ""
+        return (f"(EngineCore pid=7) INFO 12-02 02:30:01.000 [backend.py:184] mla-planner: since start-up {p} steps "
+                f"planned ({split} split, {launches} launches), {stock} on vLLM's call; largest launch beyond vLLM's "
+                f"workspace 600.0 MiB of the 676.4 MiB reserved; {fallbacks} fallbacks{reasons}")
+
+    text = "\n".join([decode, planned, summary(1, 1, 14, 1, 0), one, fell, summary(2, 1, 15, 1, 1)])
+    assert step_log.summaries(text) == ["summary lines: 2, 2 of them holding the counts of the step lines before them"]
+    wrong = step_log.summaries("\n".join([decode, summary(1, 1, 14, 1, 0)]))
+    assert wrong[0].startswith("summary lines: 1, 0 of them") and "count [0, 0, 0, 1, 0]" in wrong[1]
+    assert step_log.summaries(decode) == ["no summary line"]
+    log = tmp_path / "plugin.log"
+    log.write_text(text + "\n")
+    assert step_log.main(["report", str(log)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("summary lines: 2, 2 of them")
 
 
 def iteration_line(ms: int, context: int, decode: int, elapsed: float, dummy: bool = False) -> str:

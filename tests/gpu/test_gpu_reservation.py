@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from mla_planner.vllm_backend import reservation
+from mla_planner.vllm_backend.reservation import Reservation
 
 from gpu_helpers import MiB
 
@@ -31,17 +31,16 @@ def free_bytes() -> int:
 
 
 @pytest.fixture
-def fresh_reservation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name, value in (("_held", None), ("_stream", None), ("_reserved_bytes", 0), ("_address", 0),
-                        ("_kv_cache_sized", False)):
-        monkeypatch.setattr(reservation, name, value)
+def reservation() -> Iterator[Reservation]:
+    """One engine's reservation, nothing held yet."""
+    made = Reservation()
     torch.cuda.empty_cache()
-    yield
-    reservation.release()
+    yield made
+    made.release()
     torch.cuda.empty_cache()
 
 
-def test_the_hand_over_gives_the_bytes_back_to_the_driver(fresh_reservation: None) -> None:
+def test_the_hand_over_gives_the_bytes_back_to_the_driver(reservation: Reservation) -> None:
     before = free_bytes()
     assert reservation.reserve(RESERVED, torch.device("cuda"))
     held = free_bytes()
@@ -53,7 +52,7 @@ def test_the_hand_over_gives_the_bytes_back_to_the_driver(fresh_reservation: Non
 
 
 def test_a_launch_on_another_stream_after_the_hand_over_takes_no_more_than_the_reservation(
-        fresh_reservation: None) -> None:
+        reservation: Reservation) -> None:
     # vLLM's own stream, made after the model was built. Made before the first reading: the first
     # stream PyTorch hands out creates its pool of streams, whose device memory is no launch's.
     serving = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -70,7 +69,7 @@ def test_a_launch_on_another_stream_after_the_hand_over_takes_no_more_than_the_r
     assert peak_taken <= RESERVED + SLACK, "the launch allocated beside the cached reservation"
 
 
-def test_under_sleep_mode_the_hand_over_gives_the_bytes_back_to_the_driver(fresh_reservation: None) -> None:
+def test_under_sleep_mode_the_hand_over_gives_the_bytes_back_to_the_driver(reservation: Reservation) -> None:
     """Under vLLM's CuMem allocator (``--enable-sleep-mode``) the reservation is made in the model's
     memory pool, which keeps a freed segment mapped: the hand-over unmaps it from there, and the
     allocator still sleeps and wakes."""
@@ -89,12 +88,12 @@ def test_under_sleep_mode_the_hand_over_gives_the_bytes_back_to_the_driver(fresh
     assert before - held >= RESERVED, (before, held)
     assert reservation.release()
     cached = free_bytes()
-    assert vllm_api.release_from_sleep_mode_pool(reservation.address())
+    assert vllm_api.release_from_sleep_mode_pool(reservation.address)
     after = free_bytes()
     print(f"free MiB: before {before // MiB}, reserved {held // MiB}, released {cached // MiB}, "
           f"unmapped {after // MiB}")
     assert after - held >= RESERVED - SLACK, "the reservation stayed mapped in vLLM's pool"
-    assert not vllm_api.release_from_sleep_mode_pool(reservation.address()), "unmapped once"
+    assert not vllm_api.release_from_sleep_mode_pool(reservation.address), "unmapped once"
     allocator.sleep(offload_tags=("weights",))
     allocator.wake_up()
     assert int(weight.sum().item()) == 8 * MiB, "the model's pool no longer sleeps and wakes intact"

@@ -15,9 +15,12 @@ Subclasses vLLM's ``FlashMLASparse*`` classes and changes only what the plan cha
 * BF16-KV steps run stock code, except, on vLLM 0.33, a step whose masked-MHA prefills do not fit
   vLLM's mask workspace together (:mod:`.masked_mha`).
 
-After start-up nothing here raises: a step the planner refuses, or a layer call that cannot run
-its plan (tokens not the plan's, or any error before its output is returned), runs vLLM's own code
-on the route vLLM's rule took (:mod:`.stock_steps` logs each reason once and counts them).
+After start-up nothing here raises but what no bounded path can avoid: a step the planner
+refuses, or a layer call that cannot run its plan (tokens not the plan's, an allocation failure in
+a launch, any error before its output is returned), falls back to the bounded path
+(:mod:`.fallback`), which runs the call within the reservation; the step decides once, for all
+of its layers. Every step is counted (:mod:`.stats`), and the counts are said at vLLM's stats
+interval.
 
 Overrides call stock's method by its class, never through zero-argument ``super()``, and behave
 as stock's where ``self`` lacks this backend's state: vLLM's own tests call these methods on the
@@ -27,7 +30,6 @@ comes through :mod:`.vllm_api`, the version seam.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from typing import Any, cast
@@ -40,8 +42,9 @@ from mla_planner import routing
 from mla_planner.executor.mixed_batch import Launches, MixedBatchExecutor
 from mla_planner.executor.providers import KernelProvider, VllmProvider
 from mla_planner.executor.separate import Buffers, SeparateExecutor, SeparateLaunches
-from mla_planner.vllm_backend import engine, log, masked_mha, reservation, stock_steps, vllm_api, warmup
+from mla_planner.vllm_backend import engine, fallback, log, masked_mha, vllm_api
 from mla_planner.vllm_backend.log import logger
+from mla_planner.vllm_backend.reservation import Reservation
 from mla_planner.vllm_backend.vllm_api import (
     CommonAttentionMetadata,
     FlashMLASparseBackend,
@@ -64,8 +67,11 @@ class PlannedStep:
     same way is derived here, once per step (the executors' launches, FlashMLA's schedules)."""
 
     def __init__(self, plan: mla_planner.StepPlan, config: mla_planner.StepConfig,
-                 vllm_route: tuple[bool, Any] | None) -> None:
+                 vllm_route: tuple[bool, Any] | None, served_heads: int | None = None) -> None:
         self.plan = plan
+        self.reserved_peak = plan.peak_beyond_workspace(config.decode_heads, served_heads)
+        """The largest launch's bytes beyond vLLM's workspace (``served_heads``: the heads of its
+        padded-q and output views, 0.33): what of the plan's peak the reservation holds."""
         self.schedules: dict[Any, Any] = {}
         """FlashMLA schedules by launch shape, filled by the first layer and reused by the rest."""
         self.workspace: dict[Any, Any] = {}
@@ -89,12 +95,16 @@ class PlannedStep:
         self.vllm_route = vllm_route
         """``(fp8_use_mixed_batch, fp8_extra_metadata)`` as vLLM's rule built them, where the
         builder rebuilt the step's FP8 metadata for the plan's route; ``None`` where it kept them."""
+        self.bounded: fallback.BoundedStep | None = None
+        """Where a layer call could not run the plan: the bounded path the step's layer calls take
+        from then on."""
 
 
 @dataclasses.dataclass
 class PlannedFlashMLASparseMetadata(FlashMLASparseMetadata):
-    planned: PlannedStep | None = None
-    """The plan the impl executes; ``None``: the step runs stock's code."""
+    planned: PlannedStep | fallback.BoundedStep | None = None
+    """The plan the impl executes; the bounded path where the builder could not plan the step;
+    ``None``: the step runs stock's one call, which fits the reservation."""
 
 
 def vllm_chunks(fp8: Any, num_decodes: int) -> list[list[int]]:
@@ -126,10 +136,10 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         if not self.plans_steps:
             return
         if vllm_api.kv_cache_sized(vllm_config):  # the reservation's hand-over waits for this cache
-            reservation.note_kv_cache_sized()
+            self.engine.state.reservation.note_kv_cache_sized()
         if (self.reorder_batch_threshold or 1) > self.engine.max_decode_query_len:
             log.once(logging.WARNING, "mla-planner: vLLM counts requests of up to %d tokens as decodes, the budget was "
-                     "checked for %d; a step the budget cannot hold runs vLLM's own code",
+                     "checked for %d; a step the budget cannot hold falls back to the bounded path",
                      self.reorder_batch_threshold, self.engine.max_decode_query_len)
         log.once(logging.INFO, "mla-planner: FP8 steps routed by %s; decode-only steps of up to %d tokens run vLLM's "
                  "own call", "the cost profile" if self.engine.cost_model is not None
@@ -153,20 +163,28 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             # Masked MHA needs a non-quantized cache: no FP8 step has a plan from both.
             try:
                 masked_mha.attach_plan(self, metadata, common_attn_metadata)
-            except stock_steps.CAUGHT as exc:  # after start-up, never raise: vLLM's own choice runs the prefills
+            except fallback.CAUGHT as exc:  # after start-up, never raise: vLLM's own choice runs the prefills
                 setattr(metadata.prefill, masked_mha.PLAN_ATTRIBUTE, None)
-                stock_steps.ran_stock(f"the step's masked-MHA groups could not be planned ({type(exc).__name__})",
-                                      stock_steps.describe(exc), common_attn_metadata.num_actual_tokens,
-                                      metadata.num_decode_tokens, metadata.num_prefills)
+                masked_mha.left_to_vllm(f"the step's masked-MHA groups could not be planned ({type(exc).__name__})",
+                                        fallback.describe(exc))
         if not self.plans_steps:
             return metadata
+        stats = self.engine.state.stats
+        failure: tuple[str, str] | None = None
         try:
             self.attach_plan(metadata, common_attn_metadata)
-        except stock_steps.CAUGHT as exc:  # after start-up, never raise: vLLM's own code runs the step
-            metadata.planned = None
-            stock_steps.ran_stock(f"the step could not be planned ({type(exc).__name__})", stock_steps.describe(exc),
-                                  common_attn_metadata.num_actual_tokens, metadata.num_decode_tokens,
-                                  metadata.num_prefills)
+        except fallback.CAUGHT as exc:  # after start-up, never raise: the step takes the bounded path
+            failure = f"the step could not be planned ({type(exc).__name__})", fallback.describe(exc)
+        if failure is not None:  # past the handler: the failed attempt's objects are gone
+            metadata.planned = fallback.builder_fell_back(self.engine, *failure, common_attn_metadata.num_actual_tokens,
+                                                          metadata.num_decode_tokens, metadata.num_prefills)
+        elif isinstance(metadata.planned, PlannedStep):
+            stats.planned_step(len(metadata.planned.launches), metadata.planned.reserved_peak)
+        else:
+            stats.stock_step()
+        line = stats.maybe_say()
+        if line is not None:
+            logger.info(line)
         return metadata
 
     def sparse_requests(self, metadata: PlannedFlashMLASparseMetadata, num_reqs: int) -> int:
@@ -221,7 +239,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
                                              gather_chunks=np.asarray(chunks, dtype=np.int64).reshape(-1, 2))
         vllm_route = None if mixed == metadata.fp8_use_mixed_batch else (metadata.fp8_use_mixed_batch,
                                                                           metadata.fp8_extra_metadata)
-        planned = PlannedStep(plan, config, vllm_route)
+        planned = PlannedStep(plan, config, vllm_route, self.engine.workspace_heads)
         if logger.isEnabledFor(logging.DEBUG):  # the arguments are calls into the plan: none unless logged
             logger.debug("mla-planner step: %d tokens, %d decode tokens, %d prefills, %s, %d launches, peak %d B, "
                          "bound %s", plan.num_tokens, metadata.num_decode_tokens, metadata.num_prefills, plan.mode,
@@ -234,8 +252,11 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
 def with_padding_tokens(query_lens: np.ndarray, context_lens: np.ndarray,
                         padding: int) -> tuple[np.ndarray, np.ndarray]:
     """A decode-only step's lengths with its ``padding`` tokens past the requests' as decodes
-    without context: its trailing requests of length 0 take as many each as its longest request
-    has, and what is left comes as further requests of up to that many. vLLM's full-CUDA-graph
+    without context, uniform as the requests are: its trailing requests of length 0 take as many
+    each as its longest request has, and what is left comes as further requests of that many.
+    Where the padding is no whole number of such requests, every token of the step is a decode of
+    one token: any token may run apart from its request on the sparse kernels, since each attends
+    to its own top-k rows, and a decode batch must be uniform. vLLM's full-CUDA-graph
     metadata counts the padded batch's tokens in ``num_actual_tokens`` and its padding requests at
     length 0 (0.33 v1/worker/gpu_model_runner.py:2370 and v1/worker/gpu/model_runner.py:1462-1467,
     0.26 v1/worker/gpu_model_runner.py:2409). It is mostly replayed, but a layer runs it eagerly,
@@ -244,11 +265,14 @@ def with_padding_tokens(query_lens: np.ndarray, context_lens: np.ndarray,
     nonzero = np.flatnonzero(query_lens)
     first_pad = int(nonzero[-1]) + 1 if nonzero.size else 0
     per_request = int(query_lens.max()) if nonzero.size else 1
+    uniform = bool(np.isin(query_lens, (0, per_request)).all())
+    if padding % per_request or not uniform:
+        tokens = int(query_lens.sum()) + padding
+        return np.ones(tokens, dtype=np.int64), np.zeros(tokens, dtype=np.int64)
     pads = len(query_lens) - first_pad
     filled = min(pads, padding // per_request)
-    left = padding - filled * per_request
-    extra = [per_request] * (left // per_request) + ([left % per_request] if left % per_request else [])
-    query_lens = np.concatenate([query_lens[:first_pad], [per_request] * filled, query_lens[first_pad + filled:], extra])
+    extra = [per_request] * (padding // per_request - filled)
+    query_lens = np.concatenate([query_lens[:first_pad], [per_request] * filled, extra])
     context_lens = np.concatenate([context_lens[:first_pad], [0] * (len(query_lens) - first_pad)])
     return query_lens.astype(np.int64), context_lens.astype(np.int64)
 
@@ -309,7 +333,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         self.separate = SeparateExecutor(provider, self.engine.config)
         # Model construction: vLLM counts this as model memory, so the KV cache leaves room. Not
         # the profile run: vLLM 0.33's DeepSeek-V3.2 layer returns there before any impl hook.
-        if reservation.reserve(self.engine.reserved_bytes, device):  # once per engine
+        if setup.state.reservation.reserve(setup.reserved_bytes, device):  # once per engine
             settings = self.engine.settings
             logger.info("mla-planner: sparse MLA scratch budget %d MiB (%s); %d MiB reserved from the KV cache for "
                         "the largest launch beyond vLLM's workspace%s; %d heads per rank", settings.scratch_mb,
@@ -363,7 +387,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
             self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata, *args, **kwargs
         )
 
-    def _run_mixed(self, step: PlannedStep, launches: Launches, q: torch.Tensor, kv_cache: torch.Tensor,
+    def _run_mixed(self, step: PlannedStep | fallback.BoundedStep, launches: Launches, q: torch.Tensor, kv_cache: torch.Tensor,
                    topk_indices: torch.Tensor, md: FlashMLASparseMetadata) -> Any:
         pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
         views = vllm_api.workspace_views(self, step.workspace)
@@ -428,86 +452,86 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
 
 
 class PlanMismatch(ValueError):
-    """A layer call whose sparse tokens are not its step's plan's."""
+    """A layer call whose sparse tokens (or route) are not its step's plan's."""
 
 
 def run_plan(impl: Any, route: str, q: torch.Tensor, kv_cache: torch.Tensor, topk_indices: torch.Tensor,
              md: FlashMLASparseMetadata) -> Any:
     """The layer call as its step's plan on ``route`` says; ``None`` where stock's code runs it as
-    it stands (no plan, or stock's one call); where the plan cannot run, vLLM's own forward on the
-    route vLLM's rule took. A function, not a method: vLLM's tests call the forwards with a
-    stand-in ``impl``."""
-    try:
-        step = step_to_run(impl, md, q, kv_cache, topk_indices)
-        if step is None or step.plan.mode != route:
-            return None
-        vllm_api.fill_group_topk(impl, topk_indices, md, kv_cache)
-        if step.mixed_launches is not None:
-            return impl._run_mixed(step, step.mixed_launches, q, kv_cache, topk_indices, md)
-        if step.separate_launches is not None:
-            return impl._run_separate(step, step.separate_launches, q, kv_cache, topk_indices, md)
+    it stands (no plan and stock's one call, which fits the reservation); where the plan cannot
+    run, the bounded path, decided once for the step's later layers. A function, not a method:
+    vLLM's tests call the forwards with a stand-in ``impl``."""
+    setup = getattr(impl, "engine", None)
+    if setup is None:  # a BF16 cache, or vLLM's tests' stand-in `self`
         return None
-    except stock_steps.CAUGHT as exc:  # after start-up, never raise
-        return stock_forward(impl, q, kv_cache, topk_indices, vllm_metadata(exc, md))
+    prepare(setup, md, kv_cache, topk_indices)
+    step = getattr(md, "planned", None)
+    if step is None:
+        return None
+    if isinstance(step, fallback.BoundedStep):  # the builder could not plan it
+        return step.run(impl, q, kv_cache, topk_indices, md, stock_forward)
+    if step.bounded is None:
+        try:
+            return run_planned(impl, step, route, q, kv_cache, topk_indices, md)
+        except fallback.CAUGHT as exc:  # after start-up, never raise
+            reason, detail = fallback.layer_reason(exc, PlanMismatch), fallback.describe(exc)
+        # Past the handler, the exception and the failed launches' frames (their buffers) are gone.
+        step.bounded = fallback.layer_fell_back(setup, reason, detail, step.vllm_route)
+    return step.bounded.run(impl, q, kv_cache, topk_indices, md, stock_forward)
 
 
-def hand_over_reservation() -> None:
+def run_planned(impl: Any, step: PlannedStep, route: str, q: torch.Tensor, kv_cache: torch.Tensor,
+                topk_indices: torch.Tensor, md: FlashMLASparseMetadata) -> Any:
+    """The plan's launches for this layer call; ``None`` where the plan is stock's one call within
+    the allowance (stock's code runs it); :class:`PlanMismatch` for a call whose tokens or route
+    are not the plan's."""
+    if q.shape[0] != step.sparse_tokens:
+        raise PlanMismatch(f"{q.shape[0]} tokens where the plan has {step.sparse_tokens}")
+    if step.plan.mode != route:
+        raise PlanMismatch(f"vLLM called the {route} forward for a {step.plan.mode} plan")
+    if step.stock_call_bytes is not None and step.stock_call_bytes <= impl.engine.stock_call_allowance:
+        return None
+    vllm_api.fill_group_topk(impl, topk_indices, md, kv_cache)
+    if step.mixed_launches is not None:
+        return impl._run_mixed(step, step.mixed_launches, q, kv_cache, topk_indices, md)
+    assert step.separate_launches is not None
+    return impl._run_separate(step, step.separate_launches, q, kv_cache, topk_indices, md)
+
+
+def prepare(setup: engine.EngineSetup, md: FlashMLASparseMetadata, kv_cache: torch.Tensor,
+            topk_indices: torch.Tensor) -> None:
+    """Before the engine's layer calls run anything, once each: the reservation handed over once
+    vLLM serves, the index translation warmed. A warm-up that fails is said once and not tried
+    again: the translation then compiles where first used, as stock's does."""
+    state = setup.state
+    if state.reservation.held() and state.reservation.serving(kv_cache.shape[0], setup.profiling_kv_blocks):
+        hand_over_reservation(state.reservation)
+    if state.warm_up.pending:
+        try:
+            _pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
+            state.warm_up.maybe(setup.routes if setup.plans_fp8 else (), md.block_table, md.block_size,
+                                block_stride_rows, topk_indices.shape[1])
+        except fallback.CAUGHT as exc:
+            state.warm_up.pending = False
+            log.once(logging.WARNING, "mla-planner: warming up vLLM's Triton index translation failed (%s): its "
+                                      "variants compile where first used", fallback.describe(exc))
+
+
+def hand_over_reservation(reservation: Reservation) -> None:
     """Give the reserved bytes to the kernels: back to the driver, and, under sleep mode, out of
     vLLM's pool for the model (which keeps a freed segment mapped); said in one line."""
     elsewhere = reservation.made_on_another_stream()
     reservation.release()
     try:
-        unmapped = vllm_api.release_from_sleep_mode_pool(reservation.address())
-    except stock_steps.CAUGHT as exc:  # vLLM's unmap failed (a CUDA error): the step goes on, once said
+        unmapped = vllm_api.release_from_sleep_mode_pool(reservation.address)
+    except fallback.CAUGHT as exc:  # vLLM's unmap failed (a CUDA error): the step goes on, once said
         unmapped = False
         log.once(logging.WARNING, "mla-planner: unmapping the scratch reservation from vLLM's sleep-mode memory "
                                   "pool failed (%s): its bytes stay mapped there", exc)
     logger.info("mla-planner: scratch reservation of %d MiB handed to the kernels%s%s",
-                reservation.reserved_bytes() >> 20,
+                reservation.reserved_bytes >> 20,
                 " (made on another CUDA stream than this one)" if elsewhere else "",
                 " (unmapped from vLLM's sleep-mode memory pool)" if unmapped else "")
-
-
-def step_to_run(impl: Any, md: FlashMLASparseMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
-                topk_indices: torch.Tensor) -> PlannedStep | None:
-    """The plan this layer call runs, or ``None`` for stock's code: no plan, or a plan of stock's
-    one call within the allowance; :class:`PlanMismatch` for a call whose tokens are not the
-    plan's. First, once per process each: the reservation handed over once vLLM serves, the
-    index translation warmed."""
-    setup = getattr(impl, "engine", None)
-    if setup is None:  # a BF16 cache, or vLLM's tests' stand-in `self`
-        return None
-    if reservation.held() and reservation.serving(kv_cache.shape[0], setup.profiling_kv_blocks):
-        hand_over_reservation()
-    if warmup.pending:
-        _pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
-        warmup.maybe_warm_up(setup.routes if setup.plans_fp8 else (), md.block_table, md.block_size, block_stride_rows,
-                             topk_indices.shape[1])
-    step = getattr(md, "planned", None)
-    if step is None:
-        return None
-    if q.shape[0] != step.sparse_tokens:
-        raise PlanMismatch(f"{q.shape[0]} tokens where the plan has {step.sparse_tokens}")
-    if step.stock_call_bytes is not None and step.stock_call_bytes <= setup.stock_call_allowance:
-        return None
-    return cast(PlannedStep, step)
-
-
-def vllm_metadata(exc: BaseException, md: FlashMLASparseMetadata) -> FlashMLASparseMetadata:
-    """After a layer call could not run its plan (``exc`` says why, logged once per reason): the
-    step's metadata on the route vLLM's rule built, where the builder rebuilt it for the plan's."""
-    if isinstance(exc, PlanMismatch):
-        stock_steps.layer_ran_stock("vLLM handed the sparse kernels other tokens than the plan's", str(exc))
-    else:
-        stock_steps.layer_ran_stock(f"the layer call could not run its plan ({type(exc).__name__})",
-                                    stock_steps.describe(exc))
-    step = getattr(md, "planned", None)
-    if step is None or step.vllm_route is None:
-        return md
-    md = copy.copy(md)
-    md.fp8_use_mixed_batch, md.fp8_extra_metadata = step.vllm_route
-    md.planned = None  # type: ignore[attr-defined]
-    return md
 
 
 def stock_forward(impl: Any, q: torch.Tensor, kv_cache: torch.Tensor, topk_indices: torch.Tensor,

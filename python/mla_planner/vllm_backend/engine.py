@@ -1,7 +1,9 @@
-"""One engine's setup, made once per process from vLLM's configuration and read by the metadata
+"""One engine's setup, made once per engine from vLLM's configuration and read by the metadata
 builder and by every layer's impl: the settings, the step configuration, the rule that routes FP8
 steps, the engine's limits, the smallest budget those limits need (checked here, at start-up), the
-bytes the reservation holds, and what vLLM's own calls may allocate within it.
+bytes the reservation holds, what vLLM's own calls may allocate within it, and the bounded path's
+configurations; and the engine's state as it runs (:class:`EngineState`: its reservation, its
+warm-up, its counters), one per engine whatever the number of engines in the process.
 
 Nothing downstream derives a kernel, workspace or budget fact again: the builder plans with
 :attr:`EngineSetup.config`, the impl reserves :attr:`EngineSetup.reserved_bytes`, and both ask
@@ -20,10 +22,40 @@ import mla_planner
 from mla_planner import routing
 from mla_planner.vllm_backend import sizing, vllm_api
 from mla_planner.vllm_backend.log import logger
+from mla_planner.vllm_backend.reservation import Reservation
+from mla_planner.vllm_backend.stats import StepStats
+from mla_planner.vllm_backend.warmup import WarmUp
 from mla_planner.vllm_backend.settings import NATIVE_VAR, Settings, SettingsError, read_settings
 
 
 MIB = 1 << 20
+
+
+@dataclasses.dataclass
+class EngineState:
+    """What one engine changes as it runs, shared by its builders and every layer's impl (its MTP
+    draft's too, which vLLM builds with a copy of the engine's configuration)."""
+
+    reservation: Reservation = dataclasses.field(default_factory=Reservation)
+    warm_up: WarmUp = dataclasses.field(default_factory=WarmUp)
+    stats: StepStats = dataclasses.field(default_factory=lambda: StepStats(vllm_api.stats_interval_s()))
+
+
+_states: list[tuple[Any, EngineState]] = []
+
+
+def state_of(vllm_config: Any) -> EngineState:
+    """The state of the engine ``vllm_config`` configures: one per compilation configuration, the
+    object whose forward context holds every attention layer of one engine. The draft model's
+    copy of the configuration shares it (vLLM finds the draft's layers there), a second engine's
+    does not."""
+    engine = vllm_config.compilation_config
+    for made_for, state in _states:
+        if made_for is engine:
+            return state
+    state = EngineState()
+    _states[:] = [*_states[-7:], (engine, state)]
+    return state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +91,11 @@ class EngineSetup:
     stock_reason: str | None = None
     """Why vLLM keeps its own route and code for every step (HiSparse, context parallelism), if it
     does: then nothing is planned, checked or reserved."""
+    bounded_configs: tuple[mla_planner.StepConfig, ...] = ()
+    """The bounded path's rungs (:meth:`mla_planner.StepConfig.bounded_configs`): mixed-batch
+    launches within the allowance, then each a quarter of the one before, down to one token."""
+    state: EngineState = dataclasses.field(default_factory=EngineState, compare=False)
+    """The engine's state as it runs (:func:`state_of`)."""
 
     @property
     def plans_fp8(self) -> bool:
@@ -86,12 +123,13 @@ def setup(vllm_config: Any, num_heads: int, device: torch.device) -> EngineSetup
     for config, made_key, made in _made:
         if config is vllm_config and made_key == key:
             return made
-    made = make_setup(vllm_config, num_heads, torch.device(device), settings)
+    made = make_setup(vllm_config, num_heads, torch.device(device), settings, state_of(vllm_config))
     _made[:] = [*_made[-3:], (vllm_config, key, made)]
     return made
 
 
-def make_setup(vllm_config: Any, num_heads: int, device: torch.device, settings: Settings) -> EngineSetup:
+def make_setup(vllm_config: Any, num_heads: int, device: torch.device, settings: Settings,
+               state: EngineState | None = None) -> EngineSetup:
     config = step_config(vllm_config, num_heads, device, settings)
     cost_model = cost_model_for(config, settings)
     routes = sizing.ROUTES if cost_model is not None else (config.mode,)
@@ -100,7 +138,8 @@ def make_setup(vllm_config: Any, num_heads: int, device: torch.device, settings:
     max_decode = min(vllm_api.decode_threshold(vllm_config, num_heads, config.arch), max_step_tokens)
     partial = EngineSetup(settings, config, cost_model, routes, max_step_tokens, max_decode,
                           vllm_api.workspace_padded_heads(vllm_config, num_heads), 0, 0, 0,
-                          vllm_api.profiling_kv_blocks(vllm_config), vllm_api.stock_route_reason(vllm_config))
+                          vllm_api.profiling_kv_blocks(vllm_config), vllm_api.stock_route_reason(vllm_config),
+                          state=state or EngineState())
     if not partial.plans_fp8:
         return partial
     check_budget(partial)
@@ -108,7 +147,15 @@ def make_setup(vllm_config: Any, num_heads: int, device: torch.device, settings:
                                             partial.workspace_heads)
     # vLLM 0.26 has no workspace view for the step's output: the executors allocate it.
     output = 0 if vllm_api.STOCK_WORKSPACE else sizing.step_output_bytes(max_step_tokens, num_heads)
-    with_allowance = dataclasses.replace(partial, stock_call_allowance=allowance, reserved_bytes=allowance + output)
+    # The bounded path's launches, padded q and output included, fit the allowance: checked here,
+    # at start-up, where a budget that leaves not even one token for it is refused.
+    try:
+        bounded = tuple(config.bounded_configs(allowance))
+    except ValueError as exc:
+        raise SettingsError(f"{exc}; set MLA_PLANNER_SCRATCH_MB higher") from None
+    with_allowance = dataclasses.replace(partial, stock_call_allowance=allowance, reserved_bytes=allowance + output,
+                                         bounded_configs=bounded)
+    with_allowance.state.stats.reserved_bytes = with_allowance.reserved_bytes
     stock_decodes = stock_decode_tokens(with_allowance, int(scheduler.max_num_seqs),
                                         vllm_api.uniform_decode_len(vllm_config))
     return dataclasses.replace(with_allowance, stock_decode_tokens=stock_decodes)

@@ -21,6 +21,7 @@ sparse-MQA path for just its rows. The layer itself is not changed.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from typing import Any
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 import mla_planner
-from mla_planner.vllm_backend import log, stock_steps, vllm_api
+from mla_planner.vllm_backend import fallback, log, vllm_api
 from mla_planner.vllm_backend.log import logger
 from mla_planner.vllm_backend.vllm_api import FlashMLASparseImpl
 
@@ -188,11 +189,24 @@ def forward(impl: Any, partial: PartialPrefill, q: torch.Tensor, kv_c_normed: to
     the step, logged once per reason and counted."""
     try:
         run_groups(impl, partial, q, kv_c_normed, k_pe, kv_cache, k_scale, output)
-    except stock_steps.CAUGHT as exc:
-        stock_steps.layer_ran_stock(f"the layer's masked-MHA groups could not run ({type(exc).__name__})",
-                                    stock_steps.describe(exc))
+    except fallback.CAUGHT as exc:
+        left_to_vllm(f"the layer's masked-MHA groups could not run ({type(exc).__name__})", fallback.describe(exc))
         whole = partial.stock
         vllm_api.sparse_mqa_rows(impl, q, kv_cache, whole.topk_rows, whole.metadata, output)
+
+
+left: collections.Counter[str] = collections.Counter()
+"""Steps (builder) and layer calls (impl) whose masked-MHA prefills were left to vLLM's choice, by
+reason."""
+
+
+def left_to_vllm(reason: str, detail: str) -> None:
+    """A step's masked-MHA prefills left to vLLM's own choice (a BF16 cache's prefill, which the
+    scratch budget does not cover), said once per reason and counted."""
+    left[reason] += 1
+    log.once(logging.WARNING, "mla-planner: a step's prefills run as vLLM chooses: %s: %s (said once per reason)",
+             reason, detail)
+    logger.debug("mla-planner layer: vLLM's masked-MHA choice (%s)", reason)
 
 
 def run_groups(impl: Any, partial: PartialPrefill, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,

@@ -35,80 +35,69 @@ import threading
 
 import torch
 
-_lock = threading.Lock()
-_held: torch.Tensor | None = None
-_stream: int | None = None
-"""The CUDA stream the reservation was allocated on (its handle), for the hand-over's log line."""
-_reserved_bytes = 0
-_address = 0
-_kv_cache_sized = False
 
+class Reservation:
+    """One engine's reserved bytes, from its model's construction to the hand-over."""
 
-def reserve(num_bytes: int, device: torch.device) -> bool:
-    """Hold ``num_bytes`` on ``device`` until :func:`release`, unless a reservation is held already
-    (the engine's first layer made it); returns whether this call allocated. After a release (the
-    engine served), a call comes from the model construction of another engine."""
-    global _held, _stream, _reserved_bytes, _address, _kv_cache_sized
-    with _lock:
-        if _held is not None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: torch.Tensor | None = None
+        self._made = False
+        self._stream: int | None = None
+        """The CUDA stream the bytes were allocated on (its handle), for the hand-over's log line."""
+        self.reserved_bytes = 0
+        """Bytes reserved (kept after :meth:`release`)."""
+        self.address = 0
+        """Device address of the reserved bytes (kept after :meth:`release`)."""
+        self.kv_cache_sized = False
+        """vLLM has sized this engine's KV cache: a metadata builder was made for it
+        (:func:`.vllm_api.kv_cache_sized`). Only its forwards follow."""
+
+    def reserve(self, num_bytes: int, device: torch.device) -> bool:
+        """Hold ``num_bytes`` on ``device`` until :meth:`release`, unless this engine reserved
+        already (its first layer did); returns whether this call allocated."""
+        with self._lock:
+            if self._made:
+                return False
+            self._made = True
+            self._held = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+            self.address = self._held.data_ptr()
+            self._stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+            self.reserved_bytes = num_bytes
+            return True
+
+    def release(self) -> bool:
+        """Give the reserved bytes back to the driver, for the allocations of whichever stream
+        runs the kernels. Returns whether anything was held."""
+        with self._lock:
+            held, self._held = self._held, None
+        if held is None:
             return False
-        _held = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        _address = _held.data_ptr()
-        _stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-        _reserved_bytes = num_bytes
-        _kv_cache_sized = False
+        on_cuda = held.is_cuda
+        del held
+        if on_cuda:
+            try:
+                torch.cuda.empty_cache()
+            except RuntimeError:  # a synchronisation refused mid-step (VLLM_GPU_SYNC_CHECK=error): they stay cached
+                pass
         return True
 
+    def held(self) -> bool:
+        return self._held is not None
 
-def release() -> bool:
-    """Give the reserved bytes back to the driver, for the allocations of whichever stream runs
-    the kernels. Returns whether anything was held."""
-    global _held
-    with _lock:
-        held, _held = _held, None
-    if held is None:
-        return False
-    on_cuda = held.is_cuda
-    del held
-    if on_cuda:
-        try:
-            torch.cuda.empty_cache()
-        except RuntimeError:  # a synchronisation refused mid-step (VLLM_GPU_SYNC_CHECK=error): they stay cached
-            pass
-    return True
+    def made_on_another_stream(self) -> bool:
+        """Whether the bytes were allocated on a CUDA stream other than the current one (what
+        giving them back to the driver is for)."""
+        return self._stream is not None and torch.cuda.current_stream().cuda_stream != self._stream
 
+    def note_kv_cache_sized(self) -> None:
+        self.kv_cache_sized = True
 
-def held() -> bool:
-    return _held is not None
-
-
-def made_on_another_stream() -> bool:
-    """Whether the reservation was allocated on a CUDA stream other than the current one (what
-    giving it back to the driver is for)."""
-    return _stream is not None and torch.cuda.current_stream().cuda_stream != _stream
-
-
-def reserved_bytes() -> int:
-    """Bytes of the latest reservation (kept after :func:`release`)."""
-    return _reserved_bytes
-
-
-def address() -> int:
-    """Device address of the latest reservation (kept after :func:`release`)."""
-    return _address
-
-
-def note_kv_cache_sized() -> None:
-    """vLLM has sized the KV cache: a metadata builder was made for it
-    (:func:`.vllm_api.kv_cache_sized`). Only its forwards follow."""
-    global _kv_cache_sized
-    _kv_cache_sized = True
-
-
-def serving(kv_cache_blocks: int, profiling_kv_blocks: int) -> bool:
-    """Whether a forward over a KV cache of ``kv_cache_blocks`` blocks runs after vLLM sized the
-    KV cache: outside a CUDA-graph capture, over more blocks than vLLM's CUDA-graph memory
-    profiling uses (``profiling_kv_blocks``), or over any once :func:`note_kv_cache_sized`."""
-    if kv_cache_blocks <= profiling_kv_blocks and not _kv_cache_sized:
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    def serving(self, kv_cache_blocks: int, profiling_kv_blocks: int) -> bool:
+        """Whether a forward over a KV cache of ``kv_cache_blocks`` blocks runs after vLLM sized
+        this engine's KV cache: outside a CUDA-graph capture, over more blocks than vLLM's
+        CUDA-graph memory profiling uses (``profiling_kv_blocks``), or over any once
+        :meth:`note_kv_cache_sized`."""
+        if kv_cache_blocks <= profiling_kv_blocks and not self.kv_cache_sized:
+            return False
+        return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

@@ -137,6 +137,14 @@ def current_vllm_config() -> VllmConfig:
     return get_current_vllm_config()
 
 
+def stats_interval_s() -> float:
+    """vLLM's stats-logging interval (``VLLM_LOG_STATS_INTERVAL``, 10 s by default; envs.py:829-833
+    on 0.26, :875-879 on 0.33), as the API server reads it: workers inherit its environment."""
+    import vllm.envs as envs
+
+    return float(envs.VLLM_LOG_STATS_INTERVAL)
+
+
 def forward_result(out: torch.Tensor) -> Any:
     """What the FP8 forwards return for an output of this backend (which needs no LSE: the
     backend runs no plan where vLLM wants one, see :func:`stock_route_reason`)."""

@@ -13,11 +13,13 @@ variant of the translation, 0.33's JIT warm-up registry only aligned ones, and v
 own in the first forward that uses it; the planned variants would compile in the middle of
 serving, at the first step that needs each, stalling every request in flight.
 
-So the impl's first FP8 forward in the process -- vLLM's CUDA-graph warm-up runs at start, or the
-first step under ``--enforce-eager`` -- translates one row with each variant the engine's routes
-use, on fresh tensors shaped like the call's: the block table's width, the block size and the
-cache's block stride are compile-time constants or specialized integers. Never inside a CUDA
-graph capture, which would record the warm-up into the graph.
+So each engine's first FP8 forward -- vLLM's CUDA-graph warm-up runs at start, or the first step
+under ``--enforce-eager`` -- translates one row with each variant the engine's routes use, on fresh
+tensors shaped like the call's: the block table's width, the block size and the cache's block
+stride are compile-time constants or specialized integers. Never inside a CUDA graph capture,
+which would record the warm-up into the graph. Once per engine, not per process: a second engine
+may have another block size or top-k, which Triton compiles apart (where it has the same, Triton's
+cache makes its warm-up a lookup).
 """
 
 from __future__ import annotations
@@ -29,10 +31,6 @@ import torch
 
 from mla_planner.vllm_backend import vllm_api
 from mla_planner.vllm_backend.log import logger
-
-
-pending = True
-"""Whether the process has yet to warm up; the impl's forwards read this before anything else."""
 
 
 def variants(routes: Iterable[str]) -> list[tuple[bool, int]]:
@@ -48,29 +46,35 @@ def variants(routes: Iterable[str]) -> list[tuple[bool, int]]:
     return out
 
 
-def maybe_warm_up(routes: Collection[str], block_table: torch.Tensor, block_size: int, block_stride_rows: int | None,
-                  topk: int) -> None:
-    """:func:`warm_up` the variants of ``routes`` (the engine's FP8 routes where it plans steps,
-    none where it does not) on the block table's device, once per process; nothing off CUDA (no
-    Triton there: the CPU tests), nothing while a graph is captured (the next forward tries
-    again)."""
-    global pending
-    if block_table.device.type != "cuda":
-        pending = False
-        return
-    if torch.cuda.is_current_stream_capturing():
-        return
-    pending = False
-    todo = variants(routes)
-    if not todo:
-        return
-    start = time.perf_counter()
-    warm_up(todo, block_table, block_size, block_stride_rows, topk)
-    # Once per process, with its cost: a start-up compile to see in the log (and on the first
-    # CUDA-graph capture's progress bar), not a stall in the middle of serving.
-    logger.info("mla-planner: %d variants of vLLM's Triton index translation compiled (or loaded from Triton's "
-                "cache) in %.0f ms for routes %s", len(todo), (time.perf_counter() - start) * 1e3,
-                ", ".join(sorted(routes)))
+class WarmUp:
+    """One engine's warm-up: :attr:`pending` until its first FP8 forward outside a capture."""
+
+    def __init__(self) -> None:
+        self.pending = True
+
+    def maybe(self, routes: Collection[str], block_table: torch.Tensor, block_size: int,
+              block_stride_rows: int | None, topk: int) -> None:
+        """:func:`warm_up` the variants of ``routes`` (the engine's FP8 routes where it plans steps,
+        none where it does not) on the block table's device, once; nothing off CUDA (no Triton
+        there: the CPU tests), nothing while a graph is captured (the next forward tries again)."""
+        if not self.pending:
+            return
+        if block_table.device.type != "cuda":
+            self.pending = False
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return
+        self.pending = False
+        todo = variants(routes)
+        if not todo:
+            return
+        start = time.perf_counter()
+        warm_up(todo, block_table, block_size, block_stride_rows, topk)
+        # Once per engine, with its cost: a start-up compile to see in the log (and on the first
+        # CUDA-graph capture's progress bar), not a stall in the middle of serving.
+        logger.info("mla-planner: %d variants of vLLM's Triton index translation compiled (or loaded from Triton's "
+                    "cache) in %.0f ms for routes %s", len(todo), (time.perf_counter() - start) * 1e3,
+                    ", ".join(sorted(routes)))
 
 
 def warm_up(variants: list[tuple[bool, int]], block_table: torch.Tensor, block_size: int,
