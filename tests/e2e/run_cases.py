@@ -7,6 +7,14 @@ timeout keeps what came before. A case that raises (a CUDA OOM in stock is expec
 error is recorded, its requests are aborted, and the next case runs in the same engine, flagged with the
 failures that came before it. ``--dry-run`` prints the plan and checks the engine arguments against the
 installed vLLM, with no GPU.
+
+``--faults plan,tokens,oom2,launch`` (the planned backend) runs the cases once per fault mode in the
+same engine, each armed before its cases (faults.py: the reasons a step cannot run its plan), and
+records with each case the faults injected and the largest attention layer call's allocator peak,
+beside the reservation:
+
+    python3 tests/e2e/run_cases.py --backend planned --util 0.95 --mnbt 65536 --cases 1 2 4 5 \
+        --faults none,plan,tokens,oom2,launch --out faults.json
 """
 
 from __future__ import annotations
@@ -154,6 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="KV cache block size (default 64; vLLM 0.33 takes any multiple of 64 on Hopper)")
     ap.add_argument("--case-timeout-s", type=float, default=90,
                     help="limit on one generate call (default 90 s; a 2-layer model prefills 64K tokens in seconds)")
+    ap.add_argument("--faults", help="fault modes, comma-separated (faults.MODES): the cases run once per mode")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, check engine arguments, run nothing")
     ap.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # CPU tests: e2e_fakes
     args = ap.parse_args(argv)
@@ -169,6 +178,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--tp and --heads must be at least 1")
     if args.block_size < 64 or args.block_size % 64:
         ap.error("--block-size must be a multiple of 64")
+    args.faults = args.faults.split(",") if args.faults else None
+    if args.faults is not None:
+        import faults
+
+        unknown_modes = [m for m in args.faults if m not in faults.MODES]
+        if unknown_modes or args.backend != "planned" or args.tp != 1:
+            ap.error(f"--faults takes {', '.join(faults.MODES)}, with --backend planned and --tp 1")
     if "4" in args.cases and args.mnbt < max(CASE_PROMPTS["4"]):
         print(f"note: case 4 with --mnbt {args.mnbt} < 65536 is prefilled in chunks", file=sys.stderr)
     return args
@@ -527,6 +543,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "planned":
         data["planner_settings"] = planner_settings()
     write_json(args.out, data)
+    if args.faults is not None:
+        import faults
+
+        faults.install()
     t0 = time.perf_counter()
     try:
         bench = Bench(kwargs, fake_modules() if args.fake_engine else None, args.case_timeout_s)
@@ -547,13 +567,19 @@ def main(argv: list[str] | None = None) -> int:
 
     failures: list[str] = []
     dead: str | None = None
-    for case in args.cases:
+    runs = [(None, c) for c in args.cases] if args.faults is None else [(m, c) for m in args.faults for c in args.cases]
+    for mode, case_name in runs:
+        case = case_name if mode is None else f"{mode}/{case_name}"
         if dead is not None:
             data["cases"][case] = {"status": "skipped", "error": dead}
             continue
         data["cases"][case] = {"status": "started", "after_failure_in": list(failures)}
         write_json(args.out, data)
-        result = run_case(bench, case, args.repeats)
+        if mode is not None:
+            faults.arm(mode)
+        result = run_case(bench, case_name, args.repeats)
+        if mode is not None:
+            result["faults"] = {**faults.read(), "reserved_bytes": faults.reserved_bytes()}
         result["after_failure_in"] = list(failures)
         if result["status"] != "ok":
             failures.append(case)
@@ -564,8 +590,11 @@ def main(argv: list[str] | None = None) -> int:
                 result["abort_error"] = error_text(exc)
         data["cases"][case] = result
         write_json(args.out, data)
+        fault = result.get("faults")
         print(f"case {case}: {result['status']} in {result['elapsed_s']:.1f} s"
-              + (f" ({result['error'][:200]})" if result["error"] else ""), flush=True)
+              + (f" ({result['error'][:200]})" if result["error"] else "")
+              + (f"; {fault['faults_fired']} faults, attention peak {fault['attention_peak_bytes'] / 2**20:.0f} MiB "
+                 f"of {(fault['reserved_bytes'] or 0) / 2**20:.0f} MiB reserved" if fault else ""), flush=True)
     data["finished"] = True
     write_json(args.out, data)
     return 0

@@ -20,6 +20,7 @@ when its deadline comes (what it cut is recorded as not run) and stops its serve
 from __future__ import annotations
 
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -109,10 +110,22 @@ def finish_server(server: Server, record: dict[str, Any]) -> None:
     """Health at the end, then stop; errors the whole log shows."""
     record["alive_at_end"] = server.alive()
     record["health_at_end"] = server.health() if server.alive() else None
+    if server.alive():  # the plugin's metrics, where vLLM serves a worker's (PROMETHEUS_MULTIPROC_DIR set)
+        record["plugin_metrics"] = plugin_metrics(server.url)
     record["stop"] = server.stop()
     record.update(log_facts(server.log_text()))
     if record["stop"].get("left_running"):
         say(f"{record['label']}: WARNING: processes of the server's group still running after SIGKILL")
+
+
+def plugin_metrics(url: str) -> list[str]:
+    """The ``mla_planner_*`` samples of the server's ``/metrics``; none where it serves none."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+            text = response.read().decode(errors="replace")
+    except (OSError, ValueError):
+        return []
+    return [line for line in text.splitlines() if line.startswith("mla_planner_")]
 
 
 def server_up(record: dict[str, Any]) -> bool:

@@ -26,6 +26,7 @@ import pytest
 
 import e2e_bundle as eb
 import e2e_report
+import faults
 import run_cases
 import run_e2e
 import serve_proc
@@ -153,11 +154,12 @@ sys.path.insert(0, {str(HERE)!r})
 import run_cases
 from vllm import LLM, SamplingParams
 from vllm.device_allocator.cumem import CuMemAllocator
-from mla_planner.vllm_backend import reservation
+from mla_planner.vllm_backend import engine
 llm = LLM(**run_cases.engine_kwargs("planned", 0.5, 4096, max_model_len=8192), enable_sleep_mode=True)
 pool = CuMemAllocator.get_instance()
+reservation = engine._states[-1][1].reservation  # the engine's, the one engine of this process
 def in_pool():  # whether a segment of vLLM's pool still covers the reservation's address
-    address = reservation.address()
+    address = reservation.address
     return any(start <= address < start + data.handle[1] for start, data in pool.pointer_to_data.items())
 rng = random.Random(0)
 for round in range(2):
@@ -482,6 +484,83 @@ def test_a_hung_engine_is_a_case_error_not_a_hang() -> None:
     result = run_cases.run_prompts_case(bench, "5")
     assert result["status"] == "error" and "TimeoutError" in result["error"] and not result["tokens_back"]
     assert bench.abort_all() == 1 and not bench.llm.llm_engine.has_unfinished_requests()
+
+
+# --- fault injection (run_cases --faults) ----------------------------------------------------------
+
+
+def test_each_fault_mode_fires_where_it_says() -> None:
+    """oom2: the second launch after the step's metadata was built, once; launch: its first."""
+    calls: list[str] = []
+
+    class Inner:
+        name = "inner"
+
+        def sparse_decode(self, *args: Any) -> str:
+            calls.append("decode")
+            return "out"
+
+        def sparse_prefill(self, *args: Any) -> str:
+            calls.append("prefill")
+            return "out"
+
+    provider = faults.FaultyProvider(Inner(), MemoryError)
+    assert provider.name == "inner"
+    faults.arm("oom2")
+    assert provider.sparse_decode() == "out"
+    with pytest.raises(MemoryError):
+        provider.sparse_prefill()
+    assert provider.sparse_decode() == "out" and faults.read()["faults_fired"] == 1
+    faults.arm("launch")
+    with pytest.raises(RuntimeError):
+        provider.sparse_decode()
+    assert provider.sparse_decode() == "out" and calls == ["decode", "decode", "decode"]
+    faults.arm("none")
+    assert provider.sparse_decode() == "out" and faults.read()["faults_fired"] == 0
+    with pytest.raises(ValueError, match="unknown fault mode"):
+        faults.arm("sometimes")
+
+
+def test_a_layer_calls_peak_is_what_it_took_beyond_its_start() -> None:
+    class Cuda:
+        allocated, peak = 1000, 5000
+
+        def memory_allocated(self) -> int:
+            return self.allocated
+
+        def reset_peak_memory_stats(self) -> None:
+            self.peak = self.allocated
+
+        def max_memory_allocated(self) -> int:
+            return self.peak
+
+    torch = type("torch", (), {"cuda": Cuda()})()
+
+    def forward(extra: int) -> None:
+        torch.cuda.peak = max(torch.cuda.peak, torch.cuda.allocated + extra)
+        if extra == 0:
+            wrapped(300)  # a nested call (stock's code under ours) is the outer call's
+
+    wrapped = faults.measured(forward, torch)
+    faults.arm("none")
+    wrapped(700)
+    wrapped(0)
+    assert faults.read()["attention_peak_bytes"] == 700 and faults.read()["attention_layer_calls"] == 2
+
+
+def test_run_cases_runs_the_cases_once_per_fault_mode(tmp_path: Path) -> None:
+    out = tmp_path / "faults.json"
+    r = subprocess.run([sys.executable, str(HERE / "run_cases.py"), "--backend", "planned", "--util", "0.95",
+                        "--cases", "5", "--faults", "none,plan", "--out", str(out), "--fake-engine"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cases = json.loads(out.read_text())["cases"]
+    assert list(cases) == ["none/5", "plan/5"] and all(c["status"] == "ok" for c in cases.values())
+    assert [c["faults"]["mode"] for c in cases.values()] == ["none", "plan"]
+    bad = subprocess.run([sys.executable, str(HERE / "run_cases.py"), "--backend", "stock", "--util", "0.95",
+                          "--cases", "5", "--faults", "plan", "--out", str(out), "--dry-run"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--faults takes" in bad.stderr
 
 
 # --- driver and report -----------------------------------------------------------------------------

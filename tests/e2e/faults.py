@@ -1,0 +1,158 @@
+"""Fault injection for an in-process engine (run_cases.py ``--faults``): make each reason a step
+cannot run its plan happen, and read the allocator's peak over every attention layer call.
+
+A test hook, never a setting: it patches the plugin's modules in this process, before the engine
+is built (the kernel provider is made at the impl's construction), and is armed per case with
+:func:`arm`. The same patch points exist in the plugin before the bounded path (the whole-step
+call of vLLM's that it replaced), so one driver measures both.
+
+Reasons (``MODES``):
+
+* ``plan`` -- the builder cannot plan: the planner's route choice raises.
+* ``tokens`` -- a layer call's tokens differ from its plan: the plan is made to cover one more.
+* ``oom2`` -- an allocation failure in the second launch of a split step, once per step.
+* ``launch`` -- an exception in the first launch of a step, once per step.
+
+The peak of a layer call is ``torch.cuda.max_memory_allocated()`` over the call less
+``torch.cuda.memory_allocated()`` at its start (the peak reset at its start): what the call took
+beyond what it was handed, vLLM's preallocated workspace not included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+MODES = ("none", "plan", "tokens", "oom2", "launch")
+
+
+@dataclasses.dataclass
+class Faults:
+    mode: str = "none"
+    launches: int = 0
+    """Kernel launches of the plugin's provider since the step's metadata was built."""
+    fired: int = 0
+    """Faults injected since :func:`arm`."""
+    layer_calls: int = 0
+    peak_bytes: int = 0
+    """The largest layer call's peak since :func:`arm`."""
+    depth: int = 0
+
+
+STATE = Faults()
+
+
+def arm(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unknown fault mode {mode!r}; one of {', '.join(MODES)}")
+    STATE.mode, STATE.launches, STATE.fired, STATE.layer_calls, STATE.peak_bytes = mode, 0, 0, 0, 0
+
+
+def read() -> dict[str, Any]:
+    return {"mode": STATE.mode, "faults_fired": STATE.fired, "attention_layer_calls": STATE.layer_calls,
+            "attention_peak_bytes": STATE.peak_bytes}
+
+
+def reserved_bytes() -> int | None:
+    """What the engine reserved, as the plugin keeps it (its engine state, or before it, its
+    process-wide reservation); ``None`` where no engine reserved (a stand-in engine)."""
+    from mla_planner.vllm_backend import engine, reservation
+
+    states = getattr(engine, "_states", None)
+    if states:
+        return int(states[-1][1].reservation.reserved_bytes)
+    process_wide = getattr(reservation, "reserved_bytes", None)
+    return int(process_wide()) if callable(process_wide) else None
+
+
+def install() -> None:
+    """Patch the plugin (before the engine is built) and vLLM's FP8 forwards (to read peaks)."""
+    import torch
+
+    from mla_planner import routing
+    from mla_planner.vllm_backend import backend, vllm_api
+
+    choose_plan = routing.choose_plan
+
+    def choose(*args: Any, **kwargs: Any) -> Any:
+        if STATE.mode == "plan":
+            STATE.fired += 1
+            raise ValueError("injected: the builder cannot plan")
+        return choose_plan(*args, **kwargs)
+
+    routing.choose_plan = choose  # the builder calls routing.choose_plan
+
+    builder_cls = backend.PlannedFlashMLASparseMetadataBuilder
+    attach, build = builder_cls.attach_plan, builder_cls.build
+
+    def attach_plan(self: Any, metadata: Any, common: Any) -> None:
+        attach(self, metadata, common)
+        planned = getattr(metadata, "planned", None)
+        if STATE.mode == "tokens" and planned is not None and hasattr(planned, "sparse_tokens"):
+            STATE.fired += 1
+            planned.sparse_tokens += 1
+
+    def build_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        STATE.launches = 0
+        return build(self, *args, **kwargs)
+
+    setattr(builder_cls, "attach_plan", attach_plan)
+    setattr(builder_cls, "build", build_step)
+
+    make_provider = backend.kernel_provider
+
+    def provider() -> Any:
+        return FaultyProvider(make_provider(), torch.OutOfMemoryError)
+
+    backend.kernel_provider = provider
+
+    for cls in (backend.PlannedFlashMLASparseImpl, vllm_api.FlashMLASparseImpl):
+        for name in ("_forward_fp8_kv_mixed_batch", "_forward_fp8_kv_separate_prefill_decode"):
+            if name in vars(cls):
+                setattr(cls, name, measured(vars(cls)[name], torch))
+
+
+def measured(forward: Callable[..., Any], torch: Any) -> Callable[..., Any]:
+    """``forward`` with the allocator's peak over the outermost call read into :data:`STATE`."""
+    @functools.wraps(forward)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if STATE.depth:
+            return forward(*args, **kwargs)
+        STATE.depth += 1
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            STATE.depth -= 1
+            STATE.layer_calls += 1
+            STATE.peak_bytes = max(STATE.peak_bytes, torch.cuda.max_memory_allocated() - start)
+    return call
+
+
+class FaultyProvider:
+    """The plugin's kernel provider, failing where the armed mode says."""
+
+    def __init__(self, inner: Any, oom: type[BaseException]) -> None:
+        self.inner, self.oom = inner, oom
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _launch(self) -> None:
+        STATE.launches += 1
+        if STATE.mode == "oom2" and STATE.launches == 2:
+            STATE.fired += 1
+            raise self.oom("injected: CUDA out of memory in the second launch")
+        if STATE.mode == "launch" and STATE.launches == 1:
+            STATE.fired += 1
+            raise RuntimeError("injected: the launch failed")
+
+    def sparse_decode(self, *args: Any, **kwargs: Any) -> Any:
+        self._launch()
+        return self.inner.sparse_decode(*args, **kwargs)
+
+    def sparse_prefill(self, *args: Any, **kwargs: Any) -> Any:
+        self._launch()
+        return self.inner.sparse_prefill(*args, **kwargs)
