@@ -197,7 +197,11 @@ def fake_backend_kernels(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
     patch_if_present(monkeypatch, backend.__name__, "flash_mla_sparse_fwd", FakeKernels().flash_mla_sparse_fwd)
     if hasattr(backend, "ops"):
         monkeypatch.setattr(backend.ops, "cp_gather_and_upconvert_fp8_kv_cache", no_gather)
-    monkeypatch.setattr(reservation, "reserve", lambda num_bytes, device: False)  # no 1 GiB on the host
+    # No 1 GiB on the host: an engine's reservation (a baseline's may be the process's, a function).
+    if hasattr(reservation, "Reservation"):
+        monkeypatch.setattr(reservation.Reservation, "reserve", lambda self, num_bytes, device: False)
+    else:
+        monkeypatch.setattr(reservation, "reserve", lambda num_bytes, device: False)
 
 
 def load_baseline(tree: pathlib.Path, into: pathlib.Path) -> str:

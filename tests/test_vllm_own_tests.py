@@ -42,7 +42,8 @@ from vllm.v1.attention.backends.mla.flashmla_sparse import (  # noqa: E402
     FlashMLASparseMetadataBuilder,
 )
 
-from mla_planner.vllm_backend import backend, reservation, vllm_api, warmup  # noqa: E402
+from mla_planner.vllm_backend import backend, vllm_api  # noqa: E402
+from mla_planner.vllm_backend.reservation import Reservation  # noqa: E402
 from mla_planner.vllm_backend.backend import (  # noqa: E402
     PlannedFlashMLASparseImpl,
     PlannedFlashMLASparseMetadataBuilder,
@@ -389,19 +390,19 @@ def test_builder_fp8_mixed_metadata_with_a_stand_in_self(monkeypatch: pytest.Mon
 
 
 def test_builder_build_with_a_stand_in_self(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``build`` on a stock builder is stock's build: stock's metadata, no plan, and the
-    process's scratch reservation left alone; on a namespace it fails as stock's does."""
+    """``build`` on a stock builder is stock's build: stock's metadata, no plan, and no engine's
+    scratch reservation handed over; on a namespace it fails as stock's does."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     monkeypatch.delenv("MLA_PLANNER_COST_PROFILE", raising=False)
     released: list[bool] = []
 
-    def release() -> bool:
+    def release(self: Reservation) -> bool:
         released.append(True)
         return True
 
-    monkeypatch.setattr(reservation, "release", release)
+    monkeypatch.setattr(Reservation, "release", release)
     config = vllm_config(model_dir(tmp_path, num_heads=16, topk=128))
     spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8, cache_dtype_str="fp8_ds_mla")
     common = common_metadata([1, 1, 300], [70, 5, 0], torch.arange(12, dtype=torch.int32).view(3, 4))
@@ -412,7 +413,7 @@ def test_builder_build_with_a_stand_in_self(tmp_path: pathlib.Path, monkeypatch:
     assert type(ours) is FlashMLASparseMetadata and not hasattr(ours, "planned")
     assert ours.fp8_use_mixed_batch == theirs.fp8_use_mixed_batch
     assert fields(ours.fp8_extra_metadata)["cache_lens"] == fields(theirs.fp8_extra_metadata)["cache_lens"]
-    assert released == [], "a stand-in builder must not hand over the process's reservation"
+    assert released == [], "a stand-in builder must not hand over a reservation"
 
     stand_in = SimpleNamespace(use_fp8_kv_cache=True, num_heads=16)
     errors = []
@@ -476,8 +477,6 @@ def fp8_decode_subset_case(use_mixed_batch: bool, monkeypatch: pytest.MonkeyPatc
 def test_impl_fp8_paths_with_a_stand_in_self(use_mixed_batch: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     results = {}
     for cls in (PlannedFlashMLASparseImpl, FlashMLASparseImpl):
-        # As in a fresh process, where vLLM's file runs: the first FP8 forward's warm-up is pending.
-        monkeypatch.setattr(warmup, "pending", True)
         q, metadata, impl, kernel_q_shapes = fp8_decode_subset_case(use_mixed_batch, monkeypatch)
         # As vLLM's test binds them: the class's FP8 paths, on the namespace.
         impl._forward_fp8_kv_mixed_batch = MethodType(cls._forward_fp8_kv_mixed_batch, impl)
