@@ -469,7 +469,7 @@ def run_plan(impl: Any, route: str, q: torch.Tensor, kv_cache: torch.Tensor, top
     if step is None:
         return None
     if isinstance(step, fallback.BoundedStep):  # the builder could not plan it
-        return step.run(impl, q, kv_cache, topk_indices, md, stock_forward)
+        return step.run(impl, q, kv_cache, topk_indices, md)
     if step.bounded is None:
         try:
             return run_planned(impl, step, route, q, kv_cache, topk_indices, md)
@@ -477,7 +477,7 @@ def run_plan(impl: Any, route: str, q: torch.Tensor, kv_cache: torch.Tensor, top
             reason, detail = fallback.layer_reason(exc, PlanMismatch), fallback.describe(exc)
         # Past the handler, the exception and the failed launches' frames (their buffers) are gone.
         step.bounded = fallback.layer_fell_back(setup, reason, detail, step.vllm_route)
-    return step.bounded.run(impl, q, kv_cache, topk_indices, md, stock_forward)
+    return step.bounded.run(impl, q, kv_cache, topk_indices, md)
 
 
 def run_planned(impl: Any, step: PlannedStep, route: str, q: torch.Tensor, kv_cache: torch.Tensor,
@@ -532,14 +532,6 @@ def hand_over_reservation(reservation: Reservation) -> None:
                 reservation.reserved_bytes >> 20,
                 " (made on another CUDA stream than this one)" if elsewhere else "",
                 " (unmapped from vLLM's sleep-mode memory pool)" if unmapped else "")
-
-
-def stock_forward(impl: Any, q: torch.Tensor, kv_cache: torch.Tensor, topk_indices: torch.Tensor,
-                  md: FlashMLASparseMetadata) -> Any:
-    """vLLM's own FP8 forward for the route ``md`` names."""
-    if md.fp8_use_mixed_batch:
-        return FlashMLASparseImpl._forward_fp8_kv_mixed_batch(impl, q, kv_cache, topk_indices, md)
-    return FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode(impl, q, kv_cache, topk_indices, md)
 
 
 def step_output(views: vllm_api.WorkspaceViews, q: torch.Tensor, rank: int) -> torch.Tensor:

@@ -36,6 +36,7 @@ import mla_planner
 from mla_planner.executor.mixed_batch import Launches
 from mla_planner.vllm_backend import log, vllm_api
 from mla_planner.vllm_backend.log import logger
+from mla_planner.vllm_backend.vllm_api import FlashMLASparseImpl
 
 CAUGHT = (Exception, mla_planner.PanicException)
 """What a step or layer call that cannot run its plan may raise: a planner bug (a Rust panic)
@@ -127,11 +128,9 @@ class BoundedStep:
         md.planned = None
         return md
 
-    def run(self, impl: Any, q: torch.Tensor, kv_cache: torch.Tensor, topk_indices: torch.Tensor, md: Any,
-            stock_forward: Any) -> Any:
+    def run(self, impl: Any, q: torch.Tensor, kv_cache: torch.Tensor, topk_indices: torch.Tensor, md: Any) -> Any:
         """The layer call within the reservation: vLLM's own call where it is the one bounded
-        launch (``stock_forward(impl, q, kv_cache, topk_indices, metadata)``), the bounded launches
-        otherwise. Raises only where no rung fits the memory there is, or where the bounded
+        launch, the bounded launches otherwise. Raises only where no rung fits the memory there is, or where the bounded
         launches fail as well."""
         tokens = int(q.shape[0])
         stats = self.setup.state.stats
@@ -166,6 +165,13 @@ class BoundedStep:
             self.rung += 1
             log.once(logging.WARNING, "mla-planner: an allocation failed on the bounded path: its launches take a "
                                       "quarter of the bytes each time, down to one token (said once)")
+
+
+def stock_forward(impl: Any, q: torch.Tensor, kv_cache: torch.Tensor, topk_indices: torch.Tensor, md: Any) -> Any:
+    """vLLM's own FP8 forward for the route ``md`` names."""
+    if md.fp8_use_mixed_batch:
+        return FlashMLASparseImpl._forward_fp8_kv_mixed_batch(impl, q, kv_cache, topk_indices, md)
+    return FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode(impl, q, kv_cache, topk_indices, md)
 
 
 def builder_fell_back(setup: Any, reason: str, detail: str, tokens: int, decode_tokens: int,
