@@ -130,8 +130,8 @@ class BoundedStep:
 
     def run(self, impl: Any, q: torch.Tensor, kv_cache: torch.Tensor, topk_indices: torch.Tensor, md: Any) -> Any:
         """The layer call within the reservation: vLLM's own call where it is the one bounded
-        launch, the bounded launches otherwise. Raises only where no rung fits the memory there is, or where the bounded
-        launches fail as well."""
+        launch, the bounded launches otherwise. Raises only where no rung fits the memory there
+        is, or where the bounded launches fail as well."""
         tokens = int(q.shape[0])
         stats = self.setup.state.stats
         vllm_md = self.vllm_metadata(md)
