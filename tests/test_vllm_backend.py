@@ -1354,6 +1354,31 @@ def test_a_failure_no_bounded_path_avoids_reaches_vllm_in_one_line(
     assert mixed.impl.engine is not None and mixed.impl.engine.state.stats.unavoidable == 2
 
 
+def test_where_vllms_one_call_fails_the_steps_layers_run_the_bounded_launches(
+        mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of one bounded launch on vLLM's mixed route runs vLLM's own call; where that call
+    fails otherwise than for memory, the layer call runs the bounded launch itself, and the step's
+    later layers do so without trying vLLM's call again."""
+    from mla_planner import routing
+
+    def refuse(*args: Any) -> Any:
+        raise ValueError("a step no rule admits")
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        tried.append(1)
+        raise RuntimeError("vLLM's call failed")
+
+    tried: list[int] = []
+    monkeypatch.setattr(routing, "choose_plan", refuse)
+    case = mixed.step([1, 1, 1, 40], [70, 200, 5, 0], gen)
+    assert isinstance(case["metadata"].planned, fallback.BoundedStep)
+    assert len(bounded_launches(mixed, 43)) == 1
+    monkeypatch.setattr(fallback, "stock_forward", broken)
+    layer_calls(mixed, case)
+    assert tried == [1], "the second layer did not try vLLM's call again"
+    assert [tuple(x.shape) for x in mixed.provider.launch_q] == bounded_launches(mixed, 43) * 2
+
+
 @pytest.mark.parametrize("error", FAILURES)
 def test_a_step_whose_launches_cannot_be_derived_keeps_vllms_route_and_takes_the_bounded_path(
         routed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]) -> None:

@@ -451,10 +451,6 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         return vllm_api.forward_result(out)
 
 
-class PlanMismatch(ValueError):
-    """A layer call whose sparse tokens (or route) are not its step's plan's."""
-
-
 def run_plan(impl: Any, route: str, q: torch.Tensor, kv_cache: torch.Tensor, topk_indices: torch.Tensor,
              md: FlashMLASparseMetadata) -> Any:
     """The layer call as its step's plan on ``route`` says; ``None`` where stock's code runs it as
@@ -474,7 +470,7 @@ def run_plan(impl: Any, route: str, q: torch.Tensor, kv_cache: torch.Tensor, top
         try:
             return run_planned(impl, step, route, q, kv_cache, topk_indices, md)
         except fallback.CAUGHT as exc:  # after start-up, never raise
-            reason, detail = fallback.layer_reason(exc, PlanMismatch), fallback.describe(exc)
+            reason, detail = fallback.layer_reason(exc), fallback.describe(exc)
         # Past the handler, the exception and the failed launches' frames (their buffers) are gone.
         step.bounded = fallback.layer_fell_back(setup, reason, detail, step.vllm_route)
     return step.bounded.run(impl, q, kv_cache, topk_indices, md)
@@ -483,12 +479,12 @@ def run_plan(impl: Any, route: str, q: torch.Tensor, kv_cache: torch.Tensor, top
 def run_planned(impl: Any, step: PlannedStep, route: str, q: torch.Tensor, kv_cache: torch.Tensor,
                 topk_indices: torch.Tensor, md: FlashMLASparseMetadata) -> Any:
     """The plan's launches for this layer call; ``None`` where the plan is stock's one call within
-    the allowance (stock's code runs it); :class:`PlanMismatch` for a call whose tokens or route
-    are not the plan's."""
+    the allowance (stock's code runs it); :class:`.fallback.PlanMismatch` for a call whose tokens
+    or route are not the plan's."""
     if q.shape[0] != step.sparse_tokens:
-        raise PlanMismatch(f"{q.shape[0]} tokens where the plan has {step.sparse_tokens}")
+        raise fallback.PlanMismatch(f"{q.shape[0]} tokens where the plan has {step.sparse_tokens}")
     if step.plan.mode != route:
-        raise PlanMismatch(f"vLLM called the {route} forward for a {step.plan.mode} plan")
+        raise fallback.PlanMismatch(f"vLLM called the {route} forward for a {step.plan.mode} plan")
     if step.stock_call_bytes is not None and step.stock_call_bytes <= impl.engine.stock_call_allowance:
         return None
     vllm_api.fill_group_topk(impl, topk_indices, md, kv_cache)

@@ -11,9 +11,8 @@ tests/e2e/step_log.py).
 The bounded path runs the layer call's tokens on the mixed-batch route -- every token through the
 sparse decode kernel, which any subset of a step's tokens can take, since each token attends to
 its own top-k rows -- in launches the byte model proves fit the reservation
-(:meth:`mla_planner.StepConfig.bounded_config`). Where those launches are one, and vLLM's own
+(:meth:`mla_planner.StepConfig.bounded_configs`). Where those launches are one, and vLLM's own
 route for the step is that same one call, vLLM's code runs it: its exact bytes are that launch's.
-vLLM's whole-step call runs nowhere else.
 
 An allocation failure on the bounded path is met by launches of a quarter of the bytes, down to
 launches of one token; the step's later layers start where the last one succeeded. Only a failure
@@ -44,10 +43,9 @@ arrives as pyo3's ``PanicException``, a ``BaseException``."""
 
 OOM = torch.OutOfMemoryError
 
-SHRINK = 4
-"""Each rung of the bounded path's ladder allows a launch this many times fewer bytes."""
 
-MIB = 1 << 20
+class PlanMismatch(ValueError):
+    """A layer call whose sparse tokens (or route) are not its step's plan's."""
 
 
 def describe(exc: BaseException) -> str:
@@ -67,9 +65,9 @@ def describe(exc: BaseException) -> str:
     return f"(no message) raised at {path}:{where.lineno} in {where.name}"
 
 
-def layer_reason(exc: BaseException, mismatch: type[BaseException]) -> str:
+def layer_reason(exc: BaseException) -> str:
     """The reason a layer call could not run its plan: a few words, the same for every such call."""
-    if isinstance(exc, mismatch):
+    if isinstance(exc, PlanMismatch):
         return "vLLM handed the layer call other tokens than its plan's"
     if isinstance(exc, OOM):
         return "an allocation failed in a planned launch"
@@ -104,6 +102,9 @@ class BoundedStep:
         """vLLM 0.33's workspace views, shared by the step's layers once vLLM serves."""
         self.rung = 0
         """The ladder's rung the step's layer calls start at: the last that ran."""
+        self.vllm_call = vllm_route[0] if vllm_route is not None else None
+        """Whether vLLM's own call may run a one-launch layer call: its route for the step is the
+        mixed one (``None``: as the layer call's metadata says); ``False`` once it failed."""
         self._plans: dict[tuple[int, int], tuple[Launches, int]] = {}
         setup.state.stats.fell_back(reason)
 
@@ -134,22 +135,22 @@ class BoundedStep:
         is, or where the bounded launches fail as well."""
         tokens = int(q.shape[0])
         stats = self.setup.state.stats
-        vllm_md = self.vllm_metadata(md)
-        stock_ok = bool(vllm_md.fp8_use_mixed_batch)
+        if self.vllm_call is None:
+            self.vllm_call = bool(md.fp8_use_mixed_batch)
         while True:
             launches, peak = self.launches(tokens, self.rung)
-            stock = stock_ok and self.rung == 0 and len(launches.rows) == 1
+            stock = self.vllm_call and self.rung == 0 and len(launches.rows) == 1
             try:
                 if stock:
-                    result = stock_forward(impl, q, kv_cache, topk_indices, vllm_md)
+                    result = stock_forward(impl, q, kv_cache, topk_indices, self.vllm_metadata(md))
                 else:
                     vllm_api.fill_group_topk(impl, topk_indices, md, kv_cache)
                     result = impl._run_mixed(self, launches, q, kv_cache, topk_indices, md)
             except OOM:
                 pass  # the failed attempt's buffers die with the exception, here
             except CAUGHT as exc:
-                if stock:  # vLLM's code failed otherwise than for memory: the bounded launches next
-                    stock_ok = False
+                if stock:  # vLLM's code failed otherwise than for memory: the bounded launches, from now on
+                    self.vllm_call = False
                     continue
                 stats.failed()
                 raise RuntimeError(f"mla-planner: a layer call of {tokens:,} tokens failed on the bounded path too "
