@@ -59,10 +59,7 @@ pub fn min_scratch_budget(cfg: &StepConfig, limits: EngineLimits) -> Result<u64>
 pub fn largest_launch_bytes(cfg: &StepConfig, limits: EngineLimits, served_heads: Option<u32>) -> Result<u64> {
     cfg.validate()?;
     let budget = cfg.launch_budget_bytes();
-    let beyond = |buffers: &Breakdown, kernel_heads: u32| {
-        let served = if served_heads == Some(kernel_heads) { buffers.get("q_padded") + buffers.get("out") } else { 0 };
-        buffers.total_bytes() - served
-    };
+    let beyond = |buffers: &Breakdown, kernel_heads: u32| bytes_beyond(buffers, kernel_heads, served_heads);
     match cfg.mode() {
         StepMode::MixedBatch => {
             let heads = decode_padded_heads(cfg.num_heads)?;
@@ -144,16 +141,16 @@ pub fn largest_launch_bytes(cfg: &StepConfig, limits: EngineLimits, served_heads
 /// [`largest_launch_bytes`] bounds. `decode_heads`: the heads the decode kernel runs
 /// ([`StepConfig::decode_heads`]).
 pub fn peak_beyond_workspace(plan: &StepPlan, decode_heads: u32, served_heads: Option<u32>) -> u64 {
-    plan.launches.iter().map(|l| l.bytes - served_bytes(l, plan, decode_heads, served_heads)).max().unwrap_or(0)
+    let kernel_heads =
+        |l: &KernelLaunch| if l.kernel == Kernel::SparseDecode { decode_heads } else { plan.prefill_heads };
+    plan.launches.iter().map(|l| bytes_beyond(&l.buffers, kernel_heads(l), served_heads)).max().unwrap_or(0)
 }
 
-fn served_bytes(launch: &KernelLaunch, plan: &StepPlan, decode_heads: u32, served_heads: Option<u32>) -> u64 {
-    let heads = if launch.kernel == Kernel::SparseDecode { decode_heads } else { plan.prefill_heads };
-    if served_heads == Some(heads) {
-        launch.buffers.get("q_padded") + launch.buffers.get("out")
-    } else {
-        0
-    }
+/// A launch's bytes less its padded q and kernel output where a workspace holds them: where the
+/// kernel runs `served_heads` heads, those of the workspace's views.
+fn bytes_beyond(buffers: &Breakdown, kernel_heads: u32, served_heads: Option<u32>) -> u64 {
+    let served = if served_heads == Some(kernel_heads) { buffers.get("q_padded") + buffers.get("out") } else { 0 };
+    buffers.total_bytes() - served
 }
 
 /// The configurations of the bounded path: where a step cannot run its plan, its layer calls run
