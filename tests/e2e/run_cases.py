@@ -31,6 +31,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import faults
+
 MODEL_DIR = Path(__file__).resolve().parent / "tiny-deepseek-v32"
 BACKENDS = {"stock": "FLASHMLA_SPARSE", "planned": "CUSTOM"}
 ENV_DEFAULTS = {  # what vLLM needed on the H200, set unless already set
@@ -180,8 +182,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--block-size must be a multiple of 64")
     args.faults = args.faults.split(",") if args.faults else None
     if args.faults is not None:
-        import faults
-
         unknown_modes = [m for m in args.faults if m not in faults.MODES]
         if unknown_modes or args.backend != "planned" or args.tp != 1:
             ap.error(f"--faults takes {', '.join(faults.MODES)}, with --backend planned and --tp 1")
@@ -544,8 +544,6 @@ def main(argv: list[str] | None = None) -> int:
         data["planner_settings"] = planner_settings()
     write_json(args.out, data)
     if args.faults is not None:
-        import faults
-
         faults.install()
     t0 = time.perf_counter()
     try:

@@ -745,15 +745,18 @@ def test_step_log_checks_the_summary_lines_against_the_step_lines_before_them(tm
                 f"planned ({split} split, {launches} launches), {stock} on vLLM's call; largest launch beyond vLLM's "
                 f"workspace 600.0 MiB of the 676.4 MiB reserved; {fallbacks} fallbacks{reasons}")
 
-    text = "\n".join([decode, planned, summary(1, 1, 14, 1, 0), one, fell, summary(2, 1, 15, 1, 1)])
-    assert step_log.summaries(text) == ["summary lines: 2, 2 of them holding the counts of the step lines before them"]
+    layer = ("(EngineCore pid=7) DEBUG 12-02 02:30:00.004 [fallback.py:1] mla-planner layer: bounded path (an "
+             "allocation failed in a planned launch)")
+    text = "\n".join([decode, planned, summary(1, 1, 14, 1, 0), one, fell, summary(2, 1, 15, 1, 1), layer,
+                      summary(2, 1, 15, 1, 2)])
+    assert step_log.summaries(text) == ["summary lines: 3, 3 of them holding the counts of the step lines before them"]
     wrong = step_log.summaries("\n".join([decode, summary(1, 1, 14, 1, 0)]))
     assert wrong[0].startswith("summary lines: 1, 0 of them") and "count [0, 0, 0, 1, 0]" in wrong[1]
     assert step_log.summaries(decode) == ["no summary line"]
     log = tmp_path / "plugin.log"
     log.write_text(text + "\n")
     assert step_log.main(["report", str(log)]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("summary lines: 2, 2 of them")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("summary lines: 3, 3 of them")
 
 
 def iteration_line(ms: int, context: int, decode: int, elapsed: float, dummy: bool = False) -> str:
