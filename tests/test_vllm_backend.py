@@ -1379,6 +1379,20 @@ def test_where_vllms_one_call_fails_the_steps_layers_run_the_bounded_launches(
     assert [tuple(x.shape) for x in mixed.provider.launch_q] == bounded_launches(mixed, 43) * 2
 
 
+def test_a_layer_call_of_no_tokens_on_the_bounded_path_returns_an_empty_output(
+        mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mla_planner import routing
+
+    def refuse(*args: Any) -> Any:
+        raise ValueError("a step no rule admits")
+
+    monkeypatch.setattr(routing, "choose_plan", refuse)
+    case = mixed.step(QUERY_LENS, CONTEXT_LENS, gen)
+    out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(case["q"][:0], case["kv_cache"], mixed.topk_buffer[:0],
+                                                             case["metadata"]))
+    assert tuple(out.shape) == (0, 16, 512) and mixed.provider.launch_q == [] and mixed.kernels.decode_calls == []
+
+
 @pytest.mark.parametrize("error", FAILURES)
 def test_a_step_whose_launches_cannot_be_derived_keeps_vllms_route_and_takes_the_bounded_path(
         routed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]) -> None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from mla_planner.vllm_backend.stats import MIB, StepStats
 
 
@@ -84,3 +86,19 @@ def test_the_counts_reach_prometheus_in_multiprocess_mode(tmp_path: pathlib.Path
     plain = subprocess.run([sys.executable, "-c", worker, "1"], env={"PATH": "/usr/bin:/bin"}, capture_output=True,
                            text=True, check=True).stdout
     assert plain.strip() == "False", "a worker's metrics would stay in the worker: none"
+
+
+def test_metrics_that_cannot_be_published_leave_the_line() -> None:
+    clock = Clock()
+    stats = StepStats(interval_s=1, reserved_bytes=MIB, clock=clock)
+
+    def full_disk() -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stats, "publish", full_disk)
+        assert stats.maybe_say() is None
+        stats.stock_step()
+        clock.now += 1
+        line = stats.maybe_say()
+    assert line is not None and "1 on vLLM's call" in line

@@ -115,7 +115,8 @@ class BoundedStep:
         made = self._plans.get(key)
         if made is None:
             config = self.setup.bounded_configs[rung]
-            plan = mla_planner.plan_step([tokens], [0], 0, config)
+            requests = [tokens] if tokens else []  # a layer call of no tokens: no launch
+            plan = mla_planner.plan_step(requests, [0] * len(requests), 0, config)
             peak = plan.peak_beyond_workspace(config.decode_heads, self.setup.workspace_heads)
             made = self._plans[key] = (Launches.of(plan), peak)
         return made

@@ -19,10 +19,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+from mla_planner.vllm_backend import log
 
 MIB = 1 << 20
 
@@ -93,7 +96,11 @@ class StepStats:
         if snapshot == self._said:
             return None
         self._said_at, self._said = now, snapshot
-        self.publish()
+        try:
+            self.publish()
+        except Exception as exc:  # prometheus_client's files (multiprocess mode): the step and the line go on
+            log.once(logging.WARNING, "mla-planner: the plugin's metrics could not be published (%s: %s); its summary "
+                                      "line goes on", type(exc).__name__, exc)
         return self.line()
 
     def counts(self) -> dict[str, int]:
