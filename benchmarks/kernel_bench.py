@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import mla_planner
-from mla_planner.cli.synthetic import MixedCase, mixed_case
+from mla_planner.calibration.synthetic import MixedCase, mixed_case
 from mla_planner.executor import MixedBatchExecutor, get_provider
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

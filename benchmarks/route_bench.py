@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 
 import mla_planner
-from mla_planner.cli.kernel_timing import GatherOp, Timer
-from mla_planner.cli.synthetic import PrefillCase, prefill_case
+from mla_planner.calibration.kernel_timing import GatherOp, Timer
+from mla_planner.calibration.synthetic import PrefillCase, prefill_case
 from mla_planner.executor import get_provider
 from mla_planner.executor.layout import D_QK, D_V, PAGE_SIZE, as_slots
 from mla_planner.executor.providers import KernelProvider
 from mla_planner.executor.reference import sparse_attention
-from mla_planner.routing import default_profile_path
+from mla_planner.profiles import REFERENCE_GPU, packaged_for_gpu
 
 MiB = 1 << 20
 STOCK_BUDGET = 1 << 50
@@ -212,7 +212,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("route_bench.py needs a CUDA GPU")
-    path = args.profile or default_profile_path()
+    path = args.profile or packaged_for_gpu("sm90", torch.cuda.get_device_name(), None) or packaged_for_gpu("sm90", REFERENCE_GPU, None)
+    if path is None:
+        sys.exit("no packaged cost profile for this vLLM: pass --profile (mla-planner calibrate writes one)")
     model = mla_planner.CostModel.from_json(path.read_text())
     provider, gather = get_provider(args.provider), GatherOp(args.gather)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)

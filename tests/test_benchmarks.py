@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import mla_planner
-from mla_planner.routing import default_profile_path
+from mla_planner.profiles import REFERENCE_GPU, packaged_for_gpu
 
 BENCHMARKS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
 
@@ -46,7 +46,9 @@ def test_route_bench_plans_each_route_as_the_backend_would(kernels: str, heads: 
     """route_bench's planning, which runs before any kernel: each route planned under the current
     API, within the budget where one is set, the chosen route's plan the model's own."""
     bench = load_benchmark("route_bench")
-    model = mla_planner.CostModel.from_json(default_profile_path(kernels=kernels).read_text())
+    path = packaged_for_gpu("sm90", REFERENCE_GPU, kernels)
+    assert path is not None
+    model = mla_planner.CostModel.from_json(path.read_text())
     budget, topk = 1 << 30, 2048
     context = max(0, topk + 1 - tokens)
     routes, choice = bench.plan_routes(model, heads, tokens, context, budget, topk)

@@ -281,3 +281,24 @@ def test_vllm_parser_reads_the_line() -> None:
 def test_builtin_parser_reads_the_line() -> None:
     args = serve_line.parse(["A=1", "vllm", "serve", "--model", "m", "-tp", "2", "--max-model-len", "32K"], use_vllm=False)
     assert (args.parser, args.model, args.tensor_parallel_size, args.max_model_len, args.env) == ("built-in", "m", 2, 32_768, {"A": "1"})
+
+
+@pytest.mark.parametrize("gpu, env, source, file", [
+    ("H100", [], "packaged", "sm90-vllm-{v}-h100-80gb-hbm3.json"),
+    ("H200", [], "packaged", "sm90-vllm-{v}-h200.json"),
+    ("B200", [], "measured at first start", None),
+    ("H100", ["MLA_PLANNER_COST_PROFILE=none"], "none", None),
+    ("H100", ["MLA_PLANNER_COST_PROFILE=/srv/h100.json"], "file", "/srv/h100.json"),
+])  # fmt: skip
+def test_cli_names_the_cost_profile_the_engine_will_use(gpu: str, env: list[str], source: str, file: str | None) -> None:
+    """Packaged for the GPU and the installed vLLM's kernels (where there is one), measured at the
+    first start where not, none or a file as the serve line's environment sets; the reservation
+    covers both routes unless none."""
+    version = dep.installed_vllm() or dep.MODELLED_VLLM
+    doc = doctor_json("--builtin-parser", "--gpu", gpu, "--", *env, *E2E_LINE[1:])
+    profile = doc["cost_profile"]
+    assert (profile["source"], profile["file"]) == (source, file and file.format(v=version))
+    routed = doctor_json("--builtin-parser", "--gpu", gpu, *E2E_LINE)["plugin"]["reserved_bytes"]
+    assert (doc["plugin"]["reserved_bytes"] < routed) == (source == "none")
+    out = cli("doctor", "--builtin-parser", "--gpu", gpu, "--", *env, *E2E_LINE[1:]).stdout
+    assert f"profile     {profile['text']}\n" in out

@@ -9,7 +9,7 @@ import torch
 
 import mla_planner
 from mla_planner import ALLOCATOR_RESERVE_BYTES
-from mla_planner.cli.synthetic import MixedCase, mixed_case
+from mla_planner.calibration.synthetic import MixedCase, mixed_case
 from mla_planner.executor import MixedBatchExecutor, ReferenceProvider
 from mla_planner.executor.layout import as_slots
 from mla_planner.executor.reference import sparse_attention

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mla_planner.cli.synthetic import PrefillCase, prefill_case
+from mla_planner.calibration.synthetic import PrefillCase, prefill_case
 from mla_planner.executor import ReferenceProvider
 from mla_planner.executor.layout import as_slots
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mla_planner
-from mla_planner.cli.synthetic import mixed_case, prefill_case
+from mla_planner.calibration.synthetic import mixed_case, prefill_case
 from mla_planner.executor import (
     FlashMLAProvider,
     MixedBatchExecutor,

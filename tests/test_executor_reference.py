@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_planner.cli.synthetic import random_kv_rows
+from mla_planner.calibration.synthetic import random_kv_rows
 from mla_planner.executor.layout import D_NOPE, NUM_TILES, ROPE_START, SCALES_START, TILE, as_pages, as_slots
 from mla_planner.executor.quant import quantize_fp8_ds_mla
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention

@@ -22,11 +22,13 @@ from hypothesis import strategies as st
 
 import mla_planner
 from mla_planner import COST_PROFILE_FORMAT, CostModel, StepConfig
-from mla_planner.cli import kernel_timing
-from mla_planner.cli.calibrate import build_profile, default_tokens, native_grids, non_decreasing, token_grid
+from mla_planner.calibration import kernel_timing
+from mla_planner.calibration.grid import Grid, full_tokens, token_grid
+from mla_planner.calibration.measure import build_profile, non_decreasing
+from mla_planner.cli.calibrate import native_grids
 from mla_planner.executor.providers import ReferenceProvider
 from mla_planner import routing
-from mla_planner.routing import load_for_engine, load_profile, stale_keys
+from mla_planner.routing import load_profile, stale_keys
 
 GIB = 1 << 30
 
@@ -368,7 +370,7 @@ def test_stale_profile_falls_back_with_a_warning(profile_path: Path, caplog: pyt
 def test_missing_profile_falls_back_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="mla_planner.routing"):
         assert load_profile(tmp_path / "absent.json") is None
-        assert load_profile(None, arch="sm100") is None  # no packaged sm100 profile
+        assert load_profile(tmp_path / "other.json") is None
         assert load_profile(tmp_path / "absent.json") is None  # a second builder: no second warning
     assert len(caplog.records) == 2
     assert all("no such file" in r.message and "vLLM's rule" in r.message for r in caplog.records)
@@ -382,14 +384,6 @@ def test_uncovered_configuration_falls_back(profile_path: Path, caplog: pytest.L
     assert "114 SMs" in caplog.records[1].message
 
 
-def test_load_for_engine(profile_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no machine check, as offline
-    model = load_for_engine(str(profile_path), CONFIG)
-    assert model is not None and model.environment == ENV
-    assert load_for_engine(str(profile_path), CONFIG.replace(kv_dtype="bf16")) is None  # no FP8 route to choose
-    assert load_for_engine(str(profile_path), CONFIG.replace(topk=512)) is None  # not priced: vLLM's rule
-
-
 def test_malformed_profile_file_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "bad.json"
     path.write_text("{}")
@@ -397,20 +391,24 @@ def test_malformed_profile_file_is_an_error(tmp_path: Path) -> None:
         load_profile(path)
 
 
-def test_packaged_profiles_are_valid_and_found_by_their_kernels() -> None:
-    """Each packaged profile parses, and is the default for its architecture and kernel build."""
-    import json
+def test_packaged_profiles_are_valid_and_named_by_their_kernels_and_gpu() -> None:
+    """Each packaged profile parses, and is found for its architecture, kernel build and GPU."""
     from importlib import resources
 
-    from mla_planner.routing import PROFILE_DIR, default_profile_path
+    from mla_planner import profiles
+    from mla_planner.routing import PROFILE_DIR
 
     packaged = sorted((p for p in (resources.files("mla_planner.data") / PROFILE_DIR).iterdir() if p.name.endswith(".json")),
                       key=lambda p: p.name)
     assert packaged, "no packaged profile"
     for entry in packaged:
-        text = entry.read_text()
-        arch, kernels = CostModel.from_json(text).arch, json.loads(text)["environment"]["kernels"]
-        assert default_profile_path(arch, kernels).name == entry.name
+        model = CostModel.from_json(entry.read_text())
+        env = model.environment
+        assert entry.name == profiles.packaged_name(model.arch, env["kernels"], env["gpu"])
+        assert profiles.packaged_for(model.arch, env, env["kernels"]) is not None
+        assert profiles.packaged_for_gpu(model.arch, env["gpu"], env["kernels"]) is not None
+    for kernels in ("vllm 0.26.0", "vllm 0.33.0"):  # the offline default of each release
+        assert profiles.packaged_for_gpu("sm90", profiles.REFERENCE_GPU, kernels) is not None
 
 
 # --- calibrate's arithmetic -------------------------------------------------------------
@@ -423,19 +421,19 @@ def test_non_decreasing_is_the_least_squares_monotone_fit() -> None:
 
 
 def test_default_token_grid_ends_at_the_launch_limit() -> None:
-    grid = default_tokens(58_254)
+    grid = full_tokens(58_254)
     assert grid[:5] == [16, 32, 64, 96, 128] and grid[-3:] == [32_768, 49_152, 58_254]
     assert grid == sorted(set(grid))
 
 
 def test_built_profile_is_accepted_by_the_cost_model() -> None:
-    args = argparse.Namespace(topk=2048, runs=10, warmup=1, seed=0)
+    grid = Grid({64: []}, {}, [], topk=2048, runs=10, warmup=1)
     samples = {
         ("sparse_decode", 64): {16: [20.0, 21.0, 19.0], 64: [22.0, 18.0, 20.0], 4096: [900.0] * 3},
         ("sparse_prefill", 64): {16: [30.0] * 3, 64: [32.0] * 3, 4096: [500.0] * 3},
         ("gather_upconvert", 0): {64: [5.0] * 3, 65536: [40.0] * 3},
     }
-    profile = build_profile(args, "sm90", 132, samples, ENV, 1.0)
+    profile = build_profile(grid, "sm90", 132, samples, ENV, 1.0, "test")
     model = CostModel.from_json(json.dumps(profile))
     assert model.decode_heads == [64]
     # 20 then 20 (noise pooled flat), never falling; the raw medians are kept beside.
@@ -456,7 +454,7 @@ def test_native_head_tables_go_to_the_prefill_kernel_on_sm90_only() -> None:
         ("sparse_prefill", 16): {16: [25.0] * 3, 4096: [600.0] * 3},
         ("gather_upconvert", 0): {64: [5.0] * 3, 65536: [40.0] * 3},
     }
-    profile = build_profile(args, "sm90", 132, samples, ENV, 1.0)
+    profile = build_profile(Grid(grids, {}, [], topk=2048, runs=10, warmup=1), "sm90", 132, samples, ENV, 1.0, "test")
     model = CostModel.from_json(json.dumps(profile))
     assert (model.decode_heads, model.prefill_heads) == ([64], [16, 64])
     assert model.time_us("sparse_prefill", 4096, padded_heads=16) == 600.0

@@ -19,7 +19,7 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from mla_planner.cli.synthetic import PrefillCase, prefill_case
+from mla_planner.calibration.synthetic import PrefillCase, prefill_case
 from mla_planner.executor import ReferenceProvider
 from mla_planner.executor.layout import D_V, as_slots
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention

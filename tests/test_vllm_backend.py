@@ -24,7 +24,7 @@ pytest.importorskip("vllm", reason="the backend tests need vLLM 0.26.0 (pip inst
 
 import mla_planner  # noqa: E402
 from mla_planner.executor.quant import quantize_fp8_ds_mla  # noqa: E402
-from mla_planner.cli.synthetic import random_kv_rows  # noqa: E402
+from mla_planner.calibration.synthetic import random_kv_rows  # noqa: E402
 from mla_planner.vllm_backend import fallback, vllm_api  # noqa: E402
 from mla_planner.vllm_backend.reservation import Reservation  # noqa: E402
 from mla_planner.vllm_backend.backend import PlannedFlashMLASparseMetadataBuilder  # noqa: E402
@@ -1524,24 +1524,128 @@ def test_no_profile_is_vllms_rule(mixed: Backend) -> None:
     assert mixed.builder.engine.cost_model is None
 
 
-def test_packaged_profile_for_another_machine_is_vllms_rule_with_one_warning(
+HERE = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.1", "cuda": "13.0", "torch": "2.11.0",
+        "kernels": f"vllm {vllm_api.VLLM_VERSION}", "gather": f"vllm {vllm_api.VLLM_VERSION} cp_gather_and_upconvert_fp8_kv_cache"}
+
+
+class FirstStart:
+    """An engine start on a GPU whose environment no packaged profile names: the measurement a
+    stand-in that prices the separate route cheap (counted), the cache under ``tmp``."""
+
+    def __init__(self, tmp: pathlib.Path, monkeypatch: pytest.MonkeyPatch, environment: dict[str, str] = HERE) -> None:
+        from mla_planner import routing
+        from mla_planner.vllm_backend import engine
+
+        self.measured = 0
+        self.profile = dict(ROUTING_PROFILE, environment=environment)
+        self.profile["sparse_prefill"] = dict(ROUTING_PROFILE["sparse_prefill"], **{"16": [[1, 150], [65536, 9000]]})
+        monkeypatch.setenv("MLA_PLANNER_CACHE_DIR", str(tmp / "cache"))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the machine check runs on a GPU only
+        monkeypatch.setattr(routing, "current_environment", lambda kernels, gather: dict(environment))
+        monkeypatch.setattr(engine, "measure_first_start", self.measure)
+        monkeypatch.setattr(engine, "_found", {})  # a fresh process
+
+    def measure(self, grid: Any, device: torch.device) -> dict[str, Any]:
+        self.measured += 1
+        return self.profile
+
+    def setup(self, backend: Backend) -> Any:
+        from mla_planner.vllm_backend import engine
+
+        return engine.make_setup(backend.config, backend.num_heads, torch.device("cpu"), read_settings())
+
+
+def test_an_engine_without_a_profile_for_its_machine_measures_one_at_its_first_start_and_caches_it(
     mixed: Backend, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Unset: the packaged profile, which on a machine it was not measured on routes nothing."""
-    import json
+    """Unset: no packaged profile names this machine, none cached: measured once, cached, said in
+    one line (a second setup in the process, as vLLM's builders make, is told the same); the
+    next process reads the cache; both route by it (both FP8 routes)."""
+    from mla_planner.vllm_backend import engine, log
+
+    start = FirstStart(tmp_path, monkeypatch)
+    monkeypatch.delenv("MLA_PLANNER_COST_PROFILE")
+    log._said.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.mla_planner"):
+        first = start.setup(mixed)
+        assert start.setup(mixed).cost_model is not None
+        engine._found.clear()  # the next process
+        second = start.setup(mixed)
+    assert start.measured == 1
+    assert first.cost_model is not None and second.cost_model is not None
+    assert first.routes == second.routes == ("mixed_batch", "separate_prefill_decode")
+    lines = [r.getMessage() for r in caplog.records if "cost profile" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "measured one in" in lines[0] and str(tmp_path / "cache" / "profiles") in lines[0]
+    assert "MLA_PLANNER_COST_PROFILE" in lines[0]  # how to skip it
+    assert "measured on this machine at an earlier start" in lines[1]
+
+
+def test_none_skips_the_measurement_and_routes_by_vllms_rule(
+    mixed: Backend, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start = FirstStart(tmp_path, monkeypatch)
+    setup = start.setup(mixed)  # the fixture set MLA_PLANNER_COST_PROFILE=none
+    assert (setup.cost_model, setup.routes, start.measured) == (None, ("mixed_batch",), 0)
+
+
+def test_sleep_mode_measures_nothing_at_start_up(
+    mixed: Backend, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from mla_planner.vllm_backend import log
+
+    start = FirstStart(tmp_path, monkeypatch)
+    monkeypatch.delenv("MLA_PLANNER_COST_PROFILE")
+    mixed.config.model_config.enable_sleep_mode = True
+    log._said.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.mla_planner"):
+        setup = start.setup(mixed)
+    assert (setup.cost_model, start.measured) == (None, 0)
+    assert any("sleep mode" in r.getMessage() and "vLLM's rule" in r.getMessage() for r in caplog.records)
+
+
+class TensorParallelGroup:
+    """vLLM's tensor-parallel group coordinator for one rank of two, in one process: rank 0's
+    broadcast is kept for rank 1 to receive."""
+
+    sent: list[Any] = []
+
+    def __init__(self, rank: int) -> None:
+        self.world_size, self.rank_in_group = 2, rank
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        if self.rank_in_group == src:
+            TensorParallelGroup.sent.append(obj)
+            return obj
+        return TensorParallelGroup.sent.pop(0)
+
+
+def test_tensor_parallel_ranks_route_by_the_first_ranks_profile(
+    mixed: Backend, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 measures and shares; rank 1, whose own cache holds another machine's profile,
+    measures nothing and takes rank 0's: every step gets the same route on both."""
+    from vllm.distributed import parallel_state
 
     from mla_planner import routing
 
-    measured_on = {"gpu": "NVIDIA H200", "driver": "570", "cuda": "12.8", "torch": "2.11", "kernels": "vllm 0.26.0", "gather": "-"}
-    packaged = write_profile(tmp_path / "sm90.json", json.dumps(dict(ROUTING_PROFILE, environment=measured_on)).encode())
-    monkeypatch.setattr(routing, "default_profile_path", lambda arch="sm90", kernels=None: packaged)
-    monkeypatch.setattr(routing, "current_environment", lambda kernels, gather: dict(measured_on, gpu="NVIDIA H100"))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the machine check runs on a GPU only
+    start = FirstStart(tmp_path, monkeypatch)
     monkeypatch.delenv("MLA_PLANNER_COST_PROFILE")
-    with caplog.at_level("WARNING", logger="mla_planner.routing"):
-        assert routing.load_for_engine(read_settings().cost_profile, mixed.builder.engine.config) is None
-    warnings = [r.getMessage() for r in caplog.records if r.name == "mla_planner.routing"]
-    assert len(warnings) == 1 and str(packaged) in warnings[0] and "'NVIDIA H100' here" in warnings[0]
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    setups = []
+    for rank in (0, 1):
+        monkeypatch.setattr(parallel_state, "get_tp_group", lambda rank=rank: TensorParallelGroup(rank))
+        if rank == 1:  # what rank 1 would find alone: another cache, whose profile routes otherwise
+            monkeypatch.setenv("MLA_PLANNER_CACHE_DIR", str(tmp_path / "rank1-cache"))
+            monkeypatch.setattr(routing, "current_environment", lambda kernels, gather: dict(HERE, driver="9"))
+        setups.append(start.setup(mixed))
+    assert start.measured == 1 and TensorParallelGroup.sent == []
+    rank0, rank1 = setups
+    assert rank0.cost_model is not None and rank1.cost_model is not None
+    assert rank1.cost_model.environment == rank0.cost_model.environment == HERE
+    for query_lens, context_lens, decodes in (([1] * 4 + [3000], [900] * 4 + [0], 4), ([64], [0], 0), ([1] * 8, [5000] * 8, 8)):
+        modes = {routing.choose_plan(s.cost_model, query_lens, context_lens, decodes, s.config).mode for s in setups}
+        assert len(modes) == 1, (query_lens, modes)
 
 
 # -- vLLM 0.33: the workspace manager's views; the reservation on either vLLM --------------------

@@ -1,10 +1,12 @@
 """Which FP8 route each step takes: the cost model's choice where a profile measured on this
 GPU, driver, torch and kernel library exists; vLLM's rule (mixed batch below 32 heads per rank)
-otherwise, with a warning. Never a guess: a profile measured elsewhere is not used.
+otherwise. Never a guess: a profile measured elsewhere is not used.
 
 The cost model itself (profile format, interpolation, route prices) is Rust,
-``mla_planner.CostModel``; this module finds a profile, decides whether it applies here, and
-gives the vLLM backend a one-call decision per step. See docs/routing.md.
+``mla_planner.CostModel``; this module names the machine a profile was measured on, decides
+whether a profile applies here, and gives the vLLM backend a one-call decision per step. Which
+profile an engine takes (packaged, cached, measured at its first start) is
+:mod:`mla_planner.profiles`. See docs/routing.md.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from importlib import metadata, resources
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -25,33 +27,23 @@ from mla_planner._core import COST_PROFILE_ENVIRONMENT_KEYS
 
 logger = logging.getLogger(__name__)
 
-PROFILE_DIR = "profiles"  # under mla_planner/data: one per architecture and kernel build, <arch>-<kernels>.json
+PROFILE_DIR = "profiles"  # under mla_planner/data: <arch>-<kernels>-<gpu>.json (mla_planner.profiles)
 VLLM_RULE = "vLLM's rule (mixed batch below 32 heads per rank)"
 GATHER_OPS = {
     "vllm": "cp_gather_and_upconvert_fp8_kv_cache",
-    "torch": "mla_planner.cli.kernel_timing.gather_upconvert",
+    "torch": "mla_planner.calibration.kernel_timing.gather_upconvert",
 }
 KERNEL_PACKAGES = {"vllm": "vllm", "flash_mla": "sgl-flash-mla"}
 
 
-def default_profile_path(arch: str = "sm90", kernels: str | None = None) -> Path:
-    """Where the packaged profile for ``arch`` and ``kernels`` lives (it may not exist). A profile
-    prices one build of the kernels, and vLLM ships its own with each release: ``kernels`` as a
-    profile's environment names them (``"vllm 0.33.0"``), by default the installed vLLM's."""
-    kernels = _package_version("vllm") if kernels is None else kernels
-    name = f"{arch}-{kernels.replace(' ', '-')}.json"
-    return Path(str(resources.files("mla_planner.data") / PROFILE_DIR / name))
-
-
 def load_profile(
-    path: str | os.PathLike[str] | None = None,
+    path: str | os.PathLike[str],
     *,
-    arch: str = "sm90",
     environment: Mapping[str, str] | None = None,
     config: StepConfig | None = None,
 ) -> CostModel | None:
-    """The cost model in ``path`` (default: the packaged profile for ``arch``), or ``None``
-    with a warning when it cannot be used here, so the caller falls back to vLLM's rule:
+    """The cost model in ``path``, or ``None`` with a warning when it cannot be used here, so the
+    caller falls back to vLLM's rule:
 
     * the file does not exist;
     * ``environment`` (this machine, :func:`current_environment`) differs from the one the
@@ -63,7 +55,7 @@ def load_profile(
     that exists but is not a valid profile raises ``ValueError``: that is a mistake to fix, not a
     reason to route differently.
     """
-    where = Path(path) if path is not None else default_profile_path(arch)
+    where = Path(path)
     try:
         text = where.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -124,18 +116,18 @@ def current_environment(kernels: str = "vllm", gather: str = "vllm", device: int
         raise ValueError(f"gather must be one of {', '.join(GATHER_OPS)}, got {gather!r}")
     gather_op = GATHER_OPS[gather]
     if gather == "vllm":
-        gather_op = f"{_package_version('vllm')} {gather_op}"
+        gather_op = f"{package_version('vllm')} {gather_op}"
     return {
         "gpu": torch.cuda.get_device_name(device),
         "driver": driver_version(),
         "cuda": str(torch.version.cuda),
         "torch": torch.__version__,
-        "kernels": _package_version(KERNEL_PACKAGES[kernels]),
+        "kernels": package_version(KERNEL_PACKAGES[kernels]),
         "gather": gather_op,
     }
 
 
-def _package_version(package: str) -> str:
+def package_version(package: str) -> str:
     try:
         return f"{package} {metadata.version(package)}"
     except metadata.PackageNotFoundError:
@@ -162,17 +154,6 @@ def driver_version() -> str:
         return "unknown"
     m = re.search(r"Kernel Module\s+(\S+)", text)
     return m.group(1) if m else "unknown"
-
-
-def load_for_engine(path: str | None, config: StepConfig) -> CostModel | None:
-    """The profile that routes an engine's FP8 steps, or ``None`` (vLLM's rule; the reason is
-    logged). No GPU visible, as in tests: the machine check is skipped."""
-    import torch
-
-    if config.kv_dtype != "fp8":
-        return None
-    environment = current_environment("vllm", "vllm") if torch.cuda.is_available() else None
-    return load_profile(path, arch=config.arch, environment=environment, config=config)
 
 
 def choose_plan(

@@ -61,10 +61,13 @@ WORKLOADS: dict[str, tuple[Client, ...]] = {
                    range_ratio='{"input": 0.95, "output": 0.9}'),
             Client("mix-doc", 36864, 288, num_prompts=24, concurrency=8, seed_offset=1,
                    range_ratio='{"input": 0.77, "output": 0.77}')),
+    # 8k: prefill-heavy prompts a quarter of long's (one step holds four at the default 32K).
+    "8k": (Client("8k", 8192, 16, num_prompts=64, concurrency=16),),
 }
 WORKLOAD_TITLES = {
     "long": "32,768 in, 16 out, 16 concurrent",
     "chat": "1,024 in, 256 out, 64 concurrent",
+    "8k": "8,192 in, 16 out, 16 concurrent",
     "mix": "the simulator's default mix: chat turns 326-12,730 in / 32-608 out, 24 concurrent, with "
            "documents 8,478-65,250 in / 66-510 out, 8 concurrent (two bench clients at once)",
 }

@@ -13,7 +13,7 @@ import torch
 
 import mla_planner
 from mla_planner import ALLOCATOR_RESERVE_BYTES
-from mla_planner.cli.synthetic import mixed_case, prefill_case
+from mla_planner.calibration.synthetic import mixed_case, prefill_case
 from mla_planner.executor import MixedBatchExecutor, get_provider
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: run as a script, not by pytest

@@ -20,7 +20,7 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from mla_planner.cli.synthetic import mixed_case, prefill_case
+from mla_planner.calibration.synthetic import mixed_case, prefill_case
 from mla_planner.executor import KernelProvider, MixedBatchExecutor
 from mla_planner.executor.layout import as_slots
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention

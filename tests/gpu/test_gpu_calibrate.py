@@ -48,3 +48,29 @@ def test_small_calibration_writes_a_valid_profile(tmp_path: Path) -> None:
                         gather_workspace_rows=1 << 20, indexer_workspace_rows=1 << 22, force_mqa=True)
     prediction = model.predict([4096], [0], 0, config)
     assert prediction.mixed is not None and prediction.separate is not None
+
+
+def test_first_start_grid_measures_a_profile_that_prices_the_engine() -> None:
+    """The reduced grid an engine measures at its first start, on a small engine: a profile the
+    cost model accepts for the engine, with the prefill kernel at native heads where the
+    installed kernels run them, measured in seconds."""
+    import time
+
+    from mla_planner.calibration.grid import first_start_grid
+    from mla_planner.calibration.measure import json_text, measure
+
+    if PROVIDER != "vllm":
+        pytest.skip("the first-start measurement times vLLM's kernels (MLA_PLANNER_PROVIDER=vllm)")
+    import torch
+
+    config = StepConfig(16, arch="sm90", num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                        scratch_budget_bytes=1 << 30, max_model_len=8192, force_mqa=True, execution="vllm")
+    grid = first_start_grid(config, 2048, 8192, native=True)
+    started = time.monotonic()
+    profile = measure(grid, command="test", progress=print)
+    seconds = time.monotonic() - started
+    model = CostModel.from_json(json_text(profile))
+    model.check(config)
+    assert [size for size, _ in profile["sparse_decode"]["64"]] == grid.tokens[64]
+    print(f"first-start grid at max_num_batched_tokens 2,048: {seconds:.1f} s; native 16 heads priced: "
+          f"{model.prices_native_prefill(config)}")

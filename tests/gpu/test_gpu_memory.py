@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mla_planner
-from mla_planner.cli.synthetic import mixed_case
+from mla_planner.calibration.synthetic import mixed_case
 from mla_planner.executor import KernelProvider, MixedBatchExecutor
 
 from gpu_helpers import MiB, peak_delta_bytes, prediction_tolerance

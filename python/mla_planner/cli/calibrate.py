@@ -1,35 +1,27 @@
 """`mla-planner calibrate`: time the sparse-MLA kernels on this GPU and write a cost profile.
 
-Grid: per padded head count, token counts from 16 up to the longest single launch the int32
-stride limit allows, for the decode kernel (``b = 1, s_q = T``) and the BF16 prefill kernel; row
-counts for the gather-and-up-convert. Each round measures every case once, in a fresh shuffled
-order, on fresh random inputs; warm-up rounds are discarded; each point is the median of the
-timed rounds, and each table is then made non-decreasing (pool-adjacent-violators), since the
-cost model refuses a table whose time falls as the size grows. The raw medians are kept in the
-profile's ``calibration`` section. Profile format: docs/routing.md.
+The full grid: per padded head count, token counts from 16 up to the longest single launch the
+int32 stride limit allows, for the decode kernel (``b = 1, s_q = T``) and the BF16 prefill
+kernel; on sm90 the prefill kernel at 16 and 32 native heads; row counts for the
+gather-and-up-convert (:mod:`mla_planner.calibration.grid`). How it is timed and what the profile
+holds: :mod:`mla_planner.calibration.measure`. Profile format: docs/routing.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import random
-import statistics
 import sys
-import time
-from collections.abc import Sequence
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
-from mla_planner import (
-    COST_PROFILE_FORMAT,
-    NATIVE_PREFILL_HEADS,
-    CostModel,
-    decode_scratch,
-    max_tokens_per_launch,
-    prefill_launch_tokens,
-    prefill_scratch,
+from mla_planner import NATIVE_PREFILL_HEADS
+from mla_planner.calibration.grid import (
+    DEFAULT_ROWS,
+    KERNEL_HEADS,
+    Grid,
+    case_bytes,
+    gather_bytes,
+    launch_limit,
+    token_grid,
 )
 
 from .atomic import atomic_files, check_file
@@ -38,8 +30,6 @@ from .config import CliError
 from .units import format_bytes, size_arg
 
 DEFAULT_OUTPUT = Path("mla-planner-profile.json")
-KERNEL_HEADS = (64, 128)
-D_QK_BYTES = 576 * 2  # one BF16 query head
 MIN_RUNS = 10
 # Rough H200 magnitudes at top-k 2048, only for --dry-run's time estimate; other GPUs differ.
 ROUGH_US_PER_TOKEN = {("sparse_decode", 64): 0.82, ("sparse_decode", 128): 1.55,
@@ -93,49 +83,6 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 # --- the grid -------------------------------------------------------------------------
-
-
-def default_tokens(limit: int) -> list[int]:
-    """16, 32, then powers of two and their 1.5x midpoints below ``limit``, then ``limit``."""
-    grid, n = [16, 32], 64
-    while n < limit:
-        grid += [n, n * 3 // 2]
-        n *= 2
-    return [t for t in grid if t < limit] + [limit]
-
-
-DEFAULT_ROWS = [64 << k for k in range(15)]  # 64 ... 1,048,576
-
-
-def launch_limit(heads: int, native: bool) -> int:
-    """The most tokens one launch may take at ``heads``, whatever the budget (the int32 stride
-    limit): both kernels' at padded heads, the prefill kernel's at native heads."""
-    if not native:
-        return max_tokens_per_launch(heads)[0]
-    return prefill_launch_tokens(heads, budget_bytes=1 << 62, native_heads=True)[0]
-
-
-def token_grid(heads: int, tokens: list[int] | None, native: bool = False) -> list[int]:
-    """Sizes for one head count: none longer than one launch may be."""
-    limit = launch_limit(heads, native)
-    return default_tokens(limit) if tokens is None else [t for t in tokens if t <= limit]
-
-
-def case_bytes(heads: int, tokens: int, topk: int, native: bool = False) -> int:
-    """A token case's device memory, generously: inputs, index temporaries, the larger kernel's
-    scratch (the planner's byte model; the prefill kernel's only at native heads) and the
-    up-converted workspace."""
-    rows = max(tokens, topk)
-    indices = tokens * topk * 40  # float draws, mask, int32 positions, int64 slot temporaries
-    inputs = tokens * heads * D_QK_BYTES + rows * (656 + 2 * 576 + 4 * 576 * 4)
-    kernel = prefill_scratch(tokens, heads, topk=topk, native_heads=native).total_bytes
-    if not native:
-        kernel = max(kernel, decode_scratch(1, tokens, heads, topk=topk).total_bytes)
-    return indices + inputs + kernel
-
-
-def gather_bytes(rows: int) -> int:
-    return rows * (656 + 2 * 576 + 4 * 576 * 4)
 
 
 def estimate_seconds(args: argparse.Namespace, grids: dict[int, list[int]], rows: list[int],
@@ -207,35 +154,6 @@ def dry_run(args: argparse.Namespace, grids: dict[int, list[int]], rows: list[in
 # --- the run --------------------------------------------------------------------------
 
 
-def non_decreasing(values: Sequence[float]) -> list[float]:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([v, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [total / count for total, count in blocks for _ in range(int(count))]
-
-
-def _table(samples: dict[int, list[float]]) -> tuple[list[list[float]], list[list[float]]]:
-    """(fitted points, raw medians), both ``[[size, us], ...]``."""
-    sizes = sorted(samples)
-    raw = [statistics.median(samples[s]) for s in sizes]
-    fitted = non_decreasing(raw)
-    return [[s, round(y, 3)] for s, y in zip(sizes, fitted)], [[s, round(y, 3)] for s, y in zip(sizes, raw)]
-
-
-def _arch(capability: tuple[int, int]) -> str:
-    major, minor = capability
-    if major == 9:
-        return "sm90"
-    if major == 10:
-        return "sm100"
-    raise CliError(f"this GPU is sm{major}{minor}; the FlashMLA sparse kernels run on sm90 (Hopper) and sm100 (Blackwell)")
-
-
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     grids, rows = _grids(args)
@@ -254,113 +172,20 @@ def run(args: argparse.Namespace) -> int:
 def measure(args: argparse.Namespace, grids: dict[int, list[int]], rows: list[int]) -> int:
     import torch
 
-    from mla_planner.executor.providers import ProviderUnavailable, get_provider
-    from mla_planner.routing import current_environment
+    from mla_planner.calibration.measure import CalibrationError, arch_of, json_text
+    from mla_planner.calibration.measure import measure as measure_grid
 
-    from .kernel_timing import GatherCase, GatherOp, KernelBench, TokenCase
-
-    arch = _arch(torch.cuda.get_device_capability())
     try:
-        provider = get_provider(args.provider)
-        gather = GatherOp(args.gather)
-    except (ProviderUnavailable, RuntimeError) as e:
+        native = native_grids(args, arch_of(torch.cuda.get_device_capability()))
+        grid = Grid(grids, native, rows, args.topk, args.runs, args.warmup, args.seed, args.max_memory)
+        profile = measure_grid(grid, provider=args.provider, gather=args.gather,
+                               command="mla-planner " + " ".join(sys.argv[1:]), progress=_progress)
+    except CalibrationError as e:
         raise CliError(str(e)) from None
-    free, _total = torch.cuda.mem_get_info()
-    budget = args.max_memory or int(0.8 * free)
-    gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    bench = KernelBench(provider, gather, args.topk, gen)
-    cases: list[TokenCase | GatherCase] = []
-    native = native_grids(args, arch)
-    for h in list(native):
-        # One tiny call: a FlashMLA build without the kernel (vLLM 0.26's) refuses these heads.
-        refused = bench.refuses_native_prefill(h)
-        if refused is not None:
-            _progress(f"not timing the prefill kernel at {h} native heads: {args.provider}'s kernel refused them ({refused})")
-            del native[h]
-    grid_cases = [(h, t, False) for h, tokens in grids.items() for t in tokens]
-    grid_cases += [(h, t, True) for h, tokens in native.items() for t in tokens]
-    for h, t, is_native in grid_cases:
-        need = case_bytes(h, t, args.topk, native=is_native)
-        if need > budget:
-            kind = "native" if is_native else "padded"
-            _progress(f"skipping {t:,} tokens at {h} {kind} heads: ~{format_bytes(need)} > {format_bytes(budget)}")
-        else:
-            cases.append(TokenCase(h, t, native=is_native))
-    cases += [GatherCase(r) for r in rows if gather_bytes(r) <= budget]
-
-    order = random.Random(args.seed)
-    samples: dict[tuple[str, int], dict[int, list[float]]] = {}
-    started = time.monotonic()
-    rounds = args.warmup + args.runs
-    for r in range(rounds):
-        warm = r < args.warmup
-        order.shuffle(cases)
-        for case in cases:
-            try:
-                if isinstance(case, TokenCase):
-                    times = bench.token_case(case)
-                    if not warm:
-                        for kernel, us in times.items():
-                            samples.setdefault((kernel, case.heads), {}).setdefault(case.tokens, []).append(us)
-                else:
-                    us = bench.gather_case(case)
-                    if not warm:
-                        samples.setdefault(("gather_upconvert", 0), {}).setdefault(case.rows, []).append(us)
-            except RuntimeError as e:  # includes torch.OutOfMemoryError
-                raise CliError(f"{case}: {str(e).splitlines()[0]}; lower --max-memory or shrink the grid") from None
-        torch.cuda.empty_cache()
-        _progress(f"round {r + 1}/{rounds}{' (warm-up)' if warm else ''}, {time.monotonic() - started:.0f} s")
-
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    environment = current_environment(args.provider, args.gather)
-    profile = build_profile(args, arch, num_sms, samples, environment, time.monotonic() - started)
-    text = json.dumps(profile, indent=1) + "\n"
-    try:
-        CostModel.from_json(text)  # the planner accepts what it will be given
-    except ValueError as e:  # e.g. so many cases skipped that a table has under 2 points
-        raise CliError(f"the measurements make no valid profile: {e}") from None
     with atomic_files() as files:
-        files.write_bytes(args.output, text.encode())
-    _progress(f"wrote {args.output} ({profile['environment']['gpu']}, {time.monotonic() - started:.0f} s)")
+        files.write_bytes(args.output, json_text(profile).encode())
+    _progress(f"wrote {args.output} ({profile['environment']['gpu']}, {profile['calibration']['seconds']:.0f} s)")
     return 0
-
-
-def build_profile(
-    args: argparse.Namespace,
-    arch: str,
-    num_sms: int,
-    samples: dict[tuple[str, int], dict[int, list[float]]],
-    environment: dict[str, str],
-    seconds: float,
-) -> dict[str, Any]:
-    """The profile's JSON object from the timed samples, ``{(kernel, heads): {size: [us]}}``
-    (the gather under heads 0)."""
-    tables: dict[str, Any] = {"sparse_decode": {}, "sparse_prefill": {}}
-    raw: dict[str, Any] = {"sparse_decode": {}, "sparse_prefill": {}}
-    for (kernel, heads), by_size in sorted(samples.items()):
-        fitted, medians = _table(by_size)
-        if kernel == "gather_upconvert":
-            tables[kernel], raw[kernel] = fitted, medians
-        else:
-            tables[kernel][str(heads)], raw[kernel][str(heads)] = fitted, medians
-    return {
-        "format": COST_PROFILE_FORMAT,
-        "arch": arch,
-        "num_sms": num_sms,
-        "topk": args.topk,
-        "environment": environment,
-        "calibration": {
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": "mla-planner " + " ".join(sys.argv[1:]),
-            "runs": args.runs,
-            "warmup": args.warmup,
-            "seed": args.seed,
-            "statistic": "median of the timed rounds, made non-decreasing per table",
-            "seconds": round(seconds, 1),
-            "raw_median_us": raw,
-        },
-        **tables,
-    }
 
 
 def _progress(message: str) -> None:

@@ -29,7 +29,6 @@ from mla_planner import (
     prefill_scratch,
     topk_mask_bytes,
 )
-from mla_planner import routing
 from mla_planner.vllm_backend import sizing
 
 from . import policies, presets
@@ -39,7 +38,6 @@ from .units import GIB
 
 MIB = 1 << 20
 MODELLED_VLLM = "0.26.0"  # the release whose defaults, memory and plugin this module models
-PROFILED_KERNELS = f"vllm {MODELLED_VLLM}"  # the kernels whose packaged cost profile routes the plugin's steps here
 
 
 def installed_vllm() -> str | None:
@@ -304,6 +302,9 @@ class Deployment:
     max_num_seqs: int
     weights_override: int | None = None
     activation_override: int | None = None
+    routes_by_profile: bool = True
+    """A cost profile routes the plugin's FP8 steps (packaged, cached, or measured at its first
+    start), so steps may take either route; ``False`` under ``MLA_PLANNER_COST_PROFILE=none``."""
 
     @property
     def heads_per_rank(self) -> int:
@@ -400,15 +401,14 @@ def plugin_step(d: Deployment, step: Step) -> StepVerdict:
 def plugin_reservation(d: Deployment) -> int:
     """What the plugin holds back from the KV cache on vLLM 0.26, as its engine setup sizes it: the
     most one launch of any plan of the routes its steps may take allocates at this step size (both
-    FP8 routes where a packaged cost profile routes this architecture's steps, vLLM's rule's route
-    otherwise), and the step's output. Without speculative decoding, which raises the decode
+    FP8 routes where a cost profile routes the steps, vLLM's rule's route under
+    ``MLA_PLANNER_COST_PROFILE=none``), and the step's output. Without speculative decoding, which raises the decode
     threshold. The H200 logged 1,535 MiB at 32,768 tokens a step and 2,047 MiB at 65,536
     (docs/e2e.md, 26.16)."""
     step = d.planner_config(fp8=True).step
     tokens = d.max_num_batched_tokens
     max_decode = min(sizing.builder_decode_threshold(d.heads_per_rank, d.gpu.arch), tokens)
-    profiled = routing.default_profile_path(d.gpu.arch, PROFILED_KERNELS).exists()
-    routes = [step.replace(mode=route) for route in sizing.ROUTES] if profiled else [step]
+    routes = [step.replace(mode=route) for route in sizing.ROUTES] if d.routes_by_profile else [step]
     return sizing.largest_launch_bytes(routes, tokens, max_decode, None) + sizing.step_output_bytes(tokens, d.heads_per_rank)
 
 

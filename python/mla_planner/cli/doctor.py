@@ -6,7 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from mla_planner.vllm_backend.settings import PROFILE_VAR, Settings, SettingsError, read_settings
+from mla_planner import profiles
+from mla_planner.vllm_backend.settings import NO_PROFILE, PROFILE_VAR, Settings, SettingsError, read_settings
 
 from . import deployment, serve_line
 from .config import CliError
@@ -78,6 +79,7 @@ def build(args: argparse.Namespace) -> tuple[Deployment, serve_line.ServeArgs]:
         max_num_seqs=serve.max_num_seqs or serve_line.DEFAULT_MAX_NUM_SEQS,
         weights_override=args.weights,
         activation_override=args.activation,
+        routes_by_profile=serve.env.get(PROFILE_VAR, "").strip().lower() != NO_PROFILE,
     )
     return d, serve
 
@@ -143,6 +145,33 @@ def verdict(diag: Diagnosis, serve: serve_line.ServeArgs) -> tuple[str, list[str
     return f"stock: {_stock_problem(diag)}; {plugin_text}", fixes
 
 
+def cost_profile(d: Deployment, serve: serve_line.ServeArgs, installed: str | None) -> dict[str, Any]:
+    """The cost profile the plugin's engine will route FP8 steps by, and the route that follows:
+    ``source`` (``none``, ``file``, ``packaged`` or ``measured at first start``), ``file``,
+    ``text`` (one line)."""
+    value = serve.env.get(PROFILE_VAR, "").strip()
+    if value.lower() == NO_PROFILE:
+        return {"source": "none", "file": None,
+                "text": f"none ({PROFILE_VAR}={value}): vLLM's rule routes every FP8 step "
+                        f"({'mixed batch' if d.heads_per_rank < 32 else 'separate prefill and decode'} at "
+                        f"{d.heads_per_rank} heads per rank); a step whose one call fits the budget runs as that call"}
+    if value:
+        return {"source": "file", "file": value,
+                "text": f"{PROFILE_VAR}={value} (read on the serving machine): the cost model picks each step's route"}
+    kernels = f"vllm {installed or deployment.MODELLED_VLLM}"
+    packaged = profiles.packaged_for_gpu(d.gpu.arch, d.gpu.name, kernels)
+    first_start = (f"the engine measures one at its first start (a reduced grid, tens of seconds) and keeps it in "
+                   f"{profiles.cache_dir()}/profiles for later starts")
+    if packaged is None:
+        return {"source": "measured at first start", "file": None,
+                "text": f"none packaged for the {d.gpu.name} under {kernels}: {first_start}; the cost model then picks "
+                        "each step's route"}
+    env = profiles.environment_of(packaged)
+    return {"source": "packaged", "file": packaged.name,
+            "text": f"packaged {packaged.name} (measured under driver {env.get('driver')}, torch {env.get('torch')}) where "
+                    f"the serving machine has that software; elsewhere {first_start}; the cost model picks each step's route"}
+
+
 # --- output ---------------------------------------------------------------------------
 
 
@@ -187,6 +216,7 @@ def to_json(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None)
         "plugin": {**_verdict_json(diag.plugin), "kv_bytes": diag.plugin_kv_bytes, "kv_tokens": diag.plugin_kv_tokens,
                    "budget_bytes": d.budget_bytes, "budget_kv_tokens": diag.budget_kv_tokens,
                    "reserved_bytes": diag.reserved_bytes},
+        "cost_profile": cost_profile(d, serve, installed),
         "int32_stride_tokens": diag.stride_tokens,
         "verdict": line,
         "fixes": fixes,
@@ -233,6 +263,7 @@ def to_text(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None)
         f"plugin      budget {format_bytes(d.budget_bytes)}, worst step {format_bytes(diag.plugin.peak_bytes)} in {diag.plugin.launches} launches: "
         f"{'fits' if diag.plugin.fits else 'FAILS'}; KV cache {format_bytes(diag.plugin_kv_bytes)} = {diag.plugin_kv_tokens:,} tokens "
         f"({format_bytes(diag.reserved_bytes)} held back from it: {diag.reserved_kv_tokens:,} tokens)",
+        f"profile     {cost_profile(d, serve, installed)['text']}",
         "",
     ]
     line, fixes = verdict(diag, serve)

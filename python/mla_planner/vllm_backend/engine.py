@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import torch
 
 import mla_planner
-from mla_planner import routing
-from mla_planner.vllm_backend import sizing, vllm_api
+from mla_planner import profiles, routing
+from mla_planner.calibration.grid import Grid, first_start_grid
+from mla_planner.vllm_backend import log, sizing, vllm_api
 from mla_planner.vllm_backend.log import logger
 from mla_planner.vllm_backend.reservation import Reservation
 from mla_planner.vllm_backend.stats import StepStats
@@ -131,7 +133,7 @@ def setup(vllm_config: Any, num_heads: int, device: torch.device) -> EngineSetup
 def make_setup(vllm_config: Any, num_heads: int, device: torch.device, settings: Settings,
                state: EngineState | None = None) -> EngineSetup:
     config = step_config(vllm_config, num_heads, device, settings)
-    cost_model = cost_model_for(config, settings)
+    cost_model = cost_model_for(config, settings, vllm_config, device)
     routes = sizing.ROUTES if cost_model is not None else (config.mode,)
     scheduler = vllm_config.scheduler_config
     max_step_tokens = int(scheduler.max_num_batched_tokens)
@@ -195,17 +197,73 @@ def step_config(vllm_config: Any, num_heads: int, device: torch.device, settings
     return config.replace(native_prefill_heads=True)
 
 
-def cost_model_for(config: mla_planner.StepConfig, settings: Settings) -> mla_planner.CostModel | None:
+def cost_model_for(config: mla_planner.StepConfig, settings: Settings, vllm_config: Any,
+                   device: torch.device) -> mla_planner.CostModel | None:
+    """The cost model that routes the engine's FP8 steps (:mod:`mla_planner.profiles`: the one
+    set, packaged, cached or measured now), found or measured on the first tensor-parallel rank
+    and shared, so every rank routes each step alike; ``None``: vLLM's rule. Said once."""
     if settings.vllm_rule or config.kv_dtype != "fp8":
         return None
-    model = routing.load_for_engine(settings.cost_profile, config)
+    found = vllm_api.from_first_tp_rank(functools.partial(find_profile, config, settings, vllm_config, device))
+    model = found.model()
     if model is not None and not vllm_api.NATIVE_PREFILL_KERNELS and model.prices_native_prefill(config):
         # It could choose a prefill kernel this vLLM's FlashMLA does not have.
-        logger.warning("mla-planner: cost profile %s prices the prefill kernel at %d native heads, which vLLM %s's "
-                       "FlashMLA does not run; routing FP8 steps by %s (calibrate under this vLLM)",
-                       settings.cost_profile or "(packaged)", config.num_heads, vllm_api.VLLM_VERSION, routing.VLLM_RULE)
-        return None
+        found = profiles.Found("none", why=f"{found.where} prices the prefill kernel at {config.num_heads} native heads, "
+                                           f"which vLLM {vllm_api.VLLM_VERSION}'s FlashMLA does not run (calibrate under this vLLM)")
+        model = None
+    if found.source == "none":
+        log.once(logging.WARNING if found.why else logging.INFO, "mla-planner: %s; routing FP8 steps by %s",
+                 found.describe(), routing.VLLM_RULE)
+    else:
+        log.once(logging.INFO, "mla-planner: %s", found.describe())
     return model
+
+
+_found: dict[tuple[Any, ...], profiles.Found] = {}
+
+
+def find_profile(config: mla_planner.StepConfig, settings: Settings, vllm_config: Any,
+                 device: torch.device) -> profiles.Found:
+    """:func:`.profiles.find` for this engine, once per process for the same kernels, setting and
+    largest step (vLLM hands its builders and layers copies of one configuration: the first
+    finds, the rest are told the same); never raises (the other ranks wait for its answer)."""
+    native = vllm_api.NATIVE_PREFILL_KERNELS and config.native_prefill_heads_possible
+    max_step_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+    key = (settings.cost_profile, config.arch, config.num_sms, config.topk, config.decode_heads,
+           config.prefill_padded_heads, config.num_heads if native else 0, max_step_tokens, str(device))
+    if key not in _found:
+        _found[key] = _find_profile(config, settings, vllm_config, device, native, max_step_tokens)
+    return _found[key]
+
+
+def _find_profile(config: mla_planner.StepConfig, settings: Settings, vllm_config: Any, device: torch.device,
+                  native: bool, max_step_tokens: int) -> profiles.Found:
+    grid = first_start_grid(config, max_step_tokens, int(vllm_config.model_config.max_model_len), native)
+    measure = None if vllm_api.sleep_mode(vllm_config) else functools.partial(measure_first_start, grid, device)
+    try:
+        environment = routing.current_environment("vllm", "vllm") if torch.cuda.is_available() else None
+        return profiles.find(config, path=settings.cost_profile, environment=environment, native=native,
+                             max_step_tokens=max_step_tokens, measure=measure,
+                             measure_off="vLLM's sleep mode keeps what a measurement at start-up frees (run `mla-planner "
+                                         "calibrate` once and set MLA_PLANNER_COST_PROFILE to its file)")
+    except Exception as e:  # a profile's file read or parsed differently since the settings checked it
+        return profiles.Found("none", why=f"finding a cost profile failed: {' '.join(str(e).split())}")
+
+
+def measure_first_start(grid: Grid, device: torch.device) -> dict[str, Any]:
+    """Time ``grid`` on ``device`` with vLLM's kernels, as `mla-planner calibrate` does, from inside
+    vLLM's model construction: torch's default device and dtype set back to its own for the
+    measurement (vLLM builds the model under its own)."""
+    from mla_planner.calibration.measure import measure
+
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device("cpu"), torch.cuda.device(device):
+            return measure(grid, provider="vllm", gather="vllm", command="an engine's first start (reduced grid)",
+                           progress=lambda message: logger.debug("mla-planner: measuring a cost profile: %s", message))
+    finally:
+        torch.set_default_dtype(dtype)
 
 
 def check_budget(setup: EngineSetup) -> None:

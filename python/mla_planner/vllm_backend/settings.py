@@ -6,11 +6,11 @@
 * ``MLA_PLANNER_REPLACE_FLASHMLA_SPARSE`` -- ``1`` registers the backend in place of
   ``FLASHMLA_SPARSE`` as well as ``CUSTOM``, so existing command lines pick it up unchanged.
 * ``MLA_PLANNER_COST_PROFILE`` -- the cost profile that routes FP8 steps (``mla-planner
-  calibrate``); default: the one packaged for the GPU's architecture; ``none``: no profile,
-  vLLM's rule. When set to a path it must name a readable UTF-8 file that parses as a cost
-  profile, or start-up fails; a valid profile that was measured on another machine means vLLM's
-  rule, with a warning (docs/routing.md), as does the packaged one on a GPU it was not measured
-  on.
+  calibrate``); unset: the packaged one of this machine, else one measured here at an earlier
+  start, else one measured at this start (:mod:`mla_planner.profiles`); ``none``: no profile,
+  vLLM's rule, nothing measured. When set to a path it must name a readable UTF-8 file that
+  parses as a cost profile, or start-up fails; a valid profile that was measured on another
+  machine means vLLM's rule, with a warning (docs/routing.md).
 * ``MLA_PLANNER_NATIVE_PREFILL_HEADS`` -- ``1`` runs the BF16 sparse prefill kernel at the rank's
   own 16 or 32 heads on every separate-route step (SM90, vLLM 0.33's FlashMLA; refused elsewhere
   at start-up). Unset: vLLM's padding to 64, unless the cost profile prices native heads cheaper

@@ -44,7 +44,8 @@ import importlib
 import importlib.metadata
 import math
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 import vllm.v1.attention.backends.mla.flashmla_sparse as _stock_module
@@ -65,6 +66,7 @@ stock: Any = _stock_module
 utils: Any = _utils_module
 
 SUPPORTED = ("0.26", "0.33")
+T = TypeVar("T")
 
 
 def _minor(version: str) -> str:
@@ -143,6 +145,28 @@ def stats_interval_s() -> float:
     import vllm.envs as envs
 
     return float(envs.VLLM_LOG_STATS_INTERVAL)
+
+
+def from_first_tp_rank(make: Callable[[], T]) -> T:
+    """``make()`` on the first rank of the engine's tensor-parallel group, its result on every
+    rank, by vLLM's ``GroupCoordinator.broadcast_object`` (0.26 distributed/parallel_state.py:760,
+    0.33 :856); ``make()`` here where there is no group of more than one rank (one GPU, the CPU
+    tests). Every rank must call it at the same point: each does while it builds the model."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return make()
+    group = parallel_state.get_tp_group()
+    if group.world_size == 1:
+        return make()
+    made = make() if group.rank_in_group == 0 else None
+    return cast(T, group.broadcast_object(made, src=0))
+
+
+def sleep_mode(vllm_config: VllmConfig) -> bool:
+    """``--enable-sleep-mode``: vLLM builds the model in a memory pool of its own, which keeps
+    what a start-up measurement frees mapped (:func:`release_from_sleep_mode_pool`)."""
+    return bool(getattr(vllm_config.model_config, "enable_sleep_mode", False))
 
 
 def forward_result(out: torch.Tensor) -> Any:
