@@ -187,7 +187,11 @@ def test_plan_presets_state_the_vllm_path() -> None:
         (["--budget", "1GB"], "is not a size"),
         (["--budget", "1KiB"], "give at least"),
         (["--query-lens", "1,2", "--context-lens", "5"], "give one per request"),
-        (["--query-lens", "1,-2"], "query lengths must be >= 1"),
+        (["--query-lens", "1,-2"], "--query-lens must be at least 1, got -2"),
+        (["--tokens", "-5"], "--tokens must be at least 1, got -5"),
+        (["--budget", "-1GiB"], "argument --budget: '-1GiB' is not a size"),
+        (["--budget", "1KiB"], "--budget must be more than the allocator's 64 KiB reserve"),
+        (["--tokens", "100", "--context-lens", "200000"], "--tokens 100 + --context-lens 200,000 is more than --max-model-len"),
         (["--query-lens", "1,x"], "not a comma-separated list"),
         (["--heads", "16", "--preset", "glm-5"], "not both"),
         (["--masked-mha"], "--masked-mha needs --arch sm100"),
@@ -234,7 +238,8 @@ def test_trace_gen_follows_the_scheduler_model() -> None:
 
 def test_trace_gen_bad_input(tmp_path: Path) -> None:
     out = tmp_path / "t.jsonl"
-    assert "--steps must be >= 1" in bad_input("trace", "gen", "--steps", "0", "-o", str(out))
+    assert "--steps must be from 1 to 1,000,000" in bad_input("trace", "gen", "--steps", "0", "-o", str(out))
+    assert "got 100,000,000,000" in bad_input("trace", "gen", "--steps", "100000000000", "-o", str(out))
     assert "not a comma-separated list" in bad_input("trace", "gen", "--max-num-batched-tokens", "8k", "-o", str(out))
     assert not out.exists()
 
@@ -410,6 +415,7 @@ def test_simulate_output_is_replaced_whole(tmp_path: Path) -> None:
     cli("simulate", str(trace), "--out", str(out), "--no-plot")
     cli("simulate", str(trace), "--out", str(out), "--no-plot")
     assert sorted(os.listdir(out)) == sorted(set(OUTPUTS) - {"simulate.png"})  # no temporary files left
+    assert "simulate.png" not in (out / "simulate.md").read_text()  # no picture named that was not written
 
 
 def test_help_and_version() -> None:

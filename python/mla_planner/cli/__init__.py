@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from mla_planner import __version__
 
@@ -26,7 +27,13 @@ DEBUG_VARIABLE = "MLA_PLANNER_DEBUG"
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """Option errors as one line (argparse prints the whole usage first)."""
+    """Option errors as one line (argparse prints the whole usage first); a value that starts with
+    a minus and a digit (``--budget -1GiB``) is a value, which the option's own check refuses by
+    name, not an unknown option ("expected one argument")."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\d")
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

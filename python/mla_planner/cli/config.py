@@ -4,6 +4,8 @@ their command-line options and the keyword arguments the planner takes."""
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mla_planner import H200_NUM_SMS, MAX_HEADS, StepConfig
@@ -16,6 +18,28 @@ DEFAULT_MAX_MODEL_LEN = 163_840  # DeepSeek-V3.2's context length
 
 class CliError(Exception):
     """Bad input: printed as one line, exit status 2, no traceback."""
+
+
+FLAGS = {
+    "scratch_budget_bytes": "--budget",
+    "max_model_len": "--max-model-len",
+    "num_sms": "--num-sms",
+    "num_heads": "--heads",
+    "context_lens + query_lens": "--context-lens + --query-lens",
+    "context_len + query_len": "--context-lens + --query-lens",
+    "query_lens": "--query-lens",
+    "context_lens": "--context-lens",
+    "num_decodes": "--num-decodes",
+}
+"""The planner's argument names, as the flags `plan` and `simulate` take them."""
+
+
+def in_flags(message: str, names: Mapping[str, str] = FLAGS) -> str:
+    """A planner message with its argument names as the user gave them (the flags by default):
+    an error should name what the user typed, not the planner's field."""
+    for name in sorted(names, key=len, reverse=True):
+        message = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w])", names[name], message)
+    return message
 
 
 def _positive_int(text: str) -> int:
@@ -91,7 +115,7 @@ class PlannerConfig:
                 execution="vllm",
             )
         except ValueError as e:
-            raise CliError(str(e)) from None
+            raise CliError(in_flags(str(e))) from None
         return cls(step, heads_from, preset, tp)
 
     @property

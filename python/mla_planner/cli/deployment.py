@@ -32,11 +32,13 @@ from mla_planner import (
 from mla_planner.vllm_backend import sizing
 
 from . import policies, presets
-from .config import CliError, PlannerConfig
+from .config import CliError, PlannerConfig, in_flags
 from .steps import Step
 from .units import GIB
 
 MIB = 1 << 20
+SERVE_NAMES = {"scratch_budget_bytes": "the budget (MLA_PLANNER_SCRATCH_MB)", "max_model_len": "--max-model-len"}
+"""The planner's argument names as a serve line sets them, for the doctor's messages."""
 MODELLED_VLLM = "0.26.0"  # the release whose defaults, memory and plugin this module models
 
 
@@ -339,7 +341,7 @@ class Deployment:
                 max_model_len=self.max_model_len, execution="vllm",
             )  # fmt: skip
         except ValueError as e:
-            raise CliError(f"the planner refuses this deployment: {e}") from None
+            raise CliError(f"the planner refuses this deployment: {in_flags(str(e), SERVE_NAMES)}") from None
         return PlannerConfig(step, f"{self.model.name} at TP {self.tp}", None, self.tp)
 
 

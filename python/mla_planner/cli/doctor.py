@@ -54,6 +54,9 @@ def build(args: argparse.Namespace) -> tuple[Deployment, serve_line.ServeArgs]:
     if args.config is not None:
         model = deployment.lookup_model(args.config)
     else:
+        if serve.model is None:
+            raise CliError("the serve line names no model: give it as `vllm serve MODEL ...`, or pass --config PATH (its "
+                           "config.json) or a preset")
         found = deployment.model_for_serve_model(serve.model)
         if found is None:
             raise CliError(f"cannot tell the model of {serve.model!r}: pass --config PATH (its config.json) or a preset")
@@ -137,7 +140,7 @@ def verdict(diag: Diagnosis, serve: serve_line.ServeArgs) -> tuple[str, list[str
     fixes = []
     add = flags_to_add(serve)
     if p.fits:
-        fixes.append("add: " + " ".join(add) + " (pip install mla-planner)")
+        fixes.append("add: " + " ".join(add) + " (install the plugin beside vLLM: `pip install .` in an mla-planner checkout, or its wheel; docs/vllm.md)")
     if diag.max_stock_util is not None:
         fixes.append(f"or lower --gpu-memory-utilization to {diag.max_stock_util:.2f}")
     elif s.limit == "int32_stride":
@@ -196,7 +199,7 @@ def to_json(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None)
     return {
         "schema": SCHEMA,
         "release": {"modelled": deployment.MODELLED_VLLM, "installed": installed},
-        "serve": {"parser": serve.parser, "model": serve.model, "env": serve.env},
+        "serve": {"parser": serve.parser, "model": serve.model, "env": serve.env, "not_modelled": list(serve.ignored)},
         "deployment": {
             "model": d.model.name, "num_heads": d.model.num_heads, "tp": d.tp, "heads_per_rank": d.heads_per_rank,
             "topk": d.model.topk, "num_layers": d.model.num_layers, "gpu": d.gpu.name, "arch": d.gpu.arch,
@@ -242,6 +245,7 @@ def to_text(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None)
         f"serve line  max_num_batched_tokens {d.max_num_batched_tokens:,}, gpu_memory_utilization {d.gpu_memory_utilization:.2f}, "
         f"max_model_len {d.max_model_len:,}, KV {'fp8' if d.kv_fp8 else 'bf16'} "
         f"({serve.parser} parser)",
+        *([f"            read, not modelled: {', '.join(serve.ignored)}"] if serve.ignored else []),
         f"release     {release_line(installed)}",
         "",
         f"worst step  {diag.worst_step.num_tokens:,} tokens; one call of them through each path (stock takes {taken}):",

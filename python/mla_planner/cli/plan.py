@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from . import checks, config, policies, routes
-from .config import CliError, PlannerConfig
+from .config import CliError, PlannerConfig, in_flags
 from .policies import LaunchRow, Outcome, Scratches
 from .steps import Step
 from .units import UNITS, format_bytes
@@ -69,9 +69,8 @@ def _check_against_model(q: list[int], c: list[int], args: argparse.Namespace) -
     for i, (qi, ci) in enumerate(zip(q, c)):
         if qi + ci > args.max_model_len:
             qs, cs = checks.shorten(f"{qi:,}"), checks.shorten(f"{ci:,}")
-            where = f"--tokens {qs}" if args.tokens is not None else (
-                f"request {i}: --query-lens {qs}" + (f" + --context-lens {cs}" if ci else "")
-            )  # fmt: skip
+            where = (f"--tokens {qs}" if args.tokens is not None else f"request {i}: --query-lens {qs}") + (
+                f" + --context-lens {cs}" if ci else "")
             raise CliError(
                 f"{where} is more than --max-model-len {args.max_model_len:,} tokens; "
                 "pass the model's own --max-model-len if it is longer"
@@ -89,9 +88,9 @@ def step_from_args(args: argparse.Namespace) -> Step:
     if len(c) != len(q):
         raise CliError(f"--context-lens has {len(c)} values, --query-lens {len(q)}: give one per request")
     if any(x < 1 for x in q):
-        raise CliError("query lengths must be >= 1")
+        raise CliError(f"{'--tokens' if args.tokens is not None else '--query-lens'} must be at least 1, got {min(q):,}")
     if any(x < 0 for x in c):
-        raise CliError("context lengths must be >= 0")
+        raise CliError(f"--context-lens must be at least 0, got {min(c):,}")
     if not 0 <= args.num_decodes <= len(q):
         raise CliError(f"--num-decodes must be between 0 and the number of requests ({len(q)})")
     _check_against_model(q, c, args)
@@ -109,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         planned = policies.planned(step, scratches, detail=True)
         stock = policies.stock(step, scratches)
     except ValueError as e:  # the planner's own message: what and why
-        raise CliError(str(e)) from None
+        raise CliError(in_flags(str(e))) from None
     if args.json:
         doc = to_json(step, cfg, planned, stock)
         if chosen is not None:

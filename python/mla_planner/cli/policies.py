@@ -33,7 +33,7 @@ from mla_planner import (
     split_prefill_chunks,
 )
 
-from .config import CliError, PlannerConfig
+from .config import CliError, PlannerConfig, in_flags
 from .steps import Step
 
 PATHS = ("dense_mha", "masked_mha", "sparse_mqa")
@@ -76,7 +76,7 @@ class Scratches:
         try:
             self._setup(cfg)
         except ValueError as e:  # the core refuses the config (heads, topk, SMs...)
-            raise CliError(str(e)) from None
+            raise CliError(in_flags(str(e))) from None
 
     def _setup(self, cfg: PlannerConfig) -> None:
         self.cfg = cfg

@@ -83,7 +83,9 @@ def where_written(paths: list[Path]) -> str:
     return f"report: {report_path.absolute()} (beside it: {others})"
 
 
-def markdown(s: dict[str, Any], cfg: PlannerConfig) -> str:
+def markdown(s: dict[str, Any], cfg: PlannerConfig, *, plot: bool = True) -> str:
+    """The report; ``plot``: beside a picture of the steps (``--no-plot`` writes none, so the report
+    names none)."""
     lines = ["# mla-planner simulate", "", *(f"- {h}" for h in _header(s)), ""]
     lines += [
         "Scratch = the bytes of the step's largest sparse-attention kernel launch (split-KV accumulators,",
@@ -96,8 +98,7 @@ def markdown(s: dict[str, Any], cfg: PlannerConfig) -> str:
         "|---|---:|---:|",
         *(f"| {a} | {b} | {c} |" for a, b, c in _rows(s)),
         "",
-        f"![per-step scratch]({FILES['plot']})",
-        "",
+        *([f"![per-step scratch]({FILES['plot']})", ""] if plot else []),
         f"Per-step figures: [{FILES['steps']}]({FILES['steps']}); summary: [{FILES['summary']}]({FILES['summary']}).",
         "",
     ]
@@ -131,5 +132,5 @@ def write_all(
         files.write_bytes(paths["plot"], render_png(rec, budget_bytes=cfg.step.scratch_budget_bytes, headroom_bytes=s["headroom_bytes"], title=title))
     else:
         del paths["plot"]
-    files.write_bytes(paths["report"], markdown(s, cfg).encode())
+    files.write_bytes(paths["report"], markdown(s, cfg, plot=plot).encode())
     return list(paths.values())

@@ -12,7 +12,7 @@ from typing import Any
 from mla_planner import RouteChoice, RouteTime
 from mla_planner.routing import VLLM_RULE, load_profile
 
-from .config import CliError, PlannerConfig
+from .config import CliError, PlannerConfig, in_flags
 from .steps import Step
 
 ROUTE_NAMES = {"mixed_batch": "mixed batch", "separate_prefill_decode": "separate prefill/decode"}
@@ -70,7 +70,7 @@ def choose(profile: Path, step: Step, cfg: PlannerConfig) -> Routes:
     try:
         choice = model.choose_route(step.query_lens, step.context_lens, step.num_decodes, cfg.planned)
     except ValueError as e:  # another GPU or model than the profile's, or neither route fits
-        raise CliError(f"{profile}: {e}") from None
+        raise CliError(f"{profile}: {in_flags(str(e))}") from None
     return Routes(profile, model.environment, choice)
 
 

@@ -1,8 +1,12 @@
 """A `vllm serve` command line, read the way vLLM reads it.
 
 Where vLLM is importable its own serve parser reads the line, so every flag of that version is
-understood; otherwise a built-in subset: the flags that decide the worst step's memory. Leading
-`NAME=value` words are the command's environment (MLA_PLANNER_SCRATCH_MB sets the plugin's budget).
+understood, also on a machine without a GPU (where vLLM cannot infer a device type to build it, it
+is built as for a CPU: the parser's defaults, not a platform, are what is read); otherwise a
+built-in subset: the flags that decide the worst step's memory, every other flag passed over
+(``--flag value``, ``--flag=value``, or a switch). Either way the flags given that the doctor does
+not model are named (:attr:`ServeArgs.ignored`). Leading `NAME=value` words are the command's
+environment (MLA_PLANNER_SCRATCH_MB sets the plugin's budget).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import importlib
 import re
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -26,6 +30,14 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS_SMALL_GPU = 2048
 DEFAULT_MAX_NUM_SEQS = 1024
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 _ENV_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+MODELLED_FLAGS = ("--model", "--tensor-parallel-size", "-tp", "--max-num-batched-tokens", "--gpu-memory-utilization",
+                  "--max-model-len", "--kv-cache-dtype", "--block-size", "--attention-backend", "--max-num-seqs")
+"""The flags whose values the doctor's memory model reads."""
+_SWITCH_PREFIXES = ("--no-", "--enable-", "--disable-")
+_SWITCHES = frozenset({"--trust-remote-code", "--enforce-eager", "--async-scheduling", "--headless",
+                       "--skip-tokenizer-init", "--use-tqdm-on-load", "--fully-sharded-loras", "--return-tokens-as-token-ids"})
+"""vLLM flags that take no value, for the built-in parser to pass over: vLLM's boolean options are
+``--enable-...`` / ``--disable-...`` / ``--no-...`` or one of these."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,8 @@ class ServeArgs:
     max_num_seqs: int | None
     env: dict[str, str] = field(default_factory=dict)
     parser: str = "built-in"
+    ignored: tuple[str, ...] = ()
+    """Flags the line gives that the doctor does not model (``--port``, ``--enforce-eager``, ...)."""
 
     @property
     def kv_fp8(self) -> bool:
@@ -91,13 +105,32 @@ def _vllm_namespace(argv: list[str]) -> argparse.Namespace | None:
         return _vllm_parse(argv)
 
 
+@contextlib.contextmanager
+def _a_device_type() -> Iterator[None]:
+    """vLLM's platform with a device type while its parser is built and parses: without a GPU it is
+    vLLM's ``UnspecifiedPlatform``, whose empty device type makes the parser's ``DeviceConfig``
+    default raise "Failed to infer device type" (0.26 and 0.33 ``config/device.py``). Parsing reads
+    flags and defaults; nothing runs on the device."""
+    platform: Any = getattr(importlib.import_module("vllm.platforms"), "current_platform")
+    cls = type(platform)
+    if platform.device_type:
+        yield
+        return
+    cls.device_type = "cpu"
+    try:
+        yield
+    finally:
+        cls.device_type = ""
+
+
 def _vllm_parse(argv: list[str]) -> argparse.Namespace | None:
     try:
         module = next(filter(None, map(_import_or_none, _VLLM_PARSER_MODULES)), None)
         if module is None:
             return None
         flexible = importlib.import_module("vllm.utils.argparse_utils").FlexibleArgumentParser
-        parser = module.make_arg_parser(flexible(prog="vllm serve"))
+        with _a_device_type():
+            parser = module.make_arg_parser(flexible(prog="vllm serve"))
     except Exception:
         return None
 
@@ -106,7 +139,8 @@ def _vllm_parse(argv: list[str]) -> argparse.Namespace | None:
 
     setattr(parser, "error", refuse)  # one line, not argparse's usage block and exit
     try:
-        namespace: argparse.Namespace = parser.parse_args(argv)
+        with _a_device_type():
+            namespace: argparse.Namespace = parser.parse_args(argv)
     except SystemExit:  # --help and the like
         raise CliError("the serve line: vLLM's parser exited (--help is not a deployment)") from None
     except CliError:
@@ -133,6 +167,35 @@ def _backend_name(ns: argparse.Namespace) -> str | None:
     return str(getattr(backend, "name", backend))
 
 
+def _flag_name(word: str) -> str | None:
+    """``--port`` of ``--port`` or ``--port=8000``; ``None`` for a value or the model."""
+    if not word.startswith("-") or re.fullmatch(r"-\d.*", word):
+        return None
+    return word.split("=", 1)[0]
+
+
+def unmodelled(argv: Sequence[str]) -> tuple[str, ...]:
+    """The flags of ``argv`` the doctor does not model, in order, once each."""
+    names = (_flag_name(w) for w in argv)
+    return tuple(dict.fromkeys(n for n in names if n is not None and n not in MODELLED_FLAGS))
+
+
+def without_unmodelled(argv: Sequence[str]) -> list[str]:
+    """``argv`` less every flag the built-in parser does not know, with its value: the next word,
+    unless the flag holds it (``=``), is a switch, or the next word is a flag."""
+    kept: list[str] = []
+    i = 0
+    while i < len(argv):
+        word, name = argv[i], _flag_name(argv[i])
+        if name is None or name in MODELLED_FLAGS:
+            kept.append(word)
+            i += 1
+            continue
+        switch = "=" in word or name in _SWITCHES or name.startswith(_SWITCH_PREFIXES)
+        i += 1 if switch or i + 1 == len(argv) or _flag_name(argv[i + 1]) is not None else 2
+    return kept
+
+
 def split_line(words: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     """The environment words and the arguments after `vllm serve` (one quoted string or words)."""
     argv = shlex.split(words[0]) if len(words) == 1 else list(words)
@@ -156,7 +219,7 @@ def parse(words: Sequence[str], *, use_vllm: bool = True) -> ServeArgs:
     ns = _vllm_namespace(argv) if use_vllm else None
     parser = "vllm"
     if ns is None:
-        ns, parser = _builtin_parser().parse_args(argv), "built-in"
+        ns, parser = _builtin_parser().parse_args(without_unmodelled(argv)), "built-in"
     util = float(ns.gpu_memory_utilization if ns.gpu_memory_utilization is not None else DEFAULT_GPU_MEMORY_UTILIZATION)
     if not 0 < util <= 1:
         raise CliError(f"the serve line: --gpu-memory-utilization {util} is not in (0, 1]")
@@ -179,4 +242,5 @@ def parse(words: Sequence[str], *, use_vllm: bool = True) -> ServeArgs:
         max_num_seqs=ns.max_num_seqs,
         env=env,
         parser=parser,
+        ignored=unmodelled(argv),
     )

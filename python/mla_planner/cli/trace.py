@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import gzip
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+from tqdm import tqdm
 
 from . import checks, tracegen
 from .atomic import atomic_files, check_file
@@ -15,6 +18,10 @@ from .config import CliError
 # The generator draws arrivals by Knuth's method, which needs exp(-rate) > 0;
 # a queue of 64 waiting requests makes higher rates pointless anyway.
 MAX_ARRIVALS_PER_STEP = 100.0
+MAX_STEPS = 1_000_000
+"""A step is about 1.5 KB of JSON at the default mix (3,000 steps: 4.4 MB before gzip), so this
+is about 1.5 GB uncompressed: more than a simulation needs to settle, and a typo's 10^11 steps is
+refused at once instead of filling a disk."""
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -26,7 +33,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Generate a JSON Lines trace (one scheduler step per line; format in docs/cli.md).",
     )
     gen.add_argument("-o", "--output", type=Path, help="file to write (.gz: gzip-compressed); default or -: stdout")
-    gen.add_argument("--steps", type=int, default=3000, help="scheduler steps (default 3000)")
+    gen.add_argument("--steps", type=int, default=3000, help=f"scheduler steps, at most {MAX_STEPS:,} (default 3000)")
     gen.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     gen.add_argument(
         "--max-num-batched-tokens",
@@ -36,6 +43,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     gen.add_argument("--max-num-seqs", type=int, default=tracegen.Mix.max_num_seqs, help="most running requests (default %(default)s)")
     gen.add_argument("--chat-per-step", type=checks.number_in(0, MAX_ARRIVALS_PER_STEP), default=tracegen.Mix.chat_per_step, help="mean chat turns arriving per step (default %(default)s)")
     gen.add_argument("--docs-per-step", type=checks.number_in(0, MAX_ARRIVALS_PER_STEP), default=tracegen.Mix.doc_per_step, help="mean long documents arriving per step (default %(default)s)")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(run=run_gen)
 
 
@@ -50,8 +58,8 @@ def _batched_tokens(text: str) -> tuple[int, ...]:
 
 
 def run_gen(args: argparse.Namespace) -> int:
-    if args.steps < 1:
-        raise CliError("--steps must be >= 1")
+    if not 1 <= args.steps <= MAX_STEPS:
+        raise CliError(f"--steps must be from 1 to {MAX_STEPS:,} (about 1.5 KB a step before gzip), got {args.steps:,}")
     if args.max_num_seqs < 1:
         raise CliError("--max-num-seqs must be >= 1")
     to_stdout = args.output is None or str(args.output) == "-"
@@ -59,7 +67,13 @@ def run_gen(args: argparse.Namespace) -> int:
         check_file(args.output, "--output")
     mix = tracegen.Mix(chat_per_step=args.chat_per_step, doc_per_step=args.docs_per_step, max_num_seqs=args.max_num_seqs)
     steps = tracegen.generate(args.steps, args.seed, _batched_tokens(args.max_num_batched_tokens), mix)
-    lines = (step.to_json() + "\n" for step in steps)
+    show_bar = not args.quiet and sys.stderr.isatty()
+    with tqdm(steps, desc="generating", unit=" steps", total=args.steps, file=sys.stderr, disable=not show_bar,
+              dynamic_ncols=True) as bar:
+        return _write(args, (step.to_json() + "\n" for step in bar), to_stdout)
+
+
+def _write(args: argparse.Namespace, lines: Iterator[str], to_stdout: bool) -> int:
     if to_stdout:
         sys.stdout.writelines(lines)
         return 0
