@@ -1537,8 +1537,10 @@ class FirstStart:
         from mla_planner.vllm_backend import engine
 
         self.measured = 0
-        self.profile = dict(ROUTING_PROFILE, environment=environment)
-        self.profile["sparse_prefill"] = dict(ROUTING_PROFILE["sparse_prefill"], **{"16": [[1, 150], [65536, 9000]]})
+        self.profile: dict[str, Any] = dict(ROUTING_PROFILE, environment=environment)
+        if vllm_api.NATIVE_PREFILL_KERNELS:  # the grid times the prefill kernel at native heads where it runs them
+            prefill: Any = ROUTING_PROFILE["sparse_prefill"]
+            self.profile["sparse_prefill"] = {**prefill, "16": [[1, 150], [65536, 9000]]}
         monkeypatch.setenv("MLA_PLANNER_CACHE_DIR", str(tmp / "cache"))
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the machine check runs on a GPU only
         monkeypatch.setattr(routing, "current_environment", lambda kernels, gather: dict(environment))

@@ -227,11 +227,13 @@ def find(config: StepConfig, *, path: str | None, environment: Mapping[str, str]
         return Found("file", text, path)
     if environment is None:
         reference = packaged_for_gpu(config.arch, REFERENCE_GPU)
-        text = reference.read_text(encoding="utf-8") if reference is not None else None
-        refused = "no packaged profile for this vLLM" if text is None else refusal(text, config, None)
+        if reference is None:
+            return Found("none", why=f"no GPU visible, and no {REFERENCE_GPU} profile packaged for this vLLM")
+        reference_text = reference.read_text(encoding="utf-8")
+        refused = refusal(reference_text, config, None)
         if refused is not None:
             return Found("none", why=f"no GPU visible, and the {REFERENCE_GPU}'s profile: {refused}")
-        return Found("packaged", text, str(reference))
+        return Found("packaged", reference_text, str(reference))
     packaged = packaged_for(config.arch, environment, environment.get("kernels"))
     if packaged is not None:
         text = packaged.read_text(encoding="utf-8")

@@ -154,9 +154,10 @@ def from_first_tp_rank(make: Callable[[], T]) -> T:
     tests). Every rank must call it at the same point: each does while it builds the model."""
     from vllm.distributed import parallel_state
 
-    if not parallel_state.model_parallel_is_initialized():
+    state: Any = parallel_state
+    if not state.model_parallel_is_initialized():
         return make()
-    group = parallel_state.get_tp_group()
+    group = state.get_tp_group()
     if group.world_size == 1:
         return make()
     made = make() if group.rank_in_group == 0 else None
