@@ -2414,3 +2414,7 @@ def test_where_vllm_fixes_the_route_nothing_is_checked_or_reserved(
     monkeypatch.setattr(vllm_api, "num_sms", lambda device: NUM_SMS)
     setup = engine.setup(config, 64, torch.device("cpu"))
     assert not setup.plans_fp8 and setup.reserved_bytes == 0
+    # Nor is a cost profile sought (or measured at start-up): no step of it is routed.
+    monkeypatch.delenv("MLA_PLANNER_COST_PROFILE")
+    monkeypatch.setattr(engine, "find_profile", lambda *args: pytest.fail("a profile was sought for an engine that routes nothing"))
+    assert engine.make_setup(config, 64, torch.device("cpu"), read_settings()).cost_model is None

@@ -133,15 +133,16 @@ def setup(vllm_config: Any, num_heads: int, device: torch.device) -> EngineSetup
 def make_setup(vllm_config: Any, num_heads: int, device: torch.device, settings: Settings,
                state: EngineState | None = None) -> EngineSetup:
     config = step_config(vllm_config, num_heads, device, settings)
-    cost_model = cost_model_for(config, settings, vllm_config, device)
+    stock_reason = vllm_api.stock_route_reason(vllm_config)
+    # Where vLLM keeps its own route for every step, no profile routes anything: none is measured.
+    cost_model = cost_model_for(config, settings, vllm_config, device) if stock_reason is None else None
     routes = sizing.ROUTES if cost_model is not None else (config.mode,)
     scheduler = vllm_config.scheduler_config
     max_step_tokens = int(scheduler.max_num_batched_tokens)
     max_decode = min(vllm_api.decode_threshold(vllm_config, num_heads, config.arch), max_step_tokens)
     partial = EngineSetup(settings, config, cost_model, routes, max_step_tokens, max_decode,
                           vllm_api.workspace_padded_heads(vllm_config, num_heads), 0, 0, 0,
-                          vllm_api.profiling_kv_blocks(vllm_config), vllm_api.stock_route_reason(vllm_config),
-                          state=state or EngineState())
+                          vllm_api.profiling_kv_blocks(vllm_config), stock_reason, state=state or EngineState())
     if not partial.plans_fp8:
         return partial
     check_budget(partial)
