@@ -16,7 +16,7 @@ from mla_planner.cli import doctor
 from mla_planner.cli import serve_line
 from mla_planner.cli.config import CliError
 from mla_planner.cli.steps import Step
-from mla_planner.vllm_backend.settings import DEFAULT_SCRATCH_MB, MAX_SCRATCH_MB
+from mla_planner.engine_model.settings import DEFAULT_SCRATCH_MB, MAX_SCRATCH_MB
 
 GIB = 1 << 30
 TINY = Path(__file__).resolve().parent / "e2e" / "tiny-deepseek-v32"
@@ -162,7 +162,7 @@ def test_cli_plugin_budget_default_and_alias() -> None:
 @pytest.mark.parametrize(
     ("env", "needle"),
     [
-        # The plugin's own reader (vllm_backend.settings) checks the serve line's knobs: its maximum,
+        # The plugin's own reader (engine_model.settings) checks the serve line's knobs: its maximum,
         # its minimum, whole numbers, both names agreeing, the flags' values.
         (["MLA_PLANNER_SCRATCH_MB=" + str(MAX_SCRATCH_MB + 1)], f"outside 64..{MAX_SCRATCH_MB} MiB"),
         (["MLA_PLANNER_SCRATCH_MB=32"], "outside 64.."),
@@ -245,6 +245,9 @@ def test_cli_glm5_default_flags() -> None:
     [
         (["--", "vllm", "serve", "some/unknown-model"], "cannot tell the model"),
         (["--", "vllm", "serve", "--max-num-seqs", "8"], "the serve line names no model"),
+        # The engine's own check: 64 heads per rank need 67 MiB on the separate route.
+        (["--", "MLA_PLANNER_SCRATCH_MB=64", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2", "-tp", "2", "--kv-cache-dtype",
+          "fp8_ds_mla"], "the plugin would not start: MLA_PLANNER_SCRATCH_MB=64 is below the 67 MiB this engine needs"),
         (["--config", "/nonexistent", "--", "vllm", "serve", "x"], "--config"),
         (["--gpu", "TPU", "--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2"], "--gpu"),
         (["--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2", "-tp", "3"], "tensor parallel 3"),

@@ -28,7 +28,7 @@ from mla_planner.calibration.synthetic import random_kv_rows  # noqa: E402
 from mla_planner.vllm_backend import fallback, vllm_api  # noqa: E402
 from mla_planner.vllm_backend.reservation import Reservation  # noqa: E402
 from mla_planner.vllm_backend.backend import PlannedFlashMLASparseMetadataBuilder  # noqa: E402
-from mla_planner.vllm_backend.settings import DEFAULT_SCRATCH_MB, SettingsError, read_settings  # noqa: E402
+from mla_planner.engine_model.settings import DEFAULT_SCRATCH_MB, SettingsError, read_settings  # noqa: E402
 from fixtures import gen  # noqa: E402, F401  (a pytest fixture)
 from vllm_cpu import (  # noqa: E402
     NUM_SMS,
@@ -284,9 +284,10 @@ def test_only_the_seam_names_what_differs_between_vllm_versions() -> None:
     import ast
     import inspect
 
-    from mla_planner.vllm_backend import backend, engine, log, masked_mha, plugin, reservation, settings, stats, warmup
+    from mla_planner.engine_model import settings, sizing
+    from mla_planner.vllm_backend import backend, engine, log, masked_mha, plugin, reservation, stats, warmup
 
-    for module in (backend, engine, fallback, log, masked_mha, plugin, settings, reservation, stats, warmup):
+    for module in (backend, engine, fallback, log, masked_mha, plugin, settings, sizing, reservation, stats, warmup):
         names = {node.attr if isinstance(node, ast.Attribute) else node.id
                  for node in ast.walk(ast.parse(inspect.getsource(module)))
                  if isinstance(node, (ast.Attribute, ast.Name))}
@@ -301,13 +302,33 @@ def test_only_the_seam_imports_vllm() -> None:
     import ast
     import inspect
 
-    from mla_planner.vllm_backend import backend, engine, log, masked_mha, reservation, settings, stats, warmup
+    from mla_planner.engine_model import settings, sizing
+    from mla_planner.vllm_backend import backend, engine, log, masked_mha, reservation, stats, warmup
 
-    for module in (backend, engine, fallback, log, masked_mha, settings, reservation, stats, warmup):
+    for module in (backend, engine, fallback, log, masked_mha, settings, sizing, reservation, stats, warmup):
         tree = ast.parse(inspect.getsource(module))
         imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         assert not {name for name in imported if name == "vllm" or name.startswith("vllm.")}, module.__name__
+
+
+def test_the_cli_and_the_engine_model_import_nothing_of_the_backend() -> None:
+    """The doctor predicts an engine with the engine model the backend sizes it with: neither it
+    nor any command imports the vLLM backend (or vLLM, except the doctor's parser, by name)."""
+    import ast
+    import pkgutil
+
+    import mla_planner.cli
+    import mla_planner.engine_model
+
+    for package in (mla_planner.cli, mla_planner.engine_model):
+        for info in pkgutil.iter_modules(package.__path__):
+            path = pathlib.Path(package.__path__[0]) / f"{info.name}.py"
+            tree = ast.parse(path.read_text())
+            imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+            imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+            bad = {n for n in imported if n.startswith(("mla_planner.vllm_backend", "vllm")) or n == "vllm"}
+            assert not bad, f"{path.name} imports {bad}"
 
 
 def test_seam_follows_the_installed_vllm(tmp_path: pathlib.Path) -> None:
@@ -1841,7 +1862,7 @@ def test_construction_reserves_the_largest_launch_beyond_stocks_workspace(
 
 
 def test_the_process_settings_are_read_once_per_set_of_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    import mla_planner.vllm_backend.settings as settings_module
+    import mla_planner.engine_model.settings as settings_module
 
     monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", "512")
     first = read_settings()

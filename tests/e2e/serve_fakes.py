@@ -201,7 +201,7 @@ def serve(argv: list[str]) -> int:
         if budget_mb < minimum:  # as the plugin's start-up check: before any memory is profiled
             server.log("ERROR [core.py:1] EngineCore failed to start.")
             server.log("Traceback (most recent call last):")
-            server.log(f"mla_planner.vllm_backend.settings.SettingsError: MLA_PLANNER_SCRATCH_MB={budget_mb} is below "
+            server.log(f"mla_planner.engine_model.settings.SettingsError: MLA_PLANNER_SCRATCH_MB={budget_mb} is below "
                        f"the {minimum} MiB one step of this engine can need; set MLA_PLANNER_SCRATCH_MB={minimum} or more")
             server.log("RuntimeError: Engine core initialization failed. See root cause above.")
             return 1

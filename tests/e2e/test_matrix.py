@@ -296,7 +296,7 @@ def test_the_whole_matrix_on_stand_ins(full_run: tuple[Path, subprocess.Complete
     assert "| s4 | v32 | – | 128 | 4096 | eager | on | off |" in md_text and "| 56.00 | 60.00 | -4.00 | 4.00 | – |" in md_text
     assert "Coverage: every value of every axis, and both required pairs" in md_text
     assert "engines dead at the end: none; servers not up: none" in md_text
-    assert "refusal at 64 MiB: `mla_planner.vllm_backend.settings.SettingsError" in md_text
+    assert "refusal at 64 MiB: `mla_planner.engine_model.settings.SettingsError" in md_text
 
 
 def test_report_only_prints_the_table(full_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:

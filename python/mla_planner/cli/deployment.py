@@ -29,7 +29,8 @@ from mla_planner import (
     prefill_scratch,
     topk_mask_bytes,
 )
-from mla_planner.vllm_backend import sizing
+from mla_planner.engine_model import sizing
+from mla_planner.engine_model.settings import Settings
 
 from . import policies, presets
 from .config import CliError, PlannerConfig, in_flags
@@ -400,18 +401,30 @@ def plugin_step(d: Deployment, step: Step) -> StepVerdict:
     return StepVerdict(plan.peak_bytes, len(plan), None, fits)
 
 
-def plugin_reservation(d: Deployment) -> int:
-    """What the plugin holds back from the KV cache on vLLM 0.26, as its engine setup sizes it: the
-    most one launch of any plan of the routes its steps may take allocates at this step size (both
-    FP8 routes where a cost profile routes the steps, vLLM's rule's route under
-    ``MLA_PLANNER_COST_PROFILE=none``), and the step's output. Without speculative decoding, which raises the decode
-    threshold. The H200 logged 1,535 MiB at 32,768 tokens a step and 2,047 MiB at 65,536
-    (docs/e2e.md, 26.16)."""
+def plugin_routes(d: Deployment) -> tuple[list[StepConfig], int]:
+    """The configurations of the FP8 routes the plugin's steps may take (both where a cost profile
+    routes them, vLLM's rule's alone under ``MLA_PLANNER_COST_PROFILE=none``), and vLLM's decode
+    threshold: what its engine setup sizes and checks the budget with. Without speculative decoding,
+    which raises the threshold."""
     step = d.planner_config(fp8=True).step
-    tokens = d.max_num_batched_tokens
-    max_decode = min(sizing.builder_decode_threshold(d.heads_per_rank, d.gpu.arch), tokens)
+    max_decode = min(sizing.builder_decode_threshold(d.heads_per_rank, d.gpu.arch), d.max_num_batched_tokens)
     routes = [step.replace(mode=route) for route in sizing.ROUTES] if d.routes_by_profile else [step]
-    return sizing.largest_launch_bytes(routes, tokens, max_decode, None) + sizing.step_output_bytes(tokens, d.heads_per_rank)
+    return routes, max_decode
+
+
+def plugin_reservation(d: Deployment) -> int:
+    """What the plugin holds back from the KV cache on vLLM 0.26, as its engine setup sizes it
+    (:func:`.sizing.reservation`): the most one launch of any plan of the routes its steps may take
+    allocates at this step size, and the step's output. The H200 logged 1,535 MiB at 32,768 tokens
+    a step and 2,047 MiB at 65,536 (docs/e2e.md, 26.16)."""
+    routes, max_decode = plugin_routes(d)
+    return sizing.reservation(routes, d.max_num_batched_tokens, max_decode, d.heads_per_rank, None)[1]
+
+
+def check_plugin_budget(d: Deployment, settings: Settings) -> None:
+    """:class:`.SettingsError` where the plugin's engine would refuse the budget at start-up."""
+    routes, max_decode = plugin_routes(d)
+    sizing.check_budget(routes, [c.mode for c in routes], settings, d.max_num_batched_tokens, max_decode)
 
 
 def worst_steps(d: Deployment) -> list[Step]:

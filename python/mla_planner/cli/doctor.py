@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from mla_planner import profiles
-from mla_planner.vllm_backend.settings import NO_PROFILE, PROFILE_VAR, Settings, SettingsError, read_settings
+from mla_planner.engine_model.settings import NO_PROFILE, PROFILE_VAR, Settings, SettingsError, read_settings
 
 from . import deployment, serve_line
 from .config import CliError
@@ -68,7 +68,8 @@ def build(args: argparse.Namespace) -> tuple[Deployment, serve_line.ServeArgs]:
     mnbt = serve.max_num_batched_tokens or (
         serve_line.DEFAULT_MAX_NUM_BATCHED_TOKENS if gpu.total_bytes >= 70 * GIB else serve_line.DEFAULT_MAX_NUM_BATCHED_TOKENS_SMALL_GPU
     )
-    budget = plugin_settings(serve.env).scratch_bytes
+    settings = plugin_settings(serve.env)
+    budget = settings.scratch_bytes
     d = Deployment(
         model=model,
         gpu=gpu,
@@ -84,6 +85,11 @@ def build(args: argparse.Namespace) -> tuple[Deployment, serve_line.ServeArgs]:
         activation_override=args.activation,
         routes_by_profile=serve.env.get(PROFILE_VAR, "").strip().lower() != NO_PROFILE,
     )
+    if d.kv_fp8:
+        try:
+            deployment.check_plugin_budget(d, settings)
+        except SettingsError as e:
+            raise CliError(f"the serve line: the plugin would not start: {e}") from None
     return d, serve
 
 

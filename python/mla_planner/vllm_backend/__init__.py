@@ -7,6 +7,6 @@ backend classes live in :mod:`.backend`.
 """
 
 from mla_planner.vllm_backend.plugin import BACKEND_PATH, register
-from mla_planner.vllm_backend.settings import DEFAULT_SCRATCH_MB, Settings, SettingsError, read_settings
+from mla_planner.engine_model.settings import DEFAULT_SCRATCH_MB, Settings, SettingsError, read_settings
 
 __all__ = ["BACKEND_PATH", "DEFAULT_SCRATCH_MB", "Settings", "SettingsError", "read_settings", "register"]

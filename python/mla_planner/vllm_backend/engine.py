@@ -22,15 +22,14 @@ import torch
 import mla_planner
 from mla_planner import profiles, routing
 from mla_planner.calibration.grid import Grid, first_start_grid
-from mla_planner.vllm_backend import log, sizing, vllm_api
+from mla_planner.engine_model import sizing
+from mla_planner.vllm_backend import log, vllm_api
 from mla_planner.vllm_backend.log import logger
 from mla_planner.vllm_backend.reservation import Reservation
 from mla_planner.vllm_backend.stats import StepStats
 from mla_planner.vllm_backend.warmup import WarmUp
-from mla_planner.vllm_backend.settings import NATIVE_VAR, Settings, SettingsError, read_settings
+from mla_planner.engine_model.settings import NATIVE_VAR, Settings, SettingsError, read_settings
 
-
-MIB = 1 << 20
 
 
 @dataclasses.dataclass
@@ -146,17 +145,16 @@ def make_setup(vllm_config: Any, num_heads: int, device: torch.device, settings:
     if not partial.plans_fp8:
         return partial
     check_budget(partial)
-    allowance = sizing.largest_launch_bytes(partial.route_configs(), max_step_tokens, max_decode,
-                                            partial.workspace_heads)
-    # vLLM 0.26 has no workspace view for the step's output: the executors allocate it.
-    output = 0 if vllm_api.STOCK_WORKSPACE else sizing.step_output_bytes(max_step_tokens, num_heads)
+    # vLLM 0.26 has no workspace view for the step's output: the executors allocate it, in the reservation.
+    allowance, reserved = sizing.reservation(partial.route_configs(), max_step_tokens, max_decode, num_heads,
+                                             partial.workspace_heads)
     # The bounded path's launches, padded q and output included, fit the allowance: checked here,
     # at start-up, where a budget that leaves not even one token for it is refused.
     try:
         bounded = tuple(config.bounded_configs(allowance))
     except ValueError as exc:
         raise SettingsError(f"{exc}; set MLA_PLANNER_SCRATCH_MB higher") from None
-    with_allowance = dataclasses.replace(partial, stock_call_allowance=allowance, reserved_bytes=allowance + output,
+    with_allowance = dataclasses.replace(partial, stock_call_allowance=allowance, reserved_bytes=reserved,
                                          bounded_configs=bounded)
     with_allowance.state.stats.reserved_bytes = with_allowance.reserved_bytes
     stock_decodes = stock_decode_tokens(with_allowance, int(scheduler.max_num_seqs),
@@ -268,20 +266,10 @@ def measure_first_start(grid: Grid, device: torch.device) -> dict[str, Any]:
 
 
 def check_budget(setup: EngineSetup) -> None:
-    """Refuse, at start-up, a budget some step of this engine could not be planned in: its
-    smallest unit (one token, one whole decode request) must fit every route it may take."""
-    needed = max(c.min_scratch_budget(setup.max_step_tokens, setup.max_decode_query_len) for c in setup.route_configs())
-    if setup.settings.scratch_bytes >= needed:
-        return
-    needed_mb = -(-needed // MIB)
-    source = setup.settings.source
-    given = (f"the default budget of {setup.settings.scratch_mb} MiB" if source == "default"
-             else f"{source}={setup.settings.scratch_mb}")
-    raise SettingsError(
-        f"{given} is below the {needed_mb} MiB this engine needs ({setup.config.num_heads} heads per rank, routes "
-        f"{' and '.join(setup.routes)}, decodes of up to {setup.max_decode_query_len} tokens); "
-        f"set MLA_PLANNER_SCRATCH_MB={needed_mb} or more"
-    )
+    """Refuse, at start-up, a budget some step of this engine could not be planned in
+    (:func:`.sizing.check_budget`)."""
+    sizing.check_budget(setup.route_configs(), setup.routes, setup.settings, setup.max_step_tokens,
+                        setup.max_decode_query_len)
 
 
 def stock_decode_tokens(setup: EngineSetup, max_num_seqs: int, uniform_decode_len: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from mla_planner.vllm_backend.settings import read_settings
+from mla_planner.engine_model.settings import read_settings
 
 BACKEND_PATH = "mla_planner.vllm_backend.backend.PlannedFlashMLASparseBackend"
 

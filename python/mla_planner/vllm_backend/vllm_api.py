@@ -59,7 +59,7 @@ from vllm.v1.attention.backends.mla.flashmla_sparse import (
     FlashMLASparseMetadataBuilder as FlashMLASparseMetadataBuilder,
 )
 
-from mla_planner.vllm_backend import sizing
+from mla_planner.engine_model import sizing
 
 # Any-typed: the members called through these differ in signature between the versions.
 stock: Any = _stock_module
