@@ -31,7 +31,7 @@ PROFILE_DIR = "profiles"  # under mla_planner/data: <arch>-<kernels>-<gpu>.json 
 VLLM_RULE = "vLLM's rule (mixed batch below 32 heads per rank)"
 GATHER_OPS = {
     "vllm": "cp_gather_and_upconvert_fp8_kv_cache",
-    "torch": "mla_planner.calibration.kernel_timing.gather_upconvert",
+    "torch": "mla_planner.executor.reference.gather_upconvert",
 }
 KERNEL_PACKAGES = {"vllm": "vllm", "flash_mla": "sgl-flash-mla"}
 

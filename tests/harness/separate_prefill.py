@@ -1,6 +1,6 @@
 """Execute the FP8 separate path's prefill by the planner's gather chunks
 (``mla_planner.plan_gather_chunks``): gather and up-convert each chunk's KV rows into a BF16
-workspace (the calibration's torch gather, ``mla_planner.calibration.kernel_timing.gather_upconvert``),
+workspace (the calibration's torch gather, ``mla_planner.executor.reference.gather_upconvert``),
 then run the BF16 sparse prefill kernel on the chunk's query tokens. The GPU tests check the
 kernels' accuracy on split requests with it; the vLLM backend runs its own separate route.
 
@@ -31,7 +31,7 @@ import numpy.typing as npt
 import torch
 
 import mla_planner
-from mla_planner.calibration.kernel_timing import gather_upconvert
+from mla_planner.executor.reference import gather_upconvert
 from mla_planner.executor.layout import D_QK, D_V
 from mla_planner.executor.providers import KernelProvider
 

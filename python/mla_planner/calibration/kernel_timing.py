@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mla_planner.executor.layout import D_QK, PAGE_SIZE, as_slots, page_of, slot_of
+from mla_planner.executor.layout import D_QK, PAGE_SIZE, page_of, slot_of
 from mla_planner.executor.providers import KernelProvider
-from mla_planner.executor.reference import dequantize_fp8_ds_mla
+from mla_planner.executor.reference import gather_upconvert
 
 from .synthetic import PrefillCase, prefill_case
 
@@ -34,30 +34,6 @@ if TYPE_CHECKING:
 
 L2_FLUSH_BYTES = 256 << 20
 SLEEP_CYCLES = 1_000_000  # ~0.5 ms at 2 GHz: longer than the host needs to enqueue one call
-GATHER_BLOCK_ROWS = 4096
-"""Rows :func:`gather_upconvert` converts at a time: about 4 KiB of temporaries a row, 16 MiB."""
-
-
-def gather_upconvert(
-    kv_cache: torch.Tensor, block_table_row: torch.Tensor, key_start: int, key_end: int, workspace: torch.Tensor
-) -> None:
-    """Write the request's positions ``[key_start, key_end)`` from kv_cache
-    ``(pages, page_size, 1, 656)`` into workspace ``(key_end - key_start, 576)`` as BF16 (exact).
-
-    Plain torch, in blocks of :data:`GATHER_BLOCK_ROWS` rows so the temporaries stay bounded: the
-    ``torch`` gather of :class:`GatherOp` (vLLM does it with ``cp_gather_and_upconvert_fp8_kv_cache``),
-    and how the kernel cases fill their workspace."""
-    import torch
-
-    page_size = kv_cache.shape[1]
-    slots = as_slots(kv_cache)
-    for start in range(key_start, key_end, GATHER_BLOCK_ROWS):
-        end = min(start + GATHER_BLOCK_ROWS, key_end)
-        pos = torch.arange(start, end, device=kv_cache.device)
-        slot = slot_of(block_table_row[page_of(pos, page_size)], pos, page_size)
-        workspace[start - key_start : end - key_start] = dequantize_fp8_ds_mla(slots[slot], torch.bfloat16)
-
-
 def case_context(tokens: int, topk: int) -> int:
     return max(0, topk - tokens)
 

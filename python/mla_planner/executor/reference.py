@@ -94,16 +94,31 @@ def sparse_prefill_reference(
     return out.to(q.dtype), lse
 
 
+GATHER_BLOCK_ROWS = 4096
+"""Rows :func:`gather_upconvert` converts at a time: about 4 KiB of temporaries a row, 16 MiB."""
+
+
+def gather_upconvert(kv_cache: torch.Tensor, block_table_row: torch.Tensor, key_start: int, key_end: int,
+                     workspace: torch.Tensor) -> None:
+    """One request's positions ``[key_start, key_end)`` from ``kv_cache`` (``(pages, page_size,
+    ...)`` 656-byte rows) into ``workspace`` (``(key_end - key_start, 576)``), dequantised to its
+    dtype. Plain torch, in blocks of :data:`GATHER_BLOCK_ROWS` rows so the temporaries stay
+    bounded: the calibration's ``torch`` gather, the test harness's, and (request by request)
+    :func:`gather_upconvert_reference`."""
+    page_size = kv_cache.shape[1]
+    slots = as_slots(kv_cache)
+    for start in range(key_start, key_end, GATHER_BLOCK_ROWS):
+        end = min(start + GATHER_BLOCK_ROWS, key_end)
+        pos = torch.arange(start, end, device=kv_cache.device)
+        slot = slot_of(block_table_row[page_of(pos, page_size)], pos, page_size)
+        workspace[start - key_start : end - key_start] = dequantize_fp8_ds_mla(slots[slot], workspace.dtype)
+
+
 def gather_upconvert_reference(kv_cache: torch.Tensor, workspace: torch.Tensor, block_table: torch.Tensor,
                                workspace_starts: torch.Tensor, num_requests: int) -> None:
     """vLLM's ``cp_gather_and_upconvert_fp8_kv_cache`` in torch: request ``r``'s positions from 0,
     dequantised to ``workspace``'s dtype, into its rows from ``workspace_starts[r]`` up to the next
-    request's start (the last request's up to the workspace's end). The cache is
-    ``(pages, page_size, ...)`` 656-byte rows."""
-    page_size = kv_cache.shape[1]
+    request's start (the last request's up to the workspace's end)."""
     starts = workspace_starts[:num_requests].tolist() + [workspace.shape[0]]
-    slots = as_slots(kv_cache)
     for r in range(num_requests):
-        positions = torch.arange(starts[r + 1] - starts[r], device=kv_cache.device)
-        slot = slot_of(block_table[r, page_of(positions, page_size)], positions, page_size)
-        workspace[starts[r] : starts[r + 1]] = dequantize_fp8_ds_mla(slots[slot], workspace.dtype)
+        gather_upconvert(kv_cache, block_table[r], 0, starts[r + 1] - starts[r], workspace[starts[r] : starts[r + 1]])
