@@ -149,6 +149,7 @@ def test_no_gpu_visible_prices_by_the_reference_gpus_packaged_profile(tmp_path: 
     measure = Measure()
     found = find(tmp_path, measure, environment=None)
     assert found.source == "packaged" and measure.calls == 0
+    assert "packaged for the NVIDIA H200, no GPU being visible" in found.describe()
     model = found.model()
     assert model is not None and model.environment["gpu"] == profiles.REFERENCE_GPU
 

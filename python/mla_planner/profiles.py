@@ -63,7 +63,8 @@ class Found:
         """One line for the start-up log."""
         skip = "MLA_PLANNER_COST_PROFILE=none routes by vLLM's rule instead"
         if self.source == "packaged":
-            return f"cost profile packaged for this GPU and software ({Path(self.where).name}) routes FP8 steps"
+            whose = f"{self.why}" if self.why else "this GPU and software"
+            return f"cost profile packaged for {whose} ({Path(self.where).name}) routes FP8 steps"
         if self.source == "cached":
             return f"cost profile measured on this machine at an earlier start ({self.where}) routes FP8 steps; {skip}"
         if self.source == "measured":
@@ -233,7 +234,7 @@ def find(config: StepConfig, *, path: str | None, environment: Mapping[str, str]
         refused = refusal(reference_text, config, None)
         if refused is not None:
             return Found("none", why=f"no GPU visible, and the {REFERENCE_GPU}'s profile: {refused}")
-        return Found("packaged", reference_text, str(reference))
+        return Found("packaged", reference_text, str(reference), why=f"the {REFERENCE_GPU}, no GPU being visible")
     packaged = packaged_for(config.arch, environment, environment.get("kernels"))
     if packaged is not None:
         text = packaged.read_text(encoding="utf-8")
