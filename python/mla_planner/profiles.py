@@ -37,15 +37,13 @@ REFERENCE_GPU = "NVIDIA H200"
 """The GPU whose packaged profile prices steps where no GPU is visible (planning offline, the
 CPU tests): the docs' figures were measured on it."""
 
-SOURCES = ("none", "file", "packaged", "cached", "measured")
-
-
 @dataclasses.dataclass(frozen=True)
 class Found:
     """An engine's cost profile and where it came from."""
 
     source: str
-    """One of :data:`SOURCES`; ``none`` with ``text`` ``None`` when no profile routes."""
+    """``file``, ``packaged``, ``cached``, ``measured``; or ``none``, with ``text`` ``None``, when
+    no profile routes."""
     text: str | None = None
     """The profile's JSON."""
     where: str = ""
@@ -238,7 +236,7 @@ def find(config: StepConfig, *, path: str | None, environment: Mapping[str, str]
     packaged = packaged_for(config.arch, environment, environment.get("kernels"))
     if packaged is not None:
         text = packaged.read_text(encoding="utf-8")
-        if refusal(text, config, environment) is None:  # else: its kernels at other heads or top-k
+        if refusal(text, config, None) is None:  # measured here (packaged_for); else its kernels at other heads or top-k
             return Found("packaged", text, str(packaged))
     cached = cache_path(config, environment, native, environ)
     why = "none packaged or cached"

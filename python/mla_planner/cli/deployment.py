@@ -402,14 +402,14 @@ def plugin_step(d: Deployment, step: Step) -> StepVerdict:
 
 
 def plugin_routes(d: Deployment) -> tuple[list[StepConfig], int]:
-    """The configurations of the FP8 routes the plugin's steps may take (both where a cost profile
-    routes them, vLLM's rule's alone under ``MLA_PLANNER_COST_PROFILE=none``), and vLLM's decode
-    threshold: what its engine setup sizes and checks the budget with. Without speculative decoding,
-    which raises the threshold."""
+    """The configurations of the FP8 routes the plugin's steps may take (:func:`.sizing.route_configs`:
+    both where a cost profile routes them, vLLM's rule's alone under ``MLA_PLANNER_COST_PROFILE=none``;
+    vLLM 0.26's FlashMLA has no native-heads prefill), and vLLM's decode threshold: what its engine
+    setup sizes and checks the budget with. Without speculative decoding, which raises the
+    threshold."""
     step = d.planner_config(fp8=True).step
     max_decode = min(sizing.builder_decode_threshold(d.heads_per_rank, d.gpu.arch), d.max_num_batched_tokens)
-    routes = [step.replace(mode=route) for route in sizing.ROUTES] if d.routes_by_profile else [step]
-    return routes, max_decode
+    return sizing.route_configs(step, profiled=d.routes_by_profile, native_kernels=False), max_decode
 
 
 def plugin_reservation(d: Deployment) -> int:
@@ -424,7 +424,7 @@ def plugin_reservation(d: Deployment) -> int:
 def check_plugin_budget(d: Deployment, settings: Settings) -> None:
     """:class:`.SettingsError` where the plugin's engine would refuse the budget at start-up."""
     routes, max_decode = plugin_routes(d)
-    sizing.check_budget(routes, [c.mode for c in routes], settings, d.max_num_batched_tokens, max_decode)
+    sizing.check_budget(routes, settings, d.max_num_batched_tokens, max_decode)
 
 
 def worst_steps(d: Deployment) -> list[Step]:

@@ -116,11 +116,12 @@ def _a_device_type() -> Iterator[None]:
     if platform.device_type:
         yield
         return
+    found = cls.device_type
     cls.device_type = "cpu"
     try:
         yield
     finally:
-        cls.device_type = ""
+        cls.device_type = found
 
 
 def _vllm_parse(argv: list[str]) -> argparse.Namespace | None:

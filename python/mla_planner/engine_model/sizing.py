@@ -20,6 +20,19 @@ OUTPUT_ROW_BYTES = 512 * 2
 """One token's output per head: the kernels' 512 latent values in bf16."""
 
 
+def route_configs(config: mla_planner.StepConfig, *, profiled: bool, native_kernels: bool) -> list[mla_planner.StepConfig]:
+    """The configuration of every route (and prefill-head variant) an engine's FP8 steps may take:
+    ``config``'s own alone, unless a cost profile routes them (``profiled``); then both routes,
+    and where the installed FlashMLA runs the prefill kernel at ``config``'s heads unpadded
+    (``native_kernels``), the separate route at native heads too, which a profile may price."""
+    if not profiled:
+        return [config]
+    configs = [config.replace(mode=route) for route in ROUTES]
+    if native_kernels and config.native_prefill_heads_possible:
+        configs.append(config.replace(mode="separate_prefill_decode", native_prefill_heads=True))
+    return configs
+
+
 def builder_decode_threshold(num_heads: int, arch: str) -> int:
     """The longest request vLLM's FlashMLA sparse builder counts as a decode, by heads per rank and
     architecture (F:366-372 on 0.33; the same table on 0.26), before speculative decoding raises
@@ -52,8 +65,8 @@ def reservation(configs: Iterable[mla_planner.StepConfig], max_step_tokens: int,
     return allowance, allowance + output
 
 
-def check_budget(configs: Sequence[mla_planner.StepConfig], routes: Sequence[str], settings: Settings,
-                 max_step_tokens: int, max_decode: int) -> None:
+def check_budget(configs: Sequence[mla_planner.StepConfig], settings: Settings, max_step_tokens: int,
+                 max_decode: int) -> None:
     """:class:`.SettingsError` where some step of an engine could not be planned in the budget:
     its smallest unit (one token, one whole decode request) must fit every route it may take."""
     needed = max(c.min_scratch_budget(max_step_tokens, max_decode) for c in configs)
@@ -62,6 +75,7 @@ def check_budget(configs: Sequence[mla_planner.StepConfig], routes: Sequence[str
     needed_mb = -(-needed // MIB)
     given = (f"the default budget of {settings.scratch_mb} MiB" if settings.source == "default"
              else f"{settings.source}={settings.scratch_mb}")
+    routes = dict.fromkeys(c.mode for c in configs)
     raise SettingsError(
         f"{given} is below the {needed_mb} MiB this engine needs ({configs[0].num_heads} heads per rank, routes "
         f"{' and '.join(routes)}, decodes of up to {max_decode} tokens); set MLA_PLANNER_SCRATCH_MB={needed_mb} or more"

@@ -103,13 +103,10 @@ class EngineSetup:
         return self.config.kv_dtype == "fp8" and self.stock_reason is None
 
     def route_configs(self) -> list[mla_planner.StepConfig]:
-        """The configuration of every route (and prefill-head variant) a step may take."""
-        configs = [self.config.replace(mode=route) for route in self.routes]
-        if (self.cost_model is not None and vllm_api.NATIVE_PREFILL_KERNELS and self.config.native_prefill_heads_possible
-                and "separate_prefill_decode" in self.routes):
-            # A cost profile may price a step at native prefill heads.
-            configs.append(self.config.replace(mode="separate_prefill_decode", native_prefill_heads=True))
-        return configs
+        """The configuration of every route (and prefill-head variant) a step may take
+        (:func:`.sizing.route_configs`)."""
+        return sizing.route_configs(self.config, profiled=self.cost_model is not None,
+                                    native_kernels=vllm_api.NATIVE_PREFILL_KERNELS)
 
 
 _made: list[tuple[Any, tuple[Any, ...], EngineSetup]] = []
@@ -268,8 +265,7 @@ def measure_first_start(grid: Grid, device: torch.device) -> dict[str, Any]:
 def check_budget(setup: EngineSetup) -> None:
     """Refuse, at start-up, a budget some step of this engine could not be planned in
     (:func:`.sizing.check_budget`)."""
-    sizing.check_budget(setup.route_configs(), setup.routes, setup.settings, setup.max_step_tokens,
-                        setup.max_decode_query_len)
+    sizing.check_budget(setup.route_configs(), setup.settings, setup.max_step_tokens, setup.max_decode_query_len)
 
 
 def stock_decode_tokens(setup: EngineSetup, max_num_seqs: int, uniform_decode_len: int) -> int:
