@@ -73,7 +73,7 @@ def test_step_overhead_bench_times_what_each_engine_runs() -> None:
     says each layer call ran): decode-only steps run stock's call on every engine; the long
     prompt runs the plan's launches; the mid-sized one the plan's one launch where stock's call is
     over what the engine holds (0.33), stock's call where the reservation holds it (0.26)."""
-    from mla_planner.vllm_backend import vllm_api
+    from mla_planner.vllm_backend.releases import release
 
     script = BENCHMARKS[0].parent / "step_overhead_bench.py"
     done = subprocess.run([sys.executable, str(script), "--repeats", "1", "--layers", "2"], capture_output=True,
@@ -86,5 +86,5 @@ def test_step_overhead_bench_times_what_each_engine_runs() -> None:
         assert [runs[step, engine] for engine in engines] == ["stock's 1 call"] * 3, step
     assert runs["long", "stock"] == runs["mid", "stock"] == "stock's 1 call"
     assert runs["long", "planned"] == "4 launches (mixed_batch)"
-    assert runs["mid", "planned"] == ("1 launch (mixed_batch)" if vllm_api.STOCK_WORKSPACE else "stock's 1 call")
+    assert runs["mid", "planned"] == ("1 launch (mixed_batch)" if release.stock_workspace else "stock's 1 call")
     assert runs["mid", "planned+profile"].endswith("launches (separate_prefill_decode)")

@@ -182,9 +182,9 @@ def test_split_prefill_chunks_equals_vllm(seq_lens: list[int], workspace: int, o
 def test_split_indexer_prefill_chunks_equals_vllm(
     reqs: list[tuple[int, int]], workspace: int, budget: int, offset: int
 ) -> None:
-    from mla_planner.vllm_backend import vllm_api
+    from mla_planner.vllm_backend.releases import release
 
-    split_indexer_prefill_chunks = vllm_api.split_indexer_prefill_chunks()
+    split_indexer_prefill_chunks = release.split_indexer_prefill_chunks()
 
     query = [q for q, _ in reqs]
     seq = [q + c for q, c in reqs]

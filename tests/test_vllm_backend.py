@@ -8,7 +8,9 @@ import dataclasses
 import importlib
 import logging
 import pathlib
+import re
 import sys
+import types
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -26,6 +28,9 @@ import mla_planner  # noqa: E402
 from mla_planner.executor.quant import quantize_fp8_ds_mla  # noqa: E402
 from mla_planner.calibration.synthetic import random_kv_rows  # noqa: E402
 from mla_planner.vllm_backend import fallback, vllm_api  # noqa: E402
+from mla_planner.vllm_backend.releases import release, v0_26  # noqa: E402
+
+V033 = release.version == "0.33"
 from mla_planner.vllm_backend.reservation import Reservation  # noqa: E402
 from mla_planner.vllm_backend.backend import PlannedFlashMLASparseMetadataBuilder  # noqa: E402
 from mla_planner.engine_model.settings import DEFAULT_SCRATCH_MB, SettingsError, read_settings  # noqa: E402
@@ -50,7 +55,7 @@ from vllm_cpu import (  # noqa: E402
 
 def needs_033(reason: str) -> pytest.MarkDecorator:
     """Skips a test of what only vLLM 0.33 has, saying what."""
-    return pytest.mark.skipif(not vllm_api.V033, reason=reason)
+    return pytest.mark.skipif(not V033, reason=reason)
 
 
 BACKEND = "mla_planner.vllm_backend.backend.PlannedFlashMLASparseBackend"
@@ -269,43 +274,76 @@ def test_passes_vllm_configuration_checks(kv_cache_dtype: str, capability: tuple
     assert refused
 
 
-# -- the version seam ---------------------------------------------------------------------------
+# -- the release modules ------------------------------------------------------------------------
 
-# vLLM internals whose shape differs between 0.26 and 0.33: only vllm_api may name them.
+# vLLM internals whose shape differs between releases: only the release modules may name them.
 VERSIONED = ("triton_convert_req_index_to_global_index", "get_prefill_workspace_size", "prefill_bf16_workspace",
-             "_build_fp8_mixed_decode_prefill", "_fp8_kv_pages", "workspace_specs", "current_workspace_manager",
-             "get_simultaneous", "QUANTIZED_DS_MLA_CACHE_FORMATS", "is_locked", "dbo_current_ubatch_id",
-             "_workspace_lane",
-             # 0.33's masked-MHA prefill (masked_mha.py plans it; vllm_api holds what it asks of vLLM).
-             "topk_mask_workspace", "_use_masked_mha", "_masked_mha_workspace_fits", "SparseMLAPrefillMetadata")
+             "workspace_specs", "current_workspace_manager", "get_simultaneous", "QUANTIZED_DS_MLA_CACHE_FORMATS",
+             "is_locked", "dbo_current_ubatch_id", "topk_mask_workspace", "SparseMLAPrefillMetadata")
+TORCH_PRIVATE = {"_sleep"}  # torch.cuda._sleep, which the calibration queues launches behind
+RELEASE_PATTERN = re.compile(r"\b0\.(26|33)\b|\bV0?33\b")
 
 
-def test_only_the_seam_names_what_differs_between_vllm_versions() -> None:
+def outside_the_release_modules() -> list[types.ModuleType]:
+    """Every module of the package but the release modules (and the doctor's models of one
+    release, under ``cli``, which import no vLLM)."""
+    import importlib
+    import pkgutil
+
+    import mla_planner
+
+    names = [info.name for info in pkgutil.walk_packages(mla_planner.__path__, "mla_planner.")
+             if ".releases" not in info.name and ".cli" not in info.name and not info.name.endswith("__main__")]
+    modules = [importlib.import_module(name) for name in names]
+    return [module for module in modules if (module.__file__ or "").endswith(".py")]  # not the compiled planner
+
+
+def test_only_the_release_modules_name_what_differs_between_vllm_releases() -> None:
+    """No module outside ``vllm_backend.releases`` names a release, a versioned vLLM internal, or a
+    private vLLM member: the private names a module reads are its own (the overrides of stock's
+    private methods in ``backend`` are the subclass's surface, and defined there)."""
     import ast
     import inspect
 
-    from mla_planner.engine_model import settings, sizing
-    from mla_planner.vllm_backend import backend, engine, log, masked_mha, plugin, reservation, stats, warmup
-
-    for module in (backend, engine, fallback, log, masked_mha, plugin, settings, sizing, reservation, stats, warmup):
+    modules = outside_the_release_modules()
+    assert len(modules) > 20
+    own: set[str] = set()
+    trees = {}
+    for module in modules:
+        trees[module] = tree = ast.parse(inspect.getsource(module))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                own.add(node.target.id)
+    for module, tree in trees.items():
+        source = inspect.getsource(module)
+        assert not RELEASE_PATTERN.search(source), f"{module.__name__} names a release: {RELEASE_PATTERN.search(source)}"
         names = {node.attr if isinstance(node, ast.Attribute) else node.id
-                 for node in ast.walk(ast.parse(inspect.getsource(module)))
-                 if isinstance(node, (ast.Attribute, ast.Name))}
-        imported = {alias.name for node in ast.walk(ast.parse(inspect.getsource(module)))
-                    if isinstance(node, ast.ImportFrom) for alias in node.names}
+                 for node in ast.walk(tree) if isinstance(node, (ast.Attribute, ast.Name))}
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
         assert not (names | imported) & set(VERSIONED), f"{module.__name__} names {(names | imported) & set(VERSIONED)}"
+        private = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                   and node.attr.startswith("_") and not node.attr.startswith("__")} - own - TORCH_PRIVATE
+        assert not private, f"{module.__name__} reads private members it does not define: {sorted(private)}"
 
 
 def test_only_the_seam_imports_vllm() -> None:
-    """vllm_api is the one module that knows vLLM's internals (the plugin registers with vLLM's
-    registry)."""
+    """``vllm_api`` (what every release has alike) and the release modules are the modules that
+    import vLLM (the plugin registers with vLLM's registry, the executor's provider calls vLLM's
+    kernels, and the calibration times them)."""
     import ast
     import inspect
 
-    from mla_planner.engine_model import settings, sizing
-    from mla_planner.vllm_backend import backend, engine, log, masked_mha, reservation, stats, warmup
-
-    for module in (backend, engine, fallback, log, masked_mha, settings, sizing, reservation, stats, warmup):
+    allowed = {"mla_planner.vllm_backend.vllm_api", "mla_planner.vllm_backend.plugin",
+               "mla_planner.executor.providers", "mla_planner.calibration.kernel_timing"}
+    for module in outside_the_release_modules():
+        if module.__name__ in allowed:
+            continue
         tree = ast.parse(inspect.getsource(module))
         imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
@@ -331,25 +369,31 @@ def test_the_cli_and_the_engine_model_import_nothing_of_the_backend() -> None:
             assert not bad, f"{path.name} imports {bad}"
 
 
-def test_seam_follows_the_installed_vllm(tmp_path: pathlib.Path) -> None:
+def test_the_release_follows_the_installed_vllm(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.metadata
 
+    from mla_planner.vllm_backend import releases
+
     installed = importlib.metadata.version("vllm")
-    assert vllm_api.VLLM_VERSION == installed and installed.startswith(vllm_api.MINOR + ".")
-    assert vllm_api.V033 == installed.startswith("0.33.")
-    assert vllm_api.FORWARD_RETURNS_LSE == vllm_api.STOCK_WORKSPACE == vllm_api.MASKED_MHA == vllm_api.V033
+    assert vllm_api.installed_version() == installed and installed.startswith(release.version + ".")
+    assert releases.installed() is release and set(releases.MODULES) == {"0.26", "0.33"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.40.1")
+    with pytest.raises(ImportError, match=r"supports vLLM 0\.26\.x and 0\.33\.x; vLLM 0\.40\.1 is installed"):
+        releases.installed()
+    assert V033 == installed.startswith("0.33.")
+    assert release.forward_returns_lse == release.stock_workspace == (release.masked_mha is not None) == V033
     # vLLM's own gather-workspace rows: 5 x max_model_len by default in both versions.
     config = vllm_config(model_dir(tmp_path, num_heads=16, topk=TOPK), max_model_len=4096)
-    assert vllm_api.prefill_workspace_rows(config) == 5 * 4096
+    assert release.prefill_workspace_rows(config) == 5 * 4096
     assert vllm_api.indexer_workspace_rows(config) == 40 * 4096  # 132-byte rows in the same memory
     out = torch.ones(2, 3)
-    result = vllm_api.forward_result(out)
-    if vllm_api.V033:
+    result = release.forward_result(out)
+    if V033:
         assert isinstance(result, tuple) and result[0] is out and result[1] is None
     else:
         assert result is out
     cache = torch.zeros(3, 64, 656, dtype=torch.uint8)
-    pages, stride = vllm_api.fp8_kv_pages(cache, 64)
+    pages, stride = release.fp8_kv_pages(cache, 64)
     assert pages.shape == cache.shape and stride is None
 
 
@@ -439,17 +483,17 @@ def test_under_sleep_mode_the_freed_reservation_is_unmapped_from_vllms_pool(
     """Under vLLM's CuMem allocator the reservation is made in the model's pool, which keeps a freed
     segment mapped: the hand-over unmaps the one free segment that holds it, and nothing else."""
     monkeypatch.delitem(sys.modules, "vllm.device_allocator.cumem", raising=False)
-    assert not vllm_api.release_from_sleep_mode_pool(0x1000), "no CuMem allocator: nothing to unmap"
+    assert not release.release_from_sleep_mode_pool(0x1000), "no CuMem allocator: nothing to unmap"
     weights = FakePool((0x1000, 0x400, 0), (0x2000, 0x400, 0x100), (0x3000, 0x400, 0))
     cache = FakePool((0x8000, 0x400, 0))
     pools: dict[str, Any] = ({"weights": (weights, None), "kv_cache": (cache, None)} if per_tag.startswith("one")
                              else {"weights": [(FakePool(), None), (weights, None)], "kv_cache": [(cache, None)]})
     unmapped = sleep_mode_allocator(monkeypatch, pools, asleep=frozenset({0x3000}))
-    assert vllm_api.release_from_sleep_mode_pool(0x1000 + 0x10) and unmapped == [0x1000]
-    assert not vllm_api.release_from_sleep_mode_pool(0x1000), "unmapped once"
-    assert not vllm_api.release_from_sleep_mode_pool(0x2000), "a segment with live blocks stays"
-    assert not vllm_api.release_from_sleep_mode_pool(0x3000), "a sleeping segment is off the GPU already"
-    assert not vllm_api.release_from_sleep_mode_pool(0x5000), "an address outside vLLM's pools"
+    assert release.release_from_sleep_mode_pool(0x1000 + 0x10) and unmapped == [0x1000]
+    assert not release.release_from_sleep_mode_pool(0x1000), "unmapped once"
+    assert not release.release_from_sleep_mode_pool(0x2000), "a segment with live blocks stays"
+    assert not release.release_from_sleep_mode_pool(0x3000), "a sleeping segment is off the GPU already"
+    assert not release.release_from_sleep_mode_pool(0x5000), "an address outside vLLM's pools"
     assert unmapped == [0x1000]
 
 
@@ -665,7 +709,7 @@ def as_vllms_own_test_shapes_it(config: Any) -> None:
     topk = model.hf_config.index_topk
     model.hf_text_config = SimpleNamespace(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
                                            qk_rope_head_dim=64, v_head_dim=128, model_type="deepseek_v2")
-    if vllm_api.V033:
+    if V033:
         model.hf_text_config.index_topk = topk
         del model.hf_config.index_topk
 
@@ -772,7 +816,7 @@ def test_the_builder_counts_every_step_and_says_the_summary_at_vllms_interval(mi
     assert (stats.planned, stats.split, stats.launches, stats.stock_calls) == (1, int(len(plan) > 1), len(plan), 2)
     assert stats.largest_launch_bytes == md.planned.reserved_peak <= mixed.impl.engine.stock_call_allowance
     assert md.planned.reserved_peak == plan.peak_beyond_workspace(64, mixed.impl.engine.workspace_heads)
-    assert (md.planned.reserved_peak < plan.peak_bytes) == vllm_api.STOCK_WORKSPACE, "0.33's workspace holds q and out"
+    assert (md.planned.reserved_peak < plan.peak_bytes) == release.stock_workspace, "0.33's workspace holds q and out"
     summaries = [line for line in lines if "since start-up" in line]
     assert len(summaries) == 1 and f"1 steps planned ({stats.split} split, {len(plan)} launches), 2 on vLLM's call" \
         in summaries[0], lines
@@ -1456,7 +1500,7 @@ def test_a_native_plan_runs_the_prefill_kernel_at_16_heads(native_routed: Backen
     """A profile that prices 16 native heads cheaper: on vLLM 0.33 the plan runs the prefill kernel
     on the rank's 16 heads, q unpadded and the kernel writing the step's output rows in place; on
     0.26, whose FlashMLA has no such kernel, the profile is not used."""
-    if not vllm_api.NATIVE_PREFILL_KERNELS:
+    if not release.native_prefill_kernels:
         assert native_routed.builder.engine.cost_model is None, "0.26 cannot run what this profile may choose"
         assert native_routed.step(QUERY_LENS, CONTEXT_LENS, gen)["metadata"].planned.plan.mode == "mixed_batch"
         return
@@ -1481,7 +1525,7 @@ def test_a_native_plan_runs_the_prefill_kernel_at_16_heads(native_routed: Backen
 
 def test_a_one_launch_native_plan_is_not_stocks_call(native_routed: Backend, gen: torch.Generator) -> None:
     """Stock's own call pads q to 64 heads: a native plan of one launch runs through the backend."""
-    if not vllm_api.NATIVE_PREFILL_KERNELS:
+    if not release.native_prefill_kernels:
         pytest.skip("vLLM 0.26 runs no native plan (the test above checks the profile is dropped)")
     case = native_routed.step([520], [130], gen)
     md, q = case["metadata"], case["q"]
@@ -1506,7 +1550,7 @@ def test_prefill_padding_is_the_impls(tmp_path: pathlib.Path, monkeypatch: pytes
         config = backend.builder.engine.config
         assert config.arch == ("sm100" if family == 100 else "sm90")
         assert config.prefill_padding == backend.impl.prefill_padding
-        assert config.prefill_padded_heads == (128 if family == 100 and not vllm_api.V033 else 64)
+        assert config.prefill_padded_heads == (128 if family == 100 and not V033 else 64)
         plan = mla_planner.plan_step([40_000], [0], 0, config.replace(mode="separate_prefill_decode"))
         assert plan.prefill_heads == config.prefill_padded_heads
     finally:
@@ -1519,12 +1563,12 @@ def test_asking_for_native_prefill_heads(tmp_path: pathlib.Path, monkeypatch: py
     """MLA_PLANNER_NATIVE_PREFILL_HEADS=1: every separate step at the rank's own heads on vLLM 0.33
     where the heads are 16 or 32; refused at start-up, in one line, anywhere else."""
     monkeypatch.setenv("MLA_PLANNER_NATIVE_PREFILL_HEADS", "1")
-    if not vllm_api.NATIVE_PREFILL_KERNELS or num_heads == 64:
+    if not release.native_prefill_kernels or num_heads == 64:
         with pytest.raises(SettingsError) as err:
             Backend(tmp_path, monkeypatch, num_heads=num_heads).close()
         message = str(err.value)
         assert message.startswith("MLA_PLANNER_NATIVE_PREFILL_HEADS=1: ") and "\n" not in message, message
-        assert ("0.33" in message) if not vllm_api.NATIVE_PREFILL_KERNELS else "16 or 32" in message, message
+        assert ("also at 16 and 32" in message) if not release.native_prefill_kernels else "16 or 32" in message, message
         assert "unset MLA_PLANNER_NATIVE_PREFILL_HEADS" in message
         return
     backend = Backend(tmp_path, monkeypatch, num_heads=num_heads)
@@ -1546,7 +1590,7 @@ def test_no_profile_is_vllms_rule(mixed: Backend) -> None:
 
 
 HERE = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.1", "cuda": "13.0", "torch": "2.11.0",
-        "kernels": f"vllm {vllm_api.VLLM_VERSION}", "gather": f"vllm {vllm_api.VLLM_VERSION} cp_gather_and_upconvert_fp8_kv_cache"}
+        "kernels": f"vllm {vllm_api.installed_version()}", "gather": f"vllm {vllm_api.installed_version()} cp_gather_and_upconvert_fp8_kv_cache"}
 
 
 class FirstStart:
@@ -1559,7 +1603,7 @@ class FirstStart:
 
         self.measured = 0
         self.profile: dict[str, Any] = dict(ROUTING_PROFILE, environment=environment)
-        if vllm_api.NATIVE_PREFILL_KERNELS:  # the grid times the prefill kernel at native heads where it runs them
+        if release.native_prefill_kernels:  # the grid times the prefill kernel at native heads where it runs them
             prefill: Any = ROUTING_PROFILE["sparse_prefill"]
             self.profile["sparse_prefill"] = {**prefill, "16": [[1, 150], [65536, 9000]]}
         monkeypatch.setenv("MLA_PLANNER_CACHE_DIR", str(tmp / "cache"))
@@ -1699,7 +1743,7 @@ def test_mixed_batch_pads_in_stocks_unused_prefill_views(mixed: Backend, gen: to
     md, q = case["metadata"], case["q"]
     out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md))
     torch.testing.assert_close(out.float(), case["expected"], rtol=2e-2, atol=2e-2)
-    views = vllm_api.workspace_views(mixed.impl)
+    views = release.workspace_views(mixed.impl)
     assert len(mixed.provider.launch_ptrs) == len(md.planned.plan) > 1
     assert set(mixed.provider.launch_ptrs) == {(view_ptr(views.q_padded()), view_ptr(views.padded_out()))}
     assert out.data_ptr() == view_ptr(views.compact_out()), "several launches write the step's output view"
@@ -1717,7 +1761,7 @@ def test_a_step_of_one_planned_launch_returns_the_kernels_output_as_stock_does(
     assert setup is not None and len(step.plan) == 1 and step.stock_call_bytes > setup.stock_call_allowance
     out = forward_out(mixed.impl._forward_fp8_kv_mixed_batch(q, case["kv_cache"], mixed.topk_buffer[: q.shape[0]], md))
     torch.testing.assert_close(out.float(), case["expected"], rtol=2e-2, atol=2e-2)
-    views = vllm_api.workspace_views(mixed.impl)
+    views = release.workspace_views(mixed.impl)
     assert mixed.provider.launch_ptrs == [(view_ptr(views.q_padded()), view_ptr(views.padded_out()))]
     assert out.data_ptr() == view_ptr(views.padded_out()) and out.shape == (q.shape[0], 16, 512)
     assert out.stride() == (64 * 512, 512, 1), "the real heads of the 64 the kernel ran"
@@ -1730,11 +1774,13 @@ def test_once_vllm_locks_its_workspace_a_steps_layers_share_their_views(
     locked (vLLM serves), the step's later layers reuse the first's, per micro-batch."""
     from vllm.v1.worker.workspace import lock_workspace, unlock_workspace
 
+    from mla_planner.vllm_backend.releases import v0_33
+
     case = bf16_case(mixed, gen)
     md, q = case["metadata"], case["q"]
     memo = md.planned.workspace
-    first = vllm_api.workspace_views(mixed.impl, memo)
-    assert vllm_api.workspace_views(mixed.impl, memo) is not first and not memo, "unlocked: nothing kept"
+    first = release.workspace_views(mixed.impl, memo)
+    assert release.workspace_views(mixed.impl, memo) is not first and not memo, "unlocked: nothing kept"
     lock_workspace()
     try:
         for _layer in range(2):
@@ -1742,13 +1788,13 @@ def test_once_vllm_locks_its_workspace_a_steps_layers_share_their_views(
                                                                      mixed.topk_buffer[: q.shape[0]], md))
             torch.testing.assert_close(out.float(), case["expected"], rtol=2e-2, atol=2e-2)
         assert len(memo) == 1
-        kept = vllm_api.workspace_views(mixed.impl, memo)
+        kept = release.workspace_views(mixed.impl, memo)
         assert kept is next(iter(memo.values()))
         assert kept.q_padded(8) is kept.q_padded(8), "a view of the same rows is made once"
-        monkeypatch.setattr(vllm_api._ubatching, "dbo_current_ubatch_id", lambda: 1)
-        assert vllm_api.workspace_views(mixed.impl, memo) is not kept and len(memo) == 2, "another micro-batch's own"
-        monkeypatch.setattr(vllm_api, "_workspace_lane", None)  # a vLLM without the lane variable
-        assert vllm_api.workspace_views(mixed.impl, memo) is not vllm_api.workspace_views(mixed.impl, memo)
+        monkeypatch.setattr(v0_33._ubatching, "dbo_current_ubatch_id", lambda: 1)
+        assert release.workspace_views(mixed.impl, memo) is not kept and len(memo) == 2, "another micro-batch's own"
+        monkeypatch.setattr(v0_33, "_workspace_lane", None)  # a vLLM without the lane variable
+        assert release.workspace_views(mixed.impl, memo) is not release.workspace_views(mixed.impl, memo)
     finally:
         unlock_workspace()
     assert {ptrs for ptrs in mixed.provider.launch_ptrs} == {(view_ptr(kept.q_padded()), view_ptr(kept.padded_out()))}
@@ -1757,7 +1803,9 @@ def test_once_vllm_locks_its_workspace_a_steps_layers_share_their_views(
 @needs_033_workspace
 def test_a_workspace_placed_elsewhere_than_the_layout_reads_is_a_start_up_error(
         mixed: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
-    manager = vllm_api._workspace.current_workspace_manager()
+    from mla_planner.vllm_backend.releases import v0_33
+
+    manager = v0_33._workspace.current_workspace_manager()
     real = manager.get_simultaneous
 
     def shifted(*specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
@@ -1767,14 +1815,14 @@ def test_a_workspace_placed_elsewhere_than_the_layout_reads_is_a_start_up_error(
 
     monkeypatch.setattr(manager, "get_simultaneous", shifted)
     with pytest.raises(RuntimeError, match="elsewhere than this backend reads it"):
-        vllm_api.workspace_layout(mixed.impl)
+        release.workspace_layout(mixed.impl)
 
 
 @needs_033_workspace
 def test_a_workspace_view_is_never_longer_than_its_spec(mixed: Backend) -> None:
     layout = mixed.impl.workspace_layout
     assert layout is not None and layout.q_padded is not None
-    views = vllm_api.workspace_views(mixed.impl)
+    views = release.workspace_views(mixed.impl)
     rows = layout.q_padded.shape[0]
     assert view_ptr(views.q_padded(rows)) == view_ptr(views.q_padded())
     with pytest.raises(ValueError, match="rows of a workspace view"):
@@ -1787,7 +1835,7 @@ def test_separate_route_runs_in_stocks_workspace_views(separate: Backend, gen: t
     md, q = case["metadata"], case["q"]
     out = forward_out(separate.impl._forward_fp8_kv_separate_prefill_decode(q, case["kv_cache"], separate.topk_buffer[: q.shape[0]], md))
     torch.testing.assert_close(out.float(), case["expected"], rtol=2e-2, atol=2e-2)
-    views = vllm_api.workspace_views(separate.impl)
+    views = release.workspace_views(separate.impl)
     q_padded, padded_out = view_ptr(views.q_padded()), view_ptr(views.padded_out())
     assert out.data_ptr() == view_ptr(views.compact_out()), "the step's output is stock's, as stock's is"
     assert len(separate.provider.prefill_calls) > 1
@@ -1811,7 +1859,7 @@ class FakeWorkspaceManager:
 def test_construction_reserves_the_budget_and_the_output_where_vllm_has_no_workspace(mixed: Backend) -> None:
     """vLLM 0.26 has no workspace: the reservation holds the largest launch (the budget bounds it)
     and the step's output, which the executors allocate."""
-    if vllm_api.STOCK_WORKSPACE:
+    if release.stock_workspace:
         pytest.skip("vLLM 0.33's impl reserves a workspace: the next test")
     setup = mixed.impl.engine
     assert setup is not None and setup.stock_call_allowance <= SCRATCH_MB << 20
@@ -1898,7 +1946,7 @@ def test_warm_up_translates_once_per_variant_stock_does_not_compile(
         calls.append((prefill, req_id.data_ptr() % 16 == 0, tuple(block_table.shape), kwargs["NUM_TOPK_TOKENS"]))
         return convert_req_index_to_global_index(req_id, block_table, token_indices, **kwargs)
 
-    monkeypatch.setattr(vllm_api.utils, "triton_convert_req_index_to_global_index", recording)
+    monkeypatch.setattr(v0_26.utils, "triton_convert_req_index_to_global_index", recording)
     block_table = torch.zeros((5, 320), dtype=torch.int32)
     warmup.warm_up(warmup.variants(routes), block_table, 64, None, TOPK)
     assert calls == [(prefill, aligned, (1, 320), TOPK) for prefill, aligned in expected]
@@ -1921,7 +1969,7 @@ def test_the_first_fp8_forward_warms_up_once(mixed: Backend, gen: torch.Generato
     mixed.topk_buffer[:3] = case["positions"]
     for _ in range(2):
         mixed.impl._forward_fp8_kv_mixed_batch(case["q"], case["kv_cache"], mixed.topk_buffer[:3], case["metadata"])
-    stride = vllm_api.fp8_kv_pages(case["kv_cache"], 64)[1]
+    stride = release.fp8_kv_pages(case["kv_cache"], 64)[1]
     assert calls == [(("mixed_batch",), case["metadata"].block_table.shape[1], 64, stride, TOPK)]
 
 
@@ -1995,8 +2043,8 @@ def run_step(backend: Backend, query_lens: list[int], context_lens: list[int], g
 def sparse_rows(backend: Backend, md: Any, rows: int) -> int:
     """The rows of a step's q (``rows`` of them) that vLLM's layer hands the FP8 forward: all, or
     the decodes' only where it runs the step's prefills dense (a dense prefill backend, and vLLM's
-    verdict in the metadata, :func:`.vllm_api.prefills_run_dense`)."""
-    if backend.builder.force_mqa or not vllm_api.prefills_run_dense(md):
+    verdict in the metadata, the release's ``prefills_run_dense``)."""
+    if backend.builder.force_mqa or not release.prefills_run_dense(md):
         return rows
     return int(md.num_decode_tokens)
 
@@ -2407,8 +2455,8 @@ def test_a_cost_profile_reserves_for_every_route_it_may_take(routed: Backend) ->
     setup = routed.builder.engine
     configs = setup.route_configs()
     assert [c.mode for c in configs][:2] == ["mixed_batch", "separate_prefill_decode"]
-    assert [c.native_prefill_heads for c in configs] == [False, False] + ([True] if vllm_api.NATIVE_PREFILL_KERNELS else [])
-    served = 64 if vllm_api.STOCK_WORKSPACE else None
+    assert [c.native_prefill_heads for c in configs] == [False, False] + ([True] if release.native_prefill_kernels else [])
+    served = 64 if release.stock_workspace else None
     assert setup.stock_call_allowance == max(c.largest_launch_bytes(2048, 128, served) for c in configs)
     assert routed.reserved == [setup.reserved_bytes]
 
@@ -2426,10 +2474,10 @@ def test_where_vllm_fixes_the_route_nothing_is_checked_or_reserved(
         monkeypatch.setattr(config.attention_config, "hisparse_config", SimpleNamespace(), raising=False)
     else:
         monkeypatch.setattr(config.parallel_config, "decode_context_parallel_size", 2, raising=False)
-    if not vllm_api.V033:
-        assert vllm_api.stock_route_reason(config) is None, "vLLM 0.26's builder fixes no route"
+    if not V033:
+        assert release.stock_route_reason(config) is None, "vLLM 0.26's builder fixes no route"
         return
-    assert vllm_api.stock_route_reason(config) == {"hisparse": "HiSparse", "dcp": "DCP"}[setting]
+    assert release.stock_route_reason(config) == {"hisparse": "HiSparse", "dcp": "DCP"}[setting]
     monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", "64")  # below 64 heads' minimum on the separate route
     monkeypatch.setenv("MLA_PLANNER_COST_PROFILE", "none")
     monkeypatch.setattr(vllm_api, "num_sms", lambda device: NUM_SMS)

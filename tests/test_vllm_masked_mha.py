@@ -27,7 +27,7 @@ pytest.importorskip("vllm", reason="the backend tests need vLLM (pip install '.[
 
 import mla_planner  # noqa: E402
 from mla_planner.executor.reference import sparse_attention  # noqa: E402
-from mla_planner.vllm_backend import vllm_api  # noqa: E402
+from mla_planner.vllm_backend.releases import release  # noqa: E402
 from mla_planner.vllm_backend.reservation import Reservation  # noqa: E402
 from fixtures import gen  # noqa: E402, F401  (a pytest fixture)
 from vllm_cpu import (  # noqa: E402
@@ -46,7 +46,7 @@ mla: Any = importlib.import_module("vllm.model_executor.layers.attention.mla_att
 sparse_mla: Any = importlib.import_module("vllm.model_executor.layers.attention.sparse_mla_attention")
 merge: Any = importlib.import_module("vllm.v1.attention.ops.merge_attn_states")
 
-pytestmark = pytest.mark.skipif(not vllm_api.MASKED_MHA,
+pytestmark = pytest.mark.skipif(release.masked_mha is None,
                                 reason="masked-MHA prefill is vLLM 0.33's (SM100, FA4); vLLM 0.26 has none")
 
 HEADS, TOPK = 16, 128
@@ -394,7 +394,7 @@ def test_when_the_long_prompt_fits_alone_nothing_is_left_on_sparse_mqa(engine_fa
     # Every masked group passes vLLM's own fit test on the metadata the builder made for it.
     for run in partial.runs:
         if run.path == "masked_mha":
-            assert vllm_api.masked_mha_set_fits(run.metadata.prefill)
+            assert release.masked_mha is not None and release.masked_mha.masked_mha_set_fits(run.metadata.prefill)
 
 
 def test_a_step_whose_masks_fit_runs_as_stock(engine_factory: Any, gen: torch.Generator) -> None:

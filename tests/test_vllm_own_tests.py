@@ -43,6 +43,9 @@ from vllm.v1.attention.backends.mla.flashmla_sparse import (  # noqa: E402
 )
 
 from mla_planner.vllm_backend import backend, vllm_api  # noqa: E402
+from mla_planner.vllm_backend.releases import release  # noqa: E402
+
+V033 = release.version == "0.33"
 from mla_planner.vllm_backend.reservation import Reservation  # noqa: E402
 from mla_planner.vllm_backend.backend import (  # noqa: E402
     PlannedFlashMLASparseImpl,
@@ -53,7 +56,7 @@ from vllm_hub import STAND_INS, hub_ids_in, offline_hub  # noqa: E402
 
 TESTS_DIR = pathlib.Path(__file__).parent
 SDIST_VAR = "MLA_PLANNER_VLLM_SDIST"
-VLLM_VERSION = vllm_api.VLLM_VERSION
+VLLM_VERSION = vllm_api.installed_version()
 DEFAULT_SDIST = pathlib.Path(f"/tmp/vllm-sdist/vllm-{VLLM_VERSION}.tar.gz")
 SPARSE_TESTS = "tests/v1/attention/test_sparse_mla_backends.py"
 # The file and what it imports from vLLM's test tree.
@@ -260,7 +263,7 @@ def test_the_sdist_is_fetched_checked_and_kept(tmp_path: pathlib.Path, monkeypat
 
 @pytest.mark.parametrize("classes", ["stock", "planned"])
 def test_vllm_sparse_mla_tests_pass_with_planned_classes(classes: str, tmp_path: pathlib.Path) -> None:
-    if vllm_api.V033:
+    if V033:
         pytest.skip(NOT_ON_CPU_033)
     tree = vllm_test_tree_or_skip(tmp_path)
     work = tmp_path / "run"
@@ -275,7 +278,7 @@ def test_vllm_sparse_mla_tests_pass_with_planned_classes(classes: str, tmp_path:
 
 def test_a_run_stopped_midway_still_says_what_it_ran(tmp_path: pathlib.Path) -> None:
     """The GPU runs are stopped at a deadline: the tests finished by then are in the outcome log."""
-    if vllm_api.V033:
+    if V033:
         pytest.skip(NOT_ON_CPU_033)
     tree = vllm_test_tree_or_skip(tmp_path / "tree")
     proc, report = start_vllm_tests(tree, "stock", tmp_path / "run")
@@ -381,8 +384,8 @@ def test_builder_fp8_mixed_metadata_with_a_stand_in_self(monkeypatch: pytest.Mon
     monkeypatch.setattr(stock, "get_mla_metadata", lambda **kwargs: (schedule, None))
     builder = SimpleNamespace(fp8_decode_padded_heads=64, topk_tokens=128, topk_tokens_tensor=torch.full((4,), 128),
                               max_model_len_tensor=torch.full((4,), 4096), dummy_block_table=torch.zeros(4, 1))
-    # 0.33's takes no step metadata (vllm_api.build_fp8_mixed).
-    common = () if vllm_api.V033 else (SimpleNamespace(num_actual_tokens=5),)
+    # 0.33's takes no step metadata (release.build_fp8_mixed).
+    common = () if V033 else (SimpleNamespace(num_actual_tokens=5),)
     ours = PlannedFlashMLASparseMetadataBuilder._build_fp8_mixed_decode_prefill(builder, *common)  # type: ignore[arg-type]
     theirs = FlashMLASparseMetadataBuilder._build_fp8_mixed_decode_prefill(builder, *common)  # type: ignore[arg-type]
     assert fields(ours) == fields(theirs)
@@ -443,7 +446,7 @@ def fp8_decode_subset_case(use_mixed_batch: bool, monkeypatch: pytest.MonkeyPatc
         return kwargs["q"][..., :1], None
 
     monkeypatch.setattr(stock, "triton_convert_req_index_to_global_index", convert_indices)
-    # The backend calls it through vllm_api, from sparse_utils.
+    # The backend calls it through the release, from sparse_utils.
     monkeypatch.setattr(sparse_utils, "triton_convert_req_index_to_global_index", convert_indices)
     fp8: Any
     if use_mixed_batch:

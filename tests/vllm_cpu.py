@@ -190,9 +190,9 @@ class KernelRecorder:
         self.prefill_out_ptrs: list[int] = []
         self.prefill_q_ptrs: list[int] = []
         from mla_planner import NATIVE_PREFILL_HEADS
-        from mla_planner.vllm_backend import vllm_api
+        from mla_planner.vllm_backend.releases import release
 
-        native = tuple(NATIVE_PREFILL_HEADS) if vllm_api.NATIVE_PREFILL_KERNELS else ()
+        native = tuple(NATIVE_PREFILL_HEADS) if release.native_prefill_kernels else ()
         self.prefill_heads = (*native, 64, 128)
 
     def flash_mla_with_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, block_table: Any, cache_seqlens: Any,
@@ -225,9 +225,9 @@ class RecordingProvider(ReferenceProvider):
     FlashMLA runs them), recording each launch's q and buffers."""
 
     def __init__(self) -> None:
-        from mla_planner.vllm_backend import vllm_api
+        from mla_planner.vllm_backend.releases import release
 
-        super().__init__(takes_out=True, native_prefill_heads=vllm_api.NATIVE_PREFILL_KERNELS)
+        super().__init__(takes_out=True, native_prefill_heads=release.native_prefill_kernels)
         self.launch_q: list[torch.Tensor] = []
         self.launch_ptrs: list[tuple[int, int | None]] = []
         """Each decode launch's q and ``out=`` (``None``: none) data pointers."""
@@ -280,7 +280,7 @@ def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kerne
     monkeypatch.setattr(stock, "num_compute_units", lambda device_id=None: NUM_SMS)
     monkeypatch.setattr(vllm_api, "num_sms", lambda device: NUM_SMS)
     # Every module that holds the Triton translation under its name: stock's, the one the
-    # backend calls through (vllm_api reads it from sparse_utils), and 0.33's index group.
+    # backend calls through (the release reads it from sparse_utils), and an index group's.
     for name in ("flashmla_sparse", "sparse_utils", "index_group"):
         patch_if_present(monkeypatch, f"vllm.v1.attention.backends.mla.{name}", "triton_convert_req_index_to_global_index",
                          convert_req_index_to_global_index)

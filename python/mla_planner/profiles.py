@@ -93,7 +93,7 @@ def packaged_name(arch: str, kernels: str, gpu: str) -> str:
 
 def packaged_profiles(arch: str = "sm90", kernels: str | None = None) -> list[Path]:
     """The packaged profiles of ``arch`` for ``kernels`` (as a profile's environment names them,
-    ``"vllm 0.33.0"``; default: the installed vLLM's), one per GPU they were measured on."""
+    ``"vllm X.Y.Z"``; default: the installed vLLM's), one per GPU they were measured on."""
     kernels = package_version("vllm") if kernels is None else kernels
     folder = resources.files("mla_planner.data") / PROFILE_DIR
     prefix = f"{arch}-{kernels.replace(' ', '-')}-"

@@ -77,7 +77,7 @@ def test_under_sleep_mode_the_hand_over_gives_the_bytes_back_to_the_driver(reser
         from vllm.device_allocator.cumem import CuMemAllocator
     except ImportError as exc:  # no vLLM, or one without its CuMem extension
         pytest.skip(f"vLLM's CuMem allocator does not load here: {exc}")
-    from mla_planner.vllm_backend import vllm_api
+    from mla_planner.vllm_backend.releases import release
 
     allocator = CuMemAllocator.get_instance()
     before = free_bytes()
@@ -88,16 +88,16 @@ def test_under_sleep_mode_the_hand_over_gives_the_bytes_back_to_the_driver(reser
     assert before - held >= RESERVED, (before, held)
     assert reservation.release()
     cached = free_bytes()
-    assert vllm_api.release_from_sleep_mode_pool(reservation.address)
+    assert release.release_from_sleep_mode_pool(reservation.address)
     after = free_bytes()
     print(f"free MiB: before {before // MiB}, reserved {held // MiB}, released {cached // MiB}, "
           f"unmapped {after // MiB}")
     assert after - held >= RESERVED - SLACK, "the reservation stayed mapped in vLLM's pool"
-    assert not vllm_api.release_from_sleep_mode_pool(reservation.address), "unmapped once"
+    assert not release.release_from_sleep_mode_pool(reservation.address), "unmapped once"
     allocator.sleep(offload_tags=("weights",))
     allocator.wake_up()
     assert int(weight.sum().item()) == 8 * MiB, "the model's pool no longer sleeps and wakes intact"
     # Leave vLLM's allocator (one per process) as a later engine's start-up expects it: holding nothing.
     address = weight.data_ptr()
     del weight
-    assert vllm_api.release_from_sleep_mode_pool(address) and allocator.get_current_usage() == 0
+    assert release.release_from_sleep_mode_pool(address) and allocator.get_current_usage() == 0

@@ -62,7 +62,7 @@ class GatherOp:
             except (ImportError, OSError, RuntimeError) as exc:
                 raise RuntimeError(f"cannot import vLLM's cp_gather_and_upconvert_fp8_kv_cache: {exc}") from exc
             self._op: Any = _custom_ops.cp_gather_and_upconvert_fp8_kv_cache
-            # Older vLLM took per-request lengths; 0.26 infers them from the workspace.
+            # Some releases take per-request lengths; others infer them from the workspace.
             self._takes_seq_lens = "seq_lens" in inspect.signature(self._op).parameters
 
     def __call__(self, case: PrefillCase, rows: int, workspace: torch.Tensor) -> None:

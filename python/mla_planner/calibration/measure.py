@@ -61,7 +61,7 @@ def measure(grid: Grid, *, provider: str = "vllm", gather: str = "vllm", command
     cases: list[TokenCase | GatherCase] = []
     native = dict(grid.native_tokens)
     for h in list(native):
-        # One tiny call: a FlashMLA build without the kernel (vLLM 0.26's) refuses these heads.
+        # One tiny call: a FlashMLA build without the kernel refuses these heads.
         refused = bench.refuses_native_prefill(h)
         if refused is not None:
             progress(f"not timing the prefill kernel at {h} native heads: {provider}'s kernel refused them ({refused})")

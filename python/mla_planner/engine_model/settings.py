@@ -12,7 +12,7 @@
   parses as a cost profile, or start-up fails; a valid profile that was measured on another
   machine means vLLM's rule, with a warning (docs/routing.md).
 * ``MLA_PLANNER_NATIVE_PREFILL_HEADS`` -- ``1`` runs the BF16 sparse prefill kernel at the rank's
-  own 16 or 32 heads on every separate-route step (SM90, vLLM 0.33's FlashMLA; refused elsewhere
+  own 16 or 32 heads on every separate-route step (SM90, where the release's FlashMLA runs them; refused elsewhere
   at start-up). Unset: vLLM's padding to 64, unless the cost profile prices native heads cheaper
   for a step (docs/routing.md).
 """

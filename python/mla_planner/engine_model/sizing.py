@@ -35,8 +35,8 @@ def route_configs(config: mla_planner.StepConfig, *, profiled: bool, native_kern
 
 def builder_decode_threshold(num_heads: int, arch: str) -> int:
     """The longest request vLLM's FlashMLA sparse builder counts as a decode, by heads per rank and
-    architecture (F:366-372 on 0.33; the same table on 0.26), before speculative decoding raises
-    it (:func:`.vllm_api.decode_threshold`)."""
+    architecture (the same table in every supported release), before speculative decoding raises
+    it (the release's ``decode_threshold``)."""
     if arch == "sm100":
         return {8: 128, 16: 128, 32: 128, 64: 256, 128: 1024}.get(num_heads, 1024)
     return {16: 128, 32: 128, 64: 256, 128: 256}.get(num_heads, 256)
@@ -50,8 +50,8 @@ def largest_launch_bytes(configs: Iterable[mla_planner.StepConfig], max_step_tok
 
 
 def step_output_bytes(max_step_tokens: int, num_heads: int) -> int:
-    """The output of a step of ``max_step_tokens`` tokens: held in the reservation on vLLM 0.26,
-    which has no workspace view for it."""
+    """The output of a step of ``max_step_tokens`` tokens: held in the reservation where the release
+    has no workspace view for it."""
     return max_step_tokens * num_heads * OUTPUT_ROW_BYTES
 
 
@@ -59,7 +59,7 @@ def reservation(configs: Iterable[mla_planner.StepConfig], max_step_tokens: int,
                 workspace_heads: int | None) -> tuple[int, int]:
     """``(allowance, reserved)``: the most one launch of any plan of ``configs`` allocates beyond
     vLLM's workspace, and what the reservation holds: that, and where vLLM has no workspace view
-    for the step's output (0.26: ``workspace_heads`` is ``None``) the output of a whole step."""
+    for the step's output (``workspace_heads`` is ``None``) the output of a whole step."""
     allowance = largest_launch_bytes(configs, max_step_tokens, max_decode, workspace_heads)
     output = 0 if workspace_heads is not None else step_output_bytes(max_step_tokens, num_heads)
     return allowance, allowance + output

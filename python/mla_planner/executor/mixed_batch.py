@@ -14,8 +14,8 @@ memory, launch by launch, is what the plan's ``launch_bytes`` says:
   passes a function that turns a launch's rows of request-relative top-k positions into cache
   slots in a fresh tensor (vLLM's Triton conversion), so they exist for one launch at a time.
 
-A caller that already holds memory for the padded q and the kernel's padded output (vLLM 0.33's
-workspace views) passes it as ``q_buffer`` and ``out_buffer``: nothing is allocated for them then.
+A caller that already holds memory for the padded q and the kernel's padded output (vLLM's
+workspace views, where the release has them) passes it as ``q_buffer`` and ``out_buffer``: nothing is allocated for them then.
 A caller that passes no ``out`` gets, for a plan of one launch whose heads are padded or whose
 kernel allocates its output, the kernel's output itself (its real heads, as stock's call returns
 it: a view, strided where heads are padded), so a step the plan runs whole costs no copy and no

@@ -199,8 +199,8 @@ class ReferenceSchedule:
 class ReferenceProvider:
     """:mod:`.reference` behind the provider interface. ``takes_out=False`` makes it behave like
     sgl-flash-mla (allocate and return ``out``), so both executor paths run on the CPU.
-    ``native_prefill_heads``: the prefill kernel also takes 16 and 32 heads, as vLLM 0.33's SM90
-    build does; otherwise 64 and 128 only, as the legacy kernel."""
+    ``native_prefill_heads``: the prefill kernel also takes 16 and 32 heads, as later vLLM releases'
+    SM90 builds do; otherwise 64 and 128 only, as the legacy kernel."""
 
     name = "reference"
 

@@ -7,7 +7,7 @@ Memory, as the plan's ``launch_bytes`` count it:
 
 * decode launches -- ``batch`` requests of ``decode_query_len`` tokens each, run as
   ``(batch, s_q)``; where heads need padding (16 -> 64), the zero-padded q and the kernel's output
-  go in the caller's buffers (vLLM 0.33's workspace views), or are allocated per launch;
+  go in the caller's buffers (vLLM's workspace views, where the release has them), or are allocated per launch;
 * prefill launches -- one zero-padded q and one kernel output for the plan's longest prefill
   launch, reused by every launch (in the caller's buffers where given); none where the kernel
   runs the query heads themselves and writes the step's output in place;
@@ -80,7 +80,7 @@ class SeparateLaunches:
 
 class Buffers(NamedTuple):
     """Memory the caller holds for a run: ``q_padded`` ``(>= rows, kernel heads, 576)`` and
-    ``kernel_out`` ``(>= rows, kernel heads, 512)`` in q's dtype (vLLM 0.33's workspace views);
+    ``kernel_out`` ``(>= rows, kernel heads, 512)`` in q's dtype (vLLM's workspace views, where the release has them);
     ``None`` (or a buffer of other heads) is allocated per run as the plan counts it."""
 
     q_padded: torch.Tensor | None = None

@@ -1,4 +1,4 @@
-"""vLLM 0.26 and 0.33 backend: FlashMLA sparse attention that follows mla-planner's plan.
+"""The vLLM backend: FlashMLA sparse attention that follows mla-planner's plan.
 
 Enable it with the ``vllm.general_plugins`` entry point this package declares (see
 docs/vllm.md): ``--attention-backend CUSTOM``, or ``MLA_PLANNER_REPLACE_FLASHMLA_SPARSE=1`` to

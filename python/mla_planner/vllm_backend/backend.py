@@ -1,4 +1,4 @@
-"""FlashMLA sparse attention for vLLM 0.26 and 0.33 that runs each step exactly as mla-planner plans it.
+"""FlashMLA sparse attention for vLLM that runs each step exactly as mla-planner plans it.
 
 Subclasses vLLM's ``FlashMLASparse*`` classes and changes only what the plan changes:
 
@@ -12,7 +12,7 @@ Subclasses vLLM's ``FlashMLASparse*`` classes and changes only what the plan cha
 * the impl runs that plan's launches, one kernel call each, through the executors
   (:mod:`mla_planner.executor`); a plan of one launch whose bytes fit the reservation is the one
   kernel call stock's forward makes, so stock's code runs it unchanged;
-* BF16-KV steps run stock code, except, on vLLM 0.33, a step whose masked-MHA prefills do not fit
+* BF16-KV steps run stock code, except, where the release has masked MHA, a step whose masked-MHA prefills do not fit
   vLLM's mask workspace together (:mod:`.masked_mha`).
 
 After start-up nothing here raises but what no bounded path can avoid: a step the planner
@@ -25,7 +25,7 @@ interval.
 Overrides call stock's method by its class, never through zero-argument ``super()``, and behave
 as stock's where ``self`` lacks this backend's state: vLLM's own tests call these methods on the
 class with a stand-in ``self`` (tests/test_vllm_own_tests.py runs them). Everything vLLM-specific
-comes through :mod:`.vllm_api`, the version seam.
+comes through :mod:`.vllm_api` (what every release has alike) and :mod:`.releases` (what differs).
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ from mla_planner.executor.providers import KernelProvider, VllmProvider
 from mla_planner.executor.separate import Buffers, SeparateExecutor, SeparateLaunches
 from mla_planner.vllm_backend import engine, fallback, log, masked_mha, vllm_api
 from mla_planner.vllm_backend.log import logger
+from mla_planner.vllm_backend.releases import release
 from mla_planner.vllm_backend.reservation import Reservation
+from mla_planner.vllm_backend.workspace import WorkspaceViews
 from mla_planner.vllm_backend.vllm_api import (
     CommonAttentionMetadata,
     FlashMLASparseBackend,
@@ -71,12 +73,12 @@ class PlannedStep:
         self.plan = plan
         self.reserved_peak = plan.peak_beyond_workspace(config.decode_heads, served_heads)
         """The largest launch's bytes beyond vLLM's workspace (``served_heads``: the heads of its
-        padded-q and output views, 0.33): what of the plan's peak the reservation holds."""
+        padded-q and output views, where the release has them): what of the plan's peak the reservation holds."""
         self.schedules: dict[Any, Any] = {}
         """FlashMLA schedules by launch shape, filled by the first layer and reused by the rest."""
         self.workspace: dict[Any, Any] = {}
-        """vLLM 0.33's workspace views, made by the first layer and reused by the rest once vLLM
-        serves (:func:`.vllm_api.workspace_views`)."""
+        """The release's workspace views, made by the first layer and reused by the rest once vLLM
+        serves (the release's ``workspace_views``)."""
         self.launches = launches = tuple(plan)
         """The plan's launches, iterated once per step."""
         self.sparse_tokens = launches[-1].tokens.stop if launches else 0
@@ -127,9 +129,9 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         self.plans_steps = self.engine.plans_fp8
         # Which prefills run dense is vLLM's call, read from each step's metadata; with
         # sparse_mla_force_mqa, or no dense prefill backend, none does.
-        self.force_mqa = bool(vllm_config.attention_config.sparse_mla_force_mqa) or self._prefill_backend is None
+        self.force_mqa = bool(vllm_config.attention_config.sparse_mla_force_mqa) or release.dense_prefill_backend(self) is None
         self.group_prefill_backends: list[Any] = []
-        """vLLM 0.33, masked MHA: a dense prefill backend per dense-MHA group of a step (clones of
+        """Masked MHA: a dense prefill backend per dense-MHA group of a step (clones of
         vLLM's), kept across steps (:func:`.masked_mha.group_prefill_backend`)."""
         if self.stock_reason is not None:
             log.once(logging.INFO, "mla-planner: %s: every step runs vLLM's own code", self.stock_reason)
@@ -151,15 +153,15 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> FlashMLASparseMetadata:
-        # The MTP draft's metadata on 0.26 can lack the CPU sequence lengths that planning and
+        # The MTP draft's metadata can lack the CPU sequence lengths that planning and
         # vLLM's own separate-route build read.
-        common_attn_metadata = vllm_api.with_cpu_seq_lens(common_attn_metadata)
+        common_attn_metadata = release.with_cpu_seq_lens(common_attn_metadata)
         metadata = FlashMLASparseMetadataBuilder.build(self, common_prefix_len, common_attn_metadata, fast_build)
         # vLLM's tests call builder methods on the class with a stand-in `self`: stock's build.
         if getattr(self, "engine", None) is None:
             return metadata
         assert isinstance(metadata, PlannedFlashMLASparseMetadata)
-        if vllm_api.MASKED_MHA and metadata.prefill is not None:
+        if release.masked_mha is not None and metadata.prefill is not None:
             # Masked MHA needs a non-quantized cache: no FP8 step has a plan from both.
             try:
                 masked_mha.attach_plan(self, metadata, common_attn_metadata)
@@ -191,7 +193,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         """The requests, from the first, whose tokens vLLM hands the sparse kernels: all of them,
         or only the decodes where vLLM runs the step's prefills dense (every prefill within top-k
         tokens, a dense prefill backend, no forced MQA)."""
-        if metadata.num_prefills == 0 or self.force_mqa or not vllm_api.prefills_run_dense(metadata):
+        if metadata.num_prefills == 0 or self.force_mqa or not release.prefills_run_dense(metadata):
             return num_reqs
         return int(metadata.num_decodes)
 
@@ -213,8 +215,8 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         if seq_lens is not None:
             context_lens = seq_lens.numpy()[:sparse] - query_lens
         elif sparse == num_decodes:
-            # vLLM 0.26's MTP draft after a padded decode step under async scheduling: no CPU
-            # sequence lengths (vllm_api.with_cpu_seq_lens). A decode's context shapes no plan.
+            # An MTP draft after a padded decode step under async scheduling may carry no CPU
+            # sequence lengths (release.with_cpu_seq_lens). A decode's context shapes no plan.
             context_lens = np.zeros_like(query_lens)
         else:
             raise LookupError("vLLM's step metadata carries no CPU sequence lengths (seq_lens_cpu_upper_bound), "
@@ -228,7 +230,7 @@ class PlannedFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
         mixed = plan.mode == "mixed_batch"
         fp8 = metadata.fp8_extra_metadata
         if mixed != metadata.fp8_use_mixed_batch:
-            fp8 = vllm_api.build_fp8_mixed(self, common) if mixed else self._build_fp8_separate_prefill_decode(common, metadata)
+            fp8 = release.build_fp8_mixed(self, common) if mixed else release.build_fp8_separate(self, common, metadata)
         if not mixed and "sparse_prefill" in plan.launch_kernels:
             chunks = vllm_chunks(fp8, num_decodes)
             if plan.gather_chunks[:, :2].tolist() != chunks or (plan.gather_chunks[:, 2] >= 0).any():
@@ -258,10 +260,9 @@ def with_padding_tokens(query_lens: np.ndarray, context_lens: np.ndarray,
     one token: any token may run apart from its request on the sparse kernels, since each attends
     to its own top-k rows, and a decode batch must be uniform. vLLM's full-CUDA-graph
     metadata counts the padded batch's tokens in ``num_actual_tokens`` and its padding requests at
-    length 0 (0.33 v1/worker/gpu_model_runner.py:2370 and v1/worker/gpu/model_runner.py:1462-1467,
-    0.26 v1/worker/gpu_model_runner.py:2409). It is mostly replayed, but a layer runs it eagerly,
+    length 0 (``v1/worker/gpu_model_runner.py``). It is mostly replayed, but a layer runs it eagerly,
     with q of every padded token, where dual-batch overlap gives up its micro-batches for a
-    captured size (0.33 v1/worker/gpu_ubatch_wrapper.py:365-377, 0.26 :449-461)."""
+    captured size (``v1/worker/gpu_ubatch_wrapper.py``)."""
     nonzero = np.flatnonzero(query_lens)
     first_pad = int(nonzero[-1]) + 1 if nonzero.size else 0
     per_request = int(query_lens.max()) if nonzero.size else 1
@@ -289,10 +290,10 @@ def translate_indices(
     prefill rows become rows of their chunk's workspace (the builder made the workspace starts
     chunk-local), decode rows (request id -1) stay cache slots, and the valid counts come too."""
     if prefill is None:
-        slots = vllm_api.convert_indices(md.req_id_per_token[rows], md.block_table, topk_indices[rows],
+        slots = release.convert_indices(md.req_id_per_token[rows], md.block_table, topk_indices[rows],
                                          block_size=md.block_size, block_stride_rows=block_stride_rows)
         return cast(torch.Tensor, slots), None
-    return cast(tuple[torch.Tensor, torch.Tensor], vllm_api.convert_indices(
+    return cast(tuple[torch.Tensor, torch.Tensor], release.convert_indices(
         md.req_id_per_token[rows], md.block_table, topk_indices[rows], block_size=md.block_size,
         block_stride_rows=block_stride_rows, HAS_PREFILL_WORKSPACE=True,
         prefill_workspace_request_ids=prefill.request_ids[rows], prefill_workspace_starts=prefill.workspace_starts,
@@ -305,13 +306,13 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
     """The engine's setup on an FP8 cache; ``None`` (and stock's code) otherwise."""
 
     mla_layer: Any = None
-    """vLLM 0.33, masked MHA: the ``MLAAttention`` layer of this impl, linked by the builder before
-    it plans prefill rows on sparse MQA (:func:`.vllm_api.link_sparse_mqa_layers`)."""
+    """Masked MHA: the ``MLAAttention`` layer of this impl, linked by the builder before
+    it plans prefill rows on sparse MQA (``link_sparse_mqa_layers`` of the release's masked MHA)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         FlashMLASparseImpl.__init__(self, *args, **kwargs)
-        # vLLM 0.33: where each workspace view sits, checked now rather than trusted per step.
-        self.workspace_layout = vllm_api.workspace_layout(self)
+        # Where each workspace view sits, checked now rather than trusted per step.
+        self.workspace_layout = release.workspace_layout(self)
         if self.kv_cache_dtype != FP8_KV:
             return
         vllm_config = vllm_api.current_vllm_config()
@@ -332,17 +333,17 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         self.mixed = MixedBatchExecutor(provider, self.engine.config)
         self.separate = SeparateExecutor(provider, self.engine.config)
         # Model construction: vLLM counts this as model memory, so the KV cache leaves room. Not
-        # the profile run: vLLM 0.33's DeepSeek-V3.2 layer returns there before any impl hook.
+        # the profile run: vLLM's DeepSeek-V3.2 layer returns there before any impl hook.
         if setup.state.reservation.reserve(setup.reserved_bytes, device):  # once per engine
             settings = self.engine.settings
             logger.info("mla-planner: sparse MLA scratch budget %d MiB (%s); %d MiB reserved from the KV cache for "
                         "the largest launch beyond vLLM's workspace%s; %d heads per rank", settings.scratch_mb,
                         settings.source, self.engine.reserved_bytes >> 20,
-                        "" if vllm_api.STOCK_WORKSPACE else " and the step's output", self.num_heads)
+                        "" if release.stock_workspace else " and the step's output", self.num_heads)
 
     @staticmethod
     def masked_mha_workspace_fits(prefill: Any) -> bool:
-        """vLLM 0.33 (0.26 has no masked MHA and never calls this): ``MLAAttention._use_sparse_mha``
+        """Where the release has masked MHA (else never called): ``MLAAttention._use_sparse_mha``
         asks it last, once masked MHA is otherwise the layer's choice for the step. Yes where the
         builder planned the step's prefills in groups that fit; stock's answer otherwise."""
         return masked_mha.workspace_fits(prefill)
@@ -358,10 +359,10 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         output: torch.Tensor,
         output_scale: torch.Tensor | None = None,
     ) -> None:
-        # vLLM 0.33: a step whose prefills the builder planned in masked-MHA groups runs them
-        # group by group; any other (and every step on 0.26) is stock's.
+        # A step whose prefills the builder planned in masked-MHA groups runs them
+        # group by group; any other (and every step of a release without masked MHA) is stock's.
         prefill = getattr(attn_metadata, "prefill", None)
-        partial = masked_mha.plan_of(prefill) if vllm_api.MASKED_MHA and prefill is not None else None
+        partial = masked_mha.plan_of(prefill) if release.masked_mha is not None and prefill is not None else None
         if partial is None or output_scale is not None:
             FlashMLASparseImpl.forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale,
                                            output, output_scale)
@@ -377,8 +378,8 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        # vllm_api: 0.33 returns (out, lse | None) and takes kernel_metadata= (its PCP+DCP decode
-        # rows, and its separate route's decode rows: stock's own calls, never a plan); 0.26 returns out.
+        # A release may pass kernel_metadata= (PCP+DCP decode rows, or its separate route's decode
+        # rows: stock's own calls, never a plan); release.forward_result shapes what is returned.
         if not args and kwargs.get("kernel_metadata") is None:
             result = run_plan(self, "mixed_batch", q, kv_c_and_k_pe_cache, topk_indices, attn_metadata)
             if result is not None:
@@ -389,16 +390,16 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
 
     def _run_mixed(self, step: PlannedStep | fallback.BoundedStep, launches: Launches, q: torch.Tensor, kv_cache: torch.Tensor,
                    topk_indices: torch.Tensor, md: FlashMLASparseMetadata) -> Any:
-        pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
-        views = vllm_api.workspace_views(self, step.workspace)
+        pages, block_stride_rows = release.fp8_kv_pages(kv_cache, md.block_size)
+        views = release.workspace_views(self, step.workspace)
 
         def slots(rows: slice) -> torch.Tensor:
             return translate_indices(md, topk_indices, rows, block_stride_rows)[0]
 
-        # On 0.33 the padded q and kernel output go in stock's BF16-prefill workspace views, which
+        # Where the release reserves a workspace, the padded q and kernel output go in stock's BF16-prefill workspace views, which
         # this route never otherwise uses: the reservation counts them as served. One launch of
         # padded heads returns the kernel's output as it stands, as stock's call does; otherwise
-        # the launches write the step's output (on 0.33 its workspace view, as stock's separate
+        # the launches write the step's output (its workspace view where there is one, as stock's separate
         # route writes it).
         mixed, longest = self.mixed, launches.longest
         q_buffer = out_buffer = out = None
@@ -409,7 +410,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         out = mixed.run_launches(launches, q, pages.view(torch.uint8).unsqueeze(-2), slots, out,
                                  schedules=step.schedules, q_buffer=q_buffer, out_buffer=out_buffer,
                                  softmax_scale=self.softmax_scale)
-        return vllm_api.forward_result(out)
+        return release.forward_result(out)
 
     def _forward_fp8_kv_separate_prefill_decode(
         self,
@@ -430,13 +431,13 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         fp8 = md.fp8_extra_metadata
         if not isinstance(fp8, FlashMLASparseMetadata.FP8SeparatePrefillDecode):
             raise TypeError(f"a separate-route plan with {type(fp8).__name__} metadata")
-        pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
-        # On 0.33 views of the workspace manager's buffer, shared by the step's layers once vLLM serves.
-        views = vllm_api.workspace_views(self, step.workspace)
+        pages, block_stride_rows = release.fp8_kv_pages(kv_cache, md.block_size)
+        # Views of the workspace manager's buffer where the release reserves one, shared by the step's layers once vLLM serves.
+        views = release.workspace_views(self, step.workspace)
         gather = views.gather()
         if gather is None:
             raise LookupError("the separate route's gather workspace")
-        # 0.33's stock writes the step's output into its workspace: so does this route.
+        # Stock writes the step's output into its workspace where it has one: so does this route.
         out = step_output(views, q, self.kv_lora_rank)
 
         def translate(rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -448,7 +449,7 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         self.separate.run(launches, q, pages.view(torch.uint8).unsqueeze(-2), translate, chunks,
                           gather, out, self.softmax_scale, schedules=step.schedules,
                           buffers=Buffers(views.q_padded(), views.padded_out()), gather_cache=kv_cache)
-        return vllm_api.forward_result(out)
+        return release.forward_result(out)
 
 
 def run_plan(impl: Any, route: str, q: torch.Tensor, kv_cache: torch.Tensor, topk_indices: torch.Tensor,
@@ -487,7 +488,7 @@ def run_planned(impl: Any, step: PlannedStep, route: str, q: torch.Tensor, kv_ca
         raise fallback.PlanMismatch(f"vLLM called the {route} forward for a {step.plan.mode} plan")
     if step.stock_call_bytes is not None and step.stock_call_bytes <= impl.engine.stock_call_allowance:
         return None
-    vllm_api.fill_group_topk(impl, topk_indices, md, kv_cache)
+    release.fill_group_topk(impl, topk_indices, md, kv_cache)
     if step.mixed_launches is not None:
         return impl._run_mixed(step, step.mixed_launches, q, kv_cache, topk_indices, md)
     assert step.separate_launches is not None
@@ -504,7 +505,7 @@ def prepare(setup: engine.EngineSetup, md: FlashMLASparseMetadata, kv_cache: tor
         hand_over_reservation(state.reservation)
     if state.warm_up.pending:
         try:
-            _pages, block_stride_rows = vllm_api.fp8_kv_pages(kv_cache, md.block_size)
+            _pages, block_stride_rows = release.fp8_kv_pages(kv_cache, md.block_size)
             state.warm_up.maybe(setup.routes if setup.plans_fp8 else (), md.block_table, md.block_size,
                                 block_stride_rows, topk_indices.shape[1])
         except fallback.CAUGHT as exc:
@@ -519,7 +520,7 @@ def hand_over_reservation(reservation: Reservation) -> None:
     elsewhere = reservation.made_on_another_stream()
     reservation.release()
     try:
-        unmapped = vllm_api.release_from_sleep_mode_pool(reservation.address)
+        unmapped = release.release_from_sleep_mode_pool(reservation.address)
     except fallback.CAUGHT as exc:  # vLLM's unmap failed (a CUDA error): the step goes on, once said
         unmapped = False
         log.once(logging.WARNING, "mla-planner: unmapping the scratch reservation from vLLM's sleep-mode memory "
@@ -530,9 +531,9 @@ def hand_over_reservation(reservation: Reservation) -> None:
                 " (unmapped from vLLM's sleep-mode memory pool)" if unmapped else "")
 
 
-def step_output(views: vllm_api.WorkspaceViews, q: torch.Tensor, rank: int) -> torch.Tensor:
-    """The step's output ``(tokens, heads, rank)``: its workspace view on 0.33 (the layout was
-    checked at construction), a new tensor where there is none (vLLM 0.26, whose reservation
+def step_output(views: WorkspaceViews, q: torch.Tensor, rank: int) -> torch.Tensor:
+    """The step's output ``(tokens, heads, rank)``: its workspace view where the release reserves one (the layout was
+    checked at construction), a new tensor where there is none (the reservation
     counts it) or q is not of its dtype."""
     out = views.compact_out(q.shape[0])
     if out is None or out.dtype != q.dtype:

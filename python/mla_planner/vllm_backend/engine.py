@@ -25,6 +25,7 @@ from mla_planner.calibration.grid import Grid, first_start_grid
 from mla_planner.engine_model import sizing
 from mla_planner.vllm_backend import log, vllm_api
 from mla_planner.vllm_backend.log import logger
+from mla_planner.vllm_backend.releases import release
 from mla_planner.vllm_backend.reservation import Reservation
 from mla_planner.vllm_backend.stats import StepStats
 from mla_planner.vllm_backend.warmup import WarmUp
@@ -75,13 +76,13 @@ class EngineSetup:
     max_decode_query_len: int
     """vLLM's decode threshold: requests of up to this many query tokens count as decodes."""
     workspace_heads: int | None
-    """Heads of vLLM 0.33's padded-q and kernel-output workspace views (``None`` on 0.26)."""
+    """Heads of the release's padded-q and kernel-output workspace views (``None``: it has none)."""
     stock_call_allowance: int
     """The most one launch allocates beyond vLLM's workspace, over every plan the limits admit:
     what the reservation holds for the kernels, and so the most one vLLM call of a step may
     allocate (its padded q and output included) and still run as vLLM's own code."""
     reserved_bytes: int
-    """What the reservation holds: the allowance, and on vLLM 0.26 (no workspace view for it)
+    """What the reservation holds: the allowance, and where the release has no workspace view for it
     the step's output too."""
     stock_decode_tokens: int
     """Decode-only steps of at most this many tokens run vLLM's own call unplanned: every decode
@@ -106,7 +107,7 @@ class EngineSetup:
         """The configuration of every route (and prefill-head variant) a step may take
         (:func:`.sizing.route_configs`)."""
         return sizing.route_configs(self.config, profiled=self.cost_model is not None,
-                                    native_kernels=vllm_api.NATIVE_PREFILL_KERNELS)
+                                    native_kernels=release.native_prefill_kernels)
 
 
 _made: list[tuple[Any, tuple[Any, ...], EngineSetup]] = []
@@ -129,20 +130,20 @@ def setup(vllm_config: Any, num_heads: int, device: torch.device) -> EngineSetup
 def make_setup(vllm_config: Any, num_heads: int, device: torch.device, settings: Settings,
                state: EngineState | None = None) -> EngineSetup:
     config = step_config(vllm_config, num_heads, device, settings)
-    stock_reason = vllm_api.stock_route_reason(vllm_config)
+    stock_reason = release.stock_route_reason(vllm_config)
     # Where vLLM keeps its own route for every step, no profile routes anything: none is measured.
     cost_model = cost_model_for(config, settings, vllm_config, device) if stock_reason is None else None
     routes = sizing.ROUTES if cost_model is not None else (config.mode,)
     scheduler = vllm_config.scheduler_config
     max_step_tokens = int(scheduler.max_num_batched_tokens)
-    max_decode = min(vllm_api.decode_threshold(vllm_config, num_heads, config.arch), max_step_tokens)
+    max_decode = min(release.decode_threshold(vllm_config, num_heads, config.arch), max_step_tokens)
     partial = EngineSetup(settings, config, cost_model, routes, max_step_tokens, max_decode,
-                          vllm_api.workspace_padded_heads(vllm_config, num_heads), 0, 0, 0,
+                          release.workspace_padded_heads(vllm_config, num_heads), 0, 0, 0,
                           vllm_api.profiling_kv_blocks(vllm_config), stock_reason, state=state or EngineState())
     if not partial.plans_fp8:
         return partial
     check_budget(partial)
-    # vLLM 0.26 has no workspace view for the step's output: the executors allocate it, in the reservation.
+    # Without a workspace view for the step's output the executors allocate it, in the reservation.
     allowance, reserved = sizing.reservation(partial.route_configs(), max_step_tokens, max_decode, num_heads,
                                              partial.workspace_heads)
     # The bounded path's launches, padded q and output included, fit the allowance: checked here,
@@ -163,25 +164,25 @@ def step_config(vllm_config: Any, num_heads: int, device: torch.device, settings
     """The engine's step configuration: this GPU, the rank's heads, the model's top-k, the KV cache
     dtype, vLLM's workspaces and prefill padding, the budget; native prefill heads where asked
     for (a :class:`.SettingsError` where this vLLM, GPU or head count has no such kernel)."""
-    if settings.native_prefill_heads and not vllm_api.NATIVE_PREFILL_KERNELS:
+    if settings.native_prefill_heads and not release.native_prefill_kernels:
         raise SettingsError(
-            f"{NATIVE_VAR}=1: vLLM {vllm_api.VLLM_VERSION}'s FlashMLA runs the prefill kernel at 64 or 128 heads only "
-            f"(vLLM 0.33's also at 16 and 32); unset {NATIVE_VAR}"
+            f"{NATIVE_VAR}=1: vLLM {vllm_api.installed_version()}'s FlashMLA runs the prefill kernel at 64 or 128 heads only "
+            f"(later releases' also at 16 and 32); unset {NATIVE_VAR}"
         )
     fp8 = vllm_config.cache_config.cache_dtype == vllm_api.PLANNED_KV
     config = mla_planner.StepConfig(
         num_heads,
         arch=vllm_api.device_arch(),
         num_sms=vllm_api.num_sms(device),
-        topk=vllm_api.model_topk(vllm_config),
+        topk=release.model_topk(vllm_config),
         kv_dtype="fp8" if fp8 else "bf16",
         scratch_budget_bytes=settings.scratch_bytes,
         max_model_len=vllm_config.model_config.max_model_len,
-        gather_workspace_rows=vllm_api.prefill_workspace_rows(vllm_config),
+        gather_workspace_rows=release.prefill_workspace_rows(vllm_config),
         indexer_workspace_rows=vllm_api.indexer_workspace_rows(vllm_config),
         force_mqa=True,
         execution="vllm",
-        prefill_padding=vllm_api.PREFILL_PADDING,
+        prefill_padding=release.prefill_padding,
     )
     if not settings.native_prefill_heads:
         return config
@@ -202,10 +203,10 @@ def cost_model_for(config: mla_planner.StepConfig, settings: Settings, vllm_conf
         return None
     found = vllm_api.from_first_tp_rank(functools.partial(find_profile, config, settings, vllm_config, device))
     model = found.model()
-    if model is not None and not vllm_api.NATIVE_PREFILL_KERNELS and model.prices_native_prefill(config):
+    if model is not None and not release.native_prefill_kernels and model.prices_native_prefill(config):
         # It could choose a prefill kernel this vLLM's FlashMLA does not have.
         found = profiles.Found("none", why=f"{found.where} prices the prefill kernel at {config.num_heads} native heads, "
-                                           f"which vLLM {vllm_api.VLLM_VERSION}'s FlashMLA does not run (calibrate under this vLLM)")
+                                           f"which vLLM {vllm_api.installed_version()}'s FlashMLA does not run (calibrate under this vLLM)")
         model = None
     if found.source == "none":
         log.once(logging.WARNING if found.why else logging.INFO, "mla-planner: %s; routing FP8 steps by %s",
@@ -223,7 +224,7 @@ def find_profile(config: mla_planner.StepConfig, settings: Settings, vllm_config
     """:func:`.profiles.find` for this engine, once per process for the same kernels, setting and
     largest step (vLLM hands its builders and layers copies of one configuration: the first
     finds, the rest are told the same); never raises (the other ranks wait for its answer)."""
-    native = vllm_api.NATIVE_PREFILL_KERNELS and config.native_prefill_heads_possible
+    native = release.native_prefill_kernels and config.native_prefill_heads_possible
     max_step_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
     key = (settings.cost_profile, config.arch, config.num_sms, config.topk, config.decode_heads,
            config.prefill_padded_heads, config.num_heads if native else 0, max_step_tokens, str(device))
@@ -275,7 +276,7 @@ def stock_decode_tokens(setup: EngineSetup, max_num_seqs: int, uniform_decode_le
     decode batch of that many tokens -- one-token decodes, or fewer requests of more tokens each,
     up to the decode threshold -- is one launch within the allowance; else the same for
     ``max_num_seqs`` tokens; else 0, and every decode-only step is planned. Planning such a step
-    would cost the builder its time and change nothing; a longer one (vLLM 0.33's start-up
+    would cost the builder its time and change nothing; a longer one (a release's start-up
     warm-up sends 32,768 decode tokens through the kernel at once) is planned like any."""
     fits = functools.partial(_one_stock_launch, setup.config, setup.stock_call_allowance)
     for tokens in sorted({min(max_num_seqs * n, setup.max_step_tokens) for n in (uniform_decode_len, 1)}, reverse=True):

@@ -33,9 +33,9 @@ import torch
 
 import mla_planner
 from mla_planner.executor.mixed_batch import Launches
-from mla_planner.vllm_backend import log, vllm_api
+from mla_planner.vllm_backend import log
 from mla_planner.vllm_backend.log import logger
-from mla_planner.vllm_backend.vllm_api import FlashMLASparseImpl
+from mla_planner.vllm_backend.releases import release
 
 CAUGHT = (Exception, mla_planner.PanicException)
 """What a step or layer call that cannot run its plan may raise: a planner bug (a Rust panic)
@@ -99,7 +99,7 @@ class BoundedStep:
         self.schedules: dict[Any, Any] = {}
         """FlashMLA schedules by launch length, shared by the step's layers (as a plan's)."""
         self.workspace: dict[Any, Any] = {}
-        """vLLM 0.33's workspace views, shared by the step's layers once vLLM serves."""
+        """The release's workspace views, shared by the step's layers once vLLM serves."""
         self.rung = 0
         """The ladder's rung the step's layer calls start at: the last that ran."""
         self.vllm_call = vllm_route[0] if vllm_route is not None else None
@@ -145,7 +145,7 @@ class BoundedStep:
                 if stock:
                     result = stock_forward(impl, q, kv_cache, topk_indices, self.vllm_metadata(md))
                 else:
-                    vllm_api.fill_group_topk(impl, topk_indices, md, kv_cache)
+                    release.fill_group_topk(impl, topk_indices, md, kv_cache)
                     result = impl._run_mixed(self, launches, q, kv_cache, topk_indices, md)
             except OOM:
                 pass  # the failed attempt's buffers die with the exception, here
@@ -171,9 +171,7 @@ class BoundedStep:
 
 def stock_forward(impl: Any, q: torch.Tensor, kv_cache: torch.Tensor, topk_indices: torch.Tensor, md: Any) -> Any:
     """vLLM's own FP8 forward for the route ``md`` names."""
-    if md.fp8_use_mixed_batch:
-        return FlashMLASparseImpl._forward_fp8_kv_mixed_batch(impl, q, kv_cache, topk_indices, md)
-    return FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode(impl, q, kv_cache, topk_indices, md)
+    return release.stock_fp8_forward(impl, bool(md.fp8_use_mixed_batch), q, kv_cache, topk_indices, md)
 
 
 def builder_fell_back(setup: Any, reason: str, detail: str, tokens: int, decode_tokens: int,

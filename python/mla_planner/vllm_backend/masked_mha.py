@@ -1,13 +1,12 @@
-"""vLLM 0.33's masked-MHA prefill, partial instead of all-or-nothing (called on vLLM 0.33 only:
-``vllm_api.MASKED_MHA``; what it asks of vLLM's layer and metadata goes through ``vllm_api``).
+"""Masked-MHA prefill, partial instead of all-or-nothing (called only where the installed release
+has it: ``release.masked_mha``, which holds what it asks of vLLM's layer and metadata).
 
-On SM100 with FA4 and a non-quantized KV cache, vLLM 0.33 runs long prefills as MHA under a
-bit-packed top-k mask (``F`` = ``vllm/model_executor/layers/attention/sparse_mla_attention.py``,
-``L`` = ``vllm/model_executor/layers/attention/mla_attention.py``). The layer decides once per step
-for the whole prefill set (``MLAAttention._use_sparse_mha``, L:1215-1240): masked MHA if vLLM's
-speed table says so and ``impl.masked_mha_workspace_fits(prefill)`` (F:896-919) finds that the set's
-mask fits the 128 MiB workspace (``GLOBAL_TOPK_MASK_MAX_BYTES``, F:67); one prefill too many and
-every prefill token of the step goes to sparse MQA (L:990-994).
+On SM100 with FA4 and a non-quantized KV cache, vLLM runs long prefills as MHA under a bit-packed
+top-k mask. The layer decides once per step for the whole prefill set
+(``MLAAttention._use_sparse_mha``): masked MHA if vLLM's speed table says so and
+``impl.masked_mha_workspace_fits(prefill)`` finds that the set's mask fits the 128 MiB workspace
+(``GLOBAL_TOPK_MASK_MAX_BYTES``); one prefill too many and every prefill token of the step goes to
+sparse MQA.
 
 Here, once per step, where the layer would take masked MHA but for the fit, the builder cuts the
 prefills into the planner's fewest groups whose masks fit (:func:`mla_planner.plan_prefill_groups`,
@@ -30,9 +29,17 @@ import numpy as np
 import torch
 
 import mla_planner
-from mla_planner.vllm_backend import fallback, log, vllm_api
+from mla_planner.vllm_backend import fallback, log
 from mla_planner.vllm_backend.log import logger
+from mla_planner.vllm_backend.releases import MaskedMha, release
 from mla_planner.vllm_backend.vllm_api import FlashMLASparseImpl
+
+def mha() -> MaskedMha:
+    """The installed release's masked MHA (the backend calls this module only where there is one)."""
+    if release.masked_mha is None:
+        raise LookupError("this vLLM release has no masked-MHA prefill")
+    return release.masked_mha
+
 
 PLAN_ATTRIBUTE = "mla_planner_partial"
 """The attribute of a step's prefill metadata that holds its :class:`PartialPrefill`: the impl's
@@ -100,10 +107,10 @@ def attach_plan(builder: Any, metadata: Any, common: Any) -> PartialPrefill | No
 
 def partial_prefill(builder: Any, metadata: Any, common: Any) -> PartialPrefill | None:
     """The step's :class:`PartialPrefill` (see :func:`attach_plan`)."""
-    if not vllm_api.layer_takes_masked_mha(builder, metadata):
+    if not mha().layer_takes_masked_mha(builder, metadata):
         return None
     prefill = metadata.prefill
-    if vllm_api.masked_mha_set_fits(prefill):
+    if mha().masked_mha_set_fits(prefill):
         return None
     decodes, num_prefills = metadata.num_decodes, metadata.num_prefills
     query_lens = prefill.query_lens_cpu.numpy().astype(np.int64)
@@ -113,7 +120,7 @@ def partial_prefill(builder: Any, metadata: Any, common: Any) -> PartialPrefill 
     # _run_masked_mha's (F:1021-1027).
     groups = mla_planner.plan_prefill_groups(
         query_lens, seq_lens - query_lens, topk=metadata.topk_tokens,
-        workspace_bytes=vllm_api.topk_mask_workspace_bytes(prefill),
+        workspace_bytes=mha().topk_mask_workspace_bytes(prefill),
         context_chunk_rows=builder.chunked_prefill_workspace_size,
     )
     paths = groups.paths
@@ -122,7 +129,7 @@ def partial_prefill(builder: Any, metadata: Any, common: Any) -> PartialPrefill 
     # Every plan can fall back to sparse MQA for all its prefills (as some groups run): where
     # this backend cannot run the layer's sparse-MQA path, the builder's guard runs vLLM's own
     # choice, counted and said once.
-    unsupported = vllm_api.link_sparse_mqa_layers(builder)
+    unsupported = mha().link_sparse_mqa_layers(builder)
     if unsupported is not None:
         raise ValueError(f"the layer's sparse-MQA path cannot run prefill rows here: {unsupported}")
     qsl = common.query_start_loc_cpu.numpy().astype(np.int64)
@@ -138,7 +145,7 @@ def partial_prefill(builder: Any, metadata: Any, common: Any) -> PartialPrefill 
         if path == "dense_mha":
             backend = group_prefill_backend(builder, dense)
             dense += 1
-        group = vllm_api.prefill_metadata_of(builder, metadata, common, r0, r1, backend)
+        group = mha().prefill_metadata_of(builder, metadata, common, r0, r1, backend)
         top0 = metadata.num_decode_tokens + t0
         narrowed = dataclasses.replace(
             metadata, prefill=group, num_prefills=r1 - r0, num_decode_tokens=top0,
@@ -165,7 +172,7 @@ def group_prefill_backend(builder: Any, index: int) -> Any:
     (``prepare_metadata``), so each dense group of a step needs its own."""
     pool: list[Any] = builder.group_prefill_backends
     while len(pool) <= index:
-        pool.append(vllm_api.clone_prefill_backend(builder))
+        pool.append(mha().clone_prefill_backend(builder))
     return pool[index]
 
 
@@ -177,7 +184,7 @@ def workspace_fits(prefill: Any) -> bool:
     that fit; stock's answer otherwise."""
     if plan_of(prefill) is not None:
         return True
-    return vllm_api.stock_masked_mha_workspace_fits(prefill)
+    return mha().stock_masked_mha_workspace_fits(prefill)
 
 
 def forward(impl: Any, partial: PartialPrefill, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
@@ -192,7 +199,7 @@ def forward(impl: Any, partial: PartialPrefill, q: torch.Tensor, kv_c_normed: to
     except fallback.CAUGHT as exc:
         left_to_vllm(f"the layer's masked-MHA groups could not run ({type(exc).__name__})", fallback.describe(exc))
         whole = partial.stock
-        vllm_api.sparse_mqa_rows(impl, q, kv_cache, whole.topk_rows, whole.metadata, output)
+        mha().sparse_mqa_rows(impl, q, kv_cache, whole.topk_rows, whole.metadata, output)
 
 
 left: collections.Counter[str] = collections.Counter()
@@ -214,7 +221,7 @@ def run_groups(impl: Any, partial: PartialPrefill, q: torch.Tensor, kv_c_normed:
     for run in partial.runs:
         rows = run.rows
         if run.path == "sparse_mqa":
-            vllm_api.sparse_mqa_rows(impl, q[rows], kv_cache, run.topk_rows, run.metadata, output[rows])
+            mha().sparse_mqa_rows(impl, q[rows], kv_cache, run.topk_rows, run.metadata, output[rows])
         else:
             FlashMLASparseImpl.forward_mha(impl, q[rows], kv_c_normed[rows], k_pe[rows], kv_cache, run.metadata,
                                            k_scale, output[rows])

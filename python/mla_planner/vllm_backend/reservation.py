@@ -2,18 +2,18 @@
 
 vLLM sizes the KV cache from what model loading allocated plus the peak of a profile run in which
 the attention layers return before calling the kernels, so kernel scratch is never seen (stock
-never reserves it: that is the OOM). vLLM 0.33's ``reserve_workspace()`` hook does not help here:
+never reserves it: that is the OOM). vLLM's ``reserve_workspace()`` hook, where a release has it, does not help here:
 its DeepSeek-V3.2 layer returns in the profile run before calling it. So the impl allocates the
 bytes the KV cache must leave while the model is built -- vLLM counts them as model memory
-(:attr:`.engine.EngineSetup.reserved_bytes`: the largest launch of any plan beyond vLLM 0.33's
-workspace, and on 0.26 the step's output too) -- and gives them back to the driver, where the
+(:attr:`.engine.EngineSetup.reserved_bytes`: the largest launch of any plan beyond the
+release's workspace, and the step's output too where that workspace has no view for it) -- and gives them back to the driver, where the
 kernels' scratch finds them, once vLLM has sized the KV cache and serves.
 
 When that is: at the first FP8 forward outside a CUDA-graph capture over the KV cache vLLM sized:
 one of more blocks than the minimal cache vLLM profiles CUDA graphs against, or any cache once a
 builder was made for the sized one (:func:`note_kv_cache_sized`; the one sign where an operator's
 ``--num-gpu-blocks-override`` gives both caches the same blocks). Earlier, vLLM's CUDA-graph memory
-profiling (0.26 and 0.33) captures every graph size against that minimal cache before it sizes the
+profiling captures every graph size against that minimal cache before it sizes the
 real one: bytes handed over there, or in its warm-up, lower its estimate and the KV cache takes
 them. One reservation per engine, whatever the number of layers, since layers run one at a time: every
 layer's impl (the MTP draft's too) asks while the engine is built, and only the first allocates; an
@@ -22,11 +22,11 @@ engine built in the same process after an earlier one served gets its own.
 Back to the driver, not to PyTorch's cache: the caching allocator gives a freed block only to
 allocations on the stream it was allocated on, and vLLM may serve on another stream than the one
 the model was built on (its ``current_stream()`` makes one of its own on the first call that finds
-none tracked: 0.26 ``vllm/utils/torch_utils.py:685-687``, 0.33 ``:824-829``). Cached, the bytes
+none tracked: ``vllm/utils/torch_utils.py``). Cached, the bytes
 would then serve no launch, and the launches would allocate as much again beside them; given back,
 the next launch allocates them on its own stream, whichever that is. Under vLLM's sleep mode the
 model's memory pool is vLLM's and keeps a freed segment mapped: the caller unmaps it from there
-(:func:`.vllm_api.release_from_sleep_mode_pool`, at :func:`address`).
+(the release's ``release_from_sleep_mode_pool``, at :func:`address`).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ per rank (the mixed-batch route) never with the prefill workspace. Planned launc
 their own rows: a launch after the first starts where the previous one ended (three decodes put
 the first prefill launch at row 3, an int32 pointer 12 bytes off), and the separate route -- which
 a cost profile may choose at 16 heads -- translates with the prefill workspace and valid counts.
-vLLM 0.26's kernel warm-up (``model_executor/warmup/sparse_mla_triton_warmup.py``) compiles no
-variant of the translation, 0.33's JIT warm-up registry only aligned ones, and vLLM compiles its
+vLLM's kernel warm-up (``model_executor/warmup/``) compiles no unaligned variant of the
+translation, and vLLM compiles its
 own in the first forward that uses it; the planned variants would compile in the middle of
 serving, at the first step that needs each, stalling every request in flight.
 
@@ -29,7 +29,7 @@ from collections.abc import Collection, Iterable
 
 import torch
 
-from mla_planner.vllm_backend import vllm_api
+from mla_planner.vllm_backend.releases import release
 from mla_planner.vllm_backend.log import logger
 
 
@@ -93,5 +93,5 @@ def warm_up(variants: list[tuple[bool, int]], block_table: torch.Tensor, block_s
             HAS_PREFILL_WORKSPACE=True, prefill_workspace_request_ids=prefill_ids[rows],
             prefill_workspace_starts=starts, return_valid_counts=True,
         ) if with_workspace else {}
-        vllm_api.convert_indices(request_ids[rows], block_table[:1], positions, block_size=block_size,
+        release.convert_indices(request_ids[rows], block_table[:1], positions, block_size=block_size,
                                  block_stride_rows=block_stride_rows, **workspace)
