@@ -1,4 +1,4 @@
-"""`mla-planner doctor`: the memory model against what the H200 runs showed (docs/e2e.md), and the
+"""`mla-planner doctor`: the memory model against what the H200 runs showed (docs/results-vllm-0.26.md), and the
 command line (one subprocess per run)."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_h200_at_090_stock_32k_step_fits() -> None:
                          [(0.95, 32_768, 128.99, 127.46, 1535), (0.95, 65_536, 126.94, 124.92, 2047),
                           (0.90, 32_768, 122.00, 120.47, 1535)])  # fmt: skip
 def test_h200_kv_cache(util: float, mnbt: int, gib: float, plugin_gib: float, reserved_mib: int) -> None:
-    """Stock's KV cache and the plugin's as the H200 sized them (docs/e2e.md, 26.11, 26.15, 26.16),
+    """Stock's KV cache and the plugin's as the H200 sized them (docs/results-vllm-0.26.md, 26.11, 26.15, 26.16),
     the plugin's less the reservation its log named ("1535 MiB reserved", floored to whole MiB);
     the plugin's figures come from other calls than stock's, between which vLLM's own moved by up
     to 28 MiB."""

@@ -70,7 +70,7 @@ class Gpu:
 
 
 H200_TOTAL_BYTES = 150_109_880_320
-"""torch.cuda.mem_get_info()[1] on the H200 of docs/e2e.md (139.80 GiB)."""
+"""torch.cuda.mem_get_info()[1] on the H200 of docs/results-vllm-0.26.md, 26.2 (139.80 GiB)."""
 H200_DATASHEET_GIB = 141
 # The H200 exposes this fraction of its datasheet capacity to torch; the other GPUs are assumed to
 # expose the same fraction of theirs.
@@ -83,7 +83,7 @@ def _datasheet(name: str, arch: str, num_sms: int, gib: int) -> Gpu:
 
 
 GPUS: dict[str, Gpu] = {
-    "H200": Gpu("H200", "sm90", 132, H200_TOTAL_BYTES, "measured: torch.cuda.mem_get_info total on an H200 (docs/e2e.md)"),
+    "H200": Gpu("H200", "sm90", 132, H200_TOTAL_BYTES, "measured: torch.cuda.mem_get_info total on an H200 (docs/results-vllm-0.26.md)"),
     "H100": _datasheet("H100", "sm90", 132, 80),
     "B200": _datasheet("B200", "sm100", 148, 180),
 }
@@ -225,7 +225,7 @@ def model_for_serve_model(model: str | None) -> Model | None:
     return None
 
 
-# --- what the H200 runs measured (docs/e2e.md), and what follows from them -----------------------
+# --- what the H200 runs measured (docs/results-vllm-0.26.md), and what follows from them ----------
 
 # The tiny e2e model (tests/e2e/tiny-deepseek-v32, 16 heads, TP 1) at 0.95: the KV cache vLLM granted,
 # in blocks of 64 tokens (num_gpu_blocks), at max_num_batched_tokens 32,768 and 65,536.
@@ -416,7 +416,7 @@ def plugin_reservation(d: Deployment) -> int:
     """What the plugin holds back from the KV cache on vLLM 0.26, as its engine setup sizes it
     (:func:`.sizing.reservation`): the most one launch of any plan of the routes its steps may take
     allocates at this step size, and the step's output. The H200 logged 1,535 MiB at 32,768 tokens
-    a step and 2,047 MiB at 65,536 (docs/e2e.md, 26.16)."""
+    a step and 2,047 MiB at 65,536 (docs/results-vllm-0.26.md, 26.16)."""
     routes, max_decode = plugin_routes(d)
     return sizing.reservation(routes, d.max_num_batched_tokens, max_decode, d.heads_per_rank, None)[1]
 
