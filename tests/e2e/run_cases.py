@@ -502,7 +502,7 @@ def versions() -> dict[str, str]:
     from importlib import metadata
 
     found = {}
-    for dist in ("vllm", "torch", "mla-planner"):
+    for dist in ("vllm", "torch", "mla-planner", "transformers", "tokenizers"):
         try:
             found[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
