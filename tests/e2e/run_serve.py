@@ -195,12 +195,13 @@ def prepare_models(run: Run) -> bool:
     if a.phase == "matrix":
         run.model_dirs = {c.name: served_model_dir(out / "model", md.model_source(c, out / "variants"))
                           for c in md.DESIGN if c.name in a.servers}
+        folders = sorted(set(run.model_dirs.values()))
     else:
         run.model_dir = served_model_dir(out / "model", model_variant(a.model, out / "variants", heads=a.heads,
                                                                       layers=a.layers))
-        run.model_dirs = {"": run.model_dir}
+        folders = [run.model_dir]
     run.data["tokenizers"] = {}
-    for folder in sorted(set(run.model_dirs.values())):
+    for folder in folders:
         try:
             run.data["tokenizers"][folder.name] = facts = check_tokenizer(folder)
         except Exception as exc:  # no server is started on a tokenizer that would fail them

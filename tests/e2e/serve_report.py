@@ -46,9 +46,11 @@ def recount_steps(out: Path, ab: dict[str, Any] | None) -> None:
     """The step figures of each ab call that has them, counted again from its server logs in
     ``out`` by this step_log, so that a report of an older run reads as ``step_log.py compare``
     does now; a call whose logs are not all there, or do not parse, keeps what the run stored."""
-    for call in (ab or {}).get("calls", []):
+    if ab is None:
+        return
+    for call in ab.get("calls", []):
         logs = [rec.get("log") for rec in call.get("servers", {}).values()]
-        if ab is not None and "steps" in call and logs and all(log and (out / log).is_file() for log in logs):
+        if "steps" in call and logs and all(log and (out / log).is_file() for log in logs):
             try:
                 call.update(step_figures(out, ab, call))
             except Exception:  # the figures the run stored stand
