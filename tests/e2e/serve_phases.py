@@ -15,7 +15,7 @@
   GPU, so this is its API and engine processes' memory), /health and its process meanwhile.
 - ``matrix``: the plugin under matrix_design's configurations, several servers on one GPU (or
   spread over ``--gpus``), each with a stock twin for its KV cache if asked: the minimum budgets
-  found, the servers started, the load on all at once (``matrix``'s docstring).
+  found, the servers started, the load on all at once (``Matrix`` says how).
 
 Each stops its servers on the way out, its record saying how far it came.
 """
