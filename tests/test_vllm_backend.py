@@ -686,7 +686,7 @@ def test_the_impl_names_its_backend_for_the_mtp_draft_at_construction(tmp_path: 
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The target model's impls are built before vLLM builds the MTP draft's config: the impl is
     where the draft is given this backend (vllm_api.give_mtp_draft_the_target_backend, held against vLLM's
-    own draft configs in tests/e2e/test_matrix.py)."""
+    own draft configs in tests/e2e/test_serve.py)."""
     asked: list[Any] = []
 
     def record(config: Any) -> None:

@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from serve_report import cell
+
 DRIVER_JSON = "driver.json"
 REPORT_MD = "e2e.md"
 GIB = 1 << 30
@@ -43,11 +45,6 @@ def _gib(value: Any) -> str:
     return f"{value / GIB:.2f}" if isinstance(value, (int, float)) else "–"
 
 
-def _cell(text: str, limit: int = 90) -> str:
-    text = " ".join(str(text).split()).replace("|", "\\|")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def _order(item: tuple[str, dict[str, Any]]) -> tuple[float, int, int, str]:
     run = item[1]["run"]
     return (-run["util"], 0 if run["backend"] == "stock" else 1, run["mnbt"], item[0])
@@ -57,7 +54,7 @@ def case_result(name: str, data: dict[str, Any], case: str, driver: dict[str, An
     """One table cell: ok / OOM / error / why there is no result."""
     startup = data.get("startup", {})
     if startup.get("status") == "error":
-        return _cell(f"engine failed to start: {startup.get('error', '')}")
+        return cell(f"engine failed to start: {startup.get('error', '')}", 90)
     result = data.get("cases", {}).get(case)
     timed_out = driver.get("runs", {}).get(name, {}).get("timed_out")
     end = "timeout" if timed_out else "crash or kill"
@@ -70,13 +67,13 @@ def case_result(name: str, data: dict[str, Any], case: str, driver: dict[str, An
     if status == "started":
         return f"no result: process ended during this case ({end}){after}"
     if status == "skipped":
-        return _cell(f"not run: {result.get('error', '')}")
+        return cell(f"not run: {result.get('error', '')}", 90)
     if status == "error":
         error = str(result.get("error", ""))
         if result.get("oom"):
             size = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", error)
             return "**OOM**" + (f" (tried to allocate {size.group(1)})" if size else "") + after
-        return _cell(f"**error**: {error.splitlines()[0] if error else ''}") + after
+        return cell(f"**error**: {error.splitlines()[0] if error else ''}", 90) + after
     return "ok" + after
 
 
@@ -98,13 +95,13 @@ def engines_table(runs: list[tuple[str, dict[str, Any]]], driver: dict[str, Any]
         if s.get("status") == "ok":
             started = f"ok, {s.get('elapsed_s', 0):.0f} s"
         else:
-            started = _cell(s.get("error") or case_result(name, data, "-", driver), 60)
+            started = cell(s.get("error") or case_result(name, data, "-", driver), 60)
         blocks, size = s.get("num_gpu_blocks"), s.get("block_size")
         tokens = s.get("kv_cache_size_tokens") or (blocks * size if blocks and size else None)
         attn = impl_names(s)
         lines.append(f"| {name} | {run['backend']} | {run['util']} | {run['mnbt']} | {started} | {blocks or '–'} | "
                      f"{tokens or '–'} | {_gib(s.get('kv_cache_bytes'))} | {_gib(s.get('kv_available_bytes'))} | "
-                     f"{_gib((s.get('memory') or {}).get('allocated'))} | {_cell(attn, 120)} |")
+                     f"{_gib((s.get('memory') or {}).get('allocated'))} | {cell(attn, 120)} |")
     return lines
 
 
@@ -119,7 +116,7 @@ def case_table(case: str, runs: list[tuple[str, dict[str, Any]]], driver: dict[s
         lines.append(f"| {name} | {run['backend']} | {run['util']} | {run['mnbt']} | "
                      f"{case_result(name, data, case, driver)} | {_gib(r.get('peak_allocated_bytes'))} | "
                      f"{_gib(r.get('peak_over_before_bytes'))} | {_gib((r.get('memory_after') or {}).get('free'))} | "
-                     f"{tok_s} | {_cell(tokens_cell(r), 60)} | {_gib(data.get('startup', {}).get('kv_cache_bytes'))} |")
+                     f"{tok_s} | {cell(tokens_cell(r), 60)} | {_gib(data.get('startup', {}).get('kv_cache_bytes'))} |")
     return lines if len(lines) > 2 else []
 
 

@@ -1,5 +1,5 @@
-"""The flag matrix (issue 29): which ``vllm serve`` configurations run_matrix.py starts, and the
-check that they cover every value of every axis and the pairs the issue names.
+"""The flag matrix (issue 29): which ``vllm serve`` configurations ``run_serve.py --phase matrix``
+starts, and the check that they cover every value of every axis and the pairs the issue names.
 
 Axes (the values operators of DeepSeek-V3.2 and GLM-5 deployments set):
 
@@ -21,7 +21,7 @@ Axes (the values operators of DeepSeek-V3.2 and GLM-5 deployments set):
 - ``prefix_caching``: off (the driver's default) or on.
 
 ``DESIGN`` is six servers; ``coverage_gaps`` says what a design misses (empty for ``DESIGN``), and
-tests/e2e/test_matrix.py fails if a value or a required pair goes missing.
+tests/e2e/test_serve.py fails if a value or a required pair goes missing.
 """
 
 from __future__ import annotations
@@ -143,6 +143,12 @@ def util_for(config: Config, base: float, total_gib: float = 140.0) -> float:
     if isinstance(config.budget, int):
         extra += -(-config.budget * 100 // int(total_gib * 1024)) / 100
     return round(base + extra, 2)
+
+
+def gpus_of(names: list[str], gpus: int) -> dict[str, int | None]:
+    """Each server's GPU (a server, its twin and its 64 MiB start share one): with ``gpus`` > 1,
+    the i-th server's is i mod ``gpus``; else the environment's (None)."""
+    return {name: i % gpus if gpus > 1 else None for i, name in enumerate(names)}
 
 
 def model_source(config: Config, where: Path) -> Path:

@@ -326,17 +326,17 @@ def top_logprobs(completion: Any) -> list[list[list[float]]]:
 
 
 def measured(bench: Bench, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Runs ``body`` between peak-memory resets; an exception becomes the result."""
-    if not bench.local_gpu:
-        return unmeasured(body)
-    cuda = bench.torch.cuda
-    try:
-        cuda.synchronize()
-        cuda.reset_peak_memory_stats()
-        before = bench.memory()
-    except Exception as exc:  # a sticky CUDA error from an earlier case
-        return {"status": "error", "error": f"the GPU failed before the case began: {error_text(exc)}", "oom": False,
-                "elapsed_s": 0.0}
+    """Runs ``body`` between peak-memory resets (with tensor parallelism without them: the workers hold
+    the memory); an exception becomes the result."""
+    cuda = bench.torch.cuda if bench.local_gpu else None
+    if cuda is not None:
+        try:
+            cuda.synchronize()
+            cuda.reset_peak_memory_stats()
+            before = bench.memory()
+        except Exception as exc:  # a sticky CUDA error from an earlier case
+            return {"status": "error", "error": f"the GPU failed before the case began: {error_text(exc)}",
+                    "oom": False, "elapsed_s": 0.0}
     t0 = time.perf_counter()
     result: dict[str, Any] = {"status": "ok", "error": None, "oom": False}
     try:
@@ -345,6 +345,8 @@ def measured(bench: Bench, body: Callable[[], dict[str, Any]]) -> dict[str, Any]
         result.update(status="error", error=error_text(exc), oom=is_oom(exc),
                       traceback=traceback.format_exc()[-3000:])
     result["elapsed_s"] = time.perf_counter() - t0
+    if cuda is None:
+        return result
     try:
         cuda.synchronize()
     except Exception as exc:  # a sticky CUDA error shows here
@@ -358,18 +360,6 @@ def measured(bench: Bench, body: Callable[[], dict[str, Any]]) -> dict[str, Any]
     except Exception as exc:
         result["memory_after"] = None
         result.setdefault("sync_error", error_text(exc))
-    return result
-
-
-def unmeasured(body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """``measured`` without the GPU's peaks (tensor parallel: the workers hold the memory)."""
-    t0 = time.perf_counter()
-    result: dict[str, Any] = {"status": "ok", "error": None, "oom": False}
-    try:
-        result.update(body())
-    except Exception as exc:
-        result.update(status="error", error=error_text(exc), oom=is_oom(exc), traceback=traceback.format_exc()[-3000:])
-    result["elapsed_s"] = time.perf_counter() - t0
     return result
 
 
@@ -502,7 +492,7 @@ def versions() -> dict[str, str]:
     from importlib import metadata
 
     found = {}
-    for dist in ("vllm", "torch", "mla-planner"):
+    for dist in ("vllm", "torch", "mla-planner", "transformers", "tokenizers"):
         try:
             found[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -11,15 +11,14 @@ the plugin's budget) and, under ``--enable-logging-iteration-details``, vLLM's l
 "runs out of memory" when more than 16,384 prompt tokens are in flight at once: it logs a CUDA OOM,
 answers 500 and exits, as a server whose engine died. The environment steers start-up:
 FAKE_SERVE_START_S (seconds before it listens, default 0.2), FAKE_SERVE_EXIT_AT_START=1 (logs a CUDA
-OOM and exits with an error instead). For run_matrix.py: the plugin (CUSTOM) refuses to start below
+OOM and exits with an error instead). For the matrix: the plugin (CUSTOM) refuses to start below
 its minimum budget with the line the plugin logs (``set MLA_PLANNER_SCRATCH_MB=N or more``; N is
 FAKE_SERVE_MIN_MB, or 64 + ``--max-num-seqs`` / 8), reserves MLA_PLANNER_SCRATCH_MB (1024 unless
-set) from its KV cache, and with ``--speculative-config`` logs one line of a step that ran vLLM's own
-code; FAKE_SERVE_DIE_OVER=N makes any server's engine die on a prompt of more than N tokens
-(FAKE_SERVE_HANG_OVER=N: never answer it), and
-FAKE_SERVE_DISTURB_ONCE=PATH makes the first server to start (the one that creates PATH) fail as
-vLLM's memory profiling does when another process frees GPU memory meanwhile. ``bench`` writes a
-result JSON shaped like bench's: every
+set) from its KV cache, and with ``--speculative-config`` logs one line of a step that fell back to
+the bounded path; FAKE_SERVE_DIE_OVER=N makes any server's engine die on a prompt of more than N
+tokens (FAKE_SERVE_HANG_OVER=N: never answer it), and FAKE_SERVE_DISTURB_ONCE=PATH makes the first
+server to start (the one that creates PATH) fail as vLLM's memory profiling does when another
+process frees GPU memory meanwhile. ``bench`` writes a result JSON shaped like bench's: every
 prompt completed if the server's /health answers 200, none otherwise. No number either produces
 means anything.
 """

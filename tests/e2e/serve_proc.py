@@ -1,11 +1,12 @@
-"""``vllm serve`` processes for the serving driver: command line, environment, start, /health, stop.
+"""One ``vllm serve`` process: its command line and environment, start, /health, stop, and what its
+log says; the GPU's memory as nvidia-smi sees it.
 
 Each server and each bench client runs in its own process group, so one ``killpg`` ends it with
 every process it started (the API server's engine-core process too). The group stays in the
 driver's session: should the driver itself be killed, whoever ends that session's leftovers (the
-device tool, a terminal) ends the servers too; the group leader also gets SIGTERM when the driver
-dies (Linux ``PR_SET_PDEATHSIG``). Live servers are stopped at exit, on SIGTERM/SIGHUP and on
-Ctrl-C (``install_cleanup``).
+device tool, a terminal) ends the servers too; the group leader also gets SIGTERM when the thread
+that started it ends (Linux ``PR_SET_PDEATHSIG``). Live servers are stopped at exit, on
+SIGTERM/SIGHUP and on Ctrl-C (``install_cleanup``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import json
+import math
 import os
 import re
 import shutil
@@ -34,13 +36,21 @@ ENGINES = {"stock": "FLASHMLA_SPARSE", "plugin": "CUSTOM"}
 SERVED_NAME = "tiny-deepseek-v32"
 VLLM_CLI = ("-m", "vllm.entrypoints.cli.main")  # what the `vllm` console script runs
 HOST = "127.0.0.1"
-# Lines of a server log that say the engine failed (the first few of each are kept).
+# Lines of a server log that say the engine failed.
 ERROR_PATTERNS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error", "illegal memory access",
                   "EngineDeadError", "EngineCore encountered", "Traceback (most recent call last)")
+EXCEPTION_LINE = re.compile(r"\b[A-Za-z_.]*(Error|Exception)\b: ")
 SHUTDOWN_MARK = "[shutdown] "  # vLLM's first line once a stop began (SIGTERM to the API server or engine)
 # vLLM's prefix of a line logged below ERROR: such a line may quote an error (the H200's ulimit
 # WARNING quotes an OSError) without being one.
 QUIET_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d ")
+REFUSAL = re.compile(r"set MLA_PLANNER_SCRATCH_MB=(\d+(?:\.\d+)?) or more")  # the plugin's too-small budget
+RESERVATION = re.compile(r"scratch reservation of ([\d,]+) MiB")
+FELL_BACK = "falls back to the bounded path"  # the plugin's warning for a step that could not run its plan
+KV_SIZED = "GPU KV cache size"  # vLLM 0.26's and 0.33's line once the KV cache is sized (kv_cache_utils.py)
+# a start that failed because other servers' memory changed during its memory profiling
+DISTURBED = ("Error in memory profiling", "No available memory for the cache blocks",
+             "less than desired GPU memory utilization")
 
 
 @dataclass(frozen=True)
@@ -54,19 +64,14 @@ class ServerSpec:
     tp: int = 1  # --tensor-parallel-size: one worker process per GPU
     log_iterations: bool = False  # vLLM logs every engine step (tests/e2e/step_log.py compare)
     prefix_caching: bool = False  # --enable-prefix-caching (off: --no-enable-prefix-caching)
-    extra_args: tuple[str, ...] = ()  # more of vLLM's flags, after the fixed ones (run_matrix.py's axes)
+    extra_args: tuple[str, ...] = ()  # more of vLLM's flags, after the fixed ones (the matrix's axes)
     gpu: int | None = None  # CUDA_VISIBLE_DEVICES: this GPU of several (None: the environment's)
-
-    @property
-    def name(self) -> str:
-        tp = f"-tp{self.tp}" if self.tp > 1 else ""
-        return f"{self.engine}-{self.util:.2f}-{self.mnbt // 1024}k{tp}-p{self.port}"
 
 
 def server_args(spec: ServerSpec, model_dir: Path) -> list[str]:
     """The words after ``vllm serve``: vLLM's defaults (CUDA graphs, its engine process, no forced
     MQA) except what the comparison fixes. Every flag is in vLLM 0.26.0's and 0.33.0's parser
-    (docs/e2e.md; tests/e2e/test_serve.py parses them with 0.26's)."""
+    (tests/e2e/test_serve.py parses them with the installed vLLM's)."""
     return [str(model_dir), "--served-model-name", SERVED_NAME, "--tokenizer", str(model_dir),
             "--load-format", "dummy", "--kv-cache-dtype", "fp8_ds_mla", "--block-size", "64",
             "--max-model-len", str(spec.max_model_len), "--max-num-batched-tokens", str(spec.mnbt),
@@ -249,20 +254,16 @@ class Server:
     def healthy(self) -> bool:
         return self.alive() and self.health() == 200
 
-    def wait_healthy(self, timeout_s: float, poll_s: float = 1.0) -> dict[str, Any]:
-        """Until /health answers 200; fails fast when the process exits, and at ``timeout_s``."""
-        deadline = self.t0 + timeout_s
-        while True:
-            check_stop()
-            if not self.alive():
-                rc = self.proc.returncode if self.proc else None
-                return {"status": "exited", "rc": rc, "elapsed_s": time.monotonic() - self.t0,
-                        "log_tail": self.log_tail()}
-            if self.health(timeout_s=min(5.0, poll_s + 1)) == 200:
-                return {"status": "ok", "elapsed_s": time.monotonic() - self.t0}
-            if time.monotonic() >= deadline:
-                return {"status": "timeout", "elapsed_s": time.monotonic() - self.t0, "log_tail": self.log_tail()}
-            time.sleep(poll_s)
+    def start_state(self, limit_s: float) -> dict[str, Any] | None:
+        """How the start went once it is settled: ``ok`` (/health answers 200), ``exited`` or, past
+        ``limit_s`` since the start, ``timeout``; None while it is still starting."""
+        elapsed = time.monotonic() - self.t0
+        if not self.alive():
+            return {"status": "exited", "rc": self.proc.returncode if self.proc else None, "elapsed_s": elapsed,
+                    "log_tail": self.log_tail()}
+        if self.health(timeout_s=2) == 200:
+            return {"status": "ok", "elapsed_s": elapsed}
+        return {"status": "timeout", "elapsed_s": elapsed, "log_tail": self.log_tail()} if elapsed >= limit_s else None
 
     def stop(self, grace_s: float = 20) -> dict[str, Any]:
         if self.proc is None:
@@ -288,7 +289,7 @@ def stop_all() -> None:
         try:
             server.stop(grace_s=10)
         except Exception as exc:  # keep stopping the others
-            print(f"stopping {server.spec.name}: {exc}", file=sys.stderr)
+            print(f"stopping {server.log_path.stem}: {exc}", file=sys.stderr)
 
 
 _STOP: list[int] = []  # the signal that asked the driver to stop, once one has
@@ -301,7 +302,7 @@ def _stop_requested(signum: int, _frame: Any) -> None:
 
 def check_stop() -> None:
     """Raises (SystemExit, or KeyboardInterrupt for Ctrl-C) once a stop was asked for: unwinds the
-    phase's finally blocks, which stop its servers, then atexit. The handler raises at once, and the
+    plan's finally blocks, which stop its servers, then atexit. The handler raises at once, and the
     driver's polling loops call this again, since an exception raised while Python runs a finalizer
     (a Popen's ``__del__``, say) is printed and dropped."""
     if _STOP:
@@ -316,31 +317,44 @@ def install_cleanup() -> None:
         signal.signal(sig, _stop_requested)
 
 
+# --- what a log says ------------------------------------------------------------------------------
+
+
 def log_facts(text: str) -> dict[str, Any]:
-    """What a server log says about the engine: its KV cache, the plugin's lines, errors."""
+    """What a server log says about the engine: its KV cache, the plugin's lines (the reservation,
+    steps that fell back), the errors before the stop."""
     def number(pattern: str) -> float | None:
         m = re.search(pattern, text)
         return float(m.group(1).replace(",", "")) if m else None
 
     lines = text.splitlines()
     engine = engine_lines(lines)
-    errors: dict[str, list[str]] = {}
-    for line in engine:
-        for pattern in ERROR_PATTERNS:
-            if pattern in line:
-                errors.setdefault(pattern, [])
-                if len(errors[pattern]) < 3:
-                    errors[pattern].append(line.strip()[:400])
+    planner = [line.strip()[:400] for line in lines if "mla-planner" in line]
+    reserved = [int(m.group(1).replace(",", "")) for line in planner for m in [RESERVATION.search(line)] if m]
+    counts = {p: n for p in ERROR_PATTERNS if (n := sum(p in line for line in engine))}
     return {
         "kv_cache_memory_gib": number(r"Available KV cache memory: ([\d.]+) GiB"),
         "kv_cache_tokens": number(r"GPU KV cache size: ([\d,]+) tokens"),
-        "graph_capture": next((line.strip()[:200] for line in text.splitlines() if "Graph capturing finished" in line),
-                              None),
-        "planner_lines": [line.strip()[:300] for line in text.splitlines() if "mla-planner:" in line][:6],
-        "errors": errors,
-        "error_count": {k: sum(k in line for line in engine) for k in errors},
-        "error_lines_at_stop": sum(any(p in line for p in ERROR_PATTERNS) for line in lines[stop_index(lines):]),
+        "graph_capture": next((line.strip()[:200] for line in lines if "Graph capturing finished" in line), None),
+        "planner_lines": planner[:40], "planner_line_count": len(planner),
+        "reserved_mib": reserved[-1] if reserved else None,
+        "fallback_lines": sum(FELL_BACK in line for line in lines),
+        "fallback_examples": [line for line in planner if FELL_BACK in line][:5],
+        "error_count": counts, "first_errors": first_errors(engine),
     }
+
+
+def first_errors(engine: list[str], limit: int = 5) -> list[str]:
+    """The first distinct error lines of ``engine_lines``: exception lines and ERROR_PATTERNS (but the
+    bare "Traceback ..." line)."""
+    found: list[str] = []
+    for line in engine:
+        if EXCEPTION_LINE.search(line) or any(p in line for p in ERROR_PATTERNS[:-1]):
+            if line.strip()[:400] not in found:
+                found.append(line.strip()[:400])
+            if len(found) >= limit:
+                break
+    return found
 
 
 def stop_index(lines: list[str]) -> int:
@@ -353,6 +367,23 @@ def stop_index(lines: list[str]) -> int:
 def engine_lines(lines: list[str]) -> list[str]:
     """The log lines in which an error is the engine's: before the stop, not logged below ERROR."""
     return [line for line in lines[:stop_index(lines)] if not QUIET_LEVEL.search(line)]
+
+
+def refusal(text: str) -> tuple[str | None, int | None]:
+    """The plugin's refusal of a budget below the engine's minimum, and that minimum (MiB, rounded up)."""
+    for line in text.splitlines():
+        m = REFUSAL.search(line)
+        if m:
+            return line.strip()[:500], math.ceil(float(m.group(1)))
+    return None, None
+
+
+def disturbed(text: str) -> str | None:
+    """The line saying the start failed for other servers' memory, if it did."""
+    return next((line.strip()[:400] for line in text.splitlines() if any(p in line for p in DISTURBED)), None)
+
+
+# --- the GPU ----------------------------------------------------------------------------------------
 
 
 def _nvidia_smi(query: str) -> list[list[str]] | None:

@@ -1,8 +1,9 @@
-"""``serve.md`` from the phase JSON files run_serve.py leaves in a results folder.
+"""The serving driver's reports, from the JSON it leaves in a results folder: ``serve.md`` over the
+phase files (``ab.json``, ``boundary-<engine>.json``, ``failrate-<engine>.json``,
+``soak-<engine>.json``), ``matrix.md`` from ``matrix.json``, one row per server.
 
-Works from the saved files alone (``ab.json``, ``boundary-<engine>.json``, ``failrate-<engine>.json``,
-``soak-<engine>.json``), reports what they say, missing results included, and computes only medians,
-ratios and differences of the numbers they hold.
+They work from the saved files alone, report what they say, missing results included, and compute
+only medians, ratios and differences of the numbers they hold.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from step_log import pairs_line, plugin_over_stock, verdict
+from step_log import pairs_line, plugin_over_stock, step_figures, verdict
 
-REPORT_MD = "serve.md"
+REPORT_MD, MATRIX_JSON, MATRIX_MD = "serve.md", "matrix.json", "matrix.md"
 PHASES = ("ab", "boundary", "failrate", "soak")
 # (title, bench key, digits): the per-workload columns, medians over repeats.
 METRICS = (("TTFT p50 ms", "p50_ttft_ms", 1), ("TTFT p99 ms", "p99_ttft_ms", 1), ("TPOT p50 ms", "p50_tpot_ms", 2),
@@ -23,7 +24,7 @@ METRICS = (("TTFT p50 ms", "p50_ttft_ms", 1), ("TTFT p99 ms", "p99_ttft_ms", 1),
 ERROR_KINDS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error", "illegal memory access", "EngineDeadError")
 
 
-def load_dir(folder: Path) -> dict[str, dict[str, Any]]:
+def load_phases(folder: Path) -> dict[str, dict[str, Any]]:
     """Phase results by file stem (``ab``, ``boundary-plugin``, ...)."""
     found = {}
     for path in sorted(folder.glob("*.json")):
@@ -36,22 +37,57 @@ def load_dir(folder: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
-def render_dir(folder: Path) -> str:
-    return render(load_dir(folder))
+def load_matrix(folder: Path) -> dict[str, Any]:
+    path = folder / MATRIX_JSON
+    return dict(json.loads(path.read_text())) if path.is_file() else {}
 
 
-def _num(value: Any, digits: int = 0) -> str:
-    return f"{value:,.{digits}f}" if isinstance(value, (int, float)) else "–"
+def recount_steps(out: Path, ab: dict[str, Any] | None) -> None:
+    """The step figures of each ab call that has them, counted again from its server logs in
+    ``out`` by this step_log, so that a report of an older run reads as ``step_log.py compare``
+    does now; a call whose logs are not all there, or do not parse, keeps what the run stored."""
+    if ab is None:
+        return
+    for call in ab.get("calls", []):
+        logs = [rec.get("log") for rec in call.get("servers", {}).values()]
+        if "steps" in call and logs and all(log and (out / log).is_file() for log in logs):
+            try:
+                call.update(step_figures(out, ab, call))
+            except Exception:  # the figures the run stored stand
+                pass
 
 
-def _cell(value: Any, limit: int = 100) -> str:
+def cell(value: Any, limit: int = 100) -> str:
     text = " ".join(str(value).split()).replace("|", "\\|")
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def num(value: Any, digits: int = 0) -> str:
+    return f"{value:,.{digits}f}" if isinstance(value, (int, float)) else "–"
 
 
 def median(values: list[Any]) -> float | None:
     nums = [v for v in values if isinstance(v, (int, float))]
     return statistics.median(nums) if nums else None
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "–"
+
+
+def up(record: dict[str, Any]) -> bool:
+    return bool(record.get("startup", {}).get("status") == "ok")
+
+
+def planner_lines(record: dict[str, Any]) -> tuple[list[str], int]:
+    """A server's mla-planner lines (the first 40) and their count (older matrix.json files name
+    them ``mla_planner_lines``; older phase files keep 6 and no count)."""
+    lines = record.get("planner_lines", record.get("mla_planner_lines")) or []
+    return lines, int(record.get("planner_line_count", record.get("mla_planner_line_count", len(lines))))
+
+
+def planner_count(record: dict[str, Any]) -> int:
+    return planner_lines(record)[1]
 
 
 def server_rows(records: list[dict[str, Any]]) -> list[str]:
@@ -62,29 +98,22 @@ def server_rows(records: list[dict[str, Any]]) -> list[str]:
         started = f"{s.get('status')}, {s['elapsed_s']:.0f} s" if "elapsed_s" in s else s.get("status", "–")
         if s.get("status") not in ("ok", None, "not run"):
             last_line = next(iter((s.get("log_tail") or "").splitlines()[-1:]), "")
-            started += f": {_cell(s.get('error') or last_line, 80)}"
+            started += f": {cell(s.get('error') or last_line, 80)}"
         errors = ", ".join(f"{k} ×{v}" for k, v in (r.get("error_count") or {}).items()) or "none"
         alive = {True: "yes", False: "**no**", None: "–"}[r.get("alive_at_end")]
         lines.append(f"| {r.get('label')} | {r.get('engine')} | {r.get('util')} | {r.get('mnbt')} | {started} | "
-                     f"{_num(r.get('kv_cache_memory_gib'), 2)} | {_num(r.get('kv_cache_tokens'))} | "
-                     f"{len(r.get('planner_lines') or [])} | {alive} | {_cell(errors, 80)} |")
+                     f"{num(r.get('kv_cache_memory_gib'), 2)} | {num(r.get('kv_cache_tokens'))} | "
+                     f"{planner_count(r)} | {alive} | {cell(errors, 80)} |")
     return lines
 
 
 def engine_checks(records: list[dict[str, Any]]) -> list[str]:
     """A plugin server must log the planner's lines, a stock server none."""
-    out = []
-    for r in records:
-        lines = r.get("planner_lines")
-        if lines is None or not server_ok(r):
-            continue
-        if (r.get("engine") == "plugin") != bool(lines):
-            out.append(f"**{r.get('label')}: {r.get('engine')} server logged {len(lines)} mla-planner lines**")
-    return out
+    return [f"**{r.get('label')}: {r.get('engine')} server logged {planner_count(r)} mla-planner lines**"
+            for r in records if "planner_lines" in r and up(r) and (r.get("engine") == "plugin") != bool(planner_count(r))]
 
 
-def server_ok(record: dict[str, Any]) -> bool:
-    return bool(record.get("startup", {}).get("status") == "ok")
+# --- serve.md -----------------------------------------------------------------------------------------
 
 
 def _client_rows(runs: list[dict[str, Any]], label: str) -> list[dict[str, Any]]:
@@ -118,13 +147,13 @@ def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tu
                 rows = _client_rows(by_engine[engine], label)
                 meds[engine] = {key: median([row.get(key) for row in rows]) for _, key, _ in METRICS}
                 failed = sum(int(row.get("failed") or 0) for row in rows)
-                lines.append(f"| {label} | {engine} | " + " | ".join(_num(meds[engine][key], d) for _, key, d in METRICS)
+                lines.append(f"| {label} | {engine} | " + " | ".join(num(meds[engine][key], d) for _, key, d in METRICS)
                              + f" | {failed if rows else '–'} |")
-            ratios = [_ratio(meds["plugin"][key], meds["stock"][key]) for _, key, _ in METRICS]
-            lines.append(f"| {label} | plugin/stock | " + " | ".join(ratios) + " | |")
+            lines.append(f"| {label} | plugin/stock | "
+                         + " | ".join(ratio(meds["plugin"][key], meds["stock"][key]) for _, key, _ in METRICS) + " | |")
         # the workload as a whole (the last label: its one client, or all combined)
         for name, key in (("total tokens/s", "total_token_throughput"), ("output tokens/s", "output_throughput")):
-            summary.append(f"{workload}: plugin/stock {name} {_ratio(meds['plugin'][key], meds['stock'][key])} "
+            summary.append(f"{workload}: plugin/stock {name} {ratio(meds['plugin'][key], meds['stock'][key])} "
                            f"(medians of {done['plugin']} and {done['stock']} repeats)")
         samples = {e: _totals(rs, labels[-1]) for e, rs in by_engine.items()}
         lines += ["", f"Total tokens/s per repeat ({labels[-1]}): stock {samples['stock']}; plugin {samples['plugin']}."]
@@ -145,13 +174,13 @@ def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tu
                          f"{' '.join(f'{r:.3f}' for r in paired)}; median {mid:.3f}.")
             summary.append(f"{workload}: plugin/stock {name}{of} per repeat, median {mid:.3f} "
                            f"({len(paired)} pairs{spread}, {how})")
-    lines += [f"- {r['tag']}: {r.get('status')}: {_cell(r.get('error'), 160)}" for r in every if r.get("status") != "ok"]
+    lines += [f"- {r['tag']}: {r.get('status')}: {cell(r.get('error'), 160)}" for r in every if r.get("status") != "ok"]
     return [*lines, ""], summary
 
 
 def _totals(runs: list[dict[str, Any]], label: str) -> str:
     """The runs' total tokens/s of one client (or ``combined``), in run order."""
-    return " ".join(_num(row.get("total_token_throughput")) for row in _client_rows(runs, label)) or "–"
+    return " ".join(num(row.get("total_token_throughput")) for row in _client_rows(runs, label)) or "–"
 
 
 def paired_ratios(wruns: list[dict[str, Any]], label: str, key: str = "total_token_throughput") -> list[float]:
@@ -205,10 +234,6 @@ def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
     return lines, summary
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "–"
-
-
 def boundary_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
     servers = data.get("servers", [])
     lines = [*server_rows(servers), "", "| server | case | result | requests ok | health after |", "|---|---|---|---|---|"]
@@ -219,19 +244,19 @@ def boundary_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
         for case in s.get("case_order", []):
             r = s.get("cases", {}).get(case)
             if r is None:
-                text = "not run: the server did not start" if not server_ok(s) else "no result: the driver ended"
+                text = "not run: the server did not start" if not up(s) else "no result: the driver ended"
                 r = {}
             elif r.get("status") == "started":
                 text = "no result: the driver ended during this case"
             else:
-                text = r.get("status", "–") + (f": {_cell(r.get('error'), 90)}" if r.get("error") else "")
+                text = r.get("status", "–") + (f": {cell(r.get('error'), 90)}" if r.get("error") else "")
             if r.get("status") != "ok":
                 not_ok.append(f"{case} ({s.get('mnbt')})")
             n = len(r.get("requests", []))
             lines.append(f"| {s.get('label')} | {case}: {titles.get(case, '')} | {text} | "
                          f"{r.get('requests_ok', '–')}/{n or '–'} | {r.get('health_after', '–')} |")
-    engine = data.get("run", {}).get("engine")
-    summary.append(f"boundary ({engine}, util {data.get('run', {}).get('util')}): "
+    run = data.get("run", {})
+    summary.append(f"boundary ({run.get('engine')}, util {run.get('util')}): "
                    + ("every case finished" if not not_ok else f"not finished: case {', '.join(not_ok)}"))
     return lines, summary
 
@@ -240,8 +265,7 @@ def failrate_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
     trials = data.get("trials", [])
     engine = data.get("run", {}).get("engine")
     lines = ["| util | trials run | 32K prompt finished | failed at start-up | failed on the 32K prompt "
-             "| engine died | CUDA OOM in log | first error |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| engine died | CUDA OOM in log | first error |", "|---|---|---|---|---|---|---|---|"]
     summary = []
     for util in sorted({t["util"] for t in trials}):
         ts = [t for t in trials if t["util"] == util and t.get("status") not in ("not run", None)]
@@ -251,7 +275,7 @@ def failrate_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
         died = sum(bool(t.get("engine_died")) for t in ts)
         oom = sum(bool(t.get("oom_in_log")) for t in ts)
         error = next((t.get("case", {}).get("error") or t.get("status") for t in ts if t["status"] != "ok"), "")
-        lines.append(f"| {util} | {len(ts)} | {ok} | {at_start} | {on_prompt} | {died} | {oom} | {_cell(error, 100)} |")
+        lines.append(f"| {util} | {len(ts)} | {ok} | {at_start} | {on_prompt} | {died} | {oom} | {cell(error, 100)} |")
         summary.append(f"failrate ({engine}) at {util}: {len(ts) - ok} of {len(ts)} failed ({at_start} at start-up, "
                        f"{on_prompt} on the 32K prompt), engine died in {died}")
     skipped = [t["label"] for t in trials if t.get("status") == "not run"]
@@ -280,50 +304,6 @@ def memory_steps(samples: list[dict[str, Any]], after_s: float) -> list[tuple[fl
     return [(t, b - a) for (_, a), (t, b) in zip(used, used[1:]) if abs(b - a) >= STEP_MIB]
 
 
-def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
-    its = data.get("iterations", [])
-    samples = data.get("samples", [])
-    warm = its[0]["t_end_s"] if its else 0.0  # after the first iteration: kernels compiled, pools grown
-    flat = memory_flatness(samples, warm)
-    after = settled(samples, warm)
-    every = memory_flatness(samples, 0.0)
-    done = sum(int((i.get("combined") or {}).get("completed") or 0) for i in its)
-    failed = sum(int((i.get("combined") or {}).get("failed") or 0) for i in its)
-    unhealthy = sum(s.get("health") != 200 for s in samples)
-    record = data.get("server", {})
-    errors = {k: v for k, v in (record.get("error_count") or {}).items() if k in ERROR_KINDS}
-    tps = [(i.get("combined") or {}).get("total_token_throughput") for i in its]
-    seen = [s["processes"] for s in samples if s.get("processes") is not None]
-    pids = {p[0] for procs in seen for p in procs}
-    most = max((len(procs) for procs in seen), default=None)
-    lines = [*server_rows([record]), "",
-             "| | |", "|---|---|",
-             f"| soak | {_num(data.get('soak_elapsed_s'))} s of {_num(data.get('soak_s'))} s asked"
-             + (f" (cut: {data['cut']})" if data.get("cut") else "") + " |",
-             f"| mix iterations | {len(its)} ({sum(i.get('status') != 'ok' for i in its)} without a result) |",
-             f"| requests | {done:,} completed, {failed:,} failed |",
-             f"| total tokens/s per iteration | first {_num(tps[0] if tps else None)}, median {_num(median(tps))}, "
-             f"last {_num(tps[-1] if tps else None)} |",
-             f"| GPU memory used (nvidia-smi), every sample | {every.get('samples')} samples, "
-             f"{_num(every.get('min_mib'))}–{_num(every.get('max_mib'))} MiB |",
-             f"| after warm-up (from {warm:.0f} s, the first iteration's end) | {flat.get('samples')} samples, "
-             f"{_num(flat.get('min_mib'))}–{_num(flat.get('max_mib'))} MiB, **max − min {_num(flat.get('spread_mib'))} MiB** |",
-             steps_row(after),
-             f"| processes holding GPU memory (nvidia-smi) | at most {_num(most)} in a sample, "
-             f"{_num(len(pids) if seen else None)} distinct pids |",
-             f"| /health not 200 | {unhealthy} of {len(samples)} samples |",
-             f"| server processes | {data.get('pids_at_start')} at the start, {data.get('pids_at_end')} at the end: "
-             f"{'the same' if data.get('same_processes') else '**not the same**'} |",
-             f"| CUDA errors in the server log | {', '.join(f'{k} ×{v}' for k, v in errors.items()) or 'none'} |", ""]
-    summary = [f"soak ({data.get('run', {}).get('engine')}, {_num(data.get('soak_elapsed_s'))} s): {failed} failed requests, "
-               f"memory spread after warm-up {_num(flat.get('spread_mib'))} MiB"
-               + (f" (last step {after['change_mib']:+,} MiB at {after['at_s']:.0f} s, then "
-                  f"{_num(after['spread_mib'])} MiB over {after['span_s']:.0f} s)" if after else "") + ", "
-               f"{'same processes' if data.get('same_processes') else 'processes changed or died'}, "
-               f"{sum(errors.values())} CUDA error lines"]
-    return lines, summary
-
-
 def settled(samples: list[dict[str, Any]], warm: float) -> dict[str, Any] | None:
     """After warm-up's last memory step: when it came, what it was, and the flatness from then to
     the end; None without a step."""
@@ -343,8 +323,49 @@ def steps_row(after: dict[str, Any] | None) -> str:
     listed = ", ".join(f"{d:+,} MiB at {t:.0f} s" for t, d in steps[:8])
     listed += f", … ({len(steps)} in all)" if len(steps) > 8 else ""
     return (f"{head} {listed}; from the last ({after['at_s']:.0f} s) to the end ({after['span_s']:.0f} s, "
-            f"{after['samples']} samples): {_num(after['min_mib'])}–{_num(after['max_mib'])} MiB, "
-            f"max − min {_num(after['spread_mib'])} MiB |")
+            f"{after['samples']} samples): {num(after['min_mib'])}–{num(after['max_mib'])} MiB, "
+            f"max − min {num(after['spread_mib'])} MiB |")
+
+
+def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
+    its = data.get("iterations", [])
+    samples = data.get("samples", [])
+    warm = its[0]["t_end_s"] if its else 0.0  # after the first iteration: kernels compiled, pools grown
+    flat, after, every = memory_flatness(samples, warm), settled(samples, warm), memory_flatness(samples, 0.0)
+    done = sum(int((i.get("combined") or {}).get("completed") or 0) for i in its)
+    failed = sum(int((i.get("combined") or {}).get("failed") or 0) for i in its)
+    unhealthy = sum(s.get("health") != 200 for s in samples)
+    record = data.get("server", {})
+    errors = {k: v for k, v in (record.get("error_count") or {}).items() if k in ERROR_KINDS}
+    tps = [(i.get("combined") or {}).get("total_token_throughput") for i in its]
+    seen = [s["processes"] for s in samples if s.get("processes") is not None]
+    pids = {p[0] for procs in seen for p in procs}
+    most = max((len(procs) for procs in seen), default=None)
+    lines = [*server_rows([record]), "", "| | |", "|---|---|",
+             f"| soak | {num(data.get('soak_elapsed_s'))} s of {num(data.get('soak_s'))} s asked"
+             + (f" (cut: {data['cut']})" if data.get("cut") else "") + " |",
+             f"| mix iterations | {len(its)} ({sum(i.get('status') != 'ok' for i in its)} without a result) |",
+             f"| requests | {done:,} completed, {failed:,} failed |",
+             f"| total tokens/s per iteration | first {num(tps[0] if tps else None)}, median {num(median(tps))}, "
+             f"last {num(tps[-1] if tps else None)} |",
+             f"| GPU memory used (nvidia-smi), every sample | {every.get('samples')} samples, "
+             f"{num(every.get('min_mib'))}–{num(every.get('max_mib'))} MiB |",
+             f"| after warm-up (from {warm:.0f} s, the first iteration's end) | {flat.get('samples')} samples, "
+             f"{num(flat.get('min_mib'))}–{num(flat.get('max_mib'))} MiB, **max − min {num(flat.get('spread_mib'))} MiB** |",
+             steps_row(after),
+             f"| processes holding GPU memory (nvidia-smi) | at most {num(most)} in a sample, "
+             f"{num(len(pids) if seen else None)} distinct pids |",
+             f"| /health not 200 | {unhealthy} of {len(samples)} samples |",
+             f"| server processes | {data.get('pids_at_start')} at the start, {data.get('pids_at_end')} at the end: "
+             f"{'the same' if data.get('same_processes') else '**not the same**'} |",
+             f"| CUDA errors in the server log | {', '.join(f'{k} ×{v}' for k, v in errors.items()) or 'none'} |", ""]
+    summary = [f"soak ({data.get('run', {}).get('engine')}, {num(data.get('soak_elapsed_s'))} s): {failed} failed "
+               f"requests, memory spread after warm-up {num(flat.get('spread_mib'))} MiB"
+               + (f" (last step {after['change_mib']:+,} MiB at {after['at_s']:.0f} s, then "
+                  f"{num(after['spread_mib'])} MiB over {after['span_s']:.0f} s)" if after else "") + ", "
+               f"{'same processes' if data.get('same_processes') else 'processes changed or died'}, "
+               f"{sum(errors.values())} CUDA error lines"]
+    return lines, summary
 
 
 SECTIONS = {"ab": ("Throughput A/B (`vllm bench serve`)", ab_section),
@@ -375,3 +396,147 @@ def render(phases: dict[str, dict[str, Any]]) -> str:
         body += [f"## {title}: `{stem}.json`{unfinished}", "", *lines, ""]
     out += ["## Summary", "", *(f"- {s}" for s in summary or ["no results yet"]), "", *body]
     return "\n".join(out)
+
+
+# --- matrix.md ----------------------------------------------------------------------------------------
+
+LOAD_COLUMNS = (("chat", "chat burst"), ("32k", "32K"), ("eight", "8 prompts"), ("64k", "64K"))
+KV_NOTES = {
+    "staggered": "Each server (and twin) started once the one before it had sized its KV cache: no two memory "
+                 "profilings overlapped, though an earlier server's CUDA-graph capture may have.",
+    "together": "**All servers started at once**: each KV cache was sized while the others allocated, so the KV "
+                "figures carry each other's start-ups and are not a measure of the reservation.",
+    "chained": "Each server (and twin) started once the one before it was up: every KV cache sized alone.",
+}
+MATRIX_HEADER = ("| server | model | MTP | max-num-seqs | budget MiB | CUDA graphs | chunked prefill | prefix caching "
+                 "| start-up | KV GiB plugin | KV GiB stock | Δ GiB | reserved GiB | min found MiB | chat burst | 32K "
+                 "| 8 prompts | 64K | fallback lines | alive at end |")
+
+
+def load_cell(result: dict[str, Any] | None) -> str:
+    """``ok/asked``, failures in bold; why a step did not run."""
+    if not result:
+        return "–"
+    status = result.get("status")
+    if status in ("not run", "started"):
+        return "not run" if status == "not run" else "**cut** (driver ended)"
+    n, ok = result.get("n_requests"), result.get("requests_ok")
+    if not isinstance(n, int) or not isinstance(ok, int):
+        return cell(status)
+    return f"{ok}/{n}" if ok == n else f"{ok}/{n}, **{n - ok} failed**"
+
+
+def alive(plugin: dict[str, Any]) -> bool | None:
+    """Process alive and /health 200 at the end; None where the server never came up."""
+    if not up(plugin) or "alive_at_end" not in plugin:
+        return None
+    return bool(plugin.get("alive_at_end")) and plugin.get("health_at_end") == 200
+
+
+def died_in(rec: dict[str, Any]) -> str | None:
+    """The first load step after which the server was not healthy."""
+    for key, title in LOAD_COLUMNS:
+        result = (rec.get("phases") or {}).get(key) or {}
+        if "health_after" in result and result["health_after"] != 200:
+            return title
+    return None
+
+
+def matrix_row(rec: dict[str, Any]) -> str:
+    c, plugin, probe = rec.get("config", {}), rec.get("plugin") or {}, rec.get("probe")
+    s = plugin.get("startup") or {}
+    started = f"{s['elapsed_s']:.0f} s" if up(plugin) and "elapsed_s" in s else cell(s.get("status", "–"))
+    started += f" (retry {len(rec['attempts'])})" if rec.get("attempts") else ""
+    kv, twin_kv = plugin.get("kv_cache_memory_gib"), (rec.get("twin") or {}).get("kv_cache_memory_gib")
+    diff = kv - twin_kv if isinstance(kv, (int, float)) and isinstance(twin_kv, (int, float)) else None
+    reserved = plugin.get("reserved_mib")
+    if not probe:
+        found = "–"
+    elif probe.get("min_mb") is not None:
+        found = f"{probe['min_mb']}" + (" (64 started)" if probe.get("outcome") == "started" else "")
+    else:
+        found = f"**none** ({cell(probe.get('outcome') or probe.get('error'), 40)})"
+    state = alive(plugin)
+    where = died_in(rec)
+    budget = c.get("budget")
+    cells = [rec.get("name"), c.get("model"), c.get("mtp") or "–", c.get("max_num_seqs"),
+             f"min → {rec['scratch_mb']}" if budget == "min" and rec.get("scratch_mb") is not None else budget,
+             "yes" if c.get("cuda_graphs") else "eager", "on" if c.get("chunked_prefill") else "**off**",
+             "**on**" if c.get("prefix_caching") else "off", started, num(kv, 2), num(twin_kv, 2),
+             "–" if diff is None else f"{diff:+.2f}", num(reserved / 1024 if isinstance(reserved, int) else None, 2),
+             found, *(load_cell((rec.get("phases") or {}).get(k)) for k, _ in LOAD_COLUMNS),
+             plugin.get("fallback_lines", "–"),
+             {True: "yes", None: "–"}.get(state, "**no**" + (f" (after {where})" if where else ""))]
+    return "| " + " | ".join(str(x) for x in cells) + " |"
+
+
+def matrix_notes(rec: dict[str, Any]) -> list[str]:
+    """What the table leaves out: refusal, the plugin's lines, retries, errors, KV tokens."""
+    out = [f"- **{rec.get('name')}** ({cell(rec.get('title'), 200)}; util {rec.get('util')}, "
+           f"--max-num-batched-tokens {rec.get('mnbt')})"]
+    probe, plugin, twin = rec.get("probe") or {}, rec.get("plugin") or {}, rec.get("twin")
+    if probe.get("refusal_line"):
+        out.append(f"  - refusal at {probe.get('scratch_mb')} MiB: `{cell(probe['refusal_line'], 300)}`")
+    elif probe:
+        out.append(f"  - {probe.get('scratch_mb', 64)} MiB start: {probe.get('outcome')}"
+                   + (f"; {cell(probe.get('first_errors') or probe.get('error'), 300)}"
+                      if probe.get("outcome") != "started" else ""))
+    for attempt in rec.get("probe_attempts") or []:
+        out.append(f"  - an earlier {attempt.get('scratch_mb')} MiB start: {attempt.get('outcome')}"
+                   + (f" (`{cell(attempt.get('disturbed_line'), 200)}`)" if attempt.get("disturbed_line") else ""))
+    for attempt in rec.get("attempts") or []:
+        line = next(iter(attempt.get("first_errors") or []), attempt.get("startup", {}).get("status"))
+        out.append(f"  - first start failed, retried alone: `{cell(line, 240)}`")
+    for attempt in rec.get("twin_attempts") or []:
+        out.append(f"  - the stock twin's first start failed ({attempt.get('startup', {}).get('status')}), retried alone")
+    s = plugin.get("startup") or {}
+    if s.get("status") not in (None, "ok"):
+        out.append(f"  - start-up {s.get('status')}: {cell(s.get('error') or '', 200)}")
+    tokens = {"plugin": plugin.get("kv_cache_tokens"), "stock": (twin or {}).get("kv_cache_tokens")}
+    if any(isinstance(t, (int, float)) for t in tokens.values()):
+        out.append("  - KV cache tokens: " + ", ".join(f"{k} {t:,.0f}" if isinstance(t, (int, float)) else f"{k} –"
+                                                        for k, t in tokens.items() if k == "plugin" or twin))
+    if twin and not up(twin):
+        out.append(f"  - stock twin: {(twin.get('startup') or {}).get('status')}")
+    lines, count = planner_lines(plugin)
+    shown = [line for line in lines if "budget" in line or "reservation" in line][:3]
+    out += [f"  - `{cell(line[line.find('mla-planner'):], 300)}`" for line in shown]
+    out += [f"  - fallback: `{cell(line[line.find('mla-planner'):], 300)}`" for line in plugin.get("fallback_examples") or []]
+    if count > len(shown):
+        out.append(f"  - {count} mla-planner lines in all")
+    out += [f"  - error: `{cell(line, 300)}`" for line in plugin.get("first_errors") or []]
+    for key, title in LOAD_COLUMNS:
+        result = (rec.get("phases") or {}).get(key) or {}
+        if result.get("status") not in (None, "ok"):
+            out.append(f"  - {title}: {result.get('status')}: {cell(result.get('error'), 200)}")
+    return out
+
+
+def render_matrix(data: dict[str, Any]) -> str:
+    if not data:
+        return f"# Flag matrix\n\nNo {MATRIX_JSON} here.\n"
+    run, versions, gaps = data.get("run") or {}, data.get("versions") or {}, data.get("coverage_gaps") or []
+    records = list((data.get("servers") or {}).values())
+    failed = sum(1 for rec in records for result in (rec.get("phases") or {}).values()
+                 if isinstance(result.get("n_requests"), int) and result["requests_ok"] != result["n_requests"])
+    dead = [rec.get("name") for rec in records if alive(rec.get("plugin") or {}) is False]
+    never = [rec.get("name") for rec in records if alive(rec.get("plugin") or {}) is None]
+    lines = [
+        "# Flag matrix: `vllm serve` with the plugin", "",
+        f"vLLM {versions.get('vllm', '?')}, torch {versions.get('torch', '?')}, mla-planner "
+        f"{versions.get('mla-planner', '?')}; started {data.get('started_at', '?')}, "
+        + (f"finished in {data['elapsed_s']:.0f} s" if data.get("finished") and "elapsed_s" in data
+           else "**not finished**")
+        + f"; `--start {run.get('start', '?')}`, util {run.get('util')} (+ each numeric budget's share)"
+        + (", stock twins" if run.get("stock_twins") else ", no stock twins") + ".", "",
+        "Coverage: " + ("every value of every axis, and both required pairs with CUDA graphs."
+                        if not gaps else "**missing " + ", ".join(gaps) + "**."), "",
+        MATRIX_HEADER, "|" + "---|" * MATRIX_HEADER.count(" | ") + "---|", *(matrix_row(rec) for rec in records), "",
+        f"Phases with failed requests: {failed}; engines dead at the end: {', '.join(dead) or 'none'}; "
+        f"servers not up: {', '.join(never) or 'none'}.", "",
+        "Δ GiB is plugin − stock (negative: the plugin's KV cache is smaller); reserved GiB is the reservation the "
+        "plugin's log names. " + KV_NOTES.get(str(run.get("start")), "") + " Fallback lines: the plugin's lines "
+        "saying a step fell back to the bounded path.", "", "## Notes", ""]
+    for rec in records:
+        lines += matrix_notes(rec)
+    return "\n".join(lines) + "\n"

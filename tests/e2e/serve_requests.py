@@ -1,4 +1,4 @@
-"""Boundary requests against a server: run_cases' exact prompt shapes as plain HTTP POSTs.
+"""Requests to a server as plain HTTP POSTs: run_cases' boundary cases and the flag matrix's chat burst.
 
 A case's prompts are token ids (``prompt``: a list of ints, as vLLM's completions endpoint takes
 them), drawn as run_cases draws them, so the in-process runs and these ask the same. They are sent
@@ -14,15 +14,29 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from run_cases import CASE_MAX_TOKENS, CASE_PROMPTS, MAX_TOKENS, case_seed, token_prompt
+from run_cases import CASE_MAX_TOKENS, CASE_PROMPTS, MAX_TOKENS, TOKEN_RANGE, case_seed, token_prompt
 from serve_proc import SERVED_NAME, post_json
 
 STAGGER_S = 0.02
+CHAT_PREFIX, CHAT_LEN, CHAT_MAX_TOKENS, CHAT_SEED = 256, (300, 1100), (16, 256), 2900
 
 
 def case_prompts(case: str) -> list[list[int]]:
     rng = random.Random(case_seed(case))
     return [token_prompt(n, rng)["prompt_token_ids"] for n in CASE_PROMPTS[case]]
+
+
+def chat_prompts(n: int, seed: int = CHAT_SEED) -> list[tuple[list[int], int]]:
+    """``n`` (token ids, max_tokens): a shared 256-token prefix (a system prompt: prefix caching's
+    hits), then each its own tokens to 300-1,100 in all; 16-256 tokens out. The same for every server."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(*TOKEN_RANGE) for _ in range(CHAT_PREFIX)]
+    prompts = []
+    for _ in range(n):
+        length = rng.randint(*CHAT_LEN)
+        ids = prefix + [rng.randrange(*TOKEN_RANGE) for _ in range(length - CHAT_PREFIX)]
+        prompts.append((ids, rng.randint(*CHAT_MAX_TOKENS)))
+    return prompts
 
 
 def completion_body(ids: list[int], max_tokens: int) -> dict[str, Any]:
@@ -43,17 +57,34 @@ def one_request(url: str, ids: list[int], max_tokens: int, delay_s: float, timeo
             "completion_tokens": tokens, "elapsed_s": time.perf_counter() - t0, "error": error}
 
 
-def run_case(url: str, case: str, timeout_s: float) -> dict[str, Any]:
-    """One case: every prompt sent, every answer awaited (or its error recorded)."""
-    prompts = case_prompts(case)
-    max_tokens = CASE_MAX_TOKENS.get(case, MAX_TOKENS)
+def send_all(url: str, prompts: list[tuple[list[int], int]], stagger_s: float, timeout_s: float) -> dict[str, Any]:
+    """Every prompt at once, each on its own thread (``stagger_s`` apart), every answer awaited (or
+    its error recorded): counts, and the first few errors."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        futures = [pool.submit(one_request, url, ids, max_tokens, i * STAGGER_S, timeout_s)
-                   for i, ids in enumerate(prompts)]
+        futures = [pool.submit(one_request, url, ids, max_tokens, i * stagger_s, timeout_s)
+                   for i, (ids, max_tokens) in enumerate(prompts)]
         requests = [f.result() for f in futures]
-    failed = [r for r in requests if not r["ok"]]
-    return {"status": "error" if failed else "ok", "error": failed[0]["error"] if failed else None,
-            "elapsed_s": time.perf_counter() - t0, "prompt_lens": CASE_PROMPTS[case],
-            "prompt_tokens": sum(CASE_PROMPTS[case]), "max_tokens": max_tokens,
-            "requests_ok": len(requests) - len(failed), "requests": requests}
+    errors: list[str] = []
+    for r in requests:
+        if not r["ok"] and str(r["error"]) not in errors and len(errors) < 5:
+            errors.append(str(r["error"]))
+    ok = sum(r["ok"] for r in requests)
+    return {"status": "ok" if ok == len(requests) else "error", "error": errors[0] if errors else None,
+            "errors": errors, "n_requests": len(requests), "requests_ok": ok, "elapsed_s": time.perf_counter() - t0,
+            "prompt_tokens": sum(len(ids) for ids, _ in prompts), "max_tokens": sum(m for _, m in prompts),
+            "requests": requests}
+
+
+def run_case(url: str, case: str, timeout_s: float) -> dict[str, Any]:
+    """One of run_cases' cases: its prompts as one submission."""
+    max_tokens = CASE_MAX_TOKENS.get(case, MAX_TOKENS)
+    result = send_all(url, [(ids, max_tokens) for ids in case_prompts(case)], STAGGER_S, timeout_s)
+    return {**result, "prompt_lens": CASE_PROMPTS[case], "max_tokens": max_tokens}
+
+
+def chat_burst(url: str, n: int, timeout_s: float) -> dict[str, Any]:
+    """``n`` chat completions at once (``chat_prompts``); the requests themselves are not kept."""
+    result = send_all(url, chat_prompts(n), 0.0, timeout_s)
+    del result["requests"]
+    return result

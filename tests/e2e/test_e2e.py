@@ -284,15 +284,22 @@ def device_install(repo: Path, tmp: Path, *args: str) -> subprocess.CompletedPro
                           text=True, timeout=300)
 
 
-def test_device_install_stashes_installs_and_checks(tmp_path: Path) -> None:
+def toy_repo(tmp_path: Path, entry_point: bool = True) -> Path:
+    """A checkout of what the GPU machine runs (device_install.sh, e2e_bundle.py), and this
+    project's wheel in .whl/ (with its vLLM plugin entry point, or without)."""
     repo = tmp_path / "repo"
     (repo / "tests/e2e").mkdir(parents=True)
     for name in ("device_install.sh", "e2e_bundle.py"):
         shutil.copy(HERE / name, repo / "tests/e2e" / name)
-    n = len(stage_toy(repo, chunk_bytes=4000)["chunks"])
     write_wheel(repo / ".whl/mla_planner-0.1.0-py3-none-any.whl", "mla_planner", "0.1.0",
                 {"mla_planner/__init__.py": '__version__ = "0.1.0"\n'},
-                entry_points="[vllm.general_plugins]\nmla_planner = mla_planner:register\n")
+                entry_points="[vllm.general_plugins]\nmla_planner = mla_planner:register\n" if entry_point else "")
+    return repo
+
+
+def test_device_install_stashes_installs_and_checks(tmp_path: Path) -> None:
+    repo = toy_repo(tmp_path)
+    n = len(stage_toy(repo, chunk_bytes=4000)["chunks"])
 
     r = device_install(repo, tmp_path, "stash", str(n + 1))
     assert r.returncode == 2 and f"part{n + 1}" in r.stderr
@@ -314,13 +321,7 @@ def test_device_install_stashes_installs_and_checks(tmp_path: Path) -> None:
 
 def test_device_install_switching_version_clears_the_site(tmp_path: Path) -> None:
     """Staging 0.33 after 0.26: the site ends with 0.33's vLLM and wheels only, none of 0.26's."""
-    repo = tmp_path / "repo"
-    (repo / "tests/e2e").mkdir(parents=True)
-    for name in ("device_install.sh", "e2e_bundle.py"):
-        shutil.copy(HERE / name, repo / "tests/e2e" / name)
-    write_wheel(repo / ".whl/mla_planner-0.1.0-py3-none-any.whl", "mla_planner", "0.1.0",
-                {"mla_planner/__init__.py": '__version__ = "0.1.0"\n'},
-                entry_points="[vllm.general_plugins]\nmla_planner = mla_planner:register\n")
+    repo = toy_repo(tmp_path)
     for version in ("0.26.0", "0.33.0"):
         for k in range(1, len(stage_toy(repo, chunk_bytes=1 << 20, version=version)["chunks"]) + 1):
             assert device_install(repo, tmp_path, "stash", str(k)).returncode == 0
@@ -363,14 +364,9 @@ def test_staging_targets_pin_one_version_of_each_wheel() -> None:
 
 
 def test_device_install_check_wants_our_entry_point(tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    (repo / "tests/e2e").mkdir(parents=True)
-    for name in ("device_install.sh", "e2e_bundle.py"):
-        shutil.copy(HERE / name, repo / "tests/e2e" / name)
+    repo = toy_repo(tmp_path, entry_point=False)
     for k in range(1, len(stage_toy(repo, chunk_bytes=1 << 20)["chunks"]) + 1):
         assert device_install(repo, tmp_path, "stash", str(k)).returncode == 0
-    write_wheel(repo / ".whl/mla_planner-0.1.0-py3-none-any.whl", "mla_planner", "0.1.0",
-                {"mla_planner/__init__.py": '__version__ = "0.1.0"\n'})
     r = device_install(repo, tmp_path, "install")
     assert r.returncode != 0 and "entry point is missing" in r.stderr
 

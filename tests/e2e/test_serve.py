@@ -1,39 +1,44 @@
-"""The serving driver (run_serve.py, issue 14; docs/e2e.md, "Serving").
+"""The serving driver (run_serve.py: the phases ab, boundary, failrate and soak, and the flag matrix;
+docs/e2e.md, "The serve driver", and docs/vllm.md, "The flag matrix").
 
 ``test_plugin_serves_the_boundary_cases`` (marker ``e2e``) needs a CUDA GPU and vLLM with its
 kernels, and skips elsewhere, saying why; with ``MLA_SERVE_RESULTS=DIR`` it checks a driver's saved
 results instead. The others run on a CPU: the generated tokenizer (with vLLM's own tokenizer loader
-and random dataset), the server and bench command lines (vLLM's own parsers), the server's process
-handling (health wait, fail fast, the group kill, cleanup when the driver is stopped or killed), and
-every phase end to end on stand-ins for ``vllm serve`` and ``vllm bench serve`` (serve_fakes.py),
-once with vLLM's real bench client against the stand-in server.
+and random dataset); the matrix's design and its coverage; every server's and bench client's command
+line through the installed vLLM's parsers (the matrix's into its engine config); what a server log
+says; the server's process handling (its start settled, the group kill, no server left when the
+driver is stopped or killed); every phase end to end on stand-ins for ``vllm serve`` and ``vllm
+bench serve`` (serve_fakes.py), once with vLLM's real bench client; and the reports.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import matrix_design as md
 import run_serve
 import serve_bench as sb
 import serve_proc as proc
 import serve_report
-import step_log
-from run_cases import CASE_PROMPTS, MODEL_DIR, REPLACE_VAR
+from run_cases import CASE_PROMPTS, MODEL_DIR, REPLACE_VAR, model_variant
+from serve_requests import chat_prompts
 from serve_tokenizer import check_tokenizer, served_model_dir
 from test_e2e import e2e_unavailable
+from test_step_log import iteration_line
 
 HERE = Path(__file__).resolve().parent
 VOCAB = json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"]
+GLM5 = HERE / "tiny-glm5" / "config.json"
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +52,21 @@ def driver(out: Path, *args: str, env: dict[str, str] | None = None, timeout: fl
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def with_env(**values: str) -> dict[str, str]:
+    return {**os.environ, **values}
+
+
 def fake_nvidia_smi(folder: Path, script: str = "echo 1234") -> dict[str, str]:
     """An nvidia-smi on PATH: one process (pid 4242) on the GPU; ``script`` prints memory.used."""
     folder.mkdir(parents=True, exist_ok=True)
     exe = folder / "nvidia-smi"
     exe.write_text(f'#!/bin/sh\ncase "$1" in\n--query-compute-apps=*) echo "4242, 900";;\n*) {script};;\nesac\n')
     exe.chmod(0o755)
-    return dict(os.environ, PATH=f"{folder}{os.pathsep}{os.environ['PATH']}")
+    return with_env(PATH=f"{folder}{os.pathsep}{os.environ['PATH']}")
+
+
+def results(out: Path, name: str) -> Any:
+    return json.loads((out / name).read_text())
 
 
 # --- the tokenizer ---------------------------------------------------------------------------------
@@ -64,8 +77,7 @@ def test_tokenizer_has_the_models_vocab_and_round_trips(model_dir: Path, tmp_pat
     assert facts["len"] == facts["vocab_size"] == VOCAB == 129280
     assert facts["round_trip"] and facts["adds_special_tokens"] == 0
     assert facts["all_special_ids"] == [0, 1, 2] and (facts["bos_token_id"], facts["eos_token_id"]) == (0, 1)
-    config = json.loads((model_dir / "config.json").read_text())
-    assert config == json.loads((MODEL_DIR / "config.json").read_text())
+    assert json.loads((model_dir / "config.json").read_text()) == json.loads((MODEL_DIR / "config.json").read_text())
     assert sorted(p.name for p in model_dir.iterdir()) == ["config.json", "special_tokens_map.json", "tokenizer.json",
                                                            "tokenizer_config.json"]
     made = served_model_dir(tmp_path)  # a later call reuses a whole folder, rebuilds a broken one
@@ -97,13 +109,102 @@ def test_vllms_random_dataset_gets_exactly_the_lengths_it_samples(model_dir: Pat
         assert all(8478 <= r.prompt_len <= 65250 and 66 <= r.expected_output_len <= 510 for r in ranged)
 
 
-# --- command lines ---------------------------------------------------------------------------------
+# --- the matrix's design ----------------------------------------------------------------------------
+
+
+def test_the_design_covers_every_value_and_both_required_pairs() -> None:
+    assert md.check_design(md.DESIGN) == [] and md.coverage_gaps(md.DESIGN) == [] and 5 <= len(md.DESIGN) <= 6
+    # with CUDA graphs: vLLM pads decode batches to a captured size
+    assert md.REQUIRED_PAIRS == ({"mtp": 1, "max_num_seqs": 128, "cuda_graphs": True},
+                                 {"budget": 512, "max_num_seqs": 1024, "cuda_graphs": True})
+
+
+@pytest.mark.parametrize("axis,value", [(a, v) for a, values in md.AXES.items() for v in values])
+def test_a_value_no_server_has_is_a_gap(axis: str, value: Any) -> None:
+    other = next(v for v in md.AXES[axis] if v != value)  # put wherever ``value`` was
+    assert f"{axis}={value!r}" in md.coverage_gaps([replace(c, **{axis: other}) if c.values()[axis] == value else c
+                                                    for c in md.DESIGN])
+
+
+def test_a_required_pair_no_server_has_is_a_gap() -> None:
+    first, second = (" x ".join(f"{k}={v!r}" for k, v in pair.items()) for pair in md.REQUIRED_PAIRS)
+    eager = [replace(c, cuda_graphs=False) if c.mtp == 1 and c.max_num_seqs == 128 else c for c in md.DESIGN]
+    assert md.coverage_gaps(eager) == [first]  # every value still there, the pair gone
+    moved = [replace(c, max_num_seqs=128) if c.budget == 512 else c for c in md.DESIGN]
+    assert second in md.coverage_gaps(moved) and first not in md.coverage_gaps(moved)
+    assert md.check_design([*md.DESIGN, replace(md.DESIGN[0], budget=2048)]) == [
+        "s1: budget=2048 is not one of ('min', 512, 1024, 4096)", "server name s1 used twice"]
+
+
+def test_the_tiny_glm5_has_glm5s_attention_geometry_at_tp8() -> None:
+    """GLM-5 (transformers' GlmMoeDsaConfig defaults, checkpoint zai-org/GLM-5; vLLM 0.33's GLM-5.2
+    row in tests/kernels/test_fused_deepseek_v32_norm_rope.py: q_lora 2048, kv_lora 512, rope 64,
+    8 heads per rank, 32 index heads of 128), its 64 heads at TP 8 on one GPU; 2 small layers."""
+    config = json.loads(GLM5.read_text())
+    assert config["architectures"] == ["GlmMoeDsaForCausalLM"] and config["model_type"] == "glm_moe_dsa"
+    geometry = {k: config[k] for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                       "v_head_dim", "index_topk", "index_n_heads", "index_head_dim", "vocab_size")}
+    assert geometry == {"kv_lora_rank": 512, "q_lora_rank": 2048, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+                        "v_head_dim": 256, "index_topk": 2048, "index_n_heads": 32, "index_head_dim": 128,
+                        "vocab_size": 154880}
+    assert config["num_attention_heads"] == 64 // 8 == config["num_key_value_heads"]
+    assert config["num_hidden_layers"] == 2 and config["num_nextn_predict_layers"] == 0
+    transformers = pytest.importorskip("transformers")
+    loaded = transformers.AutoConfig.from_pretrained(str(GLM5.parent))
+    assert type(loaded).__name__ == "GlmMoeDsaConfig" and loaded.qk_head_dim == 256
+    assert loaded.indexer_types == ["full", "full"] and loaded.mlp_layer_types == ["dense", "sparse"]
+
+
+# --- command lines ----------------------------------------------------------------------------------
+
+
+def test_each_matrix_server_gets_its_flags_and_its_twin_the_same(tmp_path: Path) -> None:
+    for c in md.DESIGN:
+        args = proc.server_args(md.spec(c, "plugin", 0.09, 8300, 512), tmp_path)
+        assert args[args.index("--max-num-seqs") + 1] == str(c.max_num_seqs)
+        assert ("--enforce-eager" in args) is (not c.cuda_graphs)
+        assert ("--no-enable-chunked-prefill" in args) is (not c.chunked_prefill)
+        assert ("--enable-prefix-caching" in args) is c.prefix_caching is ("--no-enable-prefix-caching" not in args)
+        mnbt = int(args[args.index("--max-num-batched-tokens") + 1])
+        assert mnbt == (32768 if c.chunked_prefill else 70000) and int(args[args.index("--max-model-len") + 1]) == 70000
+        spec = json.loads(args[args.index("--speculative-config") + 1]) if c.mtp else None
+        assert spec == ({"method": "mtp", "num_speculative_tokens": c.mtp} if c.mtp else None)
+        stock = proc.server_args(md.spec(c, "stock", 0.09, 8320, None), tmp_path)
+        assert args[args.index("--attention-backend") + 1] == "CUSTOM"
+        assert stock[stock.index("--attention-backend") + 1] == "FLASHMLA_SPARSE"
+        assert [a for a in stock if a not in ("FLASHMLA_SPARSE", "8320")] == [a for a in args if a not in ("CUSTOM", "8300")]
+        folder = md.model_source(c, tmp_path)  # MTP: a copy with one MTP layer
+        assert json.loads((folder / "config.json").read_text())["num_nextn_predict_layers"] == (1 if c.mtp else 0)
+        assert (folder == md.MODELS[c.model]) is (not c.mtp)
+    by_name = {c.name: c for c in md.DESIGN}
+    assert md.util_for(by_name["s4"], 0.09) == 0.12 and md.util_for(by_name["s3"], 0.09) == 0.16
+    assert model_variant(md.MODELS["glm5"], tmp_path, mtp_layers=1).name == "tiny-glm5-1mtp"
+    assert md.gpus_of(["s1", "s2", "s3"], 2) == {"s1": 0, "s2": 1, "s3": 0}
+    assert md.gpus_of(["s1"], 1) == {"s1": None}
+
+
+def test_server_environment() -> None:
+    base = {"PYTHONPATH": "/tmp/site", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", REPLACE_VAR: "1",
+            "MLA_PLANNER_SCRATCH_MB": "64", "PATH": "/bin"}
+    stock = proc.server_env(proc.ServerSpec("stock", 0.9, 1, scratch_mb=None), base)
+    plugin = proc.server_env(proc.ServerSpec("plugin", 0.9, 1, scratch_mb=2048, gpu=3), base)
+    for env in (stock, plugin):
+        assert env["PYTHONPATH"] == "/tmp/site" and env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
+        assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and env["CUDA_HOME"] == "/usr/local/cuda"
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and REPLACE_VAR not in env
+    assert "MLA_PLANNER_SCRATCH_MB" not in stock and plugin["MLA_PLANNER_SCRATCH_MB"] == "2048"
+    assert "CUDA_VISIBLE_DEVICES" not in stock and plugin["CUDA_VISIBLE_DEVICES"] == "3"
+    cmd = proc.server_command(proc.ServerSpec("plugin", 0.95, 8100), Path("/m"), "python3")
+    assert cmd[:5] == ["python3", "-m", "vllm.entrypoints.cli.main", "serve", "/m"]
+    assert "--enforce-eager" not in cmd and not any("force_mqa" in w for w in cmd)
+
 
 PARSE = """
 import json, sys
 from pathlib import Path
+from types import SimpleNamespace
 sys.path.insert(0, sys.argv[1])
-import serve_bench, serve_proc
+import matrix_design as md, serve_bench, serve_proc
 from vllm.platforms import current_platform
 # vLLM 0.26 infers a device type while it builds the serve parser and fails where there is none;
 # one is stood in here, in this process alone, so that the parser can be built on a CPU.
@@ -115,45 +216,74 @@ except ImportError:
 from vllm.benchmarks.serve import add_cli_args
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+from mla_planner.vllm_backend.vllm_api import give_mtp_draft_the_target_backend
+def engine_args(spec, model):
+    ns = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(serve_proc.server_args(spec, model))
+    ns.model = ns.model_tag  # what `vllm serve` does with its positional argument
+    return ns, AsyncEngineArgs.from_cli_args(ns)
+M = Path(sys.argv[2], "m")  # a folder that is there: offline, vLLM looks an absent one up on the Hub
+M.mkdir(exist_ok=True)
 out = {}
 for engine in ("stock", "plugin"):
-    spec = serve_proc.ServerSpec(engine, 0.45, 8200, 65536)
-    ns = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(serve_proc.server_args(spec, Path("/m")))
-    ns.model = ns.model_tag  # what `vllm serve` does with its positional argument
-    ea = AsyncEngineArgs.from_cli_args(ns)
+    ns, ea = engine_args(serve_proc.ServerSpec(engine, 0.45, 8200, 65536), M)
     out[engine] = {k: str(getattr(ea, k)) for k in ("model", "tokenizer", "load_format", "kv_cache_dtype", "block_size",
         "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching", "seed",
         "attention_backend", "enforce_eager", "served_model_name", "generation_config")}
-    out[engine]["force_mqa"] = ea.attention_config.sparse_mla_force_mqa
-    out[engine].update(port=ns.port, host=ns.host, access_log_off=ns.disable_uvicorn_access_log)
-    out[engine]["tp"] = ns.tensor_parallel_size
-    out[engine]["iterations"] = ea.enable_logging_iteration_details
-tp_spec = serve_proc.ServerSpec("plugin", 0.95, 8201, tp=2, log_iterations=True)
-ns = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(serve_proc.server_args(tp_spec, Path("/m")))
-ns.model = ns.model_tag
-out["tp2"] = [ns.tensor_parallel_size, AsyncEngineArgs.from_cli_args(ns).enable_logging_iteration_details]
+    out[engine].update(force_mqa=ea.attention_config.sparse_mla_force_mqa, port=ns.port, host=ns.host,
+                       access_log_off=ns.disable_uvicorn_access_log, tp=ns.tensor_parallel_size,
+                       iterations=ea.enable_logging_iteration_details)
+ns, ea = engine_args(serve_proc.ServerSpec("plugin", 0.95, 8201, tp=2, log_iterations=True), M)
+out["tp2"] = [ns.tensor_parallel_size, ea.enable_logging_iteration_details]
 parser = FlexibleArgumentParser()
 add_cli_args(parser)
 for client in sum(serve_bench.WORKLOADS.values(), ()):
-    cmd = serve_bench.bench_command(client, python="python3", base_url="http://127.0.0.1:8200", tokenizer=Path("/m"),
+    cmd = serve_bench.bench_command(client, python="python3", base_url="http://127.0.0.1:8200", tokenizer=M,
                                     seed=7, result=Path("/r/x.json"), metadata={"engine": "plugin"})
     b = parser.parse_args(cmd[cmd.index("serve") + 1:])
     out[client.label] = {k: getattr(b, k) for k in ("backend", "base_url", "model", "tokenizer", "dataset_name",
         "random_input_len", "random_output_len", "random_range_ratio", "num_prompts", "max_concurrency", "seed",
         "ignore_eos", "temperature", "num_warmups", "percentile_metrics", "metric_percentiles", "save_result",
         "result_dir", "result_filename", "metadata", "endpoint")}
-print("RESULT " + json.dumps(out))
+for config in md.DESIGN:  # the matrix's servers into vLLM's engine config (no GPU)
+    model = md.model_source(config, Path(sys.argv[2]))
+    for engine in ("plugin", "stock"):
+        _, ea = engine_args(md.spec(config, engine, 0.09, 8300, 512 if engine == "plugin" else None), model)
+        got = {"backend": str(ea.attention_backend), "max_num_seqs": ea.max_num_seqs, "eager": ea.enforce_eager}
+        if engine == "plugin":
+            vc = ea.create_engine_config()
+            sc = vc.speculative_config
+            got.update(arch=vc.model_config.architectures[0], heads=vc.model_config.get_num_attention_heads(
+                vc.parallel_config), spec_tokens=sc.num_speculative_tokens if sc else 0,
+                draft=sc.draft_model_config.architectures[0] if sc else None,
+                chunked=vc.scheduler_config.enable_chunked_prefill, mnbt=vc.scheduler_config.max_num_batched_tokens,
+                prefix=vc.cache_config.enable_prefix_caching, kv=vc.cache_config.cache_dtype,
+                max_model_len=vc.model_config.max_model_len)
+            if sc:  # the draft's attention backend as vLLM's model runners build it, after the plugin's start-up
+                got.update(draft_named=give_mtp_draft_the_target_backend(vc)[1], draft_v1=str(
+                    SpecDecodeBaseProposer._create_draft_vllm_config(SimpleNamespace(speculative_config=sc,
+                                                                                     vllm_config=vc))
+                    .attention_config.backend))
+                if hasattr(sc, "apply_draft_overrides"):  # 0.33's V2 runner
+                    got.update(draft_v2=str(sc.apply_draft_overrides(vc).attention_config.backend))
+        out[config.name + "-" + engine] = got
+print("RESULT " + json.dumps(out, default=str))
 """
 
 
-def test_server_and_bench_command_lines_parse_with_vllms_parsers() -> None:
+def test_command_lines_parse_with_vllms_parsers(tmp_path: Path) -> None:
+    """Every server's flags through the installed vLLM's serve parser (the matrix's into its engine
+    config: the model config, the MTP draft, the scheduler and cache settings), and every bench
+    client's through its bench parser."""
     pytest.importorskip("vllm")
-    r = subprocess.run([sys.executable, "-c", PARSE, str(HERE)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", PARSE, str(HERE), str(tmp_path)], capture_output=True, text=True,
+                       timeout=300, env=with_env(HF_HUB_OFFLINE="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = json.loads(r.stdout.split("RESULT ", 1)[1])
+    m = str(tmp_path / "m")
     for engine, backend in (("stock", "FLASHMLA_SPARSE"), ("plugin", "CUSTOM")):
         s = got[engine]
-        assert s["attention_backend"].endswith(backend) and s["model"] == "/m" and s["tokenizer"] == "/m"
+        assert s["attention_backend"].endswith(backend) and s["model"] == m and s["tokenizer"] == m
         assert (s["load_format"], s["kv_cache_dtype"], s["block_size"]) == ("dummy", "fp8_ds_mla", "64")
         assert (s["max_model_len"], s["max_num_batched_tokens"], s["gpu_memory_utilization"]) == ("70000", "65536", "0.45")
         assert s["enable_prefix_caching"] == "False" and s["seed"] == "0" and s["generation_config"] == "vllm"
@@ -167,33 +297,37 @@ def test_server_and_bench_command_lines_parse_with_vllms_parsers() -> None:
     assert (long["backend"], long["dataset_name"], long["endpoint"]) == ("vllm", "random", "/v1/completions")
     assert (long["random_input_len"], long["random_output_len"], long["num_prompts"], long["max_concurrency"]) == \
         (32768, 16, 32, 16)
-    assert long["model"] == "tiny-deepseek-v32" and long["tokenizer"] == "/m" and long["seed"] == 7
+    assert long["model"] == "tiny-deepseek-v32" and long["tokenizer"] == m and long["seed"] == 7
     assert long["ignore_eos"] and long["temperature"] == 0 and long["save_result"] and long["num_warmups"] == 1
     assert (long["result_dir"], long["result_filename"], long["metadata"]) == ("/r", "x.json", ["engine=plugin"])
     assert (long["percentile_metrics"], long["metric_percentiles"]) == ("ttft,tpot,itl,e2el", "50,99")
     assert json.loads(doc["random_range_ratio"]) == {"input": 0.77, "output": 0.77} and doc["seed"] == 8
     assert got["chat"]["max_concurrency"] == 64 and got["chat"]["random_range_ratio"] == "0.0"
+    for c in md.DESIGN:
+        plugin, stock = got[f"{c.name}-plugin"], got[f"{c.name}-stock"]
+        assert plugin["backend"].endswith("CUSTOM") and stock["backend"].endswith("FLASHMLA_SPARSE")
+        assert plugin["max_num_seqs"] == stock["max_num_seqs"] == c.max_num_seqs
+        assert plugin["eager"] is stock["eager"] is (not c.cuda_graphs)
+        assert plugin["arch"] == {"v32": "DeepseekV32ForCausalLM", "glm5": "GlmMoeDsaForCausalLM"}[c.model]
+        assert plugin["heads"] == {"v32": 16, "glm5": 8}[c.model]
+        assert plugin["spec_tokens"] == c.mtp and (plugin["draft"] is None) is (c.mtp == 0)
+        assert plugin["chunked"] is c.chunked_prefill and plugin["prefix"] is c.prefix_caching
+        assert plugin["mnbt"] == md.mnbt(c) and plugin["max_model_len"] == 70000 and plugin["kv"] == "fp8_ds_mla"
+        if c.mtp:
+            # vLLM's V1 model runner (0.26's) gives the MTP draft an autoselected backend (stock's)
+            # unless the speculative config names one: the plugin's start-up names its own.
+            assert plugin["draft_named"] is True and plugin["draft_v1"].endswith("CUSTOM"), plugin
+            assert plugin.get("draft_v2", "CUSTOM").endswith("CUSTOM"), plugin
 
 
-def test_server_environment() -> None:
-    base = {"PYTHONPATH": "/tmp/site", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", REPLACE_VAR: "1",
-            "MLA_PLANNER_SCRATCH_MB": "64", "PATH": "/bin"}
-    stock = proc.server_env(proc.ServerSpec("stock", 0.9, 1, scratch_mb=None), base)
-    plugin = proc.server_env(proc.ServerSpec("plugin", 0.9, 1, scratch_mb=2048), base)
-    for env in (stock, plugin):
-        assert env["PYTHONPATH"] == "/tmp/site" and env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
-        assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and env["CUDA_HOME"] == "/usr/local/cuda"
-        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and REPLACE_VAR not in env
-    assert "MLA_PLANNER_SCRATCH_MB" not in stock and plugin["MLA_PLANNER_SCRATCH_MB"] == "2048"
-    cmd = proc.server_command(proc.ServerSpec("plugin", 0.95, 8100), Path("/m"), "python3")
-    assert cmd[:5] == ["python3", "-m", "vllm.entrypoints.cli.main", "serve", "/m"]
-    assert "--enforce-eager" not in cmd and not any("force_mqa" in w for w in cmd)
+# --- what a log says --------------------------------------------------------------------------------
 
 
-def test_log_facts_leave_the_stops_errors_apart() -> None:
+def test_what_a_log_says() -> None:
     """What the H200 logged for a stock server that served every request and was then stopped (vLLM
     0.33.0, shortened): the API server's EngineDeadError after the stop is not the engine's error, nor
-    is a line logged below ERROR that quotes one (the WARNING line, written for this test)."""
+    is a line logged below ERROR that quotes one (the WARNING line, written for this test); the
+    plugin's refusal names its minimum, its reservation and fallback lines are counted."""
     log = "\n".join([
         "(EngineCore pid=1021) INFO 12-01 15:09:10 [gpu_worker.py:436] Available KV cache memory: 45.52 GiB",
         "(EngineCore pid=1021) INFO 12-01 15:09:11 [kv_cache_utils.py:1687] GPU KV cache size: 31,008,592 tokens",
@@ -207,95 +341,140 @@ def test_log_facts_leave_the_stops_errors_apart() -> None:
     facts = proc.log_facts(log)
     assert (facts["kv_cache_memory_gib"], facts["kv_cache_tokens"]) == (45.52, 31008592)
     assert facts["error_count"] == {"CUDA out of memory": 1, "OutOfMemoryError": 1}
-    assert facts["error_lines_at_stop"] == 3
+    assert facts["first_errors"] == [log.splitlines()[2]]
     assert proc.log_facts(log.replace("[shutdown] ", ""))["error_count"]["EngineDeadError"] == 1
+    refused = ("(EngineCore pid=7) ERROR 12-03 10:00:01 [core.py:1] ValueError: mla-planner: MLA_PLANNER_SCRATCH_MB=64 "
+               "is below what one step of this engine can need (64 heads, 1024 sequences); set MLA_PLANNER_SCRATCH_MB=681 "
+               "or more")
+    line, minimum = proc.refusal("(EngineCore pid=7) INFO 12-03 10:00:00 [backend.py:1] mla-planner: else\n" + refused)
+    assert minimum == 681 and line == refused
+    assert proc.refusal("... set MLA_PLANNER_SCRATCH_MB=64.4 or more")[1] == 65  # MiB, rounded up
+    assert proc.refusal("ValueError: a budget of 64.0 MiB is below the 64.4 MiB ...") == (None, None)
+    assert proc.disturbed("AssertionError: Error in memory profiling. Initial free memory") is not None
+    assert proc.disturbed(refused) is None
+    facts = proc.log_facts("mla-planner: scratch reservation of 1,024 MiB handed to the kernels\nmla-planner: a step "
+                           "falls back to the bounded path: x\nmla-planner: a step falls back to the bounded path: y\n"
+                           "Traceback (most recent call last):\nValueError: decode query lengths must be one length\n"
+                           "[shutdown] EngineCore: trigger\nRuntimeError: after the stop")
+    assert (facts["reserved_mib"], facts["fallback_lines"], facts["planner_line_count"]) == (1024, 2, 3)
+    assert facts["first_errors"] == ["ValueError: decode query lengths must be one length"]
+    quoted = ("(APIServer pid=1) WARNING 12-03 19:33:10 [system_utils.py:299] Found ulimit of 20000 ... fd limit "
+              "errors like `OSError: [Errno 24] Too many open files`")
+    cause = "(EngineCore pid=2) ERROR 12-03 19:34:57 [core.py:1330] ValueError: No available memory for the cache blocks."
+    assert proc.log_facts(f"{quoted}\n{cause}")["first_errors"] == [cause]
+
+
+def test_chat_prompts() -> None:
+    prompts = chat_prompts(100)
+    assert len(prompts) == 100 and prompts == chat_prompts(100)  # the same for every server
+    prefix = prompts[0][0][:256]
+    assert all(ids[:256] == prefix for ids, _ in prompts)  # a shared prefix: prefix caching's hits
+    assert all(300 <= len(ids) <= 1100 and 16 <= m <= 256 for ids, m in prompts)
+    assert len({m for _, m in prompts}) > 50 and len({len(ids) for ids, _ in prompts}) > 50
 
 
 # --- the server's process --------------------------------------------------------------------------
 
 
-def fake_server(tmp_path: Path, model_dir: Path, wrap: str | None = None, **env: str) -> proc.Server:
+def fake_server(log: Path, model_dir: Path, wrap: str | None = None, **env: str) -> proc.Server:
     """A stand-in server on a free port; ``wrap``: a shell line around its command (``{cmd}``)."""
     spec = proc.ServerSpec("plugin", 0.9, proc.free_port())
     cmd = proc.server_command(spec, model_dir, sys.executable, fake=True)
     if wrap is not None:
         cmd = ["sh", "-c", wrap.format(cmd=" ".join(cmd))]
-    return proc.Server(spec, cmd, {**proc.server_env(spec), **env}, tmp_path / "server.log")
+    return proc.Server(spec, cmd, {**proc.server_env(spec), **env}, log)
 
 
-def test_health_wait_fails_fast_when_the_server_exits(tmp_path: Path, model_dir: Path) -> None:
-    server = fake_server(tmp_path, model_dir, FAKE_SERVE_EXIT_AT_START="1")
-    server.start()
-    t0 = time.monotonic()
-    result = server.wait_healthy(timeout_s=60)
-    assert result["status"] == "exited" and result["rc"] == 3 and time.monotonic() - t0 < 20
-    assert "fake start-up failure" in result["log_tail"] and server.log_text().startswith("$ ")
-    assert server.stop()["left_running"] is False
+def settled(server: proc.Server, limit_s: float) -> dict[str, Any]:
+    while (state := server.start_state(limit_s)) is None:
+        time.sleep(0.2)
+    return state
 
 
-def test_health_wait_times_out_then_stop_ends_the_group(tmp_path: Path, model_dir: Path) -> None:
-    server = fake_server(tmp_path, model_dir, FAKE_SERVE_START_S="60")
-    server.start()
-    result = server.wait_healthy(timeout_s=1.5, poll_s=0.2)
-    assert result["status"] == "timeout" and server.alive() and server.health() is None
-    stopped = server.stop()
-    assert not server.alive() and stopped["alive_at_stop"] and not stopped["left_running"]
+def test_a_start_settles_when_the_server_exits_or_its_limit_passes(tmp_path: Path, model_dir: Path) -> None:
+    exits = fake_server(tmp_path / "exits.log", model_dir, FAKE_SERVE_EXIT_AT_START="1")
+    exits.start()
+    state = settled(exits, 60)
+    assert state["status"] == "exited" and state["rc"] == 3 and state["elapsed_s"] < 20
+    assert "fake start-up failure" in state["log_tail"] and exits.log_text().startswith("$ ")
+    assert exits.stop()["left_running"] is False
+    slow = fake_server(tmp_path / "slow.log", model_dir, FAKE_SERVE_START_S="60")
+    slow.start()
+    assert settled(slow, 1.5)["status"] == "timeout" and slow.alive() and slow.health() is None
+    stopped = slow.stop()
+    assert not slow.alive() and stopped["alive_at_stop"] and not stopped["left_running"]
 
 
 def test_stop_kills_every_process_of_the_server_even_one_ignoring_sigterm(tmp_path: Path, model_dir: Path) -> None:
     """The engine process stand-in (a ``sleep`` that ignores SIGTERM) is in the server's group."""
-    server = fake_server(tmp_path, model_dir, "trap '' TERM; sleep 300 & exec {cmd}")
+    server = fake_server(tmp_path / "server.log", model_dir, "trap '' TERM; sleep 300 & exec {cmd}")
     server.start()
-    assert server.wait_healthy(timeout_s=30)["status"] == "ok" and server.health() == 200
+    assert settled(server, 30)["status"] == "ok" and server.health() == 200
     pids = proc.group_pids(server.pid or 0)
     assert len(pids) == 2 and server.pid in pids
     stopped = server.stop(grace_s=1)
     assert stopped["forced"] and not stopped["left_running"] and proc.group_pids(server.pid or 0) == []
 
 
-def wait_for(predicate: Any, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.2)
-
-
-def soak_server_pid(out: Path) -> int | None:
-    try:
-        data = json.loads((out / "soak-plugin.json").read_text())
-    except (OSError, ValueError):
-        return None
-    server = data.get("server") or {}
-    return server.get("pid") if server.get("startup", {}).get("status") == "ok" else None
-
-
-@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"])
-def test_no_server_outlives_the_driver(tmp_path: Path, how: signal.Signals) -> None:
-    """SIGTERM and Ctrl-C: the driver stops its server on the way out. SIGKILL: the server's group
-    leader gets SIGTERM from the kernel (PR_SET_PDEATHSIG)."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, str(HERE / "run_serve.py"), "--phase", "soak", "--soak-s", "300", "--out", str(out),
-           "--port-base", "0", "--fake-server", "--fake-bench"]
-    log = tmp_path / "driver.log"
-    with log.open("w") as f:
-        driver_proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=fake_nvidia_smi(tmp_path / "bin"))
-    try:
-        wait_for(lambda: soak_server_pid(out) is not None)
-        pid = soak_server_pid(out) or 0
-        assert proc.group_pids(pid) == [pid]
-        driver_proc.send_signal(how)
+def processes_of(folder: Path) -> list[int]:
+    """Live processes whose command line names ``folder`` (the servers of a run there)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            driver_proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the driver did not end: {log.read_text()[-3000:]}")
-        wait_for(lambda: proc.group_pids(pid) == [], timeout_s=30)
+            if str(folder) in cmdline.read_bytes().decode(errors="replace") and \
+                    Path(cmdline.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def started(out: Path, phase: str) -> bool:
+    """The soak's server is up; the matrix's s2 has started (``load``: its 32K request too)."""
+    try:
+        if phase == "soak":
+            return bool(results(out, "soak-plugin.json")["server"]["startup"]["status"] == "ok")
+        s2 = results(out, "matrix.json")["servers"]["s2"]
+        return "32k" in (s2.get("phases") or {}) if phase == "load" else (out / "logs" / "s2.log").is_file()
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+@pytest.mark.parametrize("phase,how", [("soak", signal.SIGTERM), ("soak", signal.SIGINT), ("soak", signal.SIGKILL),
+                                       ("starting", signal.SIGTERM), ("load", signal.SIGTERM)])
+def test_no_server_outlives_a_stopped_driver(tmp_path: Path, phase: str, how: signal.Signals) -> None:
+    """SIGTERM and Ctrl-C: the driver stops its servers on the way out (a soak's; the matrix's while
+    it starts them, or during the load on its threads, the requests hanging). SIGKILL: the server's
+    group leader gets SIGTERM from the kernel (PR_SET_PDEATHSIG)."""
+    out = tmp_path / "out"
+    if phase == "soak":
+        args, env = ["--phase", "soak", "--soak-s", "300", "--fake-bench"], fake_nvidia_smi(tmp_path / "bin")
+    else:
+        args = ["--phase", "matrix", "--servers", "s2,s4", "--request-timeout-s", "120"]
+        env = with_env(FAKE_SERVE_START_S="60") if phase == "starting" else with_env(FAKE_SERVE_HANG_OVER="20000")
+    cmd = [sys.executable, str(HERE / "run_serve.py"), "--out", str(out), "--port-base", "0", "--fake-server", *args]
+    with (tmp_path / "driver.log").open("w") as log:
+        running = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not started(out, phase):
+            assert time.monotonic() < deadline and running.poll() is None, (tmp_path / "driver.log").read_text()
+            time.sleep(0.2)
+        assert processes_of(out)
+        running.send_signal(how)
+        running.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while processes_of(out):
+            assert time.monotonic() < deadline, processes_of(out)
+            time.sleep(0.2)
     finally:
-        if driver_proc.poll() is None:
-            driver_proc.kill()
-    if how != signal.SIGKILL:
-        data = json.loads((out / "soak-plugin.json").read_text())
-        assert "stop" in data["server"], log.read_text()[-3000:]
-        assert data["server"]["stop"]["left_running"] is False and data["server"]["alive_at_end"] is True
+        if running.poll() is None:
+            running.kill()
+    if phase == "soak" and how != signal.SIGKILL:
+        server = results(out, "soak-plugin.json")["server"]
+        assert server["stop"]["left_running"] is False and server["alive_at_end"] is True
+    elif phase != "soak":
+        assert results(out, "matrix.json")["finished"] is False
 
 
 # --- the phases on stand-ins -----------------------------------------------------------------------
@@ -305,55 +484,40 @@ def test_boundary_phase(tmp_path: Path) -> None:
     for engine in ("plugin", "stock"):
         r = driver(tmp_path, "--phase", "boundary", "--engine", engine)
         assert r.returncode == 0, r.stdout + r.stderr
-    plugin = json.loads((tmp_path / "boundary-plugin.json").read_text())
+    plugin = results(tmp_path, "boundary-plugin.json")
     assert plugin["finished"] and [s["mnbt"] for s in plugin["servers"]] == [32768, 65536]
     for s in plugin["servers"]:
         assert list(s["cases"]) == s["case_order"] and s["alive_at_end"] and s["planner_lines"]
         for case, result in s["cases"].items():
             assert result["status"] == "ok" and result["health_after"] == 200, (case, result)
             assert [q["prompt_tokens"] for q in result["requests"]] == CASE_PROMPTS[case]
-    stock = json.loads((tmp_path / "boundary-stock.json").read_text())
-    first = stock["servers"][0]
+    first = results(tmp_path, "boundary-stock.json")["servers"][0]
     assert first["cases"]["1"]["status"] == "error" and first["cases"]["1"]["health_after"] is None
     assert first["cases"]["2"] == {"status": "not run", "error": "server process exited"}
-    assert not first["alive_at_end"] and "CUDA out of memory" in first["errors"] and not first["planner_lines"]
-    md = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert "boundary (plugin, util 0.95): every case finished" in md
-    assert "boundary (stock, util 0.95): not finished: case 1 (32768), 2 (32768), 5 (32768), 4 (65536), 5 (65536)" in md
-    assert "| boundary-stock-32k | 2: eight heterogeneous prompts, 32,764 tokens | not run: server process exited |" in md
+    assert not first["alive_at_end"] and "CUDA out of memory" in first["error_count"] and not first["planner_lines"]
+    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "boundary (plugin, util 0.95): every case finished" in md_text
+    assert "boundary (stock, util 0.95): not finished: case 1 (32768), 2 (32768), 5 (32768), 4 (65536), 5 (65536)" \
+        in md_text
+    assert "| boundary-stock-32k | 2: eight heterogeneous prompts, 32,764 tokens | not run: server process exited |" \
+        in md_text
 
 
-def test_tensor_parallel_servers_get_the_scaled_model(tmp_path: Path) -> None:
-    """--tp 2 --heads 32: every server is started with --tensor-parallel-size 2 on a copy of the model
-    with 32 attention heads (16 per rank), tokenizer beside it."""
-    r = driver(tmp_path, "--phase", "boundary", "--tp", "2", "--heads", "32")
+def test_servers_get_the_scaled_model(tmp_path: Path) -> None:
+    """--tp 2 --heads 32 --layers 8: every server is started with --tensor-parallel-size 2 on a copy
+    of the model with 32 attention heads (16 per rank) and 8 hidden layers, nothing else changed, its
+    tokenizer beside it; the report says which model ran."""
+    r = driver(tmp_path, "--phase", "boundary", "--tp", "2", "--heads", "32", "--layers", "8")
     assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads((tmp_path / "boundary-plugin.json").read_text())
-    for server in data["servers"]:
+    original = json.loads((MODEL_DIR / "config.json").read_text())
+    for server in results(tmp_path, "boundary-plugin.json")["servers"]:
         cmd = server["cmd"]
         assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
         model = Path(cmd[cmd.index("serve") + 1])
-        assert json.loads((model / "config.json").read_text())["num_attention_heads"] == 32
-        assert (model / "tokenizer.json").is_file()
-    r = driver(tmp_path, "--phase", "boundary", "--tp", "0")
-    assert r.returncode == 2 and "--tp, --heads and --layers must be at least 1" in r.stderr
-
-
-def test_layers_give_the_servers_a_deeper_model(tmp_path: Path) -> None:
-    """--layers 8: every server loads a copy of the model with 8 hidden layers, nothing else changed,
-    and the report says which model ran."""
-    r = driver(tmp_path, "--phase", "boundary", "--layers", "8")
-    assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads((tmp_path / "boundary-plugin.json").read_text())
-    original = json.loads((MODEL_DIR / "config.json").read_text())
-    for server in data["servers"]:
-        cmd = server["cmd"]
-        model = Path(cmd[cmd.index("serve") + 1])
-        assert model.name == "tiny-deepseek-v32-8l"
-        assert json.loads((model / "config.json").read_text()) == {**original, "num_hidden_layers": 8}
-    assert "8 hidden layers" in (tmp_path / serve_report.REPORT_MD).read_text()
-    r = driver(tmp_path, "--phase", "boundary", "--layers", "0")
-    assert r.returncode == 2 and "--tp, --heads and --layers must be at least 1" in r.stderr
+        assert model.name == "tiny-deepseek-v32-32h-8l" and (model / "tokenizer.json").is_file()
+        assert json.loads((model / "config.json").read_text()) == {**original, "num_attention_heads": 32,
+                                                                   "num_hidden_layers": 8}
+    assert "dummy weights, 8 hidden layers, 32 attention heads" in (tmp_path / serve_report.REPORT_MD).read_text()
 
 
 def test_a_phase_file_holds_one_model(tmp_path: Path) -> None:
@@ -370,34 +534,34 @@ def test_a_phase_file_holds_one_model(tmp_path: Path) -> None:
 def test_failrate_phase(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "failrate", "--failrate-n", "2")
     assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads((tmp_path / "failrate-stock.json").read_text())
+    data = results(tmp_path, "failrate-stock.json")
     assert [t["util"] for t in data["trials"]] == [0.9, 0.95, 0.9, 0.95]  # interleaved
     for t in data["trials"]:
         assert t["server"]["stop"]["left_running"] is False
         assert (t["status"], t["engine_died"], t["oom_in_log"]) == (("ok", False, False) if t["util"] == 0.9
                                                                     else ("error", True, True))
-    md = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert "failrate (stock) at 0.9: 0 of 2 failed (0 at start-up, 0 on the 32K prompt), engine died in 0" in md
-    assert "failrate (stock) at 0.95: 2 of 2 failed (0 at start-up, 2 on the 32K prompt), engine died in 2" in md
-    assert "| 0.95 | 2 | 0 | 0 | 2 | 2 | 2 | HTTP 500:" in md
+    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "failrate (stock) at 0.9: 0 of 2 failed (0 at start-up, 0 on the 32K prompt), engine died in 0" in md_text
+    assert "failrate (stock) at 0.95: 2 of 2 failed (0 at start-up, 2 on the 32K prompt), engine died in 2" in md_text
+    assert "| 0.95 | 2 | 0 | 0 | 2 | 2 | 2 | HTTP 500:" in md_text
     # adds to it; this server fails its start-up (stock vLLM 0.33 at 0.95 on the H200 did, every time)
     r = driver(tmp_path, "--phase", "failrate", "--failrate-n", "1", "--failrate-utils", "0.95",
-               env=dict(os.environ, FAKE_SERVE_EXIT_AT_START="1"))
+               env=with_env(FAKE_SERVE_EXIT_AT_START="1"))
     assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads((tmp_path / "failrate-stock.json").read_text())
+    data = results(tmp_path, "failrate-stock.json")
     assert [t["label"] for t in data["trials"]][-2:] == ["failrate-stock-0.95-c1-2", "failrate-stock-0.95-c2-1"]
     last = data["trials"][-1]
     assert (last["status"], last["engine_died"], last["oom_in_log"]) == ("startup failed", None, True)
-    md = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert "failrate (stock) at 0.95: 3 of 3 failed (1 at start-up, 2 on the 32K prompt), engine died in 2" in md
-    assert "| 0.95 | 3 | 0 | 1 | 2 | 2 | 3 | HTTP 500:" in md
+    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "failrate (stock) at 0.95: 3 of 3 failed (1 at start-up, 2 on the 32K prompt), engine died in 2" in md_text
+    assert "| 0.95 | 3 | 0 | 1 | 2 | 2 | 3 | HTTP 500:" in md_text
 
 
 def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ab0-r1-long-stock: 32 done, 0 failed" in r.stdout
-    data = json.loads((tmp_path / "ab.json").read_text())
+    data = results(tmp_path, "ab.json")
     order = [(run["repeat"], run["workload"], run["engine"]) for run in data["runs"]]
     # a warm-up round (repeat None), then stock first in repeat 1 and the plugin first in repeat 2:
     # a drift over the call favours neither
@@ -405,88 +569,67 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
                      for e in (("plugin", "stock") if rep == 2 else ("stock", "plugin"))]
     assert [run["warmup"] for run in data["runs"]] == [True] * 6 + [False] * 12
     assert data["runs"][0]["tag"] == "ab0-w1-long-stock" and data["runs"][6]["tag"] == "ab0-r1-long-stock"
-    seeds: dict[tuple[int, str], set[int]] = {(run["repeat"], run["workload"]): set() for run in data["runs"]}
-    for run in data["runs"]:
-        seeds[(run["repeat"], run["workload"])].add(run["seed"])
-        assert run["status"] == "ok" and run["healthy_after"]
-    assert all(len(s) == 1 for s in seeds.values()) and len({min(s) for s in seeds.values()}) == 9
+    # the seeds the recorded runs drew: 1000 + 100 x repeat + 10 x the workload's place in serve_bench
+    assert [run["seed"] for run in data["runs"][::2]] == [900, 910, 920, 1000, 1010, 1020, 1100, 1110, 1120]
+    assert all(run["status"] == "ok" and run["healthy_after"] for run in data["runs"])
     mix = data["runs"][10]
     assert mix["workload"] == "mix" and set(mix["clients"]) == {"mix-chat", "mix-doc"} and mix["combined"]["completed"] == 64 + 24
-    servers = data["calls"][0]["servers"]
-    assert [s["stop"]["left_running"] for s in servers.values()] == [False, False]
-    md = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert "chat: plugin/stock total tokens/s 1.24" in md  # the stand-in's plugin is 1.25x faster
-    assert "ab servers at util 0.4: KV cache stock 60.00 GiB, plugin 59.00 GiB (stock − plugin 1,024 MiB)" in md
-    assert "| combined | plugin/stock | – | – | – | – | 1.24" in md
-    assert "Median over repeats (2 stock, 2 plugin finished; seeds [1020, 1120]" in md  # not the warm-up's 920
-    assert "Warm-up rounds, not in the medians (combined): stock " in md
+    assert [s["stop"]["left_running"] for s in data["calls"][0]["servers"].values()] == [False, False]
+    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "chat: plugin/stock total tokens/s 1.24" in md_text  # the stand-in's plugin is 1.25x faster
+    assert "ab servers at util 0.4: KV cache stock 60.00 GiB, plugin 59.00 GiB (stock − plugin 1,024 MiB)" in md_text
+    assert "| combined | plugin/stock | – | – | – | – | 1.24" in md_text
+    assert "Median over repeats (2 stock, 2 plugin finished; seeds [1020, 1120]" in md_text  # not the warm-up's 920
+    assert "Warm-up rounds, not in the medians (combined): stock " in md_text
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "1", "--workloads", "long",
                "--warmup-rounds", "0")
     assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads((tmp_path / "ab.json").read_text())
+    data = results(tmp_path, "ab.json")
     assert [(run["call"], run["workload"]) for run in data["runs"]].count((1, "long")) == 2
     assert {run["workload"] for run in data["runs"] if run["call"] == 0} == {"chat", "mix"}
 
 
 def test_ab_at_once_runs_both_engines_together(tmp_path: Path) -> None:
-    """--at-once chat: a repeat's two chat runs start together and overlap, share one window, and the
-    report pairs them as runs at the same time; mix's go one after the other, as without it."""
-    env = dict(os.environ, FAKE_BENCH_HOLD_S="0.5")
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat,mix", "--repeats", "2",
-               "--at-once", "chat", env=env)
+    """--at-once chat,mix: a repeat's two runs of each start together and overlap (mix: all four
+    clients), share one window, and the report pairs them as runs at the same time; long's go one
+    after the other, as without it."""
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat,mix,long", "--repeats", "1",
+               "--at-once", "chat,mix", env=with_env(FAKE_BENCH_HOLD_S="0.5"))
     assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads((tmp_path / "ab.json").read_text())
-    assert data["calls"][0]["at_once"] == ["chat"]
+    data = results(tmp_path, "ab.json")
+    assert data["calls"][0]["at_once"] == ["chat", "mix"]
     runs = data["runs"]
-    assert [(run["repeat"], run["workload"]) for run in runs][::2] == [(None, "chat"), (None, "mix"), (1, "chat"),
-                                                                        (1, "mix"), (2, "chat"), (2, "mix")]
+    assert [(run["repeat"], run["workload"]) for run in runs][::2] == [(None, "chat"), (None, "mix"), (None, "long"),
+                                                                        (1, "chat"), (1, "mix"), (1, "long")]
 
     def spans(run: dict[str, Any]) -> list[list[float]]:
-        return [json.loads((tmp_path / "bench" / f"{run['tag']}-{label}.json").read_text())["fake_span"]
-                for label in run["clients"]]
+        return [results(tmp_path / "bench", f"{run['tag']}-{label}.json")["fake_span"] for label in run["clients"]]
 
     for first, second in zip(runs[::2], runs[1::2]):
         assert first["seed"] == second["seed"] and first["status"] == second["status"] == "ok"
         both = spans(first) + spans(second)
-        if first["workload"] == "chat":
-            assert first.get("at_once") and second.get("at_once") and first["window"] == second["window"]
-            assert max(s[0] for s in both) < min(s[1] for s in both)  # every client of both engines at once
+        if first["workload"] != "long":  # every client of both engines at once
+            assert first["at_once"] and second["at_once"] and first["window"] == second["window"]
+            assert len(both) == (4 if first["workload"] == "mix" else 2)
+            assert max(s[0] for s in both) < min(s[1] for s in both)
         else:
-            assert not first.get("at_once") and max(s[1] for s in spans(first)) <= min(s[0] for s in spans(second))
-    md = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert "chat: plugin/stock total tokens/s per repeat, median " in md and "(2 pairs, " in md
-    assert "Plugin/stock TPOT p50 per repeat (same seed, at the same time): " in md
-    assert "Plugin/stock total tokens/s per repeat (same seed, back to back): " in md  # mix
-    r = driver(tmp_path / "all", "--phase", "ab", "--fake-bench", "--workloads", "chat", "--repeats", "1",
-               "--warmup-rounds", "0", "--at-once")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert json.loads((tmp_path / "all" / "ab.json").read_text())["calls"][0]["at_once"] == ["chat"]
+            assert not first["at_once"] and max(s[1] for s in spans(first)) <= min(s[0] for s in spans(second))
+    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "chat: plugin/stock total tokens/s per repeat, median " in md_text
+    assert "Plugin/stock TPOT p50 per repeat (same seed, at the same time): " in md_text
+    assert "Plugin/stock total tokens/s per repeat (same seed, back to back): " in md_text  # long
 
 
-def test_ab_at_once_runs_all_four_mix_clients_together(tmp_path: Path) -> None:
-    """--at-once on mix: both engines' two clients (mix-chat, mix-doc) of a repeat run at once."""
-    env = dict(os.environ, FAKE_BENCH_HOLD_S="0.5")
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "mix", "--repeats", "1",
-               "--warmup-rounds", "0", "--at-once", env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads((tmp_path / "ab.json").read_text())
-    assert data["calls"][0]["at_once"] == ["mix"]
-    runs = data["runs"]
-    assert sorted(run["engine"] for run in runs) == ["plugin", "stock"] and all(run["at_once"] for run in runs)
-    spans = [json.loads((tmp_path / "bench" / f"{run['tag']}-{label}.json").read_text())["fake_span"]
-             for run in runs for label in run["clients"]]
-    assert len(spans) == 4 and max(s[0] for s in spans) < min(s[1] for s in spans)
-    assert runs[0]["window"] == runs[1]["window"]
-    md = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert "Plugin/stock total tokens/s per repeat (same seed, at the same time): " in md
-
-
-def test_ab_at_once_runs_neither_when_one_cannot(tmp_path: Path) -> None:
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat", "--repeats", "1", "--at-once",
+def test_ab_deadline_leaves_runs_not_run(tmp_path: Path) -> None:
+    """Too little time left: no run starts, and a pair at once runs neither when one cannot."""
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat,long", "--repeats", "1", "--at-once",
                "chat", "--deadline-s", "30")
     assert r.returncode == 0, r.stdout + r.stderr
-    runs = json.loads((tmp_path / "ab.json").read_text())["runs"]
-    assert {run["status"] for run in runs} == {"not run"} and all("deadline" in run["error"] for run in runs)
+    data = results(tmp_path, "ab.json")
+    assert data["finished"] and {run["status"] for run in data["runs"]} == {"not run"}
+    assert all("deadline" in run["error"] for run in data["runs"])
+    assert "ab0-w1-chat-stock: not run: deadline" in r.stdout
+    assert "- ab0-r1-long-plugin: not run: deadline" in (tmp_path / serve_report.REPORT_MD).read_text()
 
 
 def test_ab_keeps_step_figures_of_the_runs_it_keeps(tmp_path: Path) -> None:
@@ -494,12 +637,11 @@ def test_ab_keeps_step_figures_of_the_runs_it_keeps(tmp_path: Path) -> None:
     workload replaces them with its runs."""
     config = tmp_path / "given-logging.json"
     config.write_text('{"version": 1}')  # given: the driver writes none of its own
-    env = dict(os.environ, VLLM_LOGGING_CONFIG_PATH=str(config))
     for _ in range(2):
         r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1",
-                   "--warmup-rounds", "0", "--log-iterations", env=env)
+                   "--warmup-rounds", "0", "--log-iterations", env=with_env(VLLM_LOGGING_CONFIG_PATH=str(config)))
         assert r.returncode == 0 and "servers log with millisecond stamps" not in r.stdout, r.stdout + r.stderr
-    data = json.loads((tmp_path / "ab.json").read_text())
+    data = results(tmp_path, "ab.json")
     assert "long" not in data["calls"][0]["steps"]  # its runs were replaced by the second call's
     assert "long" not in data["calls"][0]["step_pairs"] and data["calls"][1]["step_pairs"] == {"long": []}
     steps = data["calls"][1]["steps"]["long"]
@@ -509,24 +651,14 @@ def test_ab_keeps_step_figures_of_the_runs_it_keeps(tmp_path: Path) -> None:
 
 
 def test_ab_stops_when_a_server_does_not_start(tmp_path: Path) -> None:
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", env=dict(os.environ, FAKE_SERVE_EXIT_AT_START="1"))
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", env=with_env(FAKE_SERVE_EXIT_AT_START="1"))
     assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads((tmp_path / "ab.json").read_text())
+    data = results(tmp_path, "ab.json")
     assert data["runs"] == [] and list(data["calls"][0]["servers"]) == ["stock"]
     assert data["calls"][0]["servers"]["stock"]["startup"]["status"] == "exited"
-    md = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert "**ab call 0: stock server did not start: exited** (no bench run)" in md
-    assert "| ab0-stock | stock | 0.4 | 32768 | exited, " in md and "RuntimeError: fake start-up failure |" in md
-
-
-def test_ab_deadline_leaves_runs_not_run(tmp_path: Path) -> None:
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "1", "--deadline-s", "30")
-    assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads((tmp_path / "ab.json").read_text())
-    assert data["finished"] and {run["status"] for run in data["runs"]} == {"not run"}
-    assert "ab0-w1-long-stock: not run: deadline" in r.stdout
-    md = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert "- ab0-r1-mix-plugin: not run: deadline" in md
+    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "**ab call 0: stock server did not start: exited** (no bench run)" in md_text
+    assert "| ab0-stock | stock | 0.4 | 32768 | exited, " in md_text and "RuntimeError: fake start-up failure |" in md_text
 
 
 def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
@@ -539,7 +671,7 @@ def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
     # no VLLM_LOGGING_CONFIG_PATH given: the driver writes one with millisecond stamps for the servers
     assert f"servers log with millisecond stamps (VLLM_LOGGING_CONFIG_PATH={tmp_path / 'logging.json'})" in r.stdout
     assert "%(msecs)03d" in (tmp_path / "logging.json").read_text()
-    data = json.loads((tmp_path / "ab.json").read_text())
+    data = results(tmp_path, "ab.json")
     for run in data["runs"]:
         assert run["window"][0] < run["window"][1]  # stamps as vLLM's log lines have them
         result = run["clients"]["long"]["result"]
@@ -553,13 +685,10 @@ def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
         # one warm-up request and the two prompts, each exactly as long as asked
         assert log.count("completion request of 32768 prompt tokens") == log.count("completion request of") == 3
         assert "--enable-logging-iteration-details" in server["cmd"]
-    # each workload's timed runs from the two servers' iteration lines (the stand-in's: two a request)
-    compared = step_log.compare_ab(tmp_path)
-    assert compared[0] == "### call 0, long (2 timed runs)"
     # bench's warm-up request and the run's two, two steps each: bench warms up inside the run's window
-    assert "| steps | 6 | 6 |  |" in compared and "| other steps | 3 | 3 |  |" in compared
     steps = data["calls"][0]["steps"]["long"]  # kept in ab.json when the servers have stopped
     assert steps["stock"]["steps"] == steps["plugin"]["steps"] == 6
+    assert steps["stock"]["other_steps"] == 3
     # no run of three decode-only steps in the stand-in's lines: the report says so
     assert "- long, vLLM's iteration lines of the timed runs (call 0): too few steps to compare" in \
         (tmp_path / serve_report.REPORT_MD).read_text()
@@ -571,9 +700,10 @@ def test_soak_phase(tmp_path: Path) -> None:
                                             'echo $((1000 + 10 * n))')
     r = driver(tmp_path, "--phase", "soak", "--fake-bench", "--soak-s", "3", "--sample-s", "0.3", env=env)
     assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads((tmp_path / "soak-plugin.json").read_text())
+    data = results(tmp_path, "soak-plugin.json")
     assert data["finished"] and len(data["iterations"]) >= 2 and data["same_processes"]
     assert data["pids_at_start"] == [data["server"]["pid"]]
+    assert [i["seed"] for i in data["iterations"]][:2] == [1000, 1010]
     samples = data["samples"]
     assert len(samples) >= 5 and all(s["health"] == 200 and s["alive"] for s in samples)
     used = [s["used_mib"][0] for s in samples]
@@ -582,11 +712,11 @@ def test_soak_phase(tmp_path: Path) -> None:
     flat = serve_report.memory_flatness(samples, warm)
     after = [s["used_mib"][0] for s in samples if s["t_s"] >= warm]
     assert flat["spread_mib"] == max(after) - min(after) > 0
-    md = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert f"**max − min {flat['spread_mib']:,} MiB**" in md and "same processes" in md
+    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert f"**max − min {flat['spread_mib']:,} MiB**" in md_text and "same processes" in md_text
     assert all(s["processes"] == [[4242, 900]] for s in samples)
-    assert "| processes holding GPU memory (nvidia-smi) | at most 1 in a sample, 1 distinct pids |" in md
-    assert "| steps of 16 MiB or more between samples after warm-up | none |" in md  # 10 MiB a sample
+    assert "| processes holding GPU memory (nvidia-smi) | at most 1 in a sample, 1 distinct pids |" in md_text
+    assert "| steps of 16 MiB or more between samples after warm-up | none |" in md_text  # 10 MiB a sample
 
 
 def test_memory_steps_show_where_growth_stops() -> None:
@@ -602,34 +732,170 @@ def test_memory_steps_show_where_growth_stops() -> None:
     assert serve_report.settled(samples, 21.0) is None
 
 
-def test_soak_detaches_and_is_followed(tmp_path: Path) -> None:
-    env = fake_nvidia_smi(tmp_path / "bin")
-    r = driver(tmp_path, "--phase", "soak", "--fake-bench", "--detach", "--soak-s", "3", "--deadline-s", "1", env=env)
-    assert r.returncode == 0 and "still running" in r.stdout, r.stdout + r.stderr
-    pid = int((tmp_path / "soak-driver.pid").read_text())
-    r = driver(tmp_path, "--phase", "soak", "--follow", "--deadline-s", "120", env=env)
-    assert r.returncode == 0 and f"soak: finished (pid {pid} ended)" in r.stdout, r.stdout + r.stderr
-    assert "  | soak iteration 1" in r.stdout
-    data = json.loads((tmp_path / "soak-plugin.json").read_text())
-    assert data["finished"] and data["run"]["deadline_s"] > 600 and data["iterations"]
-
-
-def test_ab_detaches_and_is_followed(tmp_path: Path) -> None:
-    hold = dict(os.environ, FAKE_BENCH_HOLD_S="8")  # the phase outlasts the follower's first look, 5 s on
+def test_a_phase_detaches_and_is_followed(tmp_path: Path) -> None:
+    hold = with_env(FAKE_BENCH_HOLD_S="8")  # the phase outlasts the follower's first look, 5 s on
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1",
                "--warmup-rounds", "0", "--detach", "--deadline-s", "0.5", env=hold)
-    assert r.returncode == 0 and "ab: still running" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "ab: still running" in r.stdout and "with --phase ab --follow" in r.stdout, \
+        r.stdout + r.stderr
     pid = int((tmp_path / "ab-driver.pid").read_text())
     r = driver(tmp_path, "--phase", "ab", "--follow", "--deadline-s", "120")
     assert r.returncode == 0 and f"ab: finished (pid {pid} ended)" in r.stdout, r.stdout + r.stderr
-    data = json.loads((tmp_path / "ab.json").read_text())
+    assert "  | ab0-r1-long-plugin: 32 done" in r.stdout  # the detached driver's log, followed
+    data = results(tmp_path, "ab.json")
     assert data["finished"] and data["run"]["deadline_s"] == run_serve.DETACHED_DEADLINE_S
     assert [run["status"] for run in data["runs"]] == ["ok", "ok"]
     r = driver(tmp_path, "--phase", "boundary", "--follow", "--deadline-s", "1")
     assert r.returncode == 2 and "no detached boundary in" in r.stderr
 
 
-# --- the report ------------------------------------------------------------------------------------
+# --- the matrix on stand-ins -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """The whole design with stock twins, once, on the stand-in server (which answers /health 2 s
+    after its KV lines, as a server capturing CUDA graphs: staggered starts go on before that)."""
+    out = tmp_path_factory.mktemp("matrix")
+    return out, driver(out, "--phase", "matrix", "--stock-twins", env=with_env(FAKE_SERVE_START_S="2"))
+
+
+def test_the_whole_matrix_on_stand_ins(full_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, r = full_run
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    data = results(out, "matrix.json")
+    assert data["finished"] and data["coverage_gaps"] == [] and list(data["servers"]) == [c.name for c in md.DESIGN]
+    for name, rec in data["servers"].items():
+        plugin = rec["plugin"]
+        assert plugin["startup"]["status"] == "ok" and plugin["alive_at_end"] and plugin["health_at_end"] == 200, name
+        assert rec["twin"]["startup"]["status"] == "ok" and rec["twin"]["stop"]["alive_at_stop"]
+        assert rec["twin"]["kv_cache_memory_gib"] == 60.0
+        assert plugin["kv_cache_memory_gib"] == pytest.approx(60 - rec["scratch_mb"] / 1024, abs=0.005)
+        assert plugin["reserved_mib"] == rec["scratch_mb"] and plugin["first_errors"] == []
+        assert plugin["fallback_lines"] == (1 if rec["config"]["mtp"] else 0)
+        assert list(rec["phases"]) == ["chat", "32k", "eight", "64k"]
+        for key, result in rec["phases"].items():
+            assert result["status"] == "ok" and result["health_after"] == 200, (name, key, result)
+        assert rec["phases"]["chat"]["n_requests"] == rec["phases"]["chat"]["requests_ok"] == 100
+        assert [q["prompt_tokens"] for q in rec["phases"]["64k"]["requests"]] == CASE_PROMPTS["4"]
+        assert [q["prompt_tokens"] for q in rec["phases"]["eight"]["requests"]] == CASE_PROMPTS["2"]
+        cmd = plugin["cmd"]
+        assert cmd[cmd.index("--max-num-seqs") + 1] == str(rec["config"]["max_num_seqs"])
+        assert rec["twin"]["startup"]["until"] == "KV cache sized"  # stopped at its KV line, before /health
+    # staggered: each start once the one before has sized its KV cache, twin after its server
+    windows = sorted(w for rec in data["servers"].values() for w in (rec["plugin"]["window_s"],
+                                                                     rec["twin"]["window_s"]))
+    assert all(later[0] >= earlier[1] for earlier, later in zip(windows, windows[1:]))
+    order = sorted((rec[k]["window_s"][0], rec[k]["label"]) for rec in data["servers"].values() for k in ("plugin",
+                                                                                                         "twin"))
+    assert [label for _, label in order][:4] == ["s1", "s1-stock", "s2", "s2-stock"]
+    for name, rec in data["servers"].items():  # a twin, and a server with one, start once the one before is up
+        plugin_up = rec["plugin"]["window_s"][0] + rec["plugin"]["startup"]["elapsed_s"]
+        assert rec["twin"]["window_s"][0] >= plugin_up - 0.5, (name, rec["twin"]["window_s"], plugin_up)
+    # "min": refused at 64 MiB with the minimum (the stand-in's: 64 + max_num_seqs / 8), started again with it
+    for name, minimum in (("s3", 66), ("s5", 192)):
+        rec = data["servers"][name]
+        assert rec["probe"]["outcome"] == "refused" and rec["probe"]["min_mb"] == minimum == rec["scratch_mb"]
+        assert rec["probe"]["refusal_line"].endswith(f"set MLA_PLANNER_SCRATCH_MB={minimum} or more")
+        assert rec["probe"]["rc"] != 0 and rec["probe"]["startup"]["status"] == "exited"
+        assert f"budget {minimum} MiB (MLA_PLANNER_SCRATCH_MB)" in rec["plugin"]["planner_lines"][0]
+    assert data["servers"]["s5"]["plugin"]["cmd"][3].endswith("tiny-glm5-1mtp")  # [python, serve_fakes.py, serve, model
+    assert set(p.name for p in (out / "model").iterdir()) == {"tiny-deepseek-v32", "tiny-deepseek-v32-1mtp",
+                                                              "tiny-glm5-1mtp"}
+    md_text = (out / "matrix.md").read_text()
+    assert "| s3 | v32 | 2 | 16 | min → 66 | yes | **off** | **on** |" in md_text
+    assert "| 59.94 | 60.00 | -0.06 | 0.06 | 66 | 100/100 | 1/1 | 8/8 | 1/1 | 1 | yes |" in md_text
+    assert "| s4 | v32 | – | 128 | 4096 | eager | on | off |" in md_text and "| 56.00 | 60.00 | -4.00 | 4.00 | – |" in md_text
+    assert "Coverage: every value of every axis, and both required pairs" in md_text
+    assert "engines dead at the end: none; servers not up: none" in md_text
+    assert "refusal at 64 MiB: `mla_planner.engine_model.settings.SettingsError" in md_text
+    r = subprocess.run([sys.executable, str(HERE / "run_serve.py"), "--report-only", str(out)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == md_text + "\n", r.stderr
+    header = next(line for line in r.stdout.splitlines() if line.startswith("| server |"))
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| s") and line != header]
+    assert len(rows) == 6 and all(row.count(" | ") == header.count(" | ") for row in rows)
+
+
+def test_a_64_mib_start_that_comes_up_is_kept_and_dead_engines_are_reported(tmp_path: Path) -> None:
+    """s3's 64 MiB start comes up: 64 is its minimum and it is not started again. Both engines die on
+    the 64K prompt: the step failed, the engine dead, its first errors."""
+    r = driver(tmp_path, "--phase", "matrix", "--servers", "s3,s4",
+               env=with_env(FAKE_SERVE_MIN_MB="64", FAKE_SERVE_DIE_OVER="40000"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    servers = results(tmp_path, "matrix.json")["servers"]
+    s3 = servers["s3"]
+    assert s3["probe"]["outcome"] == "started" and s3["probe"]["min_mb"] == 64 == s3["scratch_mb"]
+    assert s3["plugin"]["label"] == "s3-min64" and not (tmp_path / "logs" / "s3.log").exists()  # not restarted
+    for rec in servers.values():
+        assert [rec["phases"][k]["status"] for k in ("chat", "32k", "eight", "64k")] == ["ok", "ok", "ok", "error"]
+        assert rec["phases"]["64k"]["health_after"] is None and not rec["plugin"]["alive_at_end"]
+        assert any("CUDA out of memory" in line for line in rec["plugin"]["first_errors"])
+    md_text = (tmp_path / "matrix.md").read_text()
+    assert "| min → 64 |" in md_text and "| 64 (64 started) |" in md_text
+    assert "**missing model='glm5'" in md_text  # two servers: the coverage gaps are said
+    assert "| 100/100 | 1/1 | 8/8 | 0/1, **1 failed** | 0 | **no** (after 64K) |" in md_text
+    assert "Phases with failed requests: 2; engines dead at the end: s3, s4;" in md_text
+    assert "- error: `torch.OutOfMemoryError: CUDA out of memory." in md_text
+
+
+def test_a_start_the_others_disturbed_is_retried_alone(tmp_path: Path) -> None:
+    r = driver(tmp_path, "--phase", "matrix", "--servers", "s2,s4", "--start", "together",
+               env=with_env(FAKE_SERVE_DISTURB_ONCE=str(tmp_path / "disturbed")))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    retried = [rec for rec in results(tmp_path, "matrix.json")["servers"].values() if rec.get("attempts")]
+    assert len(retried) == 1, r.stdout
+    rec = retried[0]
+    assert rec["attempts"][0]["startup"]["status"] == "exited"
+    assert "Error in memory profiling" in rec["attempts"][0]["first_errors"][0]
+    assert rec["plugin"]["startup"]["status"] == "ok" and rec["plugin"]["label"] == f"{rec['name']}-retry1"
+    assert all(result["status"] == "ok" for result in rec["phases"].values())
+    assert "(retry 1)" in r.stdout and "first start failed, retried alone: `AssertionError: Error in memory" in r.stdout
+
+
+def test_together_starts_every_server_at_once_and_stops_the_twins_after(tmp_path: Path) -> None:
+    r = driver(tmp_path, "--phase", "matrix", "--servers", "s1,s2,s4", "--stock-twins", "s1,s2", "--start", "together")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    servers = results(tmp_path, "matrix.json")["servers"]
+    assert "twin" not in servers.pop("s4") and not (tmp_path / "logs" / "s4-stock.log").exists()  # not named
+    records = [rec[k] for rec in servers.values() for k in ("plugin", "twin")]
+    assert max(rec["window_s"][0] for rec in records) < min(rec["window_s"][1] for rec in records)  # all at once
+    assert all(rec["twin"]["startup"]["status"] == "ok" and rec["twin"]["alive_at_end"] for rec in servers.values())
+    assert all(rec["phases"]["64k"]["status"] == "ok" for rec in servers.values())
+    assert "`--start together`" in r.stdout and "**All servers started at once**" in r.stdout
+
+
+def test_servers_spread_over_gpus_start_chained_on_each(tmp_path: Path) -> None:
+    """--gpus 2: servers round robin over two GPUs (CUDA_VISIBLE_DEVICES), each with its twin; each
+    GPU's starts one after the other (chained: the next once the server is up, its twin sized), the
+    two GPUs' side by side."""
+    r = driver(tmp_path, "--phase", "matrix", "--servers", "s1,s2,s3", "--gpus", "2", "--stock-twins", "--start",
+               "chained", env=with_env(FAKE_SERVE_START_S="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    servers = results(tmp_path, "matrix.json")["servers"]
+    for name, gpu in (("s1", 0), ("s2", 1), ("s3", 0)):
+        for log in (f"{name}.log", f"{name}-stock.log"):
+            assert f"CUDA_VISIBLE_DEVICES={gpu}" in (tmp_path / "logs" / log).read_text(), log
+    assert "CUDA_VISIBLE_DEVICES=0" in (tmp_path / "logs" / "s3-min64.log").read_text()
+    w = {rec[k]["label"]: rec[k]["window_s"] for rec in servers.values() for k in ("plugin", "twin")}
+    assert w["s1"][1] <= w["s1-stock"][0] and w["s1-stock"][1] <= w["s3"][0] and w["s3"][1] <= w["s3-stock"][0]
+    assert w["s2"][1] <= w["s2-stock"][0]
+    assert abs(w["s1"][0] - w["s2"][0]) < 1 and w["s2"][0] < w["s1"][1]  # the two GPUs side by side
+    assert all(rec["phases"]["64k"]["status"] == "ok" for rec in servers.values())
+
+
+def test_what_the_deadline_leaves_out_is_not_run(tmp_path: Path) -> None:
+    r = driver(tmp_path, "--phase", "matrix", "--servers", "s2,s3", "--stock-twins", "s2", "--deadline-s", "60")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]  # below a server's 120 s: nothing starts
+    servers = results(tmp_path, "matrix.json")["servers"]
+    assert servers["s3"]["probe"]["outcome"] == "not run" and servers["s2"]["plugin"]["startup"]["status"] == "not run"
+    assert servers["s2"]["twin"]["startup"]["status"] == "not run"
+    assert all(p["status"] == "not run" for rec in servers.values() for p in rec["phases"].values())
+    assert "| s2 | v32 | – | 1024 | 512 | yes | on | off | not run |" in r.stdout
+    assert "servers not up: s2, s3." in r.stdout and not (tmp_path / "logs").exists()
+
+
+# --- the reports ------------------------------------------------------------------------------------
 
 
 def bench_result(tok_s: float, ttft: float, failed: int = 0, tpot: float = 4.0) -> dict[str, Any]:
@@ -638,7 +904,7 @@ def bench_result(tok_s: float, ttft: float, failed: int = 0, tpot: float = 4.0) 
             "p50_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "p50_tpot_ms": tpot, "p99_tpot_ms": 8.0}
 
 
-def test_report_from_hand_made_results(tmp_path: Path) -> None:
+def test_serve_report_from_hand_made_results(tmp_path: Path) -> None:
     runs = []
     for rep, (s_tok, p_tok) in enumerate(((100.0, 130.0), (300.0, 330.0), (200.0, 260.0)), start=1):
         for engine, tok in (("stock", s_tok), ("plugin", p_tok)):
@@ -663,235 +929,31 @@ def test_report_from_hand_made_results(tmp_path: Path) -> None:
     (tmp_path / "boundary-plugin.json").write_text(json.dumps(boundary))
     (tmp_path / "notes.json").write_text("[1, 2]")  # not a phase file: ignored
     assert run_serve.main(["--report-only", str(tmp_path)]) == 0
-    md = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert "chat: plugin/stock total tokens/s 1.300 (medians of 3 and 3 repeats)" in md  # 260 / 200
-    assert "| chat | stock | 50.0 | 100.0 | 4.00 | 8.00 | 20 | 200 | 1 |" in md  # medians; failures summed
-    assert "| chat | plugin/stock | 0.800 | 0.800 | 1.000 | 1.000 | 1.300 | 1.300 | |" in md
-    assert "Total tokens/s per repeat (chat): stock 100 300 200; plugin 130 330 260." in md
+    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "chat: plugin/stock total tokens/s 1.300 (medians of 3 and 3 repeats)" in md_text  # 260 / 200
+    assert "| chat | stock | 50.0 | 100.0 | 4.00 | 8.00 | 20 | 200 | 1 |" in md_text  # medians; failures summed
+    assert "| chat | plugin/stock | 0.800 | 0.800 | 1.000 | 1.000 | 1.300 | 1.300 | |" in md_text
+    assert "Total tokens/s per repeat (chat): stock 100 300 200; plugin 130 330 260." in md_text
     # each repeat's pair (same seed), then their median: not the ratio of the medians above
-    assert "Plugin/stock total tokens/s per repeat (same seed, back to back): 1.300 1.100 1.300; median 1.300." in md
-    assert "chat: plugin/stock total tokens/s per repeat, median 1.300 (3 pairs, 1.100–1.300, back to back)" in md
-    assert "Plugin/stock TPOT p50 per repeat (same seed, back to back): 1.000 1.050 0.900; median 1.000." in md
-    assert "chat: plugin/stock TPOT p50 per repeat, median 1.000 (3 pairs, 0.900–1.050, back to back)" in md
-    assert "- ab0-r4-chat-plugin: not run: deadline: 12 s left" in md
-    assert "**ab0-plugin: plugin server logged 0 mla-planner lines**" in md
-    assert "KV cache stock 50.00 GiB, plugin 49.00 GiB (stock − plugin 1,024 MiB)" in md
-    assert "`ab.json` (the driver did not finish this phase)" in md
-    assert "| b-32k | 1: one 32,768-token prompt | no result: the driver ended during this case |" in md
-    assert "| b-32k | 2:  | no result: the driver ended |" in md
-    assert "boundary (plugin, util 0.95): not finished: case 1 (32768), 2 (32768)" in md
-
-
-def step_line(t: str, detail: str) -> str:
-    return f"(EngineCore pid=7) DEBUG 12-02 02:30:{t} [backend.py:225] mla-planner step: {detail}"
-
-
-def test_step_log_breakdown() -> None:
-    decode = "32 tokens, 32 decode tokens, 0 prefills, stock's code"
-    lines = ["(EngineCore pid=7) INFO 12-02 02:29:59.000 [backend.py:1] mla-planner: FP8 steps routed by x"]
-    # Five decode-only steps (gaps of 5, 2, 3, 8 and 5 ms), a planned prefill step that lasts 100 ms,
-    # two decode steps, then 3 s idle (between bench runs: not busy time) and a decode step beside
-    # a dense prefill.
-    times = ["00.000", "00.005", "00.007", "00.010", "00.018", "00.023", "00.123", "00.128", "03.128"]
-    details = [decode] * 5 + ["32000 tokens, 31 decode tokens, 1 prefills, separate_prefill_decode, 5 launches, "
-                              "peak 969808488 B, bound budget"] + [decode] * 2 + [
-        "600 tokens, 31 decode tokens, 1 prefills, stock's code"]
-    lines += [step_line(t, d) for t, d in zip(times, details)]
-    steps = step_log.parse("\n".join(lines))
-    assert [s.kind for s in steps] == [step_log.DECODE_ONLY] * 5 + ["planned: separate_prefill_decode"] + [
-        step_log.DECODE_ONLY] * 2 + ["decodes + dense prefills, stock's code"]
-    assert steps[-1].at_s == pytest.approx(3.128) and steps[5].tokens == 32000
-    out = step_log.breakdown(steps)
-    assert out[0] == "9 steps logged, 0.13 s busy (gaps under 0.5 s); by the kind of step:"
-    assert "| decode-only, stock's code | 7 | 224 | 224 | 0.03 |" in out  # 28 ms of gaps; the 3 s one is idle
-    assert "| planned: separate_prefill_decode | 1 | 32,000 | 31 | 0.10 |" in out
-    assert "| decodes + dense prefills, stock's code | 1 | 600 | 31 | 0.00 |" in out
-    # Inside runs of decode-only steps (the gaps after steps 1-3: 2, 3 and 8 ms) the mean is 4.33 ms,
-    # the median 3 ms: 7 x 4.33 ms.
-    assert out[-1].startswith("decode-only steps: mean 4.33 ms inside runs of them (3 gaps; median 3.00 ms), so 7 "
-                              "take about 0.03 s, 23.7% of the busy time")
-    assert step_log.breakdown(steps[:1])[0].startswith("1 step line(s): nothing to measure")
-    # a planned step of decodes alone (a budget too small for stock's decode call) is not one stock runs alike
-    assert not step_log.parse(step_line("00.000", "2048 tokens, 2048 decode tokens, 0 prefills, mixed_batch, "
-                                        "3 launches, peak 1 B, bound budget"))[0].decode_only
-
-
-def test_step_log_counts_the_steps_a_layer_call_of_which_fell_back(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    reason = "vLLM handed the layer call other tokens than its plan's"
-    layer = f"(EngineCore pid=7) DEBUG 12-02 02:30:00.001 [fallback.py:40] mla-planner layer: bounded path ({reason})"
-    decode = step_line("00.000", "32 tokens, 32 decode tokens, 0 prefills, stock's code")
-    assert step_log.layer_fallbacks(decode) == ["no layer call fell back to the bounded path"]
-    log = tmp_path / "plugin.log"
-    log.write_text("\n".join([decode, layer, layer, step_line("00.005", "32 tokens, 32 decode tokens, 0 prefills, "
-                                                                       "stock's code")]) + "\n")
-    assert step_log.main(["report", str(log)]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[-3:] == ["steps a layer call of which fell back to the bounded path: 2", f"- {reason}: 2", "no summary line"]
-    assert out[0].startswith("2 steps logged"), "layer lines are not steps"
-
-
-def test_step_log_checks_the_summary_lines_against_the_step_lines_before_them(tmp_path: Path,
-                                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    decode = step_line("00.000", "32 tokens, 32 decode tokens, 0 prefills, stock's code")
-    planned = step_line("00.001", "32768 tokens, 0 decode tokens, 1 prefills, mixed_batch, 14 launches, peak 1 B, "
-                                  "bound budget")
-    one = step_line("00.002", "2048 tokens, 0 decode tokens, 1 prefills, mixed_batch, 1 launches, peak 1 B, bound none")
-    fell = step_line("00.003", "900 tokens, 3 decode tokens, 2 prefills, bounded path (the step could not be planned "
-                               "(ValueError))")
-
-    def summary(p: int, split: int, launches: int, stock: int, fallbacks: int) -> str:
-        reasons = " (the step could not be planned (ValueError): 1)" if fallbacks else ""
-        return (f"(EngineCore pid=7) INFO 12-02 02:30:01.000 [backend.py:184] mla-planner: since start-up {p} steps "
-                f"planned ({split} split, {launches} launches), {stock} on vLLM's call; largest launch beyond vLLM's "
-                f"workspace 600.0 MiB of the 676.4 MiB reserved; {fallbacks} fallbacks{reasons}")
-
-    layer = ("(EngineCore pid=7) DEBUG 12-02 02:30:00.004 [fallback.py:1] mla-planner layer: bounded path (an "
-             "allocation failed in a planned launch)")
-    text = "\n".join([decode, planned, summary(1, 1, 14, 1, 0), one, fell, summary(2, 1, 15, 1, 1), layer,
-                      summary(2, 1, 15, 1, 2)])
-    assert step_log.summaries(text) == ["summary lines: 3, 3 of them holding the counts of the step lines before them"]
-    wrong = step_log.summaries("\n".join([decode, summary(1, 1, 14, 1, 0)]))
-    assert wrong[0].startswith("summary lines: 1, 0 of them") and "count [0, 0, 0, 1, 0]" in wrong[1]
-    assert step_log.summaries(decode) == ["no summary line"]
-    log = tmp_path / "plugin.log"
-    log.write_text(text + "\n")
-    assert step_log.main(["report", str(log)]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("summary lines: 3, 3 of them")
-
-
-def iteration_line(ms: int, context: int, decode: int, elapsed: float, dummy: bool = False) -> str:
-    """vLLM's line (LoggingStatLogger._log_iteration_details, 0.26 and 0.33) at 12-02 02:30:00 + ms."""
-    return (f"(APIServer pid=5) INFO 12-02 02:30:{ms // 1000:02d}.{ms % 1000:03d} [loggers.py:181] Engine 000: "
-            f"Iteration(7): {int(context > 0)} context requests, {context} context tokens, {decode} generation "
-            f"requests, {decode} generation tokens, iteration elapsed time: {elapsed:.2f} ms"
-            f"{' (dummy)' if dummy else ''}, GPU KV cache usage: 1.0%")
-
-
-def engine_log(gap_ms: int, prefill_ms: int, elapsed: float) -> str:
-    """Five decode-only steps, a step with 8,000 context tokens beside 63 decodes, two decode-only
-    steps, 3 s idle and one more (a DP dummy iteration is not a step). vLLM writes a step's line as
-    its output arrives: the prefill's time is the gap before its line."""
-    times = [k * gap_ms for k in range(5)]
-    times += [times[-1] + prefill_ms + k * gap_ms for k in range(3)]
-    times.append(times[-1] + 3000)
-    lines = [iteration_line(t, 8000 if k == 5 else 0, 63 if k == 5 else 64, elapsed) for k, t in enumerate(times)]
-    return "\n".join(lines[:2] + [iteration_line(times[1], 0, 0, 0.0, dummy=True)] + lines[2:])
-
-
-def test_step_log_compares_the_engines_from_vllms_iteration_lines(tmp_path: Path) -> None:
-    stock = step_log.parse_iterations(engine_log(3, 100, 2.0))
-    plugin = step_log.parse_iterations(engine_log(4, 80, 1.5))
-    assert [s.kind for s in stock] == ["decode-only"] * 5 + ["with context tokens"] + ["decode-only"] * 3
-    assert stock[5].tokens == 8063 and stock[5].decode_tokens == 63 and stock[0].elapsed_ms == 2.0
-    # stock: busy 5 x 3 + 100 + 3 = 118 ms; inside runs of decode-only steps 3 ms (the 3 s gap is idle),
-    # so its 8 take 24 ms and the other step 94 ms for 8,063 tokens; the plugin: 104 ms, 4 ms, 32 and 72 ms.
-    out = step_log.compare(step_log.summarize(stock), step_log.summarize(plugin))
-    assert "| busy s | 0.12 | 0.10 | 0.881 |" in out
-    assert "| decode-only: mean gap inside runs of them, ms | 3.000 | 4.000 | 1.333 |" in out
-    assert "| decode-only: mean iteration elapsed time, ms | 2.000 | 1.500 | 0.750 |" in out
-    assert "| other steps: tokens (those with busy time) | 8,063 | 8,063 |  |" in out
-    assert "| other steps: time per 1K tokens, ms | 11.658 | 8.930 | 0.766 |" in out
-    assert "decode-only steps: the plugin's +33.3% against stock's (2 and 2 gaps)" in out
-    assert "other steps: stock's time per token 1.306x the plugin's (r)" in out
-    assert step_log.compare(step_log.summarize(stock), step_log.summarize([]))[0].startswith(
-        "iteration lines: stock 9, plugin 0: nothing to compare")
-    # the command line, and a report of one engine's iteration lines
-    (tmp_path / "s.log").write_text(engine_log(3, 100, 2.0))
-    (tmp_path / "p.log").write_text(engine_log(4, 80, 1.5))
-    assert step_log.main(["compare", str(tmp_path / "s.log"), str(tmp_path / "p.log")]) == 0
-    report = step_log.breakdown(stock, before=True)
-    assert "| kind | steps | tokens | decode tokens | gaps before them, s |" in report
-    assert "| with context tokens | 1 | 8,063 | 63 | 0.10 |" in report  # the 100 ms before its line
-    assert report[-1].startswith("decode-only steps: mean 3.00 ms inside runs of them (2 gaps")
-
-
-def test_step_log_gives_a_prefills_host_work_to_the_prefill() -> None:
-    """vLLM writes a step's iteration line as its output arrives, after the engine has done the
-    next step's host work (async scheduling): the gap that closes the last decode-only step before
-    a step with context tokens holds that step's scheduling, build and launches (on the H200, 38-51
-    ms in the 8-layer mix). It is the prefill's time, not a decode-only step's."""
-    # decode-only steps 3 ms apart; the gap closing step 5 (decode-only) holds step 6's host work
-    # (40 ms), step 6 (context tokens) its GPU time (60 ms); then decode-only steps 3 ms apart.
-    times = [0, 3, 6, 9, 12, 52, 112, 115, 118, 121, 124]
-    steps = step_log.parse_iterations("\n".join(
-        iteration_line(t, 8000 if k == 6 else 0, 32, 0.1) for k, t in enumerate(times)))
-    summary = step_log.summarize(steps)
-    assert summary["decode_gaps"] == 4 and summary["decode_gap_ms"] == pytest.approx(3.0)  # not (5 x 3 + 40) / 6
-    assert summary["decode_s"] == pytest.approx(0.030)  # 10 decode-only steps of 3 ms
-    assert summary["other_ms_per_1k"] == pytest.approx(94 / 8.032)  # 124 - 30 ms for 8,032 tokens
-    assert summary["host_gaps"] == 1 and summary["host_gap_ms"] == pytest.approx(40.0)  # shown apart
-    assert "| other steps after decode-only ones: the gap before, with their host work, ms | 40.000 | 40.000 | 1.000 |" \
-        in step_log.compare(summary, summary)
-    # the plugin's own lines are written as a step is built, after its planning: the gap after the
-    # last decode-only line holds the next step's planning, and the rule there is one step shorter
-    plugin = step_log.parse("\n".join(step_line(f"00.{t:03d}", "32 tokens, 32 decode tokens, 0 prefills, stock's code")
-                                      for t in (0, 3, 6, 9)))
-    assert len(step_log.split(plugin).decode_gaps) == 2  # after lines 1 and 2 (each with both neighbours)
-    assert len(step_log.split(plugin, before=True).decode_gaps) == 1  # after line 2 it would need line 4
-
-
-VLLM_ITERATION_LINES = """
-import logging, types
-from vllm.v1.metrics import loggers
-from vllm.v1.metrics.stats import SchedulerIterationDetails, SchedulerStats
-lines = []
-handler = logging.Handler()
-handler.emit = lambda record: lines.append(handler.format(record))
-handler.setFormatter(logging.Formatter("(APIServer pid=5) %(levelname)s %(asctime)s.%(msecs)03d %(message)s",
-                                       "%m-%d %H:%M:%S"))
-loggers.logger.addHandler(handler)
-loggers.logger.setLevel(logging.INFO)  # 0.33 configures vLLM's loggers in a server's processes only
-# the logger's own method, on a stand-in for the LoggingStatLogger that vllm serve's API server holds
-me = types.SimpleNamespace(_log_prefix_for_engine=lambda i: "Engine 000: ", kv_cache_device="GPU")
-for context, dummy in ((1000, False), (0, False), (0, True)):
-    stats = SchedulerStats()
-    stats.iteration_details = SchedulerIterationDetails(
-        iteration_index=3, num_ctx_requests=int(context > 0), num_ctx_tokens=context, num_generation_requests=5,
-        num_generation_tokens=5, elapsed_ms=1.25, is_dummy=dummy)
-    loggers.LoggingStatLogger._log_iteration_details(me, stats, 0)
-print("RESULT " + "\\n".join(lines))
-"""
-
-
-def test_step_log_compares_each_workloads_timed_runs(tmp_path: Path) -> None:
-    """compare --ab: the lines inside a workload's timed runs, per engine; warm-ups and the other
-    workload's runs left out."""
-    def window(a_ms: int, b_ms: int) -> list[str]:
-        return [f"12-02 02:30:{t // 1000:02d}.{t % 1000:03d}" for t in (a_ms, b_ms)]
-
-    runs = [  # (workload, engine, warm-up, window in ms after 02:30:00)
-        ("chat", "stock", True, (0, 999)), ("chat", "plugin", True, (1000, 1999)),
-        ("chat", "stock", False, (2000, 2999)), ("chat", "plugin", False, (3000, 3999)),
-        ("mix", "stock", False, (4000, 4999)), ("mix", "plugin", False, (5000, 5999))]
-    data = {"calls": [{"id": 0, "workloads": ["chat", "mix"], "servers": {
-        "stock": {"log": "logs/s.log"}, "plugin": {"log": "logs/p.log"}}}],
-        "runs": [{"call": 0, "workload": w, "engine": e, "warmup": warm, "window": window(*ms)}
-                 for w, e, warm, ms in runs]}
-    (tmp_path / "logs").mkdir()
-    (tmp_path / "ab.json").write_text(json.dumps(data))
-    # every run's lines: decode-only steps 3 ms apart (stock) or 4 ms (plugin), one with context tokens
-    for name, engine, gap in (("s.log", "stock", 3), ("p.log", "plugin", 4)):
-        lines = []
-        for w, e, _, (a, _b) in runs:
-            if e == engine:
-                lines += [iteration_line(a + k * gap, 100 if k == 3 else 0, 8 if w == "chat" else 2, 1.0)
-                          for k in range(10)]
-        (tmp_path / "logs" / name).write_text("\n".join(lines))
-    out = step_log.compare_ab(tmp_path)
-    chat, mix = out.index("### call 0, chat (2 timed runs)"), out.index("### call 0, mix (2 timed runs)")
-    assert "| steps | 10 | 10 |  |" in out[chat:mix]  # the timed run's ten, not the warm-up's
-    assert "| decode-only: mean gap inside runs of them, ms | 3.000 | 4.000 | 1.333 |" in out[chat:mix]
-    assert "| other steps: tokens (those with busy time) | 108 | 108 |  |" in out[chat:mix]
-    assert "| other steps: tokens (those with busy time) | 102 | 102 |  |" in out[mix:]
-    assert "decode-only steps per repeat, plugin/stock: 1.333; median 1.333 (1 pairs)" in out[chat:mix]
-    assert step_log.main(["compare", "--ab", str(tmp_path)]) == 0
-    with pytest.raises(SystemExit):
-        step_log.main(["compare", "--ab", str(tmp_path), str(tmp_path / "logs" / "s.log")])
+    assert "Plugin/stock total tokens/s per repeat (same seed, back to back): 1.300 1.100 1.300; median 1.300." in md_text
+    assert "chat: plugin/stock total tokens/s per repeat, median 1.300 (3 pairs, 1.100–1.300, back to back)" in md_text
+    assert "Plugin/stock TPOT p50 per repeat (same seed, back to back): 1.000 1.050 0.900; median 1.000." in md_text
+    assert "chat: plugin/stock TPOT p50 per repeat, median 1.000 (3 pairs, 0.900–1.050, back to back)" in md_text
+    assert "- ab0-r4-chat-plugin: not run: deadline: 12 s left" in md_text
+    assert "**ab0-plugin: plugin server logged 0 mla-planner lines**" in md_text
+    assert "KV cache stock 50.00 GiB, plugin 49.00 GiB (stock − plugin 1,024 MiB)" in md_text
+    assert "`ab.json` (the driver did not finish this phase)" in md_text
+    assert "| b-32k | 1: one 32,768-token prompt | no result: the driver ended during this case |" in md_text
+    assert "| b-32k | 2:  | no result: the driver ended |" in md_text
+    assert "boundary (plugin, util 0.95): not finished: case 1 (32768), 2 (32768)" in md_text
+    assert not (tmp_path / serve_report.MATRIX_MD).exists()  # no matrix.json here
 
 
 def test_report_counts_the_steps_again_from_the_logs(tmp_path: Path) -> None:
     """--report-only counts an ab call's step figures again from its server logs (a run stores
     them as the step_log of its day counted them); without the logs the stored figures stand."""
+    import step_log
+
     window = ["12-02 02:30:00.000", "12-02 02:30:00.999"]
     runs = [{"call": 0, "workload": "chat", "engine": e, "seed": 1010, "repeat": 1, "warmup": False, "status": "ok",
              "tag": f"ab0-r1-chat-{e}", "window": window, "clients": {"chat": {"result": bench_result(100.0, 50.0)}},
@@ -910,106 +972,98 @@ def test_report_counts_the_steps_again_from_the_logs(tmp_path: Path) -> None:
         (tmp_path / "logs" / f"{engine}.log").write_text("\n".join(iteration_line(k * gap, 0, 8, 1.0)
                                                                   for k in range(20)))
     assert run_serve.main(["--report-only", str(tmp_path)]) == 0
-    md = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert "decode-only steps: the plugin's +25.0% against stock's (17 and 17 gaps)" in md
-    assert "decode-only steps per repeat, plugin/stock: 1.250; median 1.250 (1 pairs)" in md
-    assert json.loads((tmp_path / "ab.json").read_text())["calls"][0]["steps"] == {"chat": stale}  # not rewritten
+    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "decode-only steps: the plugin's +25.0% against stock's (17 and 17 gaps)" in md_text
+    assert "decode-only steps per repeat, plugin/stock: 1.250; median 1.250 (1 pairs)" in md_text
+    assert results(tmp_path, "ab.json")["calls"][0]["steps"] == {"chat": stale}  # not rewritten
 
 
-def test_step_log_pairs_each_repeats_runs(tmp_path: Path) -> None:
-    """decode_pairs: plugin/stock decode-only gap per repeat (the runs of one seed), in repeat order;
-    a repeat one engine did not run makes no pair."""
-    gaps = {(1000, "stock"): 4, (1000, "plugin"): 5, (1100, "stock"): 5, (1100, "plugin"): 4, (1200, "stock"): 3}
-    runs: list[dict[str, Any]] = []
-    lines: dict[str, list[str]] = {"stock": [], "plugin": []}
-    for k, ((seed, engine), gap) in enumerate(gaps.items()):
-        start = 1000 * k
-        runs.append({"call": 0, "workload": "chat", "engine": engine, "seed": seed, "warmup": False,
-                     "window": [f"12-02 02:30:{start // 1000:02d}.000", f"12-02 02:30:{start // 1000:02d}.999"]})
-        lines[engine] += [iteration_line(start + i * gap, 0, 8, 1.0) for i in range(20)]
-    call = {"id": 0, "workloads": ["chat"], "servers": {e: {"log": f"{e}.log"} for e in lines}}
-    for engine, text in lines.items():
-        (tmp_path / f"{engine}.log").write_text("\n".join(text))
-    pairs = step_log.decode_pairs(step_log.server_logs(tmp_path, call), {"runs": runs}, call)
-    assert pairs == {"chat": [pytest.approx(1.25), pytest.approx(0.8)]}
-    assert step_log.pairs_line(pairs["chat"]) == (
-        "decode-only steps per repeat, plugin/stock: 1.250 0.800; median 1.025 (2 pairs, 0.800-1.250)")
+def test_matrix_report_from_hand_made_results() -> None:
+    """A server whose chat burst lost requests and died, one not started (no minimum), one cut."""
+    ok = {"status": "ok", "n_requests": 1, "requests_ok": 1, "health_after": 200}
+    data = {"schema": 1, "finished": False, "run": {"start": "together", "util": 0.09}, "versions": {"vllm": "0.33.0"},
+            "coverage_gaps": ["budget=4096"], "servers": {
+                "s1": {"name": "s1", "config": md.DESIGN[0].values(), "scratch_mb": 1024,
+                       "plugin": {"startup": {"status": "ok", "elapsed_s": 91.2}, "alive_at_end": False,
+                                  "health_at_end": None, "kv_cache_memory_gib": 5.5, "fallback_lines": 3,
+                                  "first_errors": ["ValueError: decode query lengths must be one length"]},
+                       "twin": {"startup": {"status": "ok"}, "kv_cache_memory_gib": 6.25},
+                       "phases": {"chat": {"status": "error", "n_requests": 100, "requests_ok": 97, "health_after": None,
+                                           "error": "HTTP 500"},
+                                  "32k": {"status": "not run", "error": "server process exited"}}},
+                "s3": {"name": "s3", "config": md.DESIGN[2].values(), "probe": {"outcome": "failed", "min_mb": None},
+                       "plugin": {"startup": {"status": "not run", "error": "no minimum"}}},
+                "s4": {"name": "s4", "config": md.DESIGN[3].values(), "scratch_mb": 4096,
+                       "plugin": {"startup": {"status": "ok", "elapsed_s": 60}, "alive_at_end": True,
+                                  "health_at_end": 200},
+                       "phases": {"chat": ok, "32k": {"status": "started"}}}}}
+    text = serve_report.render_matrix(data)
+    assert "**not finished**" in text and "**missing budget=4096**" in text
+    assert ("| s1 | v32 | 1 | 128 | 1024 | yes | on | off | 91 s | 5.50 | 6.25 | -0.75 | – | – | 97/100, **3 failed** "
+            "| not run | – | – | 3 | **no** (after chat burst) |") in text
+    assert "| s3 | v32 | 2 | 16 | min | yes | **off** | **on** | not run | – | – | – | – | **none** (failed) |" in text
+    assert "| 1/1 | **cut** (driver ended) | – | – | – | yes |" in text
+    assert "engines dead at the end: s1; servers not up: s3." in text
+    assert "- error: `ValueError: decode query lengths must be one length`" in text
+    assert serve_report.render_matrix({}).startswith("# Flag matrix")
 
 
-def test_step_log_reads_the_lines_vllm_writes() -> None:
-    """The installed vLLM's own iteration line (0.26 and 0.33 word it alike up to the KV cache usage)."""
-    pytest.importorskip("vllm")
-    r = subprocess.run([sys.executable, "-c", VLLM_ITERATION_LINES], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    steps = step_log.parse_iterations(r.stdout.split("RESULT ", 1)[1])
-    assert [(s.tokens, s.decode_tokens, s.prefills, s.kind, s.elapsed_ms) for s in steps] == [
-        (1005, 5, 1, "with context tokens", 1.25), (5, 5, 0, "decode-only", 1.25)]  # the dummy is no step
-
-
-def test_step_log_config_logs_the_plugin_alone(tmp_path: Path) -> None:
-    """The configuration, applied by vLLM itself (VLLM_LOGGING_CONFIG_PATH), lets the plugin's debug
-    lines through with millisecond timestamps and no other vLLM logger's."""
-    path, quiet = tmp_path / "logging.json", tmp_path / "quiet.json"
-    assert step_log.main(["config", str(path)]) == 0
-    assert step_log.main(["config", str(quiet), "--no-plugin-steps"]) == 0
-    # vLLM 0.26 applies it when vllm.logger is imported, 0.33 when a process configures its logging.
-    code = """if True:
-        import logging
-        import vllm.logger
-        if hasattr(vllm.logger, "configure_logging"):
-            from vllm.config.logging import LoggingConfig
-            vllm.logger.configure_logging(LoggingConfig())
-        logging.getLogger("vllm.mla_planner").debug("mla-planner step: 1 tokens, 1 decode tokens, 0 prefills, stock's code")
-        logging.getLogger("vllm.engine").debug("not shown")
-        logging.getLogger("vllm.engine").info("shown")
-    """
-    runs = {}
-    for config in (path, quiet):
-        env = dict(os.environ, VLLM_LOGGING_CONFIG_PATH=str(config))
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-        assert run.returncode == 0, run.stderr
-        assert "not shown" not in run.stdout and "shown" in run.stdout
-        assert re.search(r"INFO \d\d-\d\d \d\d:\d\d:\d\d\.\d{3} .*shown", run.stdout)  # milliseconds
-        runs[config] = step_log.parse(run.stdout)
-    assert [(s.tokens, s.kind) for s in runs[path]] == [(1, step_log.DECODE_ONLY)]
-    assert runs[quiet] == []  # --no-plugin-steps: the plugin's debug line is not written
+# --- arguments --------------------------------------------------------------------------------------
 
 
 def test_arguments() -> None:
-    args = run_serve.parse_args(["--phase", "failrate", "--out", "x"])
+    def parse(*argv: str) -> Any:
+        return run_serve.parse_args(["--out", "x", *argv])
+
+    args = parse("--phase", "failrate")
     assert (args.engine, args.failrate_utils, args.failrate_n) == ("stock", [0.9, 0.95], 2)
-    args = run_serve.parse_args(["--phase", "ab", "--out", "x", "--workloads", "mix,long"])
-    assert (args.util, args.workloads, args.repeats, args.warmup_rounds, args.deadline_s) == (
-        0.40, ["mix", "long"], 3, 1, 540)
-    assert args.at_once == []
-    assert run_serve.parse_args(["--phase", "ab", "--out", "x", "--at-once", "chat"]).at_once == ["chat"]
-    assert run_serve.parse_args(["--phase", "soak", "--out", "x"]).engine == "plugin"
+    args = parse("--phase", "ab", "--workloads", "mix,long")
+    assert (args.util, args.workloads, args.repeats, args.warmup_rounds, args.deadline_s, args.at_once) == (
+        0.40, ["mix", "long"], 3, 1, 540, [])
+    assert (args.start_timeout_s, args.request_timeout_s) == (240, 120)
+    assert parse("--phase", "ab", "--at-once", "chat").at_once == ["chat"]
+    assert parse("--phase", "ab", "--workloads", "chat,mix", "--at-once").at_once == ["chat", "mix"]
+    soak = parse("--phase", "soak", "--soak-s", "300")
+    assert soak.engine == "plugin" and run_serve.detached_deadline(soak) == 300 + run_serve.DETACHED_MARGIN_S
+    args = parse("--phase", "matrix")
+    assert (args.servers, args.util, args.start, args.retries, args.chat_n, args.stock_twins) == (
+        [c.name for c in md.DESIGN], 0.09, "staggered", 1, 100, [])
+    assert (args.start_timeout_s, args.request_timeout_s, run_serve.detached_deadline(args)) == (360, 180, 1500)
+    assert parse("--phase", "matrix", "--stock-twins").util == 0.09  # one twin at a time
+    assert parse("--phase", "matrix", "--stock-twins", "--start", "together").util == 0.04
+    assert parse("--phase", "matrix", "--stock-twins").stock_twins == [c.name for c in md.DESIGN]
+    assert parse("--phase", "matrix", "--servers", "s3,s5,s6", "--stock-twins", "s5,s6").stock_twins == ["s5", "s6"]
+    assert parse("--phase", "matrix", "--gpus", "6", "--util", "0.38", "--stock-twins").gpus == 6
     for bad in (["--workloads", "huge"], ["--util", "1.5"], ["--detach", "--follow"], ["--repeats", "0"],
-                ["--warmup-rounds", "-1"], ["--workloads", "mix", "--at-once", "chat"]):
+                ["--warmup-rounds", "-1"], ["--workloads", "mix", "--at-once", "chat"], ["--tp", "0"],
+                ["--layers", "0"]):
         with pytest.raises(SystemExit):
-            run_serve.parse_args(["--phase", "ab", "--out", "x", *bad])
+            parse("--phase", "ab", *bad)
+    for bad in (["--servers", "s9"], ["--gpus", "0"], ["--gpus", "2", "--util", "0.4"], ["--util", "0"],
+                ["--util", "0.2"], ["--chat-n", "0"], ["--stock-twins", "--start", "together", "--util", "0.09"],
+                ["--servers", "s3", "--stock-twins", "s5"], ["--start", "now"]):
+        with pytest.raises(SystemExit):
+            parse("--phase", "matrix", *bad)
     with pytest.raises(SystemExit):
         run_serve.parse_args(["--phase", "ab"])
+    assert run_serve.parse_args(["--report-only", "x"]).report_only == Path("x")
 
 
 # --- on the GPU ------------------------------------------------------------------------------------
-
-
-gpu_unavailable = e2e_unavailable  # the same conditions as the in-process e2e test's
 
 
 @pytest.mark.e2e
 def test_plugin_serves_the_boundary_cases(tmp_path: Path) -> None:
     saved = os.environ.get("MLA_SERVE_RESULTS")
     if not saved:
-        reason = gpu_unavailable()
+        reason = e2e_unavailable()  # the same conditions as the in-process e2e test's
         if reason:
             pytest.skip(reason)
     out = Path(saved) if saved else tmp_path
     if not saved:
         subprocess.run([sys.executable, str(HERE / "run_serve.py"), "--phase", "boundary", "--out", str(out)],
                        check=True, timeout=600)
-    data = json.loads((out / "boundary-plugin.json").read_text())
+    data = results(out, "boundary-plugin.json")
     assert data["finished"] and len(data["servers"]) == 2
     for server in data["servers"]:
         assert server["startup"]["status"] == "ok", server["startup"]
