@@ -31,6 +31,7 @@ from mla_planner.executor import MixedBatchExecutor, get_provider
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from harness.measure import peak_delta_bytes  # noqa: E402  (tests/harness: the test harness, not in the wheel)
+from harness.mixed import mixed_for_heads, plan_tokens, run_plan  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 UNBOUNDED = 1 << 50
@@ -67,17 +68,17 @@ def bench_tokens(
         if budget == UNBOUNDED and tokens > max_tokens:
             rows.append(Row(tokens, name, None, f"n/a: one call is over the {bound} limit ({max_tokens} tokens)"))
             continue
-        plan = MixedBatchExecutor.for_heads(executor.provider, args.heads, budget, topk=args.topk).plan(tokens)
+        plan = plan_tokens(mixed_for_heads(executor.provider, args.heads, budget, topk=args.topk), tokens)
         rows.append(Row(tokens, name, plan, predicted=plan.peak_bytes))
         if budget != UNBOUNDED:
-            plan = MixedBatchExecutor.for_heads(executor.provider, args.heads, budget, topk=args.topk, align_waves=True).plan(tokens)
+            plan = plan_tokens(mixed_for_heads(executor.provider, args.heads, budget, topk=args.topk, align_waves=True), tokens)
             rows.append(Row(tokens, f"{name}, waves", plan, predicted=plan.peak_bytes))
 
     case: MixedCase = mixed_case(tokens, executor.num_heads, args.topk, args.cache_slots, gen, dtype=torch.bfloat16)
     out = torch.empty((tokens, executor.num_heads, 512), dtype=torch.bfloat16, device="cuda")
 
     def runner(plan: mla_planner.StepPlan) -> Callable[[], None]:
-        return lambda: executor.run(plan, case.q, case.kv_cache, case.indices, out)
+        return lambda: run_plan(executor, plan, case.q, case.kv_cache, case.indices, out)
 
     runs = [(row, runner(row.plan)) for row in rows if row.plan is not None]
     for row, run in runs:
@@ -141,7 +142,7 @@ def main() -> None:
         sys.exit("kernel_bench.py needs a CUDA GPU")
 
     provider = get_provider(args.provider)
-    executor = MixedBatchExecutor.for_heads(provider, args.heads, 1 << 50, topk=args.topk)
+    executor = mixed_for_heads(provider, args.heads, 1 << 50, topk=args.topk)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     rows: list[Row] = []
     for tokens in (int(t) for t in args.tokens.split(",")):

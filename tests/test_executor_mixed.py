@@ -10,10 +10,12 @@ import torch
 import mla_planner
 from mla_planner import ALLOCATOR_RESERVE_BYTES
 from mla_planner.calibration.synthetic import MixedCase, mixed_case
-from mla_planner.executor import MixedBatchExecutor, ReferenceProvider
+from mla_planner.executor import Buffers, MixedBatchExecutor, ReferenceProvider
 from mla_planner.executor.layout import as_slots
 from mla_planner.executor.reference import sparse_attention
+from mla_planner.executor.providers import ReferenceSchedule
 from fixtures import gen  # noqa: F401  (a pytest fixture)
+from harness.mixed import mixed_for_heads, plan_tokens, run_plan
 
 SCALE = 576**-0.5
 UNBOUNDED = 1 << 50
@@ -26,6 +28,11 @@ class RecordingProvider(ReferenceProvider):
     def __init__(self, takes_out: bool) -> None:
         super().__init__(takes_out)
         self.launches: list[dict[str, Any]] = []
+        self.schedules_created = 0
+
+    def new_decode_schedule(self) -> ReferenceSchedule:
+        self.schedules_created += 1
+        return super().new_decode_schedule()
 
     def sparse_decode(
         self,
@@ -42,7 +49,7 @@ class RecordingProvider(ReferenceProvider):
 
 def executor_for(provider: ReferenceProvider, heads: int, budget: int = UNBOUNDED, *, topk: int = 2048,
                  translated: bool = False) -> MixedBatchExecutor:
-    return MixedBatchExecutor.for_heads(provider, heads, budget, topk=topk, translated_indices=translated)
+    return mixed_for_heads(provider, heads, budget, topk=topk, translated_indices=translated)
 
 
 def lengths_of(plan: mla_planner.StepPlan) -> list[int]:
@@ -52,9 +59,9 @@ def lengths_of(plan: mla_planner.StepPlan) -> list[int]:
 def _run(case: MixedCase, provider: ReferenceProvider, budget: int) -> tuple[torch.Tensor, mla_planner.StepPlan]:
     t, h, _ = case.q.shape
     executor = executor_for(provider, h, budget, topk=case.indices.shape[1])
-    plan = executor.plan(t)
+    plan = plan_tokens(executor, t)
     out = torch.full((t, h, 512), float("nan"))  # poison: every element must be written
-    executor.run(plan, case.q, case.kv_cache, case.indices, out)
+    run_plan(executor, plan, case.q, case.kv_cache, case.indices, out)
     assert bool(torch.isfinite(out).all()), "some output element was never written"
     return out, plan
 
@@ -123,7 +130,7 @@ def test_without_out_one_launch_returns_the_kernels_output(gen: torch.Generator,
     whole, whole_plan = _run(case, ReferenceProvider(takes_out), UNBOUNDED)
     executor = executor_for(RecordingProvider(takes_out), heads, topk=128)
     out_buffer = torch.full((t, 64, 512), float("nan"))
-    result = executor.run(whole_plan, case.q, case.kv_cache, case.indices, out_buffer=out_buffer)
+    result = run_plan(executor, whole_plan, case.q, case.kv_cache, case.indices, buffers=Buffers(kernel_out=out_buffer))
     torch.testing.assert_close(result, whole, rtol=0, atol=0)
     assert result.shape == (t, heads, 512)
     padded_into_buffer = takes_out and heads == 16  # the kernel writes the caller's buffer
@@ -134,7 +141,7 @@ def test_without_out_one_launch_returns_the_kernels_output(gen: torch.Generator,
     chunked, plan = _run(case, ReferenceProvider(takes_out), budget)
     split = executor_for(ReferenceProvider(takes_out), heads, budget, topk=128)
     assert len(plan) >= 2
-    result = split.run(plan, case.q, case.kv_cache, case.indices, out_buffer=out_buffer)
+    result = run_plan(split, plan, case.q, case.kv_cache, case.indices, buffers=Buffers(kernel_out=out_buffer))
     torch.testing.assert_close(result, chunked, rtol=0, atol=0)
     assert result.is_contiguous() and result.data_ptr() != out_buffer.data_ptr()
 
@@ -147,12 +154,12 @@ def test_caller_buffers_hold_the_padded_q_and_kernel_output(gen: torch.Generator
     expected, _ = _run(case, ReferenceProvider(True), _budget_for(80, heads, in_place=False))
     provider = RecordingProvider(takes_out=True)
     executor = executor_for(provider, heads, _budget_for(80, heads, in_place=False), topk=128)
-    plan = executor.plan(t)
+    plan = plan_tokens(executor, t)
     longest = plan.longest_launch("sparse_decode")
     q_buffer = torch.full((longest + 5, 64, 576), 7.0)  # poison: stale workspace contents
     out_buffer = torch.full((longest + 5, 64, 512), float("nan"))
     out = torch.full((t, heads, 512), float("nan"))
-    executor.run(plan, case.q, case.kv_cache, case.indices, out, q_buffer=q_buffer, out_buffer=out_buffer)
+    run_plan(executor, plan, case.q, case.kv_cache, case.indices, out, buffers=Buffers(q_buffer, out_buffer))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert len(plan) >= 2 and len(provider.launches) == len(plan)
     assert {launch["q_ptr"] for launch in provider.launches} == {q_buffer.data_ptr()}
@@ -163,13 +170,13 @@ def test_caller_buffers_hold_the_padded_q_and_kernel_output(gen: torch.Generator
     for bad in (torch.full((longest - 1, 64, 576), 7.0), torch.full((longest, 16, 576), 7.0),
                 torch.full((longest, 64, 576), 7.0, dtype=torch.bfloat16)):
         out.fill_(float("nan"))
-        executor.run(plan, case.q, case.kv_cache, case.indices, out, q_buffer=bad)
+        run_plan(executor, plan, case.q, case.kv_cache, case.indices, out, buffers=Buffers(q_padded=bad))
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
         assert bool((bad == 7.0).all()), "an unfit buffer is left alone"
     unused = torch.full_like(out_buffer, float("nan"))
     out.fill_(float("nan"))
-    executor_for(ReferenceProvider(False), heads, _budget_for(80, heads, in_place=False), topk=128).run(
-        plan, case.q, case.kv_cache, case.indices, out, out_buffer=unused)
+    run_plan(executor_for(ReferenceProvider(False), heads, _budget_for(80, heads, in_place=False), topk=128),
+             plan, case.q, case.kv_cache, case.indices, out, buffers=Buffers(kernel_out=unused))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert bool(unused.isnan().all()), "a kernel that takes no out= leaves the out buffer alone"
 
@@ -177,7 +184,7 @@ def test_caller_buffers_hold_the_padded_q_and_kernel_output(gen: torch.Generator
 def test_plan_uses_the_executors_out_handling(gen: torch.Generator) -> None:
     for takes_out, heads in [(True, 64), (False, 64), (True, 16)]:
         executor = executor_for(ReferenceProvider(takes_out), heads, 1 << 30)
-        plan = executor.plan(4096)
+        plan = plan_tokens(executor, 4096)
         held_q = mla_planner.decode_scratch(1, plan.longest_launch("sparse_decode"), heads).buffers.get("q_padded", 0)
         for length, launch_bytes in zip(lengths_of(plan), plan.launch_bytes.tolist()):
             scratch = mla_planner.decode_scratch(1, length, heads, out_preallocated=executor.writes_in_place)
@@ -197,9 +204,9 @@ def test_rejects_inputs_that_do_not_match_the_plan(gen: torch.Generator) -> None
     executor = executor_for(ReferenceProvider(), 16, topk=128)
     out = torch.empty((100, 16, 512))
     with pytest.raises(ValueError, match="plan covers"):
-        executor.run(executor.plan(99), case.q[:100], case.kv_cache, case.indices, out)
+        run_plan(executor, plan_tokens(executor, 99), case.q[:100], case.kv_cache, case.indices, out)
     with pytest.raises(ValueError, match="indices"):
-        executor.run(executor.plan(100), case.q, case.kv_cache, case.indices.long(), out)
+        run_plan(executor, plan_tokens(executor, 100), case.q, case.kv_cache, case.indices.long(), out)
     with pytest.raises(ValueError, match="num_heads"):
         executor_for(ReferenceProvider(), 129)
 
@@ -210,7 +217,7 @@ def test_the_shared_q_buffer_is_counted_and_fits_the_budget(heads: int) -> None:
         for budget in (24 << 20, 40 << 20, 100 << 20, 1 << 30):
             executor = executor_for(ReferenceProvider(takes_out=False), heads, budget)
             try:
-                plan = executor.plan(num_tokens)
+                plan = plan_tokens(executor, num_tokens)
             except ValueError:
                 continue  # below the minimum for one token
             assert plan.peak_bytes <= budget - ALLOCATOR_RESERVE_BYTES
@@ -223,17 +230,17 @@ def test_the_shared_q_buffer_is_counted_and_fits_the_budget(heads: int) -> None:
 
 def test_an_empty_batch_is_a_no_op() -> None:
     executor = executor_for(ReferenceProvider(), 16, 1 << 30, topk=128)
-    plan = executor.plan(0)
+    plan = plan_tokens(executor, 0)
     assert len(plan) == 0 and plan.peak_bytes == 0
     empty = torch.empty((0, 16, 576))
-    executor.run(plan, empty, torch.empty((1, 64, 1, 656), dtype=torch.uint8), torch.empty((0, 128), dtype=torch.int32),
+    run_plan(executor, plan, empty, torch.empty((1, 64, 1, 656), dtype=torch.uint8), torch.empty((0, 128), dtype=torch.int32),
                  torch.empty((0, 16, 512)))
 
 
 def test_translating_executor_takes_a_function_and_only_a_function(gen: torch.Generator) -> None:
     case = mixed_case(40, 16, 64, 128, gen)
     translated = executor_for(ReferenceProvider(), 16, topk=64, translated=True)
-    plan = translated.plan(40)
+    plan = plan_tokens(translated, 40)
     assert "slot_indices" in mla_planner.decode_scratch(1, 40, 16, topk=64, translated_indices=True).buffers
     out = torch.full((40, 16, 512), float("nan"))
     asked: list[tuple[int, int]] = []
@@ -242,11 +249,11 @@ def test_translating_executor_takes_a_function_and_only_a_function(gen: torch.Ge
         asked.append((rows.start, rows.stop))
         return case.indices[rows]
 
-    translated.run(plan, case.q, case.kv_cache, slots, out)
+    run_plan(translated, plan, case.q, case.kv_cache, slots, out)
     assert asked == [tuple(c) for c in plan.launches[:, :2].tolist()]
     expected = sparse_attention(case.q, as_slots(case.kv_cache), case.indices, SCALE)[0]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="function"):
-        translated.run(plan, case.q, case.kv_cache, case.indices, out)
+        run_plan(translated, plan, case.q, case.kv_cache, case.indices, out)
     with pytest.raises(ValueError, match="function"):
-        executor_for(ReferenceProvider(), 16, topk=64).run(plan, case.q, case.kv_cache, slots, out)
+        run_plan(executor_for(ReferenceProvider(), 16, topk=64), plan, case.q, case.kv_cache, slots, out)

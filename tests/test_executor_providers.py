@@ -24,6 +24,7 @@ from mla_planner.executor.providers import ReferenceProvider, ReferenceSchedule
 from mla_planner.executor.reference import sparse_attention, sparse_decode_reference, sparse_prefill_reference
 
 from fixtures import gen  # noqa: F401  (a pytest fixture)
+from harness.mixed import plan_tokens, run_plan
 from harness.separate_prefill import SeparatePrefillExecutor
 
 SCALE = 576**-0.5
@@ -93,9 +94,9 @@ def test_flash_mla_provider_calls_the_legacy_kernels_without_out(gen: torch.Gene
                                     decode_takes_out=provider.decode_takes_out)
     executor = MixedBatchExecutor(provider, config)
     assert not executor.writes_in_place, "sgl-flash-mla takes no out=: the plan must count the kernel's out"
-    plan = executor.plan(150)
+    plan = plan_tokens(executor, 150)
     out = torch.full((150, 64, 512), float("nan"))
-    executor.run(plan, case.q, case.kv_cache, case.indices, out)
+    run_plan(executor, plan, case.q, case.kv_cache, case.indices, out)
     expected, _ = sparse_attention(case.q, as_slots(case.kv_cache), case.indices, SCALE)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
     assert calls and all(c == ("decode", {"use_legacy": True, "is_fp8_kvcache": True, "head_dim_v": 512, "heads": 64, "scale": SCALE})

@@ -26,7 +26,7 @@ from mla_planner.calibration import kernel_timing
 from mla_planner.calibration.grid import Grid, full_tokens, token_grid
 from mla_planner.calibration.measure import build_profile, non_decreasing
 from mla_planner.cli.calibrate import native_grids
-from mla_planner.executor.providers import ReferenceProvider
+from mla_planner.executor.providers import ReferenceProvider, ReferenceSchedule
 from mla_planner import routing
 from mla_planner.routing import load_profile, stale_keys
 
@@ -466,6 +466,11 @@ class _Recorder(ReferenceProvider):
     def __init__(self, native_prefill_heads: bool = False) -> None:
         super().__init__(takes_out=False, native_prefill_heads=native_prefill_heads)
         self.outputs: dict[str, torch.Tensor] = {}
+        self.schedules_created = 0
+
+    def new_decode_schedule(self) -> ReferenceSchedule:
+        self.schedules_created += 1
+        return super().new_decode_schedule()
 
     def sparse_decode(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = super().sparse_decode(*args, **kwargs)

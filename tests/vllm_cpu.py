@@ -26,7 +26,7 @@ from mla_planner.executor.reference import (
     sparse_decode_reference,
     sparse_prefill_reference,
 )
-from mla_planner.executor.providers import ReferenceProvider
+from mla_planner.executor.providers import ReferenceProvider, ReferenceSchedule
 
 MODEL_CONFIG = pathlib.Path(__file__).parent / "e2e" / "tiny-deepseek-v32" / "config.json"
 SHARED_MODEL_CONFIG = pathlib.Path(__file__).parents[2] / "shared" / "e2e" / "tiny-deepseek-v32" / "config.json"
@@ -228,6 +228,7 @@ class RecordingProvider(ReferenceProvider):
         from mla_planner.vllm_backend.releases import release
 
         super().__init__(takes_out=True, native_prefill_heads=release.native_prefill_kernels)
+        self.schedules_created = 0
         self.launch_q: list[torch.Tensor] = []
         self.launch_ptrs: list[tuple[int, int | None]] = []
         """Each decode launch's q and ``out=`` (``None``: none) data pointers."""
@@ -236,6 +237,10 @@ class RecordingProvider(ReferenceProvider):
         self.prefill_q_ptrs: list[int] = []
         self.prefill_out_ptrs: list[int] = []
         self.gathers = 0
+
+    def new_decode_schedule(self) -> ReferenceSchedule:
+        self.schedules_created += 1
+        return super().new_decode_schedule()
 
     def sparse_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, schedule: Any,
                       softmax_scale: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,9 +14,10 @@ import torch
 import mla_planner
 from mla_planner import ALLOCATOR_RESERVE_BYTES
 from mla_planner.calibration.synthetic import mixed_case, prefill_case
-from mla_planner.executor import MixedBatchExecutor, get_provider
+from mla_planner.executor import get_provider
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: run as a script, not by pytest
+from harness.mixed import mixed_for_heads, plan_tokens, run_plan  # noqa: E402
 from harness.separate_prefill import SeparatePrefillExecutor  # noqa: E402
 
 TOPK = 512
@@ -28,12 +29,12 @@ def main(provider_name: str) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     budget = mla_planner.decode_scratch(1, 100, HEADS).total_bytes + ALLOCATOR_RESERVE_BYTES
-    mixed = MixedBatchExecutor.for_heads(provider, HEADS, budget, topk=TOPK)
-    plan = mixed.plan(300)
+    mixed = mixed_for_heads(provider, HEADS, budget, topk=TOPK)
+    plan = plan_tokens(mixed, 300)
     assert len(plan) > 1, plan
     case = mixed_case(300, HEADS, TOPK, 1024, gen, dtype=torch.bfloat16)
     out = torch.empty((300, HEADS, 512), dtype=torch.bfloat16, device="cuda")
-    mixed.run(plan, case.q, case.kv_cache, case.indices, out)
+    run_plan(mixed, plan, case.q, case.kv_cache, case.indices, out)
 
     prefill = SeparatePrefillExecutor(provider, HEADS)
     qlens, clens = [100, 200], [50, 400]

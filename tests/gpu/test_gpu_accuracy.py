@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from mla_planner.calibration.synthetic import mixed_case, prefill_case
-from mla_planner.executor import KernelProvider, MixedBatchExecutor
+from mla_planner.executor import KernelProvider
 from mla_planner.executor.layout import as_slots
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
 
@@ -34,6 +34,7 @@ from gpu_helpers import (
     lse_error,
 )
 from harness.lse_merge import merge_error_bound
+from harness.mixed import mixed_for_heads, plan_tokens, run_plan
 from harness.separate_prefill import SeparatePrefillExecutor
 
 pytestmark = pytest.mark.gpu
@@ -46,11 +47,11 @@ SCALE = 576**-0.5
 def test_chunked_decode_matches_the_reference(provider: KernelProvider, gen: torch.Generator, heads: int) -> None:
     num_tokens = 3000
     case = mixed_case(num_tokens, heads, TOPK, 65536, gen, dtype=torch.bfloat16, spread=0.0)
-    executor = MixedBatchExecutor.for_heads(provider, heads, 256 * MiB, topk=TOPK)
-    plan = executor.plan(num_tokens)
+    executor = mixed_for_heads(provider, heads, 256 * MiB, topk=TOPK)
+    plan = plan_tokens(executor, num_tokens)
     assert len(plan) > 1
     out = torch.full((num_tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    executor.run(plan, case.q, case.kv_cache, case.indices, out)
+    run_plan(executor, plan, case.q, case.kv_cache, case.indices, out)
 
     expected, _ = sparse_attention(case.q, as_slots(case.kv_cache), case.indices, SCALE)
     assert_close_flashmla("decode out", out, expected.to(torch.bfloat16), abs_tol=1e-3, rel_tol=2.01 / 128, cos_diff_tol=5e-6)

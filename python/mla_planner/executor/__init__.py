@@ -5,7 +5,8 @@ built (:func:`get_provider`).
 """
 
 from mla_planner._core import ALLOCATOR_RESERVE_BYTES
-from mla_planner.executor.mixed_batch import MixedBatchExecutor
+from mla_planner.executor.buffers import Buffers
+from mla_planner.executor.mixed_batch import Launches, MixedBatchExecutor
 from mla_planner.executor.providers import (
     PROVIDER_NAMES,
     FlashMLAProvider,
@@ -20,9 +21,11 @@ from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attenti
 
 __all__ = [
     "ALLOCATOR_RESERVE_BYTES",
+    "Buffers",
     "PROVIDER_NAMES",
     "FlashMLAProvider",
     "KernelProvider",
+    "Launches",
     "MixedBatchExecutor",
     "ProviderUnavailable",
     "ReferenceProvider",

@@ -15,7 +15,8 @@ memory, launch by launch, is what the plan's ``launch_bytes`` says:
   slots in a fresh tensor (vLLM's Triton conversion), so they exist for one launch at a time.
 
 A caller that already holds memory for the padded q and the kernel's padded output (vLLM's
-workspace views, where the release has them) passes it as ``q_buffer`` and ``out_buffer``: nothing is allocated for them then.
+workspace views, where the release has them) passes it as :class:`.buffers.Buffers`, as it does to
+the separate route's executor: nothing is allocated for them then.
 A caller that passes no ``out`` gets, for a plan of one launch whose heads are padded or whose
 kernel allocates its output, the kernel's output itself (its real heads, as stock's call returns
 it: a view, strided where heads are padded), so a step the plan runs whole costs no copy and no
@@ -24,7 +25,7 @@ second output; otherwise a new ``out``.
 Plus one FlashMLA schedule per distinct launch length: a schedule may only be reused by calls of
 the same shape; pass ``schedules`` to share them across calls with the same plan (vLLM's layers of
 one step). A caller that runs one plan on several layers derives its :class:`Launches` once and
-hands them to :meth:`MixedBatchExecutor.run_launches` on each layer.
+hands them to :meth:`MixedBatchExecutor.run` on each layer.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 
 import mla_planner
 from mla_planner.executor.layout import D_QK, D_V, FP8_BYTES_PER_TOKEN
+from mla_planner.executor.buffers import Buffers
 from mla_planner.executor.providers import KernelProvider
 
 IndexSource = torch.Tensor | Callable[[slice], torch.Tensor]
@@ -77,16 +79,6 @@ class MixedBatchExecutor:
         self.kernel_heads = config.decode_heads
         self.softmax_scale = softmax_scale
 
-    @classmethod
-    def for_heads(cls, provider: KernelProvider, num_heads: int, budget_bytes: int, *, topk: int = 2048,
-                  align_waves: bool = False, translated_indices: bool = False) -> MixedBatchExecutor:
-        """An executor outside vLLM (tests, benchmarks): a configuration of these heads, budget and
-        top-k on an H200, with the provider's ``out=`` handling."""
-        config = mla_planner.StepConfig(num_heads, scratch_budget_bytes=budget_bytes, topk=topk, max_model_len=1 << 17,
-                                        decode_takes_out=provider.decode_takes_out, align_waves=align_waves,
-                                        translated_indices=translated_indices)
-        return cls(provider, config)
-
     @property
     def writes_in_place(self) -> bool:
         """The kernel writes the caller's output directly."""
@@ -107,38 +99,7 @@ class MixedBatchExecutor:
         writes in place); otherwise, run without ``out``, it returns the kernel's own."""
         return len(launches.rows) != 1 or self.writes_in_place
 
-    def plan(self, num_tokens: int) -> mla_planner.StepPlan:
-        """The plan of ``num_tokens`` sparse tokens (one request, all through the decode kernel)."""
-        requests = [num_tokens] if num_tokens else []
-        return mla_planner.plan_step(requests, [0] * len(requests), 0, self.config.replace(force_mqa=True))
-
     def run(
-        self,
-        plan: mla_planner.StepPlan,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        indices: IndexSource,
-        out: torch.Tensor | None = None,
-        *,
-        schedules: dict[int, Any] | None = None,
-        q_buffer: torch.Tensor | None = None,
-        out_buffer: torch.Tensor | None = None,
-        softmax_scale: float | None = None,
-    ) -> torch.Tensor:
-        """Attend q ``(T, H, 576)`` over kv_cache ``(pages, page_size, 1, 656)`` uint8 at indices
-        ``(T, topk)`` int32 slots (``-1`` unused), writing out ``(T, H, 512)``. With
-        ``translates_indices``, ``indices`` is a function from a launch's row slice to its slots.
-        ``schedules`` (launch length -> FlashMLA schedule) is filled and reused when given.
-        ``q_buffer`` ``(>= longest launch, kernel heads, 576)`` and ``out_buffer`` ``(>= longest
-        launch, kernel heads, 512)``, contiguous, q's dtype: memory to pad q and to take the kernel's
-        output in, when heads are padded (ignored otherwise, and where they are not of that shape:
-        then the run allocates its own); their contents are overwritten. ``softmax_scale``: the
-        layer's (default: the executor's). Returns the output: ``out``, or without it the kernel's
-        own for one launch (see the module's doc), a new tensor otherwise."""
-        return self.run_launches(Launches.of(plan), q, kv_cache, indices, out, schedules=schedules, q_buffer=q_buffer,
-                                 out_buffer=out_buffer, softmax_scale=softmax_scale)
-
-    def run_launches(
         self,
         launches: Launches,
         q: torch.Tensor,
@@ -147,12 +108,18 @@ class MixedBatchExecutor:
         out: torch.Tensor | None = None,
         *,
         schedules: dict[int, Any] | None = None,
-        q_buffer: torch.Tensor | None = None,
-        out_buffer: torch.Tensor | None = None,
+        buffers: Buffers = Buffers(),
         softmax_scale: float | None = None,
     ) -> torch.Tensor:
-        """:meth:`run` of a plan's :class:`Launches` (``Launches.of(plan)``), which a caller running
-        the plan on several layers derives once."""
+        """Attend q ``(T, H, 576)`` over kv_cache ``(pages, page_size, 1, 656)`` uint8 at indices
+        ``(T, topk)`` int32 slots (``-1`` unused), launch by launch as ``launches``
+        (``Launches.of(plan)``, derived once by a caller that runs the plan on several layers),
+        writing out ``(T, H, 512)``. With ``translates_indices``, ``indices`` is a function from a
+        launch's row slice to its slots. ``schedules`` (launch length -> FlashMLA schedule) is
+        filled and reused when given. ``buffers``: the caller's memory for the padded q and the
+        kernel's output. ``softmax_scale``: the layer's (default: the executor's). Returns the
+        output: ``out``, or without it the kernel's own for one launch (see the module's doc), a
+        new tensor otherwise."""
         if callable(indices) != self.translates_indices:
             raise ValueError("indices must be a function of a row slice exactly when the executor translates indices")
         self._check(launches, q, kv_cache, None if callable(indices) else indices, out)
@@ -164,13 +131,13 @@ class MixedBatchExecutor:
         q_padded = kernel_out = None
         if self.pads_heads:
             longest = launches.longest
-            q_padded = self._buffer(q_buffer, longest, D_QK, q)
+            q_padded = self._buffer(buffers.q_padded, longest, D_QK, q)
             if q_padded is None:
                 q_padded = q.new_zeros((1, longest, self.kernel_heads, D_QK))
             else:
                 q_padded[:, :, self.num_heads :].zero_()  # launches write only the real heads
             if not self.writes_in_place and self.provider.decode_takes_out:
-                kernel_out = self._buffer(out_buffer, longest, D_V, q)
+                kernel_out = self._buffer(buffers.kernel_out, longest, D_V, q)
         if schedules is None:
             schedules = {}
         scale = self.softmax_scale if softmax_scale is None else softmax_scale

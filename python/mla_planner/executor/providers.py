@@ -207,11 +207,9 @@ class ReferenceProvider:
     def __init__(self, takes_out: bool = True, native_prefill_heads: bool = False) -> None:
         self.decode_takes_out = takes_out
         self.prefill_takes_out = takes_out
-        self.schedules_created = 0
         self.prefill_heads = (*(NATIVE_PREFILL_HEADS if native_prefill_heads else ()), 64, 128)
 
     def new_decode_schedule(self) -> ReferenceSchedule:
-        self.schedules_created += 1
         return ReferenceSchedule()
 
     def sparse_decode(

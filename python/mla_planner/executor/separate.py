@@ -28,6 +28,7 @@ import torch
 
 import mla_planner
 from mla_planner.executor.layout import D_QK, D_V
+from mla_planner.executor.buffers import Buffers
 from mla_planner.executor.providers import KernelProvider
 
 Translate = Callable[[slice], tuple[torch.Tensor, "torch.Tensor | None"]]
@@ -78,15 +79,6 @@ class SeparateLaunches:
                    plan.longest_launch("sparse_prefill"), plan.prefill_heads, plan.prefill_writes_in_place)
 
 
-class Buffers(NamedTuple):
-    """Memory the caller holds for a run: ``q_padded`` ``(>= rows, kernel heads, 576)`` and
-    ``kernel_out`` ``(>= rows, kernel heads, 512)`` in q's dtype (vLLM's workspace views, where the release has them);
-    ``None`` (or a buffer of other heads) is allocated per run as the plan counts it."""
-
-    q_padded: torch.Tensor | None = None
-    kernel_out: torch.Tensor | None = None
-
-
 def rows_of(buffer: torch.Tensor | None, rows: int, heads: int, width: int, dtype: torch.dtype) -> torch.Tensor | None:
     """The first ``rows`` rows of ``buffer`` where it is ``(>= rows, heads, width)`` of ``dtype``."""
     if buffer is None or buffer.dtype != dtype or tuple(buffer.shape[1:]) != (heads, width) or buffer.shape[0] < rows:
@@ -110,10 +102,10 @@ class SeparateExecutor:
         chunks: Sequence[GatherChunk],
         gather_workspace: torch.Tensor,
         out: torch.Tensor,
-        softmax_scale: float,
         *,
         schedules: dict[Any, Any],
         buffers: Buffers = Buffers(),
+        softmax_scale: float,
         gather_cache: torch.Tensor | None = None,
     ) -> None:
         """q ``(T, H, 576)``; kv_cache ``(pages, 64, 1, 656)`` uint8 (the kernels' page view);

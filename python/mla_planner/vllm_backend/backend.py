@@ -39,9 +39,10 @@ import torch
 
 import mla_planner
 from mla_planner import routing
+from mla_planner.executor.buffers import Buffers
 from mla_planner.executor.mixed_batch import Launches, MixedBatchExecutor
 from mla_planner.executor.providers import KernelProvider, VllmProvider
-from mla_planner.executor.separate import Buffers, SeparateExecutor, SeparateLaunches
+from mla_planner.executor.separate import SeparateExecutor, SeparateLaunches
 from mla_planner.vllm_backend import engine, fallback, log, masked_mha, vllm_api
 from mla_planner.vllm_backend.log import logger
 from mla_planner.vllm_backend.releases import release
@@ -407,9 +408,8 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
             q_buffer, out_buffer = views.q_padded(longest), views.padded_out(longest)
         if mixed.writes_out(launches):
             out = step_output(views, q, self.kv_lora_rank)
-        out = mixed.run_launches(launches, q, pages.view(torch.uint8).unsqueeze(-2), slots, out,
-                                 schedules=step.schedules, q_buffer=q_buffer, out_buffer=out_buffer,
-                                 softmax_scale=self.softmax_scale)
+        out = mixed.run(launches, q, pages.view(torch.uint8).unsqueeze(-2), slots, out, schedules=step.schedules,
+                        buffers=Buffers(q_buffer, out_buffer), softmax_scale=self.softmax_scale)
         return release.forward_result(out)
 
     def _forward_fp8_kv_separate_prefill_decode(
@@ -446,9 +446,9 @@ class PlannedFlashMLASparseImpl(FlashMLASparseImpl):
         chunks = [] if fp8.prefill is None else fp8.prefill.chunks
         # The kernels read 64-row pages; the gather, as stock's, the cache as allocated, since the
         # chunks' block tables hold ids of blocks of md.block_size rows.
-        self.separate.run(launches, q, pages.view(torch.uint8).unsqueeze(-2), translate, chunks,
-                          gather, out, self.softmax_scale, schedules=step.schedules,
-                          buffers=Buffers(views.q_padded(), views.padded_out()), gather_cache=kv_cache)
+        self.separate.run(launches, q, pages.view(torch.uint8).unsqueeze(-2), translate, chunks, gather, out,
+                          schedules=step.schedules, buffers=Buffers(views.q_padded(), views.padded_out()),
+                          softmax_scale=self.softmax_scale, gather_cache=kv_cache)
         return release.forward_result(out)
 
 
