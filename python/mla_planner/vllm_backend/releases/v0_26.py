@@ -41,6 +41,8 @@ utils: Any = _utils_module
 
 
 class Vllm026:
+    """vLLM 0.26.x, and what later releases inherit unless their module overrides it."""
+
     version = "0.26"
     forward_returns_lse = False
     """Whether the FP8 forwards return ``(out, lse | None)`` rather than ``out``."""

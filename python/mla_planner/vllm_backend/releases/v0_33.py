@@ -51,6 +51,8 @@ _LAYOUTS: dict[WorkspaceLayout, WorkspaceLayout] = {}
 
 
 class Vllm033(v0_26.Vllm026):
+    """vLLM 0.33.x: 0.26's view with this module's overrides."""
+
     version = "0.33"
     forward_returns_lse = True
     stock_workspace = True
