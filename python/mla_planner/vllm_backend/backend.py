@@ -12,8 +12,8 @@ Subclasses vLLM's ``FlashMLASparse*`` classes and changes only what the plan cha
 * the impl runs that plan's launches, one kernel call each, through the executors
   (:mod:`mla_planner.executor`); a plan of one launch whose bytes fit the reservation is the one
   kernel call stock's forward makes, so stock's code runs it unchanged;
-* BF16-KV steps run stock code, except, where the release has masked MHA, a step whose masked-MHA prefills do not fit
-  vLLM's mask workspace together (:mod:`.masked_mha`).
+* BF16-KV steps run stock code, except, where the release has masked MHA, a step whose masked-MHA
+  prefills do not fit vLLM's mask workspace together (:mod:`.masked_mha`).
 
 After start-up nothing here raises but what no bounded path can avoid: a step the planner
 refuses, or a layer call that cannot run its plan (tokens not the plan's, an allocation failure in
@@ -532,9 +532,9 @@ def hand_over_reservation(reservation: Reservation) -> None:
 
 
 def step_output(views: WorkspaceViews, q: torch.Tensor, rank: int) -> torch.Tensor:
-    """The step's output ``(tokens, heads, rank)``: its workspace view where the release reserves one (the layout was
-    checked at construction), a new tensor where there is none (the reservation
-    counts it) or q is not of its dtype."""
+    """The step's output ``(tokens, heads, rank)``: its workspace view where the release reserves
+    one (the layout was checked at construction), a new tensor where there is none (the
+    reservation counts it) or q is not of its dtype."""
     out = views.compact_out(q.shape[0])
     if out is None or out.dtype != q.dtype:
         return q.new_empty((q.shape[0], q.shape[1], rank))

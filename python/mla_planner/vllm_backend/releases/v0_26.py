@@ -141,7 +141,12 @@ class Vllm026:
         spec = vllm_config.speculative_config
         if spec is None or spec.num_speculative_tokens is None:
             return threshold
-        return max(threshold, 1 + (2 if spec.parallel_drafting else 1) * int(spec.num_speculative_tokens))
+        return max(threshold, self.verification_len(vllm_config))
+
+    def verification_len(self, vllm_config: Any) -> int:
+        """The query tokens of a speculative verification, as vLLM raises its decode threshold to them."""
+        spec = vllm_config.speculative_config
+        return 1 + (2 if spec.parallel_drafting else 1) * int(spec.num_speculative_tokens)
 
     def with_cpu_seq_lens(self, common: Any) -> Any:
         """``common`` with its CPU sequence lengths (``seq_lens_cpu_upper_bound``: exact for

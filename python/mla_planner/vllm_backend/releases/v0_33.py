@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from mla_planner.engine_model import sizing
 from mla_planner.vllm_backend.releases import v0_26
 from mla_planner.vllm_backend.releases.v0_26 import stock, utils
 from mla_planner.vllm_backend.vllm_api import PLANNED_KV, installed_version
@@ -133,17 +132,13 @@ class Vllm033(v0_26.Vllm026):
                              return_valid_counts=True, out=group.physical_topk_indices[:rows],
                              valid_counts_out=group.valid_topk_counts[:rows])
 
-    def decode_threshold(self, vllm_config: Any, num_heads: int, arch: str) -> int:
-        """The builder's table (F:366-372), raised to vLLM's own longest decode query
-        (``max_decode_query_len``, v1/attention/backend.py:658)."""
-        threshold = sizing.builder_decode_threshold(num_heads, arch)
-        spec = vllm_config.speculative_config
-        if spec is None or spec.num_speculative_tokens is None:
-            return threshold
+    def verification_len(self, vllm_config: Any) -> int:
+        """vLLM's own longest decode query under speculative decoding (``max_decode_query_len``,
+        v1/attention/backend.py:658)."""
         from vllm.v1.attention import backend as attention_backend
 
         api: Any = attention_backend
-        return max(threshold, int(api.max_decode_query_len(vllm_config)))
+        return int(api.max_decode_query_len(vllm_config))
 
     def with_cpu_seq_lens(self, common: Any) -> Any:
         """``unpadded`` keeps the CPU sequence lengths here: ``common`` as it is."""
