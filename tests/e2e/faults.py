@@ -32,6 +32,9 @@ class Faults:
     mode: str = "none"
     launches: int = 0
     """Kernel launches of the plugin's provider since the step's metadata was built."""
+    kernel_launches: int = 0
+    """Kernel launches of the plugin's provider since :func:`arm` (vLLM's own calls not counted)."""
+    counts_at_arm: dict[str, int] = dataclasses.field(default_factory=dict)
     fired: int = 0
     """Faults injected since :func:`arm`."""
     layer_calls: int = 0
@@ -47,11 +50,23 @@ def arm(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"unknown fault mode {mode!r}; one of {', '.join(MODES)}")
     STATE.mode, STATE.launches, STATE.fired, STATE.layer_calls, STATE.peak_bytes = mode, 0, 0, 0, 0
+    STATE.kernel_launches, STATE.counts_at_arm = 0, step_counts()
 
 
 def read() -> dict[str, Any]:
+    """What happened since :func:`arm`, with the engine's step counters' gains (``StepStats.counts``)."""
+    now = step_counts()
     return {"mode": STATE.mode, "faults_fired": STATE.fired, "attention_layer_calls": STATE.layer_calls,
-            "attention_peak_bytes": STATE.peak_bytes}
+            "attention_peak_bytes": STATE.peak_bytes, "kernel_launches": STATE.kernel_launches,
+            "step_counts": {name: n - STATE.counts_at_arm.get(name, 0) for name, n in now.items()}}
+
+
+def step_counts() -> dict[str, int]:
+    """The newest engine's step counters in this process (empty where no engine runs the plugin)."""
+    from mla_planner.vllm_backend import engine
+
+    states = getattr(engine, "_states", None)
+    return dict(states[-1][1].stats.counts()) if states else {}
 
 
 def reserved_bytes() -> int | None:
@@ -142,6 +157,7 @@ class FaultyProvider:
 
     def _launch(self) -> None:
         STATE.launches += 1
+        STATE.kernel_launches += 1
         if STATE.mode == "oom2" and STATE.launches == 2:
             STATE.fired += 1
             raise self.oom("injected: CUDA out of memory in the second launch")

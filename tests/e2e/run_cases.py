@@ -582,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"case {case}: {result['status']} in {result['elapsed_s']:.1f} s"
               + (f" ({result['error'][:200]})" if result["error"] else "")
               + (f"; {fault['faults_fired']} faults, attention peak {fault['attention_peak_bytes'] / 2**20:.0f} MiB "
-                 f"of {(fault['reserved_bytes'] or 0) / 2**20:.0f} MiB reserved" if fault else ""), flush=True)
+                 f"of {(fault['reserved_bytes'] or 0) / 2**20:.0f} MiB reserved, {fault['kernel_launches']} launches "
+                 f"of the plugin's, steps {fault['step_counts']}" if fault else ""), flush=True)
     data["finished"] = True
     write_json(args.out, data)
     return 0

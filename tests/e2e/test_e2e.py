@@ -512,7 +512,8 @@ def test_each_fault_mode_fires_where_it_says() -> None:
         provider.sparse_decode()
     assert provider.sparse_decode() == "out" and calls == ["decode", "decode", "decode"]
     faults.arm("none")
-    assert provider.sparse_decode() == "out" and faults.read()["faults_fired"] == 0
+    assert provider.sparse_decode() == "out" and provider.sparse_prefill() == "out"
+    assert faults.read()["faults_fired"] == 0 and faults.read()["kernel_launches"] == 2
     with pytest.raises(ValueError, match="unknown fault mode"):
         faults.arm("sometimes")
 
