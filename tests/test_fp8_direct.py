@@ -171,6 +171,9 @@ def test_bad_configs_raise_value_errors(fields: dict[str, Any]) -> None:
 def test_config_labels_are_distinct() -> None:
     configs = {KernelConfig(), KernelConfig(keys_as_m=True), KernelConfig(block_n=32), KernelConfig(head_block=16)}
     assert len({c.label() for c in configs}) == len(configs)
+    assert all(KernelConfig.parse(c.label()) == c for c in configs)
+    with pytest.raises(ValueError):
+        KernelConfig.parse("n64 x3")
 
 
 @pytest.mark.parametrize("fault", ["scale 2% off", "sink ignored", "rope ignored"])

@@ -91,6 +91,22 @@ class KernelConfig:
         return " ".join(parts)
 
 
+    @classmethod
+    def parse(cls, label: str) -> KernelConfig:
+        """The inverse of :meth:`label` (fields left out keep their defaults)."""
+        fields: dict[str, object] = {}
+        keys = {"n": "block_n", "w": "num_warps", "s": "num_stages", "hb": "head_block"}
+        for part in label.split():
+            if part in ("km", "hm"):
+                fields["keys_as_m"] = part == "km"
+                continue
+            name = part.rstrip("0123456789")
+            if name not in keys or name == part:
+                raise ValueError(f"cannot parse {part!r} in config label {label!r}")
+            fields[keys[name]] = int(part[len(name):])
+        return cls(**fields)  # type: ignore[arg-type]
+
+
 DEFAULT_CONFIG = KernelConfig()
 
 
@@ -117,7 +133,9 @@ def _gather_keys(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride
     scales = tl.load(kv_f32 + row_f32[:, None] + 128 + tiles[None, :], mask=valid[:, None], other=0.0)
     # e4m3 -> float32 is exact, times a power of two is exact, -> bfloat16 is exact again (every
     # e4m3 value times a power of two in range is a bfloat16 value): the BF16 operand equals the
-    # float32 reference's dequantised key.
+    # float32 reference's dequantised key. (Multiplying in bfloat16 instead compiles to the same
+    # float32 arithmetic on sm90, and Triton 3.8's interpreter computes bfloat16 arithmetic on
+    # the raw bits.)
     k = nope.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     k = tl.reshape(k, (BLOCK_N, 4, 128)) * scales[:, :, None]
     k = tl.reshape(k, (BLOCK_N, 512)).to(tl.bfloat16)
