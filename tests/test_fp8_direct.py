@@ -49,16 +49,18 @@ class Spec:
     """Extra bytes after each page: the cache is a view with a page stride above 64 x 656."""
 
 
-HM, KM = KernelConfig(block_n=32, num_warps=4), KernelConfig(block_n=32, num_warps=4, keys_as_m=True)
+HM = KernelConfig(block_n=32, num_warps=4, num_stages=2, keys_as_m=False)
+KM = KernelConfig(block_n=32, num_warps=4, num_stages=2, keys_as_m=True)
 SPECS = [
     Spec("h16 topk64 heads-as-M", 16, 64, HM),
     Spec("h16 topk64 keys-as-M", 16, 64, KM),
-    Spec("h16 topk64 block 64", 16, 64, KernelConfig(block_n=64)),
+    Spec("h16 topk64 default config", 16, 64, KernelConfig()),
+    Spec("h16 topk64 block 64", 16, 64, KernelConfig(block_n=64, keys_as_m=False)),
     Spec("h32 topk128 heads-as-M", 32, 128, HM),
     Spec("h32 topk128 keys-as-M block 64", 32, 128, dataclasses.replace(KM, block_n=64)),
     Spec("h16 topk128 lengths+sink", 16, 128, HM, lengths=True, sink=True),
     Spec("h32 topk128 lengths+sink keys-as-M", 32, 128, KM, lengths=True, sink=True),
-    Spec("h32 topk64 sink, two head groups", 32, 64, KernelConfig(block_n=32, head_block=16), sink=True),
+    Spec("h32 topk64 sink, two head groups", 32, 64, dataclasses.replace(HM, head_block=16), sink=True),
     Spec("h16 topk80 (not a multiple of 32)", 16, 80, HM, lengths=True),
     Spec("h16 topk80 (not a multiple of 64) keys-as-M", 16, 80, dataclasses.replace(KM, block_n=64)),
     Spec("h8 (padded to a 16-head program)", 8, 64, HM, sink=True),
@@ -169,7 +171,8 @@ def test_bad_configs_raise_value_errors(fields: dict[str, Any]) -> None:
 
 
 def test_config_labels_are_distinct() -> None:
-    configs = {KernelConfig(), KernelConfig(keys_as_m=True), KernelConfig(block_n=32), KernelConfig(head_block=16)}
+    configs = {HM, KM, dataclasses.replace(KM, block_n=64), dataclasses.replace(KM, num_stages=3), dataclasses.replace(HM, head_block=16)}
+    assert len(configs) == 5
     assert len({c.label() for c in configs}) == len(configs)
     assert all(KernelConfig.parse(c.label()) == c for c in configs)
     with pytest.raises(ValueError):

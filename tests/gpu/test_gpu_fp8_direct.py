@@ -21,7 +21,8 @@ from harness.fp8_direct import PREFILL_OUT, SCALE, Fp8Case, check_output, lse_ma
 
 pytestmark = pytest.mark.gpu
 
-CONFIGS = [DEFAULT_CONFIG, KernelConfig(block_n=64, num_warps=8, keys_as_m=True), KernelConfig(block_n=32, num_warps=4)]
+CONFIGS = [DEFAULT_CONFIG, KernelConfig(block_n=64, num_warps=8, num_stages=2, keys_as_m=True),
+           KernelConfig(block_n=64, num_warps=8, num_stages=2, keys_as_m=False)]
 LSE_LIMIT = 1e-3
 
 

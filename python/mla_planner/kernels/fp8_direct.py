@@ -62,10 +62,10 @@ class KernelConfig:
     are split over programs that each re-read the rows (the accumulator is heads x 512 floats).
     """
 
-    block_n: int = 64
+    block_n: int = 32
     num_warps: int = 8
-    num_stages: int = 2
-    keys_as_m: bool = False
+    num_stages: int = 3
+    keys_as_m: bool = True
     head_block: int | None = None
 
     def __post_init__(self) -> None:
@@ -108,6 +108,9 @@ class KernelConfig:
 
 
 DEFAULT_CONFIG = KernelConfig()
+"""Chosen, before any timing, as the config that compiles for sm90 without register spills at both
+16 and 32 heads (``benchmarks/fp8_direct_bench.py --compile-report``); the benchmark's sweep is
+what decides."""
 
 
 @triton.jit
