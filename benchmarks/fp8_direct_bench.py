@@ -1,0 +1,303 @@
+"""The FP8-direct sparse-MLA Triton kernel (mla_planner.kernels.fp8_direct) against today's
+separate route, on one prefill request per shape.
+
+For T in {512, 2K, 8K, 32K} tokens x H in {16, 32} heads per rank (top-k 2,048): the inputs of
+`mla-planner calibrate`'s token cases (calibration/synthetic.py's ``prefill_case``: one request of
+T tokens after ``max(0, topk - T)`` tokens of context, causal top-k positions, pages shuffled);
+the kernel reads the paged FP8 cache through the positions' cache slots. Timed, interleaved in a
+fresh random order each repeat, CUDA events, L2 flushed before every call
+(calibration/kernel_timing.py's ``Timer``), medians:
+
+* the kernel under each ``KernelConfig`` of the sweep (``--configs``), the fastest marked;
+* where vLLM's FlashMLA loads (``get_provider("vllm")``): the separate route on the same inputs
+  -- vLLM's ``cp_gather_and_upconvert_fp8_kv_cache`` of the request's rows into a BF16 workspace,
+  q copied into a zero-padded 64-head buffer, FlashMLA's sparse prefill at 64 heads -- and its
+  pieces alone (the gather; the prefill at 64 heads; the prefill at the H native heads where the
+  installed build takes them). Elsewhere those columns say n/a.
+
+Every config's output (and the separate route's) is checked against the float32 reference at
+T = 2,048 (max abs error, the fraction outside FlashMLA's element-wise criterion, 1 - cos).
+
+    python benchmarks/fp8_direct_bench.py --out fp8_direct_bench.md
+    python benchmarks/fp8_direct_bench.py --quick
+    python benchmarks/fp8_direct_bench.py --compile-report   # no GPU: sm90 registers/spills per config
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mla_planner.executor.layout import D_QK, D_V, PAGE_SIZE, as_slots, page_of, slot_of
+from mla_planner.kernels.fp8_direct import KernelConfig, flops, gathered_bytes, sparse_attention_fp8
+
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "gpu")]  # tests/harness and gpu_helpers: not in the wheel
+
+SWEEP = ("n64 w8 s2 hm", "n32 w4 s2 hm", "n32 w8 s2 hm", "n64 w8 s2 km", "n32 w4 s2 km", "n32 w8 s2 km", "n32 w8 s3 km")
+"""heads-as-M (mma.sync at 16/32 heads) and keys-as-M (wgmma) at 32 and 64 keys a block: the
+configs that compile for sm90 with no or little register spilling (``--compile-report``)."""
+FULL_SHAPES = [(t, h) for h in (16, 32) for t in (512, 2048, 8192, 32768)]
+QUICK_SHAPES = [(2048, 16), (32768, 16)]
+CHECK_TOKENS = 2048
+PADDED_HEADS = 64
+
+
+@dataclass
+class Shape:
+    tokens: int
+    heads: int
+    times: dict[str, list[float]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+    checks: list[str] = field(default_factory=list)
+
+    def median(self, name: str) -> float | None:
+        t = self.times.get(name)
+        return statistics.median(t) if t else None
+
+
+def load_separate_route() -> tuple[Any, Any, str]:
+    """(provider, gather) of vLLM's kernels, or (None, None, why not)."""
+    try:
+        from mla_planner.calibration.kernel_timing import GatherOp
+        from mla_planner.executor import ProviderUnavailable, get_provider
+    except Exception as exc:  # the mla_planner extension or its deps missing
+        return None, None, f"mla_planner.executor unavailable: {exc}"
+    try:
+        return get_provider("vllm"), GatherOp("vllm"), ""
+    except (ProviderUnavailable, RuntimeError) as exc:
+        return None, None, str(exc).splitlines()[0]
+
+
+def accuracy(name: str, out: torch.Tensor, ref: torch.Tensor) -> str:
+    from gpu_helpers import cosine_difference, flashmla_tolerance
+
+    from harness.fp8_direct import PREFILL_OUT
+
+    a, r = out.double(), ref.double()
+    err = (a - r).abs()
+    outside = float((err >= flashmla_tolerance(r, abs_tol=PREFILL_OUT["abs_tol"], rel_tol=PREFILL_OUT["rel_tol"])).double().mean())
+    return (f"{name}: max abs error {float(err.max()):.3g}, {outside:.4%} outside FlashMLA's element-wise criterion, "
+            f"1 - cos {cosine_difference(a, r):.3g}")
+
+
+def bench_shape(shape: Shape, configs: list[KernelConfig], args: argparse.Namespace, gen: torch.Generator,
+                provider: Any, gather: Any, timer: Callable[[Callable[[], object]], float]) -> None:
+    from mla_planner.calibration.kernel_timing import case_context
+    from mla_planner.calibration.synthetic import prefill_case
+
+    t, h, topk, dev = shape.tokens, shape.heads, args.topk, gen.device
+    context = case_context(t, topk)
+    inputs = prefill_case([t], [context], h, topk, gen, dtype=torch.bfloat16)
+    q, positions = inputs.q, inputs.indices
+    slots = slot_of(inputs.block_table[0][page_of(positions, PAGE_SIZE)], positions, PAGE_SIZE).to(torch.int32)
+    scale = D_QK**-0.5
+    out = torch.empty((t, h, D_V), dtype=torch.bfloat16, device=dev)
+    lse = torch.empty((t, h), dtype=torch.float32, device=dev)
+    runs: dict[str, Callable[[], object]] = {}
+    def ours(config: KernelConfig) -> Callable[[], object]:
+        return lambda: sparse_attention_fp8(q, inputs.kv_cache, slots, scale, out=out, lse=lse, config=config)
+
+    for config in configs:
+        runs[config.label()] = ours(config)
+
+    outputs: dict[str, torch.Tensor] = {}
+    if provider is not None:
+        rows = context + t
+        workspace = torch.empty((rows, D_QK), dtype=torch.bfloat16, device=dev)
+        q64 = torch.zeros((t, PADDED_HEADS, D_QK), dtype=torch.bfloat16, device=dev)
+        out64 = torch.empty((t, PADDED_HEADS, D_V), dtype=torch.bfloat16, device=dev)
+        out_native = torch.empty((t, h, D_V), dtype=torch.bfloat16, device=dev)
+        kv, idx = workspace.unsqueeze(1), positions.unsqueeze(1)
+
+        def prefill64() -> None:
+            provider.sparse_prefill(q64, kv, idx, scale, out=out64)
+
+        def route() -> None:
+            gather(inputs, rows, workspace)
+            q64[:, :h].copy_(q)
+            prefill64()
+
+        runs["separate route (gather + pad + prefill@64)"] = route
+        runs["gather alone"] = lambda: gather(inputs, rows, workspace)
+        runs["prefill@64 alone"] = prefill64
+        runs[f"prefill@{h} native alone"] = lambda: provider.sparse_prefill(q, kv, idx, scale, out=out_native)
+
+    for name, run in list(runs.items()):  # warm-up, compiles; a config or kernel that fails is noted
+        try:
+            run()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()  # an asynchronous launch failure surfaces here
+            if name in shape_config_labels(configs) and t == CHECK_TOKENS:
+                outputs[name] = out.clone()
+            elif name.startswith("separate route") and t == CHECK_TOKENS:
+                outputs[name] = out64[:, :h].clone()
+            run()
+        except Exception as exc:
+            shape.notes[name] = f"failed: {(str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]}"
+            del runs[name]
+    coin = random.Random(args.seed)
+    order = list(runs.items())
+    for _ in range(args.repeats):
+        coin.shuffle(order)
+        for name, run in order:
+            shape.times.setdefault(name, []).append(timer(run))
+
+    if t == CHECK_TOKENS:
+        from mla_planner.executor.reference import sparse_attention
+
+        ref, _ = sparse_attention(q, as_slots(inputs.kv_cache), slots, scale)
+        for name, o in outputs.items():
+            shape.checks.append(accuracy(f"T={t} H={h} {name}", o.float(), ref))
+    del inputs, q, out, lse
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def shape_config_labels(configs: list[KernelConfig]) -> set[str]:
+    return {c.label() for c in configs}
+
+
+def markdown(shapes: list[Shape], configs: list[KernelConfig], header: str, topk: int) -> str:
+    labels = [c.label() for c in configs]
+    lines = [header, "", "### Sweep (our kernel)", "",
+             "| tokens | heads | config | median us | vs best | TFLOP/s (H heads, all top-k) | GB/s (T x top-k x 656 B) |", "|---:|---:|---|---:|---:|---:|---:|"]
+    for s in shapes:
+        medians = {n: m for n in labels if (m := s.median(n)) is not None}
+        best = min(medians.values()) if medians else None
+        for n in labels:
+            m = medians.get(n)
+            if m is None or best is None:
+                lines.append(f"| {s.tokens} | {s.heads} | {n} | {s.notes.get(n, 'n/a')} | | | |")
+                continue
+            mark = " **best**" if m == best else ""
+            lines.append(f"| {s.tokens} | {s.heads} | {n}{mark} | {m:.1f} | {m / best:.2f}x "
+                         f"| {flops(s.tokens, s.heads, topk) / m / 1e6:.0f} | {gathered_bytes(s.tokens, topk) / m / 1e3:.0f} |")
+    lines += ["", "### Against the separate route (same inputs, same run)", "",
+              "| tokens | heads | ours, best config | us | separate route us | gather us | prefill@64 us "
+              "| prefill@H native us | route / ours | prefill@64 / ours |",
+              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in shapes:
+        medians = {n: m for n in labels if (m := s.median(n)) is not None}
+        if not medians:
+            continue
+        best_name = min(medians, key=lambda n: medians[n])
+        ours = medians[best_name]
+
+        def cell(name: str) -> str:
+            m = s.median(name)
+            return f"{m:.1f}" if m is not None else s.notes.get(name, "n/a")
+
+        def ratio(name: str) -> str:
+            m = s.median(name)
+            return f"{m / ours:.2f}x" if m is not None else "n/a"
+
+        route = "separate route (gather + pad + prefill@64)"
+        native = f"prefill@{s.heads} native alone"
+        lines.append(f"| {s.tokens} | {s.heads} | {best_name} | {ours:.1f} | {cell(route)} | {cell('gather alone')} "
+                     f"| {cell('prefill@64 alone')} | {cell(native)} | {ratio(route)} | {ratio('prefill@64 alone')} |")
+    checks = [c for s in shapes for c in s.checks]
+    if checks:
+        lines += ["", "### Accuracy against the float32 reference", ""] + [f"- {c}" for c in checks]
+    return "\n".join(lines) + "\n"
+
+
+def compile_report(configs: list[KernelConfig]) -> None:
+    """Compile each config for sm90 (no GPU needed: Triton's bundled ptxas) at 16 and 32 heads and
+    print registers, spills, shared memory and which MMA it uses. Internal Triton API: may need
+    updating with Triton."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mla_planner.kernels.fp8_direct import _sparse_fp8_kernel as kernel
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    types = ["*bf16", "*u8", "*fp32", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32"] + ["i32"] * 10 + ["i64"] * 3 + ["fp32"]
+    names = kernel.arg_names
+    for heads in (16, 32):
+        for config in configs:
+            consts = {"PAGE": PAGE_SIZE, "BLOCK_H": config.heads_per_program(heads), "BLOCK_N": config.block_n,
+                      "HAS_LENGTH": False, "HAS_SINK": False, "KEYS_AS_M": config.keys_as_m}
+            signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
+            # What the launcher passes is 16-divisible except lse's head stride (1).
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names[: len(types) - 1]) if n != "stride_lh"}
+            src = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+            ptx = compiled.asm["ptx"]
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                f.write(ptx)
+                f.flush()
+                log = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f.name, "-o", "/dev/null"],
+                                     capture_output=True, text=True).stderr
+            regs = re.search(r"Used (\d+) registers", log)
+            spill = re.search(r"(\d+) bytes spill stores", log)
+            mma = "+".join(m for m in ("wgmma", "mma.sync") if m in ptx) or "no MMA"
+            print(f"H{heads:<3d} {config.label():<16s} registers {regs.group(1) if regs else '?':>4s}  spill stores "
+                  f"{spill.group(1) if spill else '?':>5s} B  shared {compiled.metadata.shared:>6d} B  {mma}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"two shapes {QUICK_SHAPES}, 5 repeats")
+    parser.add_argument("--tokens", default="512,2048,8192,32768")
+    parser.add_argument("--heads", default="16,32")
+    parser.add_argument("--topk", type=int, default=2048)
+    parser.add_argument("--configs", default=",".join(SWEEP), help="comma-separated KernelConfig labels, e.g. 'n64 w8 s2 km'")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile-report", action="store_true", help="no GPU: compile the configs for sm90 and report registers")
+    parser.add_argument("--out", type=Path, help="also write the Markdown tables here")
+    args = parser.parse_args()
+    configs = [KernelConfig.parse(label) for label in args.configs.split(",")]
+    if args.compile_report:
+        compile_report(configs)
+        return
+    if not torch.cuda.is_available():
+        sys.exit("fp8_direct_bench.py needs a CUDA GPU (--compile-report runs without one)")
+    if args.quick:
+        shapes = [Shape(t, h) for t, h in QUICK_SHAPES]
+        args.repeats = min(args.repeats, 5)
+    else:
+        shapes = [Shape(t, h) for h in map(int, args.heads.split(",")) for t in map(int, args.tokens.split(","))]
+
+    from mla_planner.calibration.kernel_timing import Timer
+
+    provider, gather, why = load_separate_route()
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    timer = Timer(gen.device)
+    for shape in shapes:
+        print(f"T={shape.tokens} H={shape.heads} ...", file=sys.stderr, flush=True)
+        bench_shape(shape, configs, args, gen, provider, gather, timer)
+
+    import triton
+
+    header = (
+        f"FP8-direct sparse MLA on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}: "
+        f"top-k {args.topk}, one prefill request per shape (calibration's synthetic inputs), L2 flushed before each call, "
+        f"median of {args.repeats} interleaved repeats.\n"
+        + (f"Separate route: n/a ({why}).\n" if provider is None else "Separate route: vLLM's gather + FlashMLA sparse prefill.\n")
+        + f"\nCommand: `python benchmarks/fp8_direct_bench.py {' '.join(sys.argv[1:])}`"
+    )
+    table = markdown(shapes, configs, header, args.topk)
+    print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table)
+
+
+if __name__ == "__main__":
+    main()

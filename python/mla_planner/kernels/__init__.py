@@ -1,0 +1,6 @@
+"""Attention kernels of our own (Triton), outside the FlashMLA providers.
+
+:mod:`.fp8_direct` -- sparse MLA that reads the ``fp8_ds_mla`` cache directly at the native head
+count (docs/fp8-direct.md). Importing this package imports nothing; import the submodule, which
+needs torch and triton (never vLLM, never CUDA at import time).
+"""

@@ -1,0 +1,376 @@
+# Triton kernels take untyped arguments (Triton reads their annotations itself: tl.constexpr).
+# mypy: disable-error-code="untyped-decorator, no-untyped-def"
+"""Sparse MLA attention that reads the ``fp8_ds_mla`` cache directly, at the native head count.
+
+The separate route today gathers a request's FP8 cache rows, up-converts them to a BF16 workspace
+and runs FlashMLA's sparse prefill kernel on it, with the query padded to 64 heads on SM90. This
+kernel skips both: it gathers each query's top-k 656-byte rows straight from the paged cache,
+dequantises them in registers and attends with the query's real heads (16 or 32 per rank for
+DeepSeek-V3.2). Its only outputs are ``out`` (the caller's) and ``lse``; there is no workspace and
+no split-KV scratch (docs/fp8-direct.md).
+
+Semantics are those of :func:`mla_planner.executor.reference.sparse_attention` on ``fp8_ds_mla``
+rows, plus FlashMLA's ``attn_sink`` and ``topk_length`` (``flash_mla_sparse_fwd``'s docstring):
+
+* an index is valid iff ``0 <= i < num_pages * page_size`` and it is among the row's first
+  ``topk_length[t]`` entries; an invalid entry weighs nothing (its row is never read);
+* ``lse`` is the natural-log log-sum-exp of the scaled scores, ``+inf`` for a query with no valid
+  index (whose output is all zeros);
+* ``attn_sink[h]`` multiplies head ``h``'s output by ``exp(lse) / (exp(lse) + exp(sink))``, i.e.
+  adds ``exp(sink)`` to the softmax denominator with no value; it does not change ``lse``.
+
+Precision matches FlashMLA's BF16 path: dequantisation is exact in BF16 (an e4m3 value times a
+power-of-two scale), the score dots take BF16 operands with FP32 accumulation, the softmax runs in
+FP32, and the probabilities enter the value dot as BF16.
+
+Why not FP8 tensor-core dots: the FP8 MMA needs *both* operands in FP8, so the query would have
+to be quantised too (3 mantissa bits, a relative error near 2^-4 per element), which FlashMLA's
+tolerances (rel 3/128 on the output) do not allow. The cache's FP8 bytes are therefore converted
+to BF16 in registers, once per key row per program, and shared by all the program's heads.
+
+This module imports torch and triton only; nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_planner.executor.layout import D_NOPE, D_QK, D_ROPE, D_V, FP8_BYTES_PER_TOKEN, NUM_TILES, ROPE_START, SCALES_START, TILE
+
+__all__ = ["DEFAULT_CONFIG", "KernelConfig", "sparse_attention_fp8"]
+
+LOG2E = 1.4426950408889634  # log2(e): the kernel's softmax runs in base 2
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """The kernel's tuning knobs (all compile-time), so a benchmark can sweep them in one run.
+
+    ``block_n``: top-k entries (key rows) gathered per loop iteration, a power of two >= 16.
+    ``num_warps`` / ``num_stages``: Triton's launch options (``num_stages`` > 1 lets Triton's
+    software pipeliner prefetch the next block's indices and rows while this block computes).
+    ``keys_as_m``: which operand fills the MMA's M side. ``False``: heads x keys (M = heads, the
+    straightforward layout; at 16 heads Hopper falls back to ``mma.sync``, since ``wgmma`` needs
+    M >= 64). ``True``: the transposed products ``K Q^T`` and ``V^T P^T`` so the key block (or the
+    512 value columns) is M and the heads are N, which ``wgmma`` takes down to N = 8/16.
+    ``head_block``: heads per program (a power of two >= 16, padded heads masked off), ``None``:
+    all heads in one program up to 32 (each gathered row is then read once per token); more heads
+    are split over programs that each re-read the rows (the accumulator is heads x 512 floats).
+    """
+
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 3
+    keys_as_m: bool = True
+    head_block: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if self.head_block is not None and (self.head_block < 16 or self.head_block & (self.head_block - 1)):
+            raise ValueError(f"head_block must be a power of two >= 16, got {self.head_block}")
+
+    def heads_per_program(self, num_heads: int) -> int:
+        if self.head_block is not None:
+            return self.head_block
+        return min(max(16, int(triton.next_power_of_2(num_heads))), 32)
+
+    def label(self) -> str:
+        """Short name for tables: ``n64 w8 s2 hm`` (``km`` for keys_as_m), ``hb16`` if set."""
+        parts = [f"n{self.block_n}", f"w{self.num_warps}", f"s{self.num_stages}", "km" if self.keys_as_m else "hm"]
+        if self.head_block is not None:
+            parts.append(f"hb{self.head_block}")
+        return " ".join(parts)
+
+
+    @classmethod
+    def parse(cls, label: str) -> KernelConfig:
+        """The inverse of :meth:`label` (fields left out keep their defaults)."""
+        fields: dict[str, object] = {}
+        keys = {"n": "block_n", "w": "num_warps", "s": "num_stages", "hb": "head_block"}
+        for part in label.split():
+            if part in ("km", "hm"):
+                fields["keys_as_m"] = part == "km"
+                continue
+            name = part.rstrip("0123456789")
+            if name not in keys or name == part:
+                raise ValueError(f"cannot parse {part!r} in config label {label!r}")
+            fields[keys[name]] = int(part[len(name):])
+        return cls(**fields)  # type: ignore[arg-type]
+
+
+DEFAULT_CONFIG = KernelConfig()
+"""Chosen, before any timing, as the config that compiles for sm90 without register spills at both
+16 and 32 heads (``benchmarks/fp8_direct_bench.py --compile-report``); the benchmark's sweep is
+what decides."""
+
+
+@triton.jit
+def _gather_keys(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride_f32, page_stride_bf16,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows ``idx`` (``(BLOCK_N,)`` slots) of the paged cache -> NoPE ``(BLOCK_N, 512)`` and RoPE
+    ``(BLOCK_N, 64)``, both BF16. Invalid rows are not read (masked loads) and come back as zeros,
+    so even a NaN-filled slot behind a ``-1`` contributes nothing.
+
+    The same bytes are addressed through three views of one cache (uint8, float32, bfloat16):
+    a row starts at ``page * page_stride + offset * 656`` bytes, a multiple of 16 bytes, so each
+    thread's 16 consecutive FP8 bytes become one 16-byte load and a row's 512 NoPE bytes are read
+    by 32 threads in a coalesced sweep (656 = 16 * 41, which Triton's divisibility analysis sees).
+    """
+    page = (idx // PAGE).to(tl.int64)
+    offset = (idx % PAGE).to(tl.int64)
+    cols = tl.arange(0, 512)
+    row_u8 = page * page_stride_u8 + offset * 656
+    nope = tl.load(kv_u8 + row_u8[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    # One float32 scale per 128-wide tile, at bytes [512, 528): float32 element 128 + tile.
+    row_f32 = page * page_stride_f32 + offset * 164
+    tiles = tl.arange(0, 4)
+    scales = tl.load(kv_f32 + row_f32[:, None] + 128 + tiles[None, :], mask=valid[:, None], other=0.0)
+    # e4m3 -> float32 is exact, times a power of two is exact, -> bfloat16 is exact again (every
+    # e4m3 value times a power of two in range is a bfloat16 value): the BF16 operand equals the
+    # float32 reference's dequantised key. (Multiplying in bfloat16 instead compiles to the same
+    # float32 arithmetic on sm90, and Triton 3.8's interpreter computes bfloat16 arithmetic on
+    # the raw bits.)
+    k = nope.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    k = tl.reshape(k, (BLOCK_N, 4, 128)) * scales[:, :, None]
+    k = tl.reshape(k, (BLOCK_N, 512)).to(tl.bfloat16)
+    # The RoPE part: 64 bfloat16 at bytes [528, 656) = bfloat16 elements [264, 328).
+    row_bf16 = page * page_stride_bf16 + offset * 328
+    rope_cols = tl.arange(0, 64)
+    k_rope = tl.load(kv_bf16 + row_bf16[:, None] + 264 + rope_cols[None, :], mask=valid[:, None], other=0.0)
+    return k, k_rope
+
+
+@triton.jit
+def _sparse_fp8_kernel(
+    q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
+    num_heads, topk, num_rows,
+    stride_qt, stride_qh, stride_it, stride_ot, stride_oh, stride_lt, stride_lh,
+    page_stride_u8, page_stride_f32, page_stride_bf16,
+    scale_log2,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LENGTH: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    KEYS_AS_M: tl.constexpr,
+):
+    """One program = one query token x ``BLOCK_H`` heads. All of a token's heads share one program
+    so each gathered key row is read and dequantised once per token, not once per head; the rows
+    of different tokens differ (each has its own top-k), so a program never shares them across
+    tokens. Online softmax over blocks of ``BLOCK_N`` top-k entries, in the base-2 domain
+    (``scale_log2`` = softmax scale * log2(e)); O accumulates in float32 registers."""
+    t = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BLOCK_H
+    heads = h0 + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    d_nope = tl.arange(0, 512)
+    d_rope = tl.arange(0, 64)
+
+    # The query, loaded once: (BLOCK_H, 512) NoPE and (BLOCK_H, 64) RoPE, bf16; padded heads are 0.
+    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    q_nope = tl.load(q_row + d_nope[None, :], mask=head_ok[:, None], other=0.0)
+    q_rope = tl.load(q_row + 512 + d_rope[None, :], mask=head_ok[:, None], other=0.0)
+
+    n_end = topk
+    if HAS_LENGTH:
+        n_end = tl.minimum(tl.load(len_ptr + t), topk)
+
+    # Running max m (base 2) and denominator l per head; acc is O (heads x 512), or its transpose.
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    if KEYS_AS_M:
+        acc = tl.zeros((512, BLOCK_H), tl.float32)
+        q_nope_t = tl.trans(q_nope)
+        q_rope_t = tl.trans(q_rope)
+    else:
+        acc = tl.zeros((BLOCK_H, 512), tl.float32)
+
+    for start in range(0, n_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        in_row = n < n_end
+        idx = tl.load(idx_ptr + t * stride_it + n, mask=in_row, other=-1)
+        valid = in_row & (idx >= 0) & (idx < num_rows)
+        k, k_rope = _gather_keys(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride_f32,
+                                 page_stride_bf16, PAGE, BLOCK_N)
+        if KEYS_AS_M:
+            # S^T (BLOCK_N, heads) = K Q^T: the key block is the MMA's M side.
+            s = tl.dot(k, q_nope_t) + tl.dot(k_rope, q_rope_t)
+            s = tl.where(valid[:, None], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            # A head with no valid key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[None, :])
+            l = l * alpha + tl.sum(p, axis=0)
+            # O^T (512, heads) += V^T P^T: the 512 value columns are M.
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(k), p.to(tl.bfloat16))
+        else:
+            # S (heads, BLOCK_N) = Q K^T over the 576 dims: NoPE part + RoPE part.
+            s = tl.dot(q_nope, tl.trans(k)) + tl.dot(q_rope, tl.trans(k_rope))
+            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            # O (heads, 512) += P V, V = the dequantised NoPE part (MLA: the value is the latent).
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
+        m = m_new
+
+    # Epilogue. lse = ln(sum exp(score)) = (m + log2 l) * ln 2; +inf where no key was valid.
+    has_keys = l > 0.0
+    denom = l
+    if HAS_SINK:
+        # exp(sink) / exp(m) in the base-2 domain; a +inf sink zeroes the head, -inf adds nothing.
+        sink = tl.load(sink_ptr + heads, mask=head_ok, other=float("-inf"))
+        m_fin = tl.where(has_keys, m, 0.0)
+        denom = l + tl.exp2(sink * 1.4426950408889634 - m_fin)
+    inv = tl.where(has_keys, 1.0 / denom, 0.0)
+    lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * 0.6931471805599453, float("inf"))
+    tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
+    out_row = out_ptr + t * stride_ot
+    if KEYS_AS_M:
+        o = (acc * inv[None, :]).to(tl.bfloat16)
+        tl.store(out_row + heads[None, :] * stride_oh + d_nope[:, None], o, mask=head_ok[None, :])
+    else:
+        o = (acc * inv[:, None]).to(tl.bfloat16)
+        tl.store(out_row + heads[:, None] * stride_oh + d_nope[None, :], o, mask=head_ok[:, None])
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def sparse_attention_fp8(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA over the FP8 cache, argument order as ``flash_mla_sparse_fwd``'s.
+
+    q ``(T, H, 576)`` bfloat16 (last dim contiguous; any H, heads above 32 split over programs);
+    kv_cache ``(num_pages, page_size, 1, 656)`` (or ``(num_pages, page_size, 656)``) uint8
+    ``fp8_ds_mla`` rows, each page's rows contiguous; indices ``(T, topk)`` (or ``(T, 1, topk)``)
+    int32 cache slots ``page * page_size + offset``, ``-1`` or out of range = unused;
+    ``topk_length`` ``(T,)`` int32: only each row's first that many indices count;
+    ``attn_sink`` ``(H,)`` float32. ``out`` ``(T, H, 512)`` bfloat16 (a strided head slice is
+    fine, last dim contiguous) and ``lse`` ``(T, H)`` float32 are written in place where given,
+    else allocated. Returns ``(out, lse)``.
+    """
+    config = DEFAULT_CONFIG if config is None else config
+    _check(q.dim() == 3 and q.shape[2] == D_QK, f"q must be (tokens, heads, {D_QK}), got {tuple(q.shape)}")
+    _check(q.dtype == torch.bfloat16, f"q must be bfloat16, got {q.dtype}")
+    _check(q.stride(2) == 1, "q's last dim must be contiguous")
+    num_tokens, num_heads, _ = q.shape
+    _check(num_heads > 0, "q has no heads")
+
+    if kv_cache.dim() == 4:
+        _check(kv_cache.shape[2] == 1, f"kv_cache must have one KV head, got shape {tuple(kv_cache.shape)}")
+        cache3 = kv_cache.select(2, 0)
+    else:
+        cache3 = kv_cache
+    _check(cache3.dim() == 3 and cache3.shape[2] == FP8_BYTES_PER_TOKEN,
+           f"kv_cache must be (pages, page_size, 1, {FP8_BYTES_PER_TOKEN}) fp8_ds_mla rows, got {tuple(kv_cache.shape)}")
+    _check(kv_cache.dtype == torch.uint8, f"kv_cache must be uint8 (fp8_ds_mla bytes), got {kv_cache.dtype}")
+    num_pages, page_size, _ = cache3.shape
+    _check(page_size > 0 and page_size & (page_size - 1) == 0, f"page size must be a power of two, got {page_size}")
+    _check(cache3.stride(2) == 1 and cache3.stride(1) == FP8_BYTES_PER_TOKEN,
+           "kv_cache's rows must be contiguous within a page (656-byte row stride)")
+    page_stride = cache3.stride(0) if num_pages > 1 else page_size * FP8_BYTES_PER_TOKEN
+    _check(page_stride % 16 == 0 and cache3.data_ptr() % 16 == 0,
+           f"kv_cache must be 16-byte aligned (base and page stride), page stride {page_stride}")
+
+    if indices.dim() == 3:
+        _check(indices.shape[1] == 1, f"indices (tokens, 1, topk) must have one KV head, got {tuple(indices.shape)}")
+        indices = indices.select(1, 0)
+    _check(indices.dim() == 2 and indices.shape[0] == num_tokens,
+           f"indices must be ({num_tokens}, topk), got {tuple(indices.shape)}")
+    _check(indices.dtype == torch.int32, f"indices must be int32, got {indices.dtype}")
+    _check(indices.stride(1) == 1, "indices' last dim must be contiguous")
+    topk = indices.shape[1]
+    _check(topk > 0, "topk must be at least 1")
+
+    device = q.device
+    for name, tensor in (("kv_cache", kv_cache), ("indices", indices), ("out", out), ("lse", lse),
+                         ("topk_length", topk_length), ("attn_sink", attn_sink)):
+        _check(tensor is None or tensor.device == device, f"{name} is on {tensor.device if tensor is not None else None}, q on {device}")
+    if topk_length is not None:
+        _check(tuple(topk_length.shape) == (num_tokens,) and topk_length.dtype == torch.int32,
+               f"topk_length must be ({num_tokens},) int32, got {tuple(topk_length.shape)} {topk_length.dtype}")
+        _check(topk_length.is_contiguous(), "topk_length must be contiguous")
+    if attn_sink is not None:
+        _check(tuple(attn_sink.shape) == (num_heads,) and attn_sink.dtype == torch.float32,
+               f"attn_sink must be ({num_heads},) float32, got {tuple(attn_sink.shape)} {attn_sink.dtype}")
+        _check(attn_sink.is_contiguous(), "attn_sink must be contiguous")
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, D_V), dtype=torch.bfloat16, device=device)
+    _check(tuple(out.shape) == (num_tokens, num_heads, D_V) and out.dtype == torch.bfloat16,
+           f"out must be ({num_tokens}, {num_heads}, {D_V}) bfloat16, got {tuple(out.shape)} {out.dtype}")
+    _check(out.stride(2) == 1, "out's last dim must be contiguous")
+    if lse is None:
+        lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
+    _check(tuple(lse.shape) == (num_tokens, num_heads) and lse.dtype == torch.float32,
+           f"lse must be ({num_tokens}, {num_heads}) float32, got {tuple(lse.shape)} {lse.dtype}")
+    if num_tokens == 0:
+        return out, lse
+
+    block_h = config.heads_per_program(num_heads)
+    # Three views of the cache's bytes: FP8 NoPE (uint8), scales (float32), RoPE (bfloat16).
+    # (Each view's strides are the byte strides over 4 and 2: the page stride is a multiple of 16.)
+    kv_f32 = cache3.view(torch.float32)
+    kv_bf16 = cache3.view(torch.bfloat16)
+    # Absent optional inputs get a stand-in pointer of the same dtype, never read (HAS_* False).
+    # Read-only inputs stand in: Triton's interpreter copies every argument back after the run,
+    # so passing an output twice would clobber it there.
+    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    _sparse_fp8_kernel[grid](
+        q, cache3, kv_f32, kv_bf16, indices,
+        topk_length if topk_length is not None else indices,
+        attn_sink if attn_sink is not None else kv_f32,
+        out, lse,
+        num_heads, topk, num_pages * page_size,
+        q.stride(0), q.stride(1), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        page_stride, page_stride // 4, page_stride // 2,
+        softmax_scale * LOG2E,
+        PAGE=page_size,
+        BLOCK_H=block_h,
+        BLOCK_N=config.block_n,
+        HAS_LENGTH=topk_length is not None,
+        HAS_SINK=attn_sink is not None,
+        KEYS_AS_M=config.keys_as_m,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out, lse
+
+
+def flops(num_tokens: int, num_heads: int, topk: int) -> int:
+    """Tensor-core FLOPs of one call at its real heads: QK^T over 576 dims plus PV over 512."""
+    return 2 * num_tokens * num_heads * topk * (D_QK + D_V)
+
+
+def gathered_bytes(num_tokens: int, topk: int) -> int:
+    """Cache bytes one call reads if nothing is reused across tokens: every valid top-k row once
+    per token (per head group)."""
+    return num_tokens * topk * FP8_BYTES_PER_TOKEN
+
+
+# The kernel hard-codes the fp8_ds_mla offsets (Triton constants); they must match layout.py.
+assert (D_NOPE, D_ROPE, TILE, NUM_TILES, SCALES_START, ROPE_START) == (512, 64, 128, 4, 512, 528)

@@ -1,0 +1,82 @@
+"""On the GPU: the FP8-direct Triton kernel (mla_planner.kernels.fp8_direct) against the float32
+reference, on the shapes of vLLM's sparse-MLA tests at DeepSeek-V3.2's per-rank heads (16 and 32
+heads, top-k 512 and 2,048, attention sinks on and off), with FlashMLA's sparse prefill
+tolerances (tests/harness/fp8_direct.check_output).
+
+Unlike the rest of tests/gpu this needs no FlashMLA: only a CUDA GPU and triton. It runs with
+``python -m pytest -m gpu tests/gpu/test_gpu_fp8_direct.py -q``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_planner.calibration.synthetic import prefill_case
+from mla_planner.executor.layout import PAGE_SIZE, page_of, slot_of
+from mla_planner.kernels.fp8_direct import DEFAULT_CONFIG, KernelConfig, sparse_attention_fp8
+
+from gpu_helpers import peak_delta_bytes
+from harness.fp8_direct import PREFILL_OUT, SCALE, Fp8Case, check_output, lse_max_error, make_case, probability_rounding_bound, reference
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = [DEFAULT_CONFIG, KernelConfig(block_n=64, num_warps=8, num_stages=2, keys_as_m=True),
+           KernelConfig(block_n=64, num_warps=8, num_stages=2, keys_as_m=False)]
+LSE_LIMIT = 1e-3
+
+
+@pytest.fixture(autouse=True)
+def _needs_gpu_kernels() -> None:
+    """Overrides conftest's check (FlashMLA present): this kernel needs a CUDA GPU and triton only."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none is visible")
+
+
+def _run_and_check(name: str, case: Fp8Case, config: KernelConfig) -> None:
+    t, h = case.q.shape[:2]
+    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((t, h), float("nan"), dtype=torch.float32, device="cuda")
+    sparse_attention_fp8(case.q, case.kv_cache, case.indices, SCALE, out=out, lse=lse,
+                         topk_length=case.topk_length, attn_sink=case.attn_sink, config=config)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference(case)
+    assert not bool(out.isnan().any()), f"{name}: elements of out left unwritten"
+    check_output(f"{name} out", out.float(), ref_out, probability_rounding_bound(case), **PREFILL_OUT)
+    err = lse_max_error(lse, ref_lse)
+    print(f"{name} lse: max abs error {err:.3g}")
+    assert err <= LSE_LIMIT, f"{name} lse: max abs error {err:.3g} > {LSE_LIMIT}"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.label() for c in CONFIGS])
+@pytest.mark.parametrize("sink", [False, True], ids=["no sink", "sink"])
+@pytest.mark.parametrize("topk", [512, 2048])
+@pytest.mark.parametrize("heads", [16, 32])
+def test_matches_the_reference(gen: torch.Generator, heads: int, topk: int, sink: bool, config: KernelConfig) -> None:
+    # Plain Gaussian rows (spread 0), the distribution FlashMLA's tolerances were set for; 256
+    # tokens over 8,192 cache slots, with topk_length on when the sink is (both of the V3.2
+    # prefill path's optional inputs at once).
+    case = make_case(256, heads, topk, 128, gen, lengths=sink, sink=sink)
+    _run_and_check(f"h{heads} topk{topk} {'sink' if sink else 'no sink'} {config.label()}", case, config)
+
+
+@pytest.mark.parametrize("heads", [16, 32])
+def test_causal_prefill_indices(gen: torch.Generator, heads: int) -> None:
+    """The benchmark's inputs: one 3,000-token prompt's causal top-k over shuffled pages."""
+    inputs = prefill_case([3000], [0], heads, 2048, gen, dtype=torch.bfloat16, spread=0.0)
+    pos = inputs.indices
+    slots = slot_of(inputs.block_table[0][page_of(pos, PAGE_SIZE)], pos, PAGE_SIZE).to(torch.int32)
+    case = Fp8Case(inputs.q, inputs.kv_cache, slots, None, None)
+    _run_and_check(f"h{heads} causal 3000 tokens", case, DEFAULT_CONFIG)
+
+
+def test_allocates_nothing_beyond_out_and_lse(gen: torch.Generator) -> None:
+    case = make_case(512, 16, 2048, 64, gen)
+    out = torch.empty((512, 16, 512), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((512, 16), dtype=torch.float32, device="cuda")
+
+    def run() -> None:
+        sparse_attention_fp8(case.q, case.kv_cache, case.indices, SCALE, out=out, lse=lse)
+
+    run()  # compiles
+    assert peak_delta_bytes(run) == 0

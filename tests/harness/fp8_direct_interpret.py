@@ -1,0 +1,88 @@
+"""Runs the FP8-direct Triton kernel under Triton's interpreter, in a process of its own:
+
+    TRITON_INTERPRET=1 python tests/harness/fp8_direct_interpret.py CASES.pt RESULTS.pt
+
+``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates the kernel (at import), so the
+interpreter needs a fresh process; tests/test_fp8_direct.py starts this one, so the rest of a
+pytest session keeps the compiled path. CASES.pt: a list of dicts of the launcher's arguments
+(``config`` as a dict of :class:`KernelConfig` fields); RESULTS.pt: a list of ``{"out", "lse",
+"in_place", "pad_untouched", "seconds"}``. ``out`` and ``lse`` start as NaN, so an element the
+kernel never writes shows up; with ``out_pad_heads`` > 0 in a case, ``out`` is a strided head
+slice of a wider buffer (as vLLM passes it) whose other heads must stay untouched.
+
+Two fixes to Triton 3.8's interpreter (numpy), neither touching the kernel or its GPU path:
+
+* ``tl.dot`` on bfloat16 operands multiplies their raw uint16 bit patterns (the interpreter keeps
+  bfloat16 as uint16 and only up-converts 8-bit floats before ``np.matmul``): the patch
+  up-converts bfloat16 operands to float32 first (exact; the GPU's tensor cores multiply them
+  exactly and accumulate in float32 too);
+* the float32 -> bfloat16 cast truncates: the patch rounds to nearest even, as the GPU's
+  ``cvt.rn.bf16.f32`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+
+def patch_interpreter() -> None:
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original_dot = builder.create_dot
+    original_cast = builder.cast_impl
+
+    def to_f32(handle: Any) -> Any:
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = handle.data.astype(np.uint32) << 16  # a bfloat16 is the top half of a float32
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+        return original_dot(self, to_f32(a), to_f32(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
+            return interpreter.TensorHandle(rounded.view(np.uint16), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    builder.create_dot = create_dot
+    builder.cast_impl = cast_impl
+    # create_fp_trunc and friends are lambdas that look cast_impl up on the instance, so they
+    # take the patched one.
+
+
+def main(cases_path: str, results_path: str) -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1")
+    patch_interpreter()
+    import torch
+
+    from mla_planner.kernels.fp8_direct import KernelConfig, sparse_attention_fp8
+
+    results = []
+    for case in torch.load(cases_path):
+        q = case["q"]
+        t, h = q.shape[0], q.shape[1]
+        buffer = torch.full((t, h + case["out_pad_heads"], 512), float("nan"), dtype=torch.bfloat16)
+        out = buffer[:, :h]
+        lse = torch.full((t, h), float("nan"), dtype=torch.float32)
+        start = time.perf_counter()
+        o, l = sparse_attention_fp8(q, case["kv_cache"], case["indices"], case["softmax_scale"], out=out, lse=lse,
+                                    topk_length=case["topk_length"], attn_sink=case["attn_sink"],
+                                    config=KernelConfig(**case["config"]))
+        seconds = time.perf_counter() - start
+        results.append({"out": out.clone(), "lse": lse, "in_place": o is out and l is lse,
+                        "pad_untouched": bool(buffer[:, h:].isnan().all()), "seconds": seconds})
+    torch.save(results, results_path)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
