@@ -197,7 +197,7 @@ def test_cli_text_and_quoted_line() -> None:
 
 def test_cli_text_says_which_figures_stand_in_from_the_test_model() -> None:
     out = cli("doctor", "--builtin-parser", "--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2", "-tp", "8").stdout
-    assert f"fixed {format_bytes(MODELLED.fixed_bytes)} (fitted)" in out
+    assert f"fixed {format_bytes(MODELLED.fixed_bytes)} (assumed)" in out
     assert f"cuda graphs {format_bytes(MODELLED.cuda_graph_bytes)} (assumed)" in out
     assert "the step holds (assumed: the test model's under vLLM 0.26 at TP 2)" in out
 

@@ -363,6 +363,7 @@ class Deployment:
         """The non-KV memory vLLM sets aside before the KV cache, by part, each with its source."""
         r, t = self.release, self.max_num_batched_tokens
         test_model = "fitted on the 2-layer test models (H200, TP 1)"
+        like_test_model = self.tp == 1 and self.model.hidden_size == ACTIVATION_HIDDEN
         draft = 0
         if self.mtp_draft:
             draft = math.ceil(self.model.draft_layer_bytes / self.tp)
@@ -379,8 +380,10 @@ class Deployment:
                                     "counted: vLLM's sparse-MLA workspace at this step size and max_model_len"),
             "topk_buffer": MemoryPart(topk_buffer_bytes(self.model, t), "counted: the indexer's top-k buffer of a step"),
             "activation": MemoryPart(self.activation, "given" if self.activation_override is not None else
-                                     f"{test_model}, per token; assumed to scale with hidden size"),
-            "fixed": MemoryPart(r.fixed_bytes, f"{test_model}; assumed the same for every model and TP"),
+                                     f"{test_model}, per token" if like_test_model else
+                                     f"assumed: {test_model}, per token, scaled by hidden size"),
+            "fixed": MemoryPart(r.fixed_bytes, test_model if like_test_model else
+                                f"assumed: {test_model}, for every model and TP"),
             "cuda_graphs": MemoryPart(0, "--enforce-eager: none") if self.enforce_eager else
                            MemoryPart(r.cuda_graph_bytes, f"assumed: the CUDA-graph estimate {test_model}"),
         }  # fmt: skip
