@@ -1,15 +1,20 @@
-"""Will a vLLM 0.26 deployment of a sparse-MLA model survive its worst step? A pure model.
+"""Will a vLLM deployment of a sparse-MLA model survive its worst step? A pure model, of the vLLM
+release the serve line runs on (:mod:`.vllm_releases`: 0.26 and 0.33).
 
-What vLLM does, per GPU (docs/kernels.md, "Two vLLM facts about reservation"): it gives the KV cache
-``util x total - (weights + profiled activation peak + non-PyTorch memory)``. The profile run never
-calls the sparse-MLA kernels, so stock vLLM's attention scratch must come out of what lies outside
-``util x total``, less what a step holds that the profile did not set aside (``step_reserve``,
-measured on the H200). The plugin reserves what its largest launch allocates, and on 0.26 the
-step's output, inside the model memory instead (:func:`plugin_reservation`), so its KV cache is
-that much smaller and its scratch comes out of the reservation.
+What vLLM does, per GPU (docs/kernels.md, "Two vLLM facts about reservation";
+``gpu_worker.determine_available_memory`` in both releases): it gives the KV cache
+``util x total`` less the non-KV memory: model loading (weights and what loading allocates: the
+workspaces, the top-k buffer), the profiled peak of a max-size dummy step, and with CUDA graphs
+the CUDA-graph estimate (:func:`non_kv_parts`). The profile run never calls the sparse-MLA kernels,
+so stock vLLM's attention scratch must come out of what lies outside ``util x total``, less what a
+step holds that the profile did not set aside (``step_reserve``, measured on the H200). The plugin
+reserves what its largest launch allocates (on 0.26 also the step's output) inside the model memory
+instead (:func:`plugin_reservation`), so its KV cache is that much smaller and its scratch comes out
+of the reservation.
 
-Every byte of scratch comes from the planner core (`policies.stock`, `plan_step`); this module only
-adds the memory model around it, and labels each figure as measured or assumed.
+Every byte of scratch comes from the planner core (`policies.stock`, `plan_step`) and the engine's
+own sizing (`engine_model.sizing`); this module only adds the memory model around them, and labels
+each figure as measured, fitted or assumed.
 """
 
 from __future__ import annotations
@@ -32,15 +37,15 @@ from mla_planner import (
 from mla_planner.engine_model import sizing
 from mla_planner.engine_model.settings import Settings
 
-from . import policies, presets
+from . import policies, presets, vllm_releases
 from .config import CliError, PlannerConfig, in_flags
 from .steps import Step
 from .units import GIB
+from .vllm_releases import ACTIVATION_HIDDEN, VllmRelease
 
 MIB = 1 << 20
 SERVE_NAMES = {"scratch_budget_bytes": "the budget (MLA_PLANNER_SCRATCH_MB)", "max_model_len": "--max-model-len"}
 """The planner's argument names as a serve line sets them, for the doctor's messages."""
-MODELLED_VLLM = "0.26.0"  # the release whose defaults, memory and plugin this module models
 
 
 def installed_vllm() -> str | None:
@@ -130,6 +135,13 @@ class Model:
     index_head_dim: int
     weight_bytes: int  # all ranks together
     weight_source: str
+    draft_layer_bytes: int = 0  # one MTP layer (decoder layer and its input projection), all ranks together
+    draft_source: str = "assumed: none"
+
+    @property
+    def q_head_size(self) -> int:
+        """The width of a query head the sparse kernels read: the latent and the RoPE part."""
+        return self.kv_lora_rank + self.rope_dim
 
     def kv_bytes_per_token(self, fp8: bool) -> int:
         """One token's KV-cache bytes on one rank (MLA caches the latent whole on every rank):
@@ -175,6 +187,9 @@ def model_from_config(path: Path) -> Model:
     fp8 = isinstance(quant, dict) and "fp8" in str(quant.get("quant_method", "")).lower()
     width = 1 if fp8 else 2
     params = _estimate_params(c)
+    # An MTP layer: one more decoder layer (as the model's last) and its projection of [embedding;
+    # hidden] to hidden; vLLM shares the target's embedding and head with it.
+    draft = _estimate_params({**c, "num_hidden_layers": c["num_hidden_layers"] + 1}) - params + 2 * c["hidden_size"] ** 2
     return Model(
         name=str(path),
         num_heads=c["num_attention_heads"],
@@ -187,15 +202,20 @@ def model_from_config(path: Path) -> Model:
         index_head_dim=int(c.get("index_head_dim", 128)),
         weight_bytes=params * width,
         weight_source=f"assumed: {params / 1e9:,.2f}B parameters counted from config.json x {width} B ({'fp8' if fp8 else 'bf16'})",
+        draft_layer_bytes=draft * width,
+        draft_source=f"counted from config.json: one MTP layer, {draft / 1e9:,.3f}B parameters x {width} B",
     )
 
 
 # The presets' architecture facts; weights are the published parameter counts in FP8.
+# An MTP layer is assumed one layer's share of the published count.
 PRESET_MODELS: dict[str, Model] = {
     "deepseek-v3.2": Model("deepseek-v3.2", 128, 2048, 512, 64, 61, 7168, 163_840, 128, 671 * 10**9,
-                           "assumed: 671B parameters (published) x 1 B (FP8 checkpoint)"),
+                           "assumed: 671B parameters (published) x 1 B (FP8 checkpoint)", 671 * 10**9 // 61,
+                           "assumed: one layer's share of the published 671B, x 1 B"),
     "glm-5": Model("glm-5", 64, 2048, 512, 64, 78, 6144, 202_752, 128, 744 * 10**9,
-                   "assumed: 744B parameters (published) x 1 B (FP8 checkpoint)"),
+                   "assumed: 744B parameters (published) x 1 B (FP8 checkpoint)", 744 * 10**9 // 78,
+                   "assumed: one layer's share of the published 744B, x 1 B"),
 }  # fmt: skip
 
 
@@ -225,36 +245,35 @@ def model_for_serve_model(model: str | None) -> Model | None:
     return None
 
 
-# --- what the H200 runs measured (docs/results-vllm-0.26.md), and what follows from them ----------
-
-# The tiny e2e model (tests/e2e/tiny-deepseek-v32, 16 heads, TP 1) at 0.95: the KV cache vLLM granted,
-# in blocks of 64 tokens (num_gpu_blocks), at max_num_batched_tokens 32,768 and 65,536.
-E2E_BLOCKS = {32_768: 1_373_153, 65_536: 1_351_280}
-E2E_ACTIVATION_32K = int(1.77 * GIB)  # the activation peak vLLM logged for the 32K engine
-E2E_HIDDEN = 1024
-# Its weights as model_from_config counts them (bf16); tests/test_doctor.py checks the figure.
-E2E_WEIGHTS = 601_374_720
+# --- the non-KV memory vLLM sizes the KV cache around ------------------------------------------
 
 
-def _e2e_page_bytes() -> int:
-    return 64 * (2 * (656 + 132))  # block size 64, 2 layers of fp8_ds_mla + indexer key
+class MemoryPart(NamedTuple):
+    bytes: int
+    source: str
+    """Where the figure comes from, as the doctor prints it: measured, fitted, counted or assumed."""
 
 
-def _e2e_non_kv(mnbt: int) -> int:
-    return int(0.95 * H200_TOTAL_BYTES) - E2E_BLOCKS[mnbt] * _e2e_page_bytes()
+def sparse_mla_workspace_bytes(model: Model, release: VllmRelease, heads: int, arch: str, max_num_batched_tokens: int,
+                               max_model_len: int, kv_fp8: bool) -> int:
+    """What vLLM's workspace manager holds for the sparse-MLA impl, in the model's memory: the
+    concatenated q of a whole step and, on an FP8 cache, the BF16 gather workspace and (where the
+    release has them) the padded q, padded output and output views of a whole step
+    (flashmla_sparse.py's ``workspace_specs`` / ``get_simultaneous`` at impl construction)."""
+    t, width, rank = max_num_batched_tokens, model.q_head_size, model.kv_lora_rank
+    padded = sizing.padded_heads(heads, release.prefill_padding or (128 if arch == "sm100" else 64))
+    if not kv_fp8:
+        # a BF16 cache pads the concatenated q to the prefill kernel's heads where the release has the views
+        return t * (padded if release.workspace_holds_padded_views else heads) * width * 2
+    total = t * heads * width * 2 + release.gather_workspace_rows(max_model_len) * width * 2
+    if release.workspace_holds_padded_views:
+        total += t * (padded * width + padded * rank + heads * rank) * 2
+    return total
 
 
-# Activation peak per token, from the two engines' difference (only max_num_batched_tokens changed).
-ACTIVATION_PER_TOKEN = (_e2e_non_kv(65_536) - _e2e_non_kv(32_768)) / (65_536 - 32_768)
-ACTIVATION_AT_ZERO = E2E_ACTIVATION_32K - ACTIVATION_PER_TOKEN * 32_768
-# What is neither weights nor activations: CUDA context, libraries' workspaces, vLLM's own buffers.
-NON_TORCH_BYTES = _e2e_non_kv(32_768) - E2E_ACTIVATION_32K - E2E_WEIGHTS
-
-
-def activation_bytes(model: Model, tokens: int) -> int:
-    """vLLM's profiled activation peak for a step of `tokens`: the tiny model's, per token, scaled
-    by hidden size (an assumption for any other model)."""
-    return max(0, int((ACTIVATION_AT_ZERO + ACTIVATION_PER_TOKEN * tokens) * model.hidden_size / E2E_HIDDEN))
+def topk_buffer_bytes(model: Model, max_num_batched_tokens: int) -> int:
+    """The indexer's top-k index buffer of a whole step (int32), which the model allocates at load."""
+    return max_num_batched_tokens * model.topk * 4
 
 
 # A stock 32K step of the tiny model (16 heads): one decode call, out allocated by the kernel.
@@ -279,13 +298,11 @@ def step_reserve(tp: int) -> StepReserve:
     """What a step holds at tensor parallel ``tp`` outside the scratch and what vLLM set aside: the
     test model's TP 1 figure at TP 1, its TP 2 figure from TP 2 up."""
     if tp == 1:
-        return StepReserve(STEP_RESERVE_TP1, "measured on the test model, TP 1")
-    return StepReserve(STEP_RESERVE_TP2, "measured on the test model, TP 2" if tp == 2 else "assumed: the test model's at TP 2")
+        return StepReserve(STEP_RESERVE_TP1, "measured on the test model under vLLM 0.26, TP 1")
+    return StepReserve(STEP_RESERVE_TP2, "measured on the test model under vLLM 0.26, TP 2" if tp == 2
+                       else "assumed: the test model's under vLLM 0.26 at TP 2")
 
 
-# Where the figures outside the weights and activations come from, as the doctor prints them: the
-# test model's runs stand in for every model.
-NON_TORCH_SOURCE = "measured on the test model, TP 1"
 
 
 # --- the deployment and its diagnosis ------------------------------------------------------------
@@ -308,6 +325,14 @@ class Deployment:
     routes_by_profile: bool = True
     """A cost profile routes the plugin's FP8 steps (packaged, cached, or measured at its first
     start), so steps may take either route; ``False`` under ``MLA_PLANNER_COST_PROFILE=none``."""
+    release: VllmRelease = vllm_releases.NEWEST
+    enforce_eager: bool = False
+    """``--enforce-eager``: no CUDA graphs, so no CUDA-graph estimate (and an uncompiled model)."""
+    num_speculative_tokens: int = 0
+    """``--speculative-config``'s ``num_speculative_tokens`` (0: no speculative decoding)."""
+    mtp_draft: bool = False
+    """The speculative method is MTP: the draft is the model's own MTP layer, loaded beside it."""
+    parallel_drafting: bool = False
 
     @property
     def heads_per_rank(self) -> int:
@@ -319,10 +344,53 @@ class Deployment:
 
     @property
     def activation(self) -> int:
-        return self.activation_override if self.activation_override is not None else activation_bytes(self.model, self.max_num_batched_tokens)
+        """vLLM's profiled activation peak per step beyond the workspaces and top-k buffer: the test
+        models' fitted figure per token, scaled by hidden size (an assumption for any other model)."""
+        if self.activation_override is not None:
+            return self.activation_override
+        scale = self.model.hidden_size / ACTIVATION_HIDDEN
+        return int(self.release.activation_per_token * self.max_num_batched_tokens * scale)
+
+    @property
+    def verification_len(self) -> int | None:
+        """The query tokens of a speculative verification (``None``: no speculative decoding)."""
+        if self.num_speculative_tokens <= 0:
+            return None
+        return sizing.verification_len(self.num_speculative_tokens,
+                                       self.parallel_drafting and self.release.parallel_drafting_doubles)
+
+    def non_kv_parts(self) -> dict[str, MemoryPart]:
+        """The non-KV memory vLLM sets aside before the KV cache, by part, each with its source."""
+        r, t = self.release, self.max_num_batched_tokens
+        test_model = "fitted on the 2-layer test models (H200, TP 1)"
+        like_test_model = self.tp == 1 and self.model.hidden_size == ACTIVATION_HIDDEN
+        draft = 0
+        if self.mtp_draft:
+            draft = math.ceil(self.model.draft_layer_bytes / self.tp)
+            if r.counts_discarded_draft_topk:
+                draft += topk_buffer_bytes(self.model, t)
+        parts = {
+            "weights": MemoryPart(self.weights_per_rank, "given" if self.weights_override is not None
+                                  else self.model.weight_source + f", / TP {self.tp}"),
+            "mtp_draft": MemoryPart(draft, (self.model.draft_source + (", and its discarded top-k buffer"
+                                                                      if r.counts_discarded_draft_topk else ""))
+                                    if self.mtp_draft else "no MTP draft"),
+            "workspace": MemoryPart(sparse_mla_workspace_bytes(self.model, r, self.heads_per_rank, self.gpu.arch, t,
+                                                               self.max_model_len, self.kv_fp8),
+                                    "counted: vLLM's sparse-MLA workspace at this step size and max_model_len"),
+            "topk_buffer": MemoryPart(topk_buffer_bytes(self.model, t), "counted: the indexer's top-k buffer of a step"),
+            "activation": MemoryPart(self.activation, "given" if self.activation_override is not None else
+                                     f"{test_model}, per token" if like_test_model else
+                                     f"assumed: {test_model}, per token, scaled by hidden size"),
+            "fixed": MemoryPart(r.fixed_bytes, test_model if like_test_model else
+                                f"assumed: {test_model}, for every model and TP"),
+            "cuda_graphs": MemoryPart(0, "--enforce-eager: none") if self.enforce_eager else
+                           MemoryPart(r.cuda_graph_bytes, f"assumed: the CUDA-graph estimate {test_model}"),
+        }  # fmt: skip
+        return parts
 
     def non_kv_bytes(self) -> int:
-        return self.weights_per_rank + self.activation + NON_TORCH_BYTES
+        return sum(part.bytes for part in self.non_kv_parts().values())
 
     def stock_kv_bytes(self, util: float | None = None) -> int:
         u = self.gpu_memory_utilization if util is None else util
@@ -339,7 +407,8 @@ class Deployment:
             step = StepConfig(
                 self.heads_per_rank, arch=self.gpu.arch, num_sms=self.gpu.num_sms, topk=self.model.topk,
                 kv_dtype="fp8" if fp8 else "bf16", scratch_budget_bytes=self.budget_bytes,
-                max_model_len=self.max_model_len, execution="vllm",
+                max_model_len=self.max_model_len, execution="vllm", prefill_padding=self.release.prefill_padding,
+                gather_workspace_rows=self.release.gather_workspace_rows(self.max_model_len),
             )  # fmt: skip
         except ValueError as e:
             raise CliError(f"the planner refuses this deployment: {in_flags(str(e), SERVE_NAMES)}") from None
@@ -372,7 +441,7 @@ class Diagnosis:
     reserved_kv_tokens: int  # the KV tokens those bytes would hold (fp8_ds_mla)
     max_stock_util: float | None
     budget_kv_tokens: int  # the KV tokens the plugin's budget would hold (fp8_ds_mla)
-    stock_path: str  # the path vLLM 0.26 takes for this cache and heads per rank
+    stock_path: str  # the path stock vLLM takes for this cache and heads per rank (the same rule in both releases)
     stride_tokens: int  # the longest single mixed-batch / prefill call the kernels accept
     assumptions: dict[str, str] = field(default_factory=dict)
 
@@ -404,21 +473,32 @@ def plugin_step(d: Deployment, step: Step) -> StepVerdict:
 def plugin_routes(d: Deployment) -> tuple[list[StepConfig], int]:
     """The configurations of the FP8 routes the plugin's steps may take (:func:`.sizing.route_configs`:
     both where a cost profile routes them, vLLM's rule's alone under ``MLA_PLANNER_COST_PROFILE=none``;
-    vLLM 0.26's FlashMLA has no native-heads prefill), and vLLM's decode threshold: what its engine
-    setup sizes and checks the budget with. Without speculative decoding, which raises the
-    threshold."""
+    the native-heads prefill variant where the release's FlashMLA has it), and vLLM's decode threshold
+    (raised under speculative decoding): what the engine setup sizes and checks the budget with."""
     step = d.planner_config(fp8=True).step
-    max_decode = min(sizing.builder_decode_threshold(d.heads_per_rank, d.gpu.arch), d.max_num_batched_tokens)
-    return sizing.route_configs(step, profiled=d.routes_by_profile, native_kernels=False), max_decode
+    max_decode = min(sizing.decode_threshold(d.heads_per_rank, d.gpu.arch, d.verification_len), d.max_num_batched_tokens)
+    routes = sizing.route_configs(step, profiled=d.routes_by_profile, native_kernels=d.release.native_prefill_kernels)
+    return routes, max_decode
+
+
+def workspace_heads(d: Deployment) -> int | None:
+    """Heads of the release's padded-q and output workspace views on an FP8 cache (``None``: it has
+    none), as the release module's ``workspace_padded_heads`` gives the engine setup."""
+    if not d.release.workspace_holds_padded_views:
+        return None
+    assert d.release.prefill_padding is not None
+    return sizing.padded_heads(d.heads_per_rank, d.release.prefill_padding)
 
 
 def plugin_reservation(d: Deployment) -> int:
-    """What the plugin holds back from the KV cache on vLLM 0.26, as its engine setup sizes it
+    """What the plugin holds back from the KV cache, as its engine setup sizes it
     (:func:`.sizing.reservation`): the most one launch of any plan of the routes its steps may take
-    allocates at this step size, and the step's output. The H200 logged 1,535 MiB at 32,768 tokens
-    a step and 2,047 MiB at 65,536 (docs/results-vllm-0.26.md, 26.16)."""
+    allocates beyond vLLM's workspace at this step size, and where the release's workspace has no
+    view for it the step's output. The H200 logged 1,535 MiB at 32,768 tokens a step and 2,047 MiB
+    at 65,536 under vLLM 0.26 (docs/results-vllm-0.26.md, 26.16), 676 MiB at 16 heads and the
+    default budget under 0.33 (docs/results-vllm-0.33.md)."""
     routes, max_decode = plugin_routes(d)
-    return sizing.reservation(routes, d.max_num_batched_tokens, max_decode, d.heads_per_rank, None)[1]
+    return sizing.reservation(routes, d.max_num_batched_tokens, max_decode, d.heads_per_rank, workspace_heads(d))[1]
 
 
 def check_plugin_budget(d: Deployment, settings: Settings) -> None:
@@ -444,7 +524,7 @@ def max_stock_util(d: Deployment, stock_peak: int) -> float | None:
 
 
 def _paths(d: Deployment, t: int) -> dict[str, dict[str, Any]]:
-    """Each sparse-MLA path's transient scratch for one call of `t` tokens as vLLM 0.26 makes it."""
+    """Each sparse-MLA path's transient scratch for one call of `t` tokens as vLLM makes it."""
     h, arch, topk = d.heads_per_rank, d.gpu.arch, d.model.topk
     mixed = decode_scratch(1, t, h, arch=arch, num_sms=d.gpu.num_sms, topk=topk)
     separate = prefill_scratch(t, h, arch=arch, topk=topk)
@@ -457,8 +537,8 @@ def _paths(d: Deployment, t: int) -> dict[str, dict[str, Any]]:
         "separate": {"bytes": separate.total_bytes, "buffers": separate.buffers, "stock_takes_it": taken != "mixed batch",
                      "limit": None},
         "indexer": {"bytes": min(indexer_logits_bytes(t, t), 512 * MIB), "reserved_by_vllm": True},
-        "masked_mha_mask": {"bytes": mask, "applies": arch == "sm100" and not d.kv_fp8, "vllm_version": ">= 0.27",
-                            "fits_128_mib": mask <= 128 * MIB},
+        "masked_mha_mask": {"bytes": mask, "applies": d.release.masked_mha and arch == "sm100" and not d.kv_fp8,
+                            "release_has_it": d.release.masked_mha, "fits_128_mib": mask <= 128 * MIB},
     }  # fmt: skip
 
 
@@ -491,12 +571,12 @@ def diagnose(d: Deployment) -> Diagnosis:
         stock_path=presets.vllm_path(d.heads_per_rank, "fp8" if d.kv_fp8 else "bf16", short=True),
         assumptions={
             "gpu_total": d.gpu.source,
-            "weights": "given" if d.weights_override is not None else d.model.weight_source + f", / TP {d.tp}",
-            "activation": "given" if d.activation_override is not None else
-                "assumed: the tiny e2e model's profiled peak per token (H200), scaled by hidden size",
-            "non_torch": "measured on the H200 (tiny e2e model, TP 1): 0.95 x total - KV - activation - weights",
-            "step_reserve": "measured on the H200 (tiny e2e model): TP 1 at 0.90 and 0.95; TP 2 at 0.95 and 0.90;"
-                " assumed the same for other models and TP > 2",
+            **{name: part.source for name, part in d.non_kv_parts().items()},
+            "step_reserve": "measured on the H200 under vLLM 0.26 (tiny e2e model): TP 1 at 0.90 and 0.95; TP 2 at 0.95 and"
+                " 0.90; assumed the same for other models, TP > 2 and other releases",
+            "sampler": "not modelled: the profile's sampler run over max_num_seqs x vocabulary (with MTP, its rejection"
+                " sampler), which can exceed the step's peak (the tiny GLM-5 at 1,024 sequences with MTP, vLLM 0.26:"
+                " 2.1 GiB more than this model)",
             "scratch": "the planner's byte models (docs/kernels.md, checked against the H200's allocator)",
         },
     )  # fmt: skip

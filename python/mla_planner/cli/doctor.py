@@ -9,7 +9,7 @@ from typing import Any
 from mla_planner import profiles
 from mla_planner.engine_model.settings import NO_PROFILE, PROFILE_VAR, Settings, SettingsError, read_settings
 
-from . import deployment, serve_line
+from . import deployment, serve_line, vllm_releases
 from .config import CliError
 from .deployment import Deployment, Diagnosis, StepVerdict
 from .units import GIB, format_bytes, size_arg
@@ -23,8 +23,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "doctor",
         help="will a `vllm serve` line run out of memory on its worst step, and what fixes it",
         description=(
-            "Read a `vllm serve` command line (after --) and say whether stock vLLM 0.26 and the mla-planner "
-            "plugin survive its worst step, what each leaves for the KV cache, and which flags to change."
+            "Read a `vllm serve` command line (after --) and say whether stock vLLM (0.26 or 0.33) and the "
+            "mla-planner plugin survive its worst step, what each leaves for the KV cache, and which flags to change."
         ),
     )
     p.add_argument("serve", nargs=argparse.REMAINDER, help="the serve line after --: vllm serve MODEL [flags]")
@@ -34,6 +34,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: the serve line's --tensor-parallel-size)")
     p.add_argument("--weights", type=size_arg, metavar="SIZE", help="model memory per GPU, e.g. 80GiB (default: estimated)")
     p.add_argument("--activation", type=size_arg, metavar="SIZE", help="vLLM's profiled activation peak (default: estimated)")
+    p.add_argument("--vllm", choices=sorted(vllm_releases.RELEASES), help="the vLLM release the line runs on (default: "
+                   "the installed vLLM where it is one of these, else the newest, " + vllm_releases.NEWEST.minor + ")")
     p.add_argument("--builtin-parser", action="store_true", help="read the serve line with the built-in subset even where vLLM is installed")
     p.add_argument("--json", action="store_true", help=f"print JSON ({SCHEMA}, docs/cli.md)")
     p.set_defaults(run=run)
@@ -65,9 +67,16 @@ def build(args: argparse.Namespace) -> tuple[Deployment, serve_line.ServeArgs]:
     tp = args.tp if args.tp is not None else serve.tensor_parallel_size
     if tp < 1 or model.num_heads % tp:
         raise CliError(f"{model.num_heads} attention heads do not split over tensor parallel {tp}")
-    mnbt = serve.max_num_batched_tokens or (
-        serve_line.DEFAULT_MAX_NUM_BATCHED_TOKENS if gpu.total_bytes >= 70 * GIB else serve_line.DEFAULT_MAX_NUM_BATCHED_TOKENS_SMALL_GPU
-    )
+    release = vllm_releases.RELEASES[args.vllm] if args.vllm else vllm_releases.release_for(deployment.installed_vllm())
+    default_mnbt, default_seqs = release.default_batch(gpu.total_bytes)
+    max_model_len = serve.max_model_len or model.max_position_embeddings
+    mnbt = serve.max_num_batched_tokens
+    if mnbt is None:
+        # Without chunked prefill every prompt is one step: vLLM raises its default to max_model_len.
+        mnbt = default_mnbt if serve.chunked_prefill else max(default_mnbt, max_model_len)
+    elif not serve.chunked_prefill and mnbt < max_model_len:
+        raise CliError(f"the serve line: vLLM refuses --max-num-batched-tokens {mnbt:,} below max_model_len "
+                       f"{max_model_len:,} with chunked prefill off")
     settings = plugin_settings(serve.env)
     budget = settings.scratch_bytes
     d = Deployment(
@@ -76,14 +85,19 @@ def build(args: argparse.Namespace) -> tuple[Deployment, serve_line.ServeArgs]:
         tp=tp,
         max_num_batched_tokens=mnbt,
         gpu_memory_utilization=serve.gpu_memory_utilization,
-        max_model_len=serve.max_model_len or model.max_position_embeddings,
+        max_model_len=max_model_len,
         kv_fp8=serve.kv_fp8,
         plugin=(serve.attention_backend or "").upper() == "CUSTOM",
         budget_bytes=budget,
-        max_num_seqs=serve.max_num_seqs or serve_line.DEFAULT_MAX_NUM_SEQS,
+        max_num_seqs=serve.max_num_seqs or default_seqs,
         weights_override=args.weights,
         activation_override=args.activation,
         routes_by_profile=serve.env.get(PROFILE_VAR, "").strip().lower() != NO_PROFILE,
+        release=release,
+        enforce_eager=serve.enforce_eager,
+        num_speculative_tokens=serve.num_speculative_tokens,
+        mtp_draft=serve.mtp_draft,
+        parallel_drafting=serve.parallel_drafting,
     )
     if d.kv_fp8:
         try:
@@ -98,9 +112,9 @@ def run(args: argparse.Namespace) -> int:
     diag = deployment.diagnose(d)
     if diag.stock_kv_bytes <= 0:
         raise CliError(
-            f"the model does not load: weights {format_bytes(d.weights_per_rank)} + activation "
-            f"{format_bytes(d.activation)} + non-PyTorch {format_bytes(deployment.NON_TORCH_BYTES)} exceed "
-            f"{serve.gpu_memory_utilization} x {format_bytes(d.gpu.total_bytes)}: raise --tp or pass --weights if the estimate is off"
+            f"the model does not load: its non-KV memory {format_bytes(d.non_kv_bytes())} (weights "
+            f"{format_bytes(d.weights_per_rank)}) exceeds {serve.gpu_memory_utilization} x {format_bytes(d.gpu.total_bytes)}: "
+            "raise --tp or pass --weights if the estimate is off"
         )
     installed = deployment.installed_vllm()
     if args.json:
@@ -167,7 +181,7 @@ def cost_profile(d: Deployment, serve: serve_line.ServeArgs, installed: str | No
     if value:
         return {"source": "file", "file": value,
                 "text": f"{PROFILE_VAR}={value} (read on the serving machine): the cost model picks each step's route"}
-    kernels = f"vllm {installed or deployment.MODELLED_VLLM}"
+    kernels = f"vllm {d.release.version}"
     packaged = profiles.packaged_for_gpu(d.gpu.arch, d.gpu.name, kernels)
     first_start = (f"the engine measures one at its first start (a reduced grid, tens of seconds) and keeps it in "
                    f"{profiles.cache_dir()}/profiles for later starts")
@@ -188,15 +202,14 @@ def _verdict_json(v: StepVerdict) -> dict[str, Any]:
     return {"peak_bytes": v.peak_bytes, "launches": v.launches, "limit": v.limit, "fits": v.fits}
 
 
-def release_line(installed: str | None) -> str:
+def release_line(release: vllm_releases.VllmRelease, installed: str | None) -> str:
     """The release whose figures these are and, where another is installed here, that it differs."""
-    line = f"models vLLM {deployment.MODELLED_VLLM}"
+    line = f"models vLLM {release.version}"
     if installed is None:
         return line
-    if installed.split(".")[:2] == deployment.MODELLED_VLLM.split(".")[:2]:
+    if vllm_releases.release_for(installed) is release and release.minor == ".".join(installed.split(".")[:2]):
         return f"{line} (installed here)"
-    return (f"{line}; vLLM {installed} is installed here, whose stock engine and KV cache differ "
-            f"(docs/cli.md, \"Other vLLM releases\")")
+    return f"{line}; vLLM {installed} is installed here (--vllm picks the release modelled)"
 
 
 def to_json(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None) -> dict[str, Any]:
@@ -204,7 +217,7 @@ def to_json(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None)
     line, fixes = verdict(diag, serve)
     return {
         "schema": SCHEMA,
-        "release": {"modelled": deployment.MODELLED_VLLM, "installed": installed},
+        "release": {"modelled": d.release.version, "installed": installed},
         "serve": {"parser": serve.parser, "model": serve.model, "env": serve.env, "not_modelled": list(serve.ignored)},
         "deployment": {
             "model": d.model.name, "num_heads": d.model.num_heads, "tp": d.tp, "heads_per_rank": d.heads_per_rank,
@@ -212,12 +225,14 @@ def to_json(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None)
             "num_sms": d.gpu.num_sms, "gpu_total_bytes": d.gpu.total_bytes,
             "max_num_batched_tokens": d.max_num_batched_tokens, "gpu_memory_utilization": d.gpu_memory_utilization,
             "max_model_len": d.max_model_len, "kv_cache_fp8": d.kv_fp8, "plugin_selected": d.plugin,
-            "budget_bytes": d.budget_bytes, "max_num_seqs": d.max_num_seqs,
+            "budget_bytes": d.budget_bytes, "max_num_seqs": d.max_num_seqs, "enforce_eager": d.enforce_eager,
+            "num_speculative_tokens": d.num_speculative_tokens, "mtp_draft": d.mtp_draft,
+            "decode_threshold": deployment.plugin_routes(d)[1],
         },
         "memory": {
             "weights_bytes": d.weights_per_rank, "activation_bytes": d.activation,
-            "non_torch_bytes": deployment.NON_TORCH_BYTES, "step_reserve_bytes": deployment.step_reserve(d.tp).bytes,
-            "headroom_bytes": diag.headroom,
+            "non_kv_bytes": d.non_kv_bytes(), "non_kv_parts": {name: part.bytes for name, part in d.non_kv_parts().items()},
+            "step_reserve_bytes": deployment.step_reserve(d.tp).bytes, "headroom_bytes": diag.headroom,
         },
         "worst_step": {"num_tokens": diag.worst_step.num_tokens, "stock_path": diag.stock_path, "paths": diag.paths},
         "stock": {**_verdict_json(diag.stock), "kv_bytes": diag.stock_kv_bytes, "kv_tokens": diag.stock_kv_tokens,
@@ -234,7 +249,10 @@ def to_json(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None)
 
 
 def _tag(source: str) -> str:
-    return "measured" if source.startswith("measured") else "assumed" if source.startswith("assumed") else source
+    for tag in ("measured", "assumed", "fitted", "counted", "given"):
+        if source.startswith(tag):
+            return tag
+    return source
 
 
 def to_text(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None) -> list[str]:
@@ -249,21 +267,25 @@ def to_text(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None)
         f"{d.model.num_layers} layers; {d.gpu.name} ({d.gpu.arch}, {d.gpu.num_sms} SMs, {format_bytes(d.gpu.total_bytes)}, "
         f"{_tag(d.gpu.source)})",
         f"serve line  max_num_batched_tokens {d.max_num_batched_tokens:,}, gpu_memory_utilization {d.gpu_memory_utilization:.2f}, "
-        f"max_model_len {d.max_model_len:,}, KV {'fp8' if d.kv_fp8 else 'bf16'} "
-        f"({serve.parser} parser)",
+        f"max_model_len {d.max_model_len:,}, KV {'fp8' if d.kv_fp8 else 'bf16'}, max_num_seqs {d.max_num_seqs:,}, "
+        f"{'eager' if d.enforce_eager else 'CUDA graphs'}, "
+        + (f"speculative {serve.speculative_method} x {d.num_speculative_tokens}" if d.num_speculative_tokens else "no speculative decoding")
+        + f", chunked prefill {'on' if serve.chunked_prefill else 'off'} ({serve.parser} parser)",
         *([f"            read, not modelled: {', '.join(serve.ignored)}"] if serve.ignored else []),
-        f"release     {release_line(installed)}",
+        f"release     {release_line(d.release, installed)}",
         "",
         f"worst step  {diag.worst_step.num_tokens:,} tokens; one call of them through each path (stock takes {taken}):",
         f"  mixed batch  {format_bytes(mixed['bytes'])}" + (" - past the int32 stride limit" if mixed["limit"] else ""),
         f"  separate     {format_bytes(sep['bytes'])} (padded q + out of the prefill kernel)",
         f"  indexer      {format_bytes(paths['indexer']['bytes'])} logits (vLLM's profile reserves it)",
         "  masked MHA   " + (f"mask {format_bytes(mask['bytes'])}" + ("" if mask["fits_128_mib"] else " > 128 MiB: falls back to sparse MQA")
-                             if mask["applies"] else "n/a (vLLM >= 0.27, sm100 with a bf16 KV cache only)"),
+                             if mask["applies"] else "n/a (sm100 with a bf16 KV cache only" +
+                             ("" if mask["release_has_it"] else f"; vLLM {d.release.version} has none") + ")"),
         f"  int32 stride one call takes at most {diag.stride_tokens:,} tokens at {d.heads_per_rank} heads",
         "",
-        f"memory      weights {format_bytes(d.weights_per_rank)} ({_tag(a['weights'])}), activation peak {format_bytes(d.activation)} "
-        f"({_tag(a['activation'])}), non-PyTorch {format_bytes(deployment.NON_TORCH_BYTES)} ({deployment.NON_TORCH_SOURCE})",
+        f"memory      non-KV {format_bytes(d.non_kv_bytes())}: "
+        + ", ".join(f"{name.replace('_', ' ')} {format_bytes(part.bytes)} ({_tag(part.source)})"
+                    for name, part in d.non_kv_parts().items() if part.bytes or name == "cuda_graphs"),
         f"            free for unreserved scratch: {format_bytes(diag.headroom)} = (1 - {d.gpu_memory_utilization:.2f}) x total "
         f"- {format_bytes(reserve.bytes)} the step holds ({reserve.source})",
         f"stock       worst step {format_bytes(diag.stock.peak_bytes)}: {'fits' if diag.stock.fits else 'FAILS'}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import re
 import shlex
 import sys
@@ -23,16 +24,16 @@ from typing import Any, NoReturn
 
 from .config import CliError
 
-# vLLM 0.26.0's defaults for `vllm serve` on a GPU of 70 GiB or more (EngineArgs.get_batch_defaults,
-# CacheConfig.gpu_memory_utilization).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-DEFAULT_MAX_NUM_BATCHED_TOKENS_SMALL_GPU = 2048
-DEFAULT_MAX_NUM_SEQS = 1024
+# CacheConfig.gpu_memory_utilization's default in vLLM 0.26.0 and 0.33.0; the batch defaults, which
+# depend on the GPU and the release, are the release's (vllm_releases.VllmRelease.default_batch).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 _ENV_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 MODELLED_FLAGS = ("--model", "--tensor-parallel-size", "-tp", "--max-num-batched-tokens", "--gpu-memory-utilization",
-                  "--max-model-len", "--kv-cache-dtype", "--block-size", "--attention-backend", "--max-num-seqs")
+                  "--max-model-len", "--kv-cache-dtype", "--block-size", "--attention-backend", "--max-num-seqs",
+                  "--enforce-eager", "--speculative-config", "--enable-chunked-prefill", "--no-enable-chunked-prefill")
 """The flags whose values the doctor's memory model reads."""
+MTP_METHODS = ("mtp", "deepseek_mtp", "glm4_moe_mtp")
+"""``--speculative-config`` methods whose draft is the model's own MTP layer."""
 _SWITCH_PREFIXES = ("--no-", "--enable-", "--disable-")
 _SWITCHES = frozenset({"--trust-remote-code", "--enforce-eager", "--async-scheduling", "--headless",
                        "--skip-tokenizer-init", "--use-tqdm-on-load", "--fully-sharded-loras", "--return-tokens-as-token-ids"})
@@ -51,6 +52,11 @@ class ServeArgs:
     block_size: int | None
     attention_backend: str | None
     max_num_seqs: int | None
+    enforce_eager: bool = False
+    speculative_config: dict[str, Any] | None = None
+    """``--speculative-config`` as vLLM reads it (JSON)."""
+    enable_chunked_prefill: bool | None = None
+    """``--[no-]enable-chunked-prefill`` (``None``: vLLM's default, on for these models)."""
     env: dict[str, str] = field(default_factory=dict)
     parser: str = "built-in"
     ignored: tuple[str, ...] = ()
@@ -59,6 +65,27 @@ class ServeArgs:
     @property
     def kv_fp8(self) -> bool:
         return self.kv_cache_dtype.startswith("fp8")
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return int((self.speculative_config or {}).get("num_speculative_tokens") or 0)
+
+    @property
+    def speculative_method(self) -> str | None:
+        method = (self.speculative_config or {}).get("method")
+        return None if method is None else str(method)
+
+    @property
+    def mtp_draft(self) -> bool:
+        return self.num_speculative_tokens > 0 and (self.speculative_method or "").lower() in MTP_METHODS
+
+    @property
+    def parallel_drafting(self) -> bool:
+        return bool((self.speculative_config or {}).get("parallel_drafting"))
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return self.enable_chunked_prefill is not False
 
 
 def _human_int(text: str) -> int:
@@ -88,7 +115,21 @@ def _builtin_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int)
     p.add_argument("--attention-backend")
     p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--speculative-config", type=_json_object)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     return p
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """``--speculative-config``'s JSON, as vLLM reads it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return value
 
 
 # Where `vllm serve`'s parser is built: vLLM 0.33 (entrypoints.common), 0.26 (entrypoints.openai).
@@ -241,7 +282,21 @@ def parse(words: Sequence[str], *, use_vllm: bool = True) -> ServeArgs:
         block_size=ns.block_size,
         attention_backend=_backend_name(ns),
         max_num_seqs=ns.max_num_seqs,
+        enforce_eager=bool(getattr(ns, "enforce_eager", False)),
+        speculative_config=_speculative_config(getattr(ns, "speculative_config", None)),
+        enable_chunked_prefill=getattr(ns, "enable_chunked_prefill", None),
         env=env,
         parser=parser,
         ignored=unmodelled(argv),
     )
+
+
+def _speculative_config(value: Any) -> dict[str, Any] | None:
+    """``--speculative-config`` from either parser: a dict (vLLM 0.26 and 0.33 parse the JSON), or
+    its JSON text."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        return _json_object(str(value))
+    except argparse.ArgumentTypeError as e:
+        raise CliError(f"the serve line: --speculative-config: {e}") from None

@@ -42,6 +42,25 @@ def builder_decode_threshold(num_heads: int, arch: str) -> int:
     return {16: 128, 32: 128, 64: 256, 128: 256}.get(num_heads, 256)
 
 
+def decode_threshold(num_heads: int, arch: str, verification_len: int | None) -> int:
+    """vLLM's decode threshold: the builder's table (:func:`builder_decode_threshold`), raised to a
+    speculative verification's length where the engine runs speculative decoding
+    (``verification_len``; ``None``: it does not)."""
+    threshold = builder_decode_threshold(num_heads, arch)
+    return threshold if verification_len is None else max(threshold, verification_len)
+
+
+def verification_len(num_speculative_tokens: int, parallel_drafting_doubles: bool) -> int:
+    """The query tokens of one speculative verification: the target's token and the drafts, and as
+    many mask slots again where the model runner appends them for parallel drafting."""
+    return 1 + (2 if parallel_drafting_doubles else 1) * num_speculative_tokens
+
+
+def padded_heads(num_heads: int, multiple: int) -> int:
+    """``num_heads`` rounded up to ``multiple``: the heads vLLM pads the prefill kernel's q to."""
+    return -(-num_heads // multiple) * multiple
+
+
 def largest_launch_bytes(configs: Iterable[mla_planner.StepConfig], max_step_tokens: int, max_decode: int,
                          served_heads: int | None) -> int:
     """The most one launch of any plan of any of ``configs`` allocates beyond vLLM's workspace

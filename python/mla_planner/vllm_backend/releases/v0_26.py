@@ -137,16 +137,15 @@ class Vllm026:
         per rank and architecture, raised to a speculative verification's length
         (``_init_reorder_batch_threshold``, v1/attention/backend.py:651). tests/test_vllm_backend.py
         holds it against the builder's own."""
-        threshold = sizing.builder_decode_threshold(num_heads, arch)
         spec = vllm_config.speculative_config
-        if spec is None or spec.num_speculative_tokens is None:
-            return threshold
-        return max(threshold, self.verification_len(vllm_config))
+        speculative = spec is not None and spec.num_speculative_tokens is not None
+        return sizing.decode_threshold(num_heads, arch, self.verification_len(vllm_config) if speculative else None)
 
     def verification_len(self, vllm_config: Any) -> int:
-        """The query tokens of a speculative verification, as vLLM raises its decode threshold to them."""
+        """The query tokens of a speculative verification, as vLLM raises its decode threshold to them
+        (this release's V1 model runner appends a mask slot per draft for parallel drafting)."""
         spec = vllm_config.speculative_config
-        return 1 + (2 if spec.parallel_drafting else 1) * int(spec.num_speculative_tokens)
+        return sizing.verification_len(int(spec.num_speculative_tokens), bool(spec.parallel_drafting))
 
     def with_cpu_seq_lens(self, common: Any) -> Any:
         """``common`` with its CPU sequence lengths (``seq_lens_cpu_upper_bound``: exact for

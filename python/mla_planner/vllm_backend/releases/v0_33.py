@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from mla_planner.engine_model import sizing
 from mla_planner.vllm_backend.releases import v0_26
 from mla_planner.vllm_backend.releases.v0_26 import stock, utils
 from mla_planner.vllm_backend.vllm_api import PLANNED_KV, installed_version
@@ -149,7 +150,7 @@ class Vllm033(v0_26.Vllm026):
         if vllm_config.cache_config.cache_dtype != PLANNED_KV:
             return None
         assert self.prefill_padding is not None
-        return -(-num_heads // self.prefill_padding) * self.prefill_padding
+        return sizing.padded_heads(num_heads, self.prefill_padding)
 
     def workspace_layout(self, impl: Any) -> WorkspaceLayout | None:
         """The impl's workspace layout, read from where vLLM's ``get_simultaneous`` put each of its

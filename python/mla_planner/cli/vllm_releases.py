@@ -1,0 +1,134 @@
+"""What the doctor models of each supported vLLM release: one frozen description per release.
+
+Everything the doctor's figures depend on that differs between releases is a field here, and
+nothing else in ``cli`` tests a version. The plugin's own view of a release (what it calls in vLLM)
+is ``vllm_backend.releases``, which imports vLLM; the doctor runs where vLLM is not installed, so it
+reads these instead, and sizes the plugin's reservation with the same functions as the plugin's
+engine setup (``engine_model.sizing``), given these facts.
+
+The memory constants (``fixed_bytes``, ``activation_per_token``, ``cuda_graph_bytes``) are fitted
+to KV-cache figures measured on one H200 (tests/data/doctor_kv_lines.json, each line with its
+results page and run label); ``tests/test_doctor.py`` refits them from the lines named in
+``fitted_on`` and checks every other line against the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .units import GIB
+
+
+@dataclass(frozen=True)
+class VllmRelease:
+    version: str
+    """The release modelled, as the doctor names it (``0.26.0``)."""
+    workspace_holds_padded_views: bool
+    """vLLM's workspace manager holds the sparse-MLA impl's padded q, padded output and output
+    views (``max_num_batched_tokens`` rows at the padded heads) in the model's memory, so the plugin's
+    reservation leaves them out (``sizing.reservation(..., workspace_heads=padded heads)``) and the
+    non-KV memory holds them per token."""
+    prefill_padding: int | None
+    """The head multiple vLLM pads the prefill kernel's q to (``None``: the planner's default, 64 on
+    Hopper and 128 on Blackwell)."""
+    native_prefill_kernels: bool
+    """FlashMLA runs the SM90 sparse prefill kernel at 16 and 32 heads unpadded, which a cost profile
+    may choose: the reservation then covers that variant too."""
+    masked_mha: bool
+    """vLLM runs masked-MHA prefill (SM100, a BF16 cache) rather than sparse MQA."""
+    parallel_drafting_doubles: bool
+    """Parallel drafting appends a mask slot per draft token to a verification, so the decode
+    threshold under speculative decoding is ``1 + 2k`` rather than ``1 + k``."""
+    counts_discarded_draft_topk: bool
+    """The MTP draft's own top-k index buffer (``max_num_batched_tokens`` x ``index_topk`` int32,
+    which vLLM frees once the draft shares the target's) counts in the non-KV memory."""
+    large_gpu_batched_tokens: int
+    """``vllm serve``'s default ``max_num_batched_tokens`` on GPUs of 160 GiB or more."""
+    fixed_bytes: int
+    """Non-KV memory that neither the weights, the workspaces nor the step size account for: CUDA
+    context, libraries' workspaces, vLLM's own buffers, the activation peak at no tokens (fitted)."""
+    activation_per_token: float
+    """The profiled activation peak per token of ``max_num_batched_tokens`` beyond the workspaces and
+    top-k buffer, eager, on a model of hidden size ``ACTIVATION_HIDDEN`` (fitted)."""
+    cuda_graph_bytes: int
+    """With CUDA graphs (no ``--enforce-eager``): vLLM's CUDA-graph memory estimate, less what the
+    compiled model saves on its activation peak against eager (fitted on the 2-layer test model)."""
+    fitted_on: tuple[str, ...]
+    """The measured lines (tests/data/doctor_kv_lines.json) the constants were fitted on."""
+
+    @property
+    def minor(self) -> str:
+        return ".".join(self.version.split(".")[:2])
+
+    def gather_workspace_rows(self, max_model_len: int) -> int:
+        """Rows of the BF16 gather workspace vLLM's sparse-MLA impl reserves: 5 x max_model_len
+        (vLLM 0.33's default factor drops to 2 above 256K tokens)."""
+        if self.workspace_holds_padded_views and max_model_len > 256 * 1024:
+            return 2 * max_model_len
+        return 5 * max_model_len
+
+    def default_batch(self, gpu_total_bytes: int) -> tuple[int, int]:
+        """``vllm serve``'s default ``(max_num_batched_tokens, max_num_seqs)`` on a GPU of this much
+        memory (``EngineArgs.get_batch_defaults``; neither release's A100 or GB10 exceptions)."""
+        if gpu_total_bytes >= 160 * GIB:
+            return self.large_gpu_batched_tokens, 1024
+        if gpu_total_bytes >= 70 * GIB:
+            return 8192, 1024
+        return 2048, 256
+
+
+ACTIVATION_HIDDEN = 1024
+"""The hidden size of the test models the per-token activation was fitted on; another model's is
+assumed to scale with its hidden size."""
+
+# The constants: tests/test_doctor.py's fit (exact: three lines, three unknowns per release) of
+# `fitted_on`'s lines, over what the model computes from geometry (weights, workspaces, top-k
+# buffers). Refit with `cd tests && PYTHONPATH=../python python -m harness.doctor_kv` after a line changes.
+V0_26 = VllmRelease(
+    version="0.26.0",
+    workspace_holds_padded_views=False,
+    prefill_padding=None,
+    native_prefill_kernels=False,
+    masked_mha=False,
+    parallel_drafting_doubles=True,
+    counts_discarded_draft_topk=True,
+    large_gpu_batched_tokens=8192,
+    fixed_bytes=896_682_967,  # 0.84 GiB
+    activation_per_token=40_550.4,
+    cuda_graph_bytes=398_665_974,  # 0.37 GiB
+    # in-process stock at 0.95, 32,768 and 65,536 tokens a step (eager): fixed and per token; the
+    # flag matrix's s1 stock twin (run E: MTP 1, CUDA graphs): the CUDA-graph term.
+    fitted_on=("0.26 in-process stock 0.95 32k (26.11)", "0.26 in-process stock 0.95 64k (26.11)",
+               "0.26 matrix s1 stock twin (run E)"),
+)
+V0_33 = VllmRelease(
+    version="0.33.0",
+    workspace_holds_padded_views=True,
+    prefill_padding=64,
+    native_prefill_kernels=True,
+    masked_mha=True,
+    # 0.33 runs model runner V2 where it can, which appends no mask slots (``max_decode_query_len``).
+    parallel_drafting_doubles=False,
+    counts_discarded_draft_topk=False,
+    large_gpu_batched_tokens=16384,
+    fixed_bytes=757_557_658,  # 0.71 GiB
+    activation_per_token=62_489.7,
+    cuda_graph_bytes=1_385_165_619,  # 1.29 GiB
+    # in-process stock at 0.90 (eager, 32,768): fixed; in-process plugin at 0.95, 65,536 tokens a
+    # step (plus its reservation): per token; `vllm serve` stock at 0.95 (CUDA graphs): graphs.
+    fitted_on=("0.33 in-process stock 0.90 (33.12)", "0.33 in-process plugin 0.95 64k (33.21)",
+               "0.33 serve stock 0.95 (33.4)"),
+)
+
+RELEASES: dict[str, VllmRelease] = {r.minor: r for r in (V0_26, V0_33)}
+NEWEST = V0_33
+
+
+def release_for(installed: str | None) -> VllmRelease:
+    """The release a serve line runs on by default: the installed vLLM's where it is one of these,
+    else the newest."""
+    if installed is not None:
+        found = RELEASES.get(".".join(installed.split(".")[:2]))
+        if found is not None:
+            return found
+    return NEWEST
