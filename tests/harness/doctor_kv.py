@@ -1,4 +1,4 @@
-"""The doctor's KV-cache model against the H200's measured lines (tests/data/doctor_kv_lines.json):
+"""The doctor's KV-cache model against the measured lines (the H200's, and the H100's that name it) (tests/data/doctor_kv_lines.json):
 each line as a :class:`Deployment`, the fit of a release's memory constants from its ``fit`` lines,
 and the table of measured against predicted.
 
@@ -34,7 +34,7 @@ def deployment(line: dict[str, Any], release: VllmRelease | None = None) -> dep.
     """The line's engine as the doctor models it, under ``release`` (default: the line's)."""
     plugin = line["engine"] == "plugin"
     return dep.Deployment(
-        model=dep.model_from_config(MODELS[line["model"]] / "config.json"), gpu=dep.GPUS["H200"], tp=1,
+        model=dep.model_from_config(MODELS[line["model"]] / "config.json"), gpu=dep.GPUS[line.get("gpu", "H200")], tp=1,
         max_num_batched_tokens=line["max_num_batched_tokens"], gpu_memory_utilization=line["util"],
         max_model_len=MAX_MODEL_LEN, kv_fp8=True, plugin=plugin,
         budget_bytes=(line["budget_mb"] or 1024) << 20, max_num_seqs=line["max_num_seqs"],

@@ -80,6 +80,8 @@ H200_DATASHEET_GIB = 141
 # The H200 exposes this fraction of its datasheet capacity to torch; the other GPUs are assumed to
 # expose the same fraction of theirs.
 USABLE_FRACTION = H200_TOTAL_BYTES / (H200_DATASHEET_GIB * GIB)
+H100_TOTAL_BYTES = 85_017_493_504
+"""torch.cuda.mem_get_info()[1] on the H100 80GB HBM3 of docs/results-vllm-0.33.md, 33.32 (79.18 GiB)."""
 
 
 def _datasheet(name: str, arch: str, num_sms: int, gib: int) -> Gpu:
@@ -89,7 +91,7 @@ def _datasheet(name: str, arch: str, num_sms: int, gib: int) -> Gpu:
 
 GPUS: dict[str, Gpu] = {
     "H200": Gpu("H200", "sm90", 132, H200_TOTAL_BYTES, "measured: torch.cuda.mem_get_info total on an H200 (docs/results-vllm-0.26.md)"),
-    "H100": _datasheet("H100", "sm90", 132, 80),
+    "H100": Gpu("H100", "sm90", 132, H100_TOTAL_BYTES, "measured: torch.cuda.mem_get_info total on an H100 80GB HBM3 (docs/results-vllm-0.33.md)"),
     "B200": _datasheet("B200", "sm100", 148, 180),
 }
 

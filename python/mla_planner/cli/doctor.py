@@ -30,7 +30,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("serve", nargs=argparse.REMAINDER, help="the serve line after --: vllm serve MODEL [flags]")
     p.add_argument("--config", metavar="PATH|PRESET", help="the model's config.json (or its folder), or a preset: "
                    + ", ".join(deployment.PRESET_MODELS) + " (default: from the serve line's model)")  # fmt: skip
-    p.add_argument("--gpu", default="H200", help="H200 (measured), H100, B200 (datasheet), or 'present' (default H200)")
+    p.add_argument("--gpu", default="H200", help="H200, H100 (measured), B200 (datasheet), or 'present' (default H200)")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: the serve line's --tensor-parallel-size)")
     p.add_argument("--weights", type=size_arg, metavar="SIZE", help="model memory per GPU, e.g. 80GiB (default: estimated)")
     p.add_argument("--activation", type=size_arg, metavar="SIZE", help="vLLM's profiled activation peak (default: estimated)")
