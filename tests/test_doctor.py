@@ -125,7 +125,8 @@ def test_tp2_reserve_matches_both_tp2_runs() -> None:
     model = dep.model_from_config(TINY / "config.json")
     model = dep.Model(**{**model.__dict__, "num_heads": 32})
     for util, ok in ((0.95, False), (0.90, False), (0.85, True)):
-        d = dep.Deployment(model, dep.GPUS["H200"], 2, 32_768, util, 163_840, True, False, 1 << 30, 1024)
+        d = dep.Deployment(model, dep.GPUS["H200"], 2, 32_768, util, 163_840, True, False, 1 << 30, 1024,
+                           release=vllm_releases.V0_26)  # the runs were on 0.26
         assert dep.stock_step(d, CASES[1][1]).fits is ok, util
 
 
@@ -277,13 +278,18 @@ def test_cli_json_alone_on_stdout_with_vllms_parser() -> None:
     assert doc["deployment"]["plugin_selected"] is True and doc["deployment"]["max_num_batched_tokens"] == 32_768
 
 
+@pytest.mark.parametrize("minor", ["0.26", "0.33"])
 @pytest.mark.parametrize("gpu", ["H200", "B200"])
-def test_cli_deepseek_v32_tp8(gpu: str) -> None:
-    doc = doctor_json("--gpu", gpu, "--builtin-parser", "--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2", "-tp", "8",
-                      "--kv-cache-dtype", "fp8_ds_mla", "--max-num-batched-tokens", "32768")  # fmt: skip
+def test_cli_deepseek_v32_tp8(gpu: str, minor: str) -> None:
+    doc = doctor_json("--gpu", gpu, "--builtin-parser", "--vllm", minor, "--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2",
+                      "-tp", "8", "--kv-cache-dtype", "fp8_ds_mla", "--max-num-batched-tokens", "32768")  # fmt: skip
     assert doc["deployment"]["heads_per_rank"] == 16
     assert doc["worst_step"]["stock_path"] == "mixed batch"
-    assert doc["stock"]["peak_bytes"] == 13_178_503_168
+    call = doc["worst_step"]["paths"]["mixed_batch"]
+    assert call["bytes"] == 13_178_503_168
+    # 0.33's workspace holds the call's padded q and output: the rest is what the call allocates
+    held = call["buffers"]["q_padded"] + call["buffers"]["out"] if minor == "0.33" else 0
+    assert doc["stock"]["peak_bytes"] == call["bytes"] - held
     assert doc["plugin"]["peak_bytes"] <= doc["plugin"]["budget_bytes"]
     assert doc["plugin"]["kv_tokens"] < doc["stock"]["kv_tokens"]
     assert doc["sources"]["gpu_total"].startswith("measured" if gpu == "H200" else "assumed")
@@ -435,3 +441,19 @@ def test_cli_models_eager_mtp_and_chunked_prefill_off(minor: str) -> None:
 def test_cli_refuses_a_step_below_max_model_len_without_chunked_prefill() -> None:
     r = cli("doctor", "--builtin-parser", "--", *FLAGS_LINE, "--max-num-batched-tokens", "32768", ok=False)
     assert r.returncode == 2 and "vLLM refuses --max-num-batched-tokens 32,768 below max_model_len 70,000" in r.stderr
+
+
+def test_stock_on_0_33_allocates_beyond_the_workspace_what_0_26_allocates_less_the_padded_views() -> None:
+    """0.33 keeps the padded q and the kernel's output in vLLM's workspace (counted with the non-KV
+    memory), so a stock call allocates only the rest: at 32,768 tokens the split-KV accumulators,
+    the 8 GiB the H200 saw stock's warm-up ask for (docs/results-vllm-0.33.md). 0.26 allocates the
+    whole call."""
+    from mla_planner import decode_scratch
+
+    util, (mnbt, step) = 0.95, CASES[1]
+    call = decode_scratch(1, mnbt, 16)
+    held = call.buffers["q_padded"] + call.buffers["out"]
+    old, new = dep.stock_step(tiny(util, mnbt), step), dep.stock_step(tiny(util, mnbt, vllm_releases.V0_33), step)
+    assert old.peak_bytes == call.total_bytes
+    assert new.peak_bytes == call.total_bytes - held and 8 * GIB <= new.peak_bytes < 8.1 * GIB
+    assert not old.fits and not new.fits  # 0.95 leaves 6.15 GiB beside the engine: neither fits

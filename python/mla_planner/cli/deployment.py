@@ -453,12 +453,22 @@ def kv_tokens(d: Deployment, kv_bytes: int, fp8: bool) -> int:
     return max(0, kv_bytes) // per_token
 
 
+WORKSPACE_BUFFERS = ("q_padded", "out")
+"""A kernel call's buffers that live in vLLM's workspace where the release keeps its padded views
+there (counted with the non-KV memory, not with the call's transient scratch)."""
+
+
 def stock_step(d: Deployment, step: Step) -> StepVerdict:
-    """Stock vLLM's worst kernel call for `step`, from the CLI's stock policy (vLLM's calls)."""
+    """Stock vLLM's worst kernel call for `step`, from the CLI's stock policy (vLLM's calls): what
+    each call allocates beyond what the release holds in its workspace."""
     cfg = d.planner_config(fp8=d.kv_fp8)
     outcome = policies.stock(step, policies.Scratches(cfg))
-    fits = outcome.failure is None and outcome.peak_bytes <= d.headroom()
-    return StepVerdict(outcome.peak_bytes, outcome.num_launches, outcome.failure, fits)
+    peak = outcome.peak_bytes
+    if d.kv_fp8 and d.release.workspace_holds_padded_views and outcome.launches:
+        peak = max(row.bytes - sum(row.scratch.buffers.get(name, 0) for name in WORKSPACE_BUFFERS)
+                   for row in outcome.launches)
+    fits = outcome.failure is None and peak <= d.headroom()
+    return StepVerdict(peak, outcome.num_launches, outcome.failure, fits)
 
 
 def plugin_step(d: Deployment, step: Step) -> StepVerdict:
