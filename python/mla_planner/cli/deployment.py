@@ -256,19 +256,19 @@ class MemoryPart(NamedTuple):
     """Where the figure comes from, as the doctor prints it: measured, fitted, counted or assumed."""
 
 
-def sparse_mla_workspace_bytes(model: Model, release: VllmRelease, heads: int, arch: str, max_num_batched_tokens: int,
+def sparse_mla_workspace_bytes(model: Model, release: VllmRelease, heads: int, max_num_batched_tokens: int,
                                max_model_len: int, kv_fp8: bool) -> int:
     """What vLLM's workspace manager holds for the sparse-MLA impl, in the model's memory: the
     concatenated q of a whole step and, on an FP8 cache, the BF16 gather workspace and (where the
     release has them) the padded q, padded output and output views of a whole step
     (flashmla_sparse.py's ``workspace_specs`` / ``get_simultaneous`` at impl construction)."""
     t, width, rank = max_num_batched_tokens, model.q_head_size, model.kv_lora_rank
-    padded = sizing.padded_heads(heads, release.prefill_padding or (128 if arch == "sm100" else 64))
+    padded = release.padded_view_heads(heads)
     if not kv_fp8:
         # a BF16 cache pads the concatenated q to the prefill kernel's heads where the release has the views
-        return t * (padded if release.workspace_holds_padded_views else heads) * width * 2
+        return t * (padded or heads) * width * 2
     total = t * heads * width * 2 + release.gather_workspace_rows(max_model_len) * width * 2
-    if release.workspace_holds_padded_views:
+    if padded is not None:
         total += t * (padded * width + padded * rank + heads * rank) * 2
     return total
 
@@ -377,7 +377,7 @@ class Deployment:
             "mtp_draft": MemoryPart(draft, (self.model.draft_source + (", and its discarded top-k buffer"
                                                                       if r.counts_discarded_draft_topk else ""))
                                     if self.mtp_draft else "no MTP draft"),
-            "workspace": MemoryPart(sparse_mla_workspace_bytes(self.model, r, self.heads_per_rank, self.gpu.arch, t,
+            "workspace": MemoryPart(sparse_mla_workspace_bytes(self.model, r, self.heads_per_rank, t,
                                                                self.max_model_len, self.kv_fp8),
                                     "counted: vLLM's sparse-MLA workspace at this step size and max_model_len"),
             "topk_buffer": MemoryPart(topk_buffer_bytes(self.model, t), "counted: the indexer's top-k buffer of a step"),
@@ -493,15 +493,6 @@ def plugin_routes(d: Deployment) -> tuple[list[StepConfig], int]:
     return routes, max_decode
 
 
-def workspace_heads(d: Deployment) -> int | None:
-    """Heads of the release's padded-q and output workspace views on an FP8 cache (``None``: it has
-    none), as the release module's ``workspace_padded_heads`` gives the engine setup."""
-    if not d.release.workspace_holds_padded_views:
-        return None
-    assert d.release.prefill_padding is not None
-    return sizing.padded_heads(d.heads_per_rank, d.release.prefill_padding)
-
-
 def plugin_reservation(d: Deployment) -> int:
     """What the plugin holds back from the KV cache, as its engine setup sizes it
     (:func:`.sizing.reservation`): the most one launch of any plan of the routes its steps may take
@@ -510,7 +501,8 @@ def plugin_reservation(d: Deployment) -> int:
     at 65,536 under vLLM 0.26 (docs/results-vllm-0.26.md, 26.16), 676 MiB at 16 heads and the
     default budget under 0.33 (docs/results-vllm-0.33.md)."""
     routes, max_decode = plugin_routes(d)
-    return sizing.reservation(routes, d.max_num_batched_tokens, max_decode, d.heads_per_rank, workspace_heads(d))[1]
+    return sizing.reservation(routes, d.max_num_batched_tokens, max_decode, d.heads_per_rank,
+                              d.release.padded_view_heads(d.heads_per_rank))[1]
 
 
 def check_plugin_budget(d: Deployment, settings: Settings) -> None:

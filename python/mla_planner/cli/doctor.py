@@ -207,7 +207,7 @@ def release_line(release: vllm_releases.VllmRelease, installed: str | None) -> s
     line = f"models vLLM {release.version}"
     if installed is None:
         return line
-    if vllm_releases.release_for(installed) is release and release.minor == ".".join(installed.split(".")[:2]):
+    if vllm_releases.minor_of(installed) == release.minor:
         return f"{line} (installed here)"
     return f"{line}; vLLM {installed} is installed here (--vllm picks the release modelled)"
 

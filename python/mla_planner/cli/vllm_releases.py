@@ -16,7 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mla_planner.engine_model import sizing
+
 from .units import GIB
+
+
+def minor_of(version: str) -> str:
+    """``0.33`` of ``0.33.0`` (or of ``0.33.1rc1``)."""
+    return ".".join(version.split(".")[:2])
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,9 @@ class VllmRelease:
     which vLLM frees once the draft shares the target's) counts in the non-KV memory."""
     large_gpu_batched_tokens: int
     """``vllm serve``'s default ``max_num_batched_tokens`` on GPUs of 160 GiB or more."""
+    long_context_gather_factor: int
+    """The gather workspace's rows per ``max_model_len`` token above 256K tokens (5 up to there in
+    both releases; vLLM 0.33 drops its default factor to 2 beyond)."""
     fixed_bytes: int
     """Non-KV memory that neither the weights, the workspaces nor the step size account for: CUDA
     context, libraries' workspaces, vLLM's own buffers, the activation peak at no tokens (fitted)."""
@@ -58,14 +68,21 @@ class VllmRelease:
 
     @property
     def minor(self) -> str:
-        return ".".join(self.version.split(".")[:2])
+        return minor_of(self.version)
 
     def gather_workspace_rows(self, max_model_len: int) -> int:
-        """Rows of the BF16 gather workspace vLLM's sparse-MLA impl reserves: 5 x max_model_len
-        (vLLM 0.33's default factor drops to 2 above 256K tokens)."""
-        if self.workspace_holds_padded_views and max_model_len > 256 * 1024:
-            return 2 * max_model_len
-        return 5 * max_model_len
+        """Rows of the BF16 gather workspace vLLM's sparse-MLA impl reserves: 5 x max_model_len, and
+        :attr:`long_context_gather_factor` x max_model_len above 256K tokens."""
+        return (5 if max_model_len <= 256 * 1024 else self.long_context_gather_factor) * max_model_len
+
+    def padded_view_heads(self, heads: int) -> int | None:
+        """Heads of the padded-q and output views vLLM's workspace holds at ``heads`` heads per rank
+        on an FP8 cache (``None``: the release has no such views), as the release module's
+        ``workspace_padded_heads`` gives the plugin's engine setup."""
+        if not self.workspace_holds_padded_views:
+            return None
+        assert self.prefill_padding is not None
+        return sizing.padded_heads(heads, self.prefill_padding)
 
     def default_batch(self, gpu_total_bytes: int) -> tuple[int, int]:
         """``vllm serve``'s default ``(max_num_batched_tokens, max_num_seqs)`` on a GPU of this much
@@ -93,6 +110,7 @@ V0_26 = VllmRelease(
     parallel_drafting_doubles=True,
     counts_discarded_draft_topk=True,
     large_gpu_batched_tokens=8192,
+    long_context_gather_factor=5,
     fixed_bytes=896_682_967,  # 0.84 GiB
     activation_per_token=40_550.4,
     cuda_graph_bytes=398_665_974,  # 0.37 GiB
@@ -111,6 +129,7 @@ V0_33 = VllmRelease(
     parallel_drafting_doubles=False,
     counts_discarded_draft_topk=False,
     large_gpu_batched_tokens=16384,
+    long_context_gather_factor=2,
     fixed_bytes=757_557_658,  # 0.71 GiB
     activation_per_token=62_489.7,
     cuda_graph_bytes=1_385_165_619,  # 1.29 GiB
@@ -127,8 +146,5 @@ NEWEST = V0_33
 def release_for(installed: str | None) -> VllmRelease:
     """The release a serve line runs on by default: the installed vLLM's where it is one of these,
     else the newest."""
-    if installed is not None:
-        found = RELEASES.get(".".join(installed.split(".")[:2]))
-        if found is not None:
-            return found
-    return NEWEST
+    found = None if installed is None else RELEASES.get(minor_of(installed))
+    return NEWEST if found is None else found

@@ -173,7 +173,7 @@ class Vllm033(v0_26.Vllm026):
             q_concat_only = WorkspaceLayout(slots[0], None, None, None, None, span)
             return _LAYOUTS.setdefault(q_concat_only, q_concat_only)
         heads, width, rank = impl.num_heads, impl.q_head_size, impl.kv_lora_rank
-        padded = -(-heads // impl.prefill_padding) * impl.prefill_padding
+        padded = sizing.padded_heads(heads, impl.prefill_padding)
         expected = [((padded, width), torch.bfloat16), ((padded, rank), torch.bfloat16), ((heads, rank), torch.bfloat16)]
         gather = tuple(impl.prefill_workspace_shape)
         if len(slots) != 5 or slots[1].shape != gather or [(s.shape[1:], s.dtype) for s in slots[-3:]] != expected:
