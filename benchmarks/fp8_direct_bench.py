@@ -78,9 +78,7 @@ def load_separate_route() -> tuple[Any, Any, str]:
 
 
 def accuracy(name: str, out: torch.Tensor, ref: torch.Tensor) -> str:
-    from gpu_helpers import cosine_difference, flashmla_tolerance
-
-    from harness.fp8_direct import PREFILL_OUT
+    from gpu_helpers import PREFILL_OUT, cosine_difference, flashmla_tolerance
 
     a, r = out.double(), ref.double()
     err = (a - r).abs()

@@ -10,11 +10,13 @@ from harness.measure import peak_delta_bytes
 
 __all__ = [
     "MiB",
+    "PREFILL_OUT",
     "PROVIDER",
     "assert_close_flashmla",
     "assert_within_split_bound",
     "cosine_difference",
     "flashmla_tolerance",
+    "judged_elements",
     "lse_error",
     "peak_delta_bytes",
     "prediction_tolerance",
@@ -23,6 +25,8 @@ __all__ = [
 MiB = 1 << 20
 PROVIDER = os.environ.get("MLA_PLANNER_PROVIDER", "flash_mla")
 """The kernels under test: ``flash_mla`` (sgl-flash-mla, the default) or ``vllm``."""
+PREFILL_OUT = {"abs_tol": 8e-4, "rel_tol": 3.01 / 128, "cos_diff_tol": 1e-5}
+"""FlashMLA's sparse prefill tolerances on the output (its tests/test-sparse-prefill.py)."""
 
 
 def prediction_tolerance(predicted: int) -> int:
@@ -46,13 +50,21 @@ def same_special_values(name: str, a: torch.Tensor, r: torch.Tensor) -> torch.Te
     return torch.isfinite(r)
 
 
+def judged_elements(name: str, ans: torch.Tensor, ref: torch.Tensor, *alongside: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The elements FlashMLA's criteria judge, in float64: ``ans``, ``ref`` and each of
+    ``alongside`` (same shape) where ``ref`` is finite, after checking the shapes and that
+    infinities and NaNs sit at the same places."""
+    shapes = [tuple(t.shape) for t in (ans, ref, *alongside)]
+    assert len(set(shapes)) == 1, f"{name}: shapes {', '.join(map(str, shapes))}"
+    a, r = ans.double(), ref.double()
+    finite = same_special_values(name, a, r)
+    return tuple(t.double()[finite] for t in (a, r, *alongside))
+
+
 def assert_close_flashmla(name: str, ans: torch.Tensor, ref: torch.Tensor, *, abs_tol: float, rel_tol: float, cos_diff_tol: float) -> None:
     """FlashMLA's test criterion: infinities and NaNs must sit at the same places; every other
     element must be within ``abs_tol`` *or* ``rel_tol``; and ``1 - cos_sim`` within ``cos_diff_tol``."""
-    assert ans.shape == ref.shape, f"{name}: shape {tuple(ans.shape)} != {tuple(ref.shape)}"
-    a, r = ans.double(), ref.double()
-    finite = same_special_values(name, a, r)
-    a, r = a[finite], r[finite]
+    a, r = judged_elements(name, ans, ref)
     abs_err = (a - r).abs()
     rel_err = abs_err / (r.abs() + 1e-6)
     bad = (abs_err >= abs_tol) & (rel_err >= rel_tol)
@@ -71,10 +83,7 @@ def kernel_call_accuracy(name: str, ans: torch.Tensor, ref: torch.Tensor, *, abs
     (sgl-flash-mla's legacy build and vLLM 0.26's alike) misses the element-wise criterion on about
     0.02% of the elements of a single call (docs/benchmarks.md), so that criterion cannot judge the
     planner; the split check compares against it instead."""
-    assert ans.shape == ref.shape, f"{name}: shape {tuple(ans.shape)} != {tuple(ref.shape)}"
-    a, r = ans.double(), ref.double()
-    finite = same_special_values(name, a, r)
-    a, r = a[finite], r[finite]
+    a, r = judged_elements(name, ans, ref)
     err = (a - r).abs()
     outside = int((err >= flashmla_tolerance(r, abs_tol=abs_tol, rel_tol=rel_tol)).sum())
     fraction = outside / max(1, err.numel())
@@ -127,10 +136,7 @@ def assert_within_split_bound(
     Not vacuous: the allowance beyond FlashMLA's tolerance (the *extra*) must stay within
     ``max_extra * abs_tol`` at every element. Prints how many elements needed the extra, and the
     rows' ``1 - cos_sim`` (FlashMLA's cosine criterion is checked on the whole output)."""
-    assert ans.shape == ref.shape == bound.shape, f"{name}: shapes {tuple(ans.shape)}, {tuple(ref.shape)}, {tuple(bound.shape)}"
-    a, r = ans.double(), ref.double()
-    finite = same_special_values(name, a, r)
-    a, r, b = a[finite], r[finite], bound[finite].double()
+    a, r, b = judged_elements(name, ans, ref, bound)
     err = (a - r).abs()
     tol = flashmla_tolerance(r, abs_tol=abs_tol, rel_tol=rel_tol)
     allowed = torch.maximum(tol, b)

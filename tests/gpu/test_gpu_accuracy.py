@@ -26,6 +26,7 @@ from mla_planner.executor.layout import as_slots
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
 
 from gpu_helpers import (
+    PREFILL_OUT,
     MiB,
     assert_close_flashmla,
     assert_within_split_bound,
@@ -100,7 +101,6 @@ def _split_pieces(chunks: npt.NDArray[np.int64]) -> dict[tuple[int, int, int], l
     return pieces
 
 
-PREFILL_OUT = {"abs_tol": 8e-4, "rel_tol": 3.01 / 128, "cos_diff_tol": 1e-5}
 # How far the split bound may go past FlashMLA's tolerance, in units of its abs tolerance: on
 # this case's inputs the largest extra is about 20 (median about 2); docs/executor.md.
 MAX_EXTRA = 32.0

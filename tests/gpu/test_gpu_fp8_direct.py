@@ -16,8 +16,8 @@ from mla_planner.calibration.synthetic import prefill_case
 from mla_planner.executor.layout import PAGE_SIZE, page_of, slot_of
 from mla_planner.kernels.fp8_direct import DEFAULT_CONFIG, KernelConfig, sparse_attention_fp8
 
-from gpu_helpers import peak_delta_bytes
-from harness.fp8_direct import PREFILL_OUT, SCALE, Fp8Case, check_output, lse_max_error, make_case, probability_rounding_bound, reference
+from gpu_helpers import PREFILL_OUT, peak_delta_bytes
+from harness.fp8_direct import SCALE, Fp8Case, check_output, lse_max_error, make_case, probability_rounding_bound, reference
 
 pytestmark = pytest.mark.gpu
 

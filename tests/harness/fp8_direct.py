@@ -20,9 +20,6 @@ from mla_planner.executor.quant import quantize_fp8_ds_mla
 from mla_planner.executor.reference import dequantize_fp8_ds_mla, sparse_attention
 
 SCALE = D_QK**-0.5
-# FlashMLA's sparse prefill tolerances on the output (its tests/test-sparse-prefill.py), as
-# tests/gpu/test_gpu_accuracy.py uses them.
-PREFILL_OUT = {"abs_tol": 8e-4, "rel_tol": 3.01 / 128, "cos_diff_tol": 1e-5}
 
 
 @dataclass(frozen=True)
@@ -126,14 +123,12 @@ def check_output(name: str, out: torch.Tensor, ref: torch.Tensor, bound: torch.T
     returns the fraction of elements outside FlashMLA's element-wise criterion alone (FlashMLA's
     own sparse prefill kernel misses it on about 0.02 % at top-k 2,048: tests/gpu/gpu_helpers.py).
 
-    Needs tests/gpu on ``sys.path`` (gpu_helpers: FlashMLA's criteria, shared with the GPU tests).
+    Needs tests/gpu on ``sys.path`` (gpu_helpers: FlashMLA's criteria and tolerances, ``PREFILL_OUT``, shared
+    with the GPU tests).
     """
-    from gpu_helpers import cosine_difference, flashmla_tolerance, same_special_values
+    from gpu_helpers import cosine_difference, flashmla_tolerance, judged_elements
 
-    assert out.shape == ref.shape == bound.shape, f"{name}: shapes {tuple(out.shape)}, {tuple(ref.shape)}, {tuple(bound.shape)}"
-    a, r = out.double(), ref.double()
-    finite = same_special_values(name, a, r)
-    a, r, b = a[finite], r[finite], bound[finite].double()
+    a, r, b = judged_elements(name, out, ref, bound)
     err = (a - r).abs()
     tol = flashmla_tolerance(r, abs_tol=abs_tol, rel_tol=rel_tol)
     allowed = torch.maximum(tol, b)
