@@ -61,22 +61,30 @@ def read() -> dict[str, Any]:
             "step_counts": {name: n - STATE.counts_at_arm.get(name, 0) for name, n in now.items()}}
 
 
-def step_counts() -> dict[str, int]:
-    """The newest engine's step counters in this process (empty where no engine runs the plugin)."""
+def newest_engine_state() -> Any | None:
+    """The plugin's state of the newest engine in this process (``None``: no engine, or a build of
+    the plugin before per-engine state)."""
     from mla_planner.vllm_backend import engine
 
     states = getattr(engine, "_states", None)
-    return dict(states[-1][1].stats.counts()) if states else {}
+    return states[-1][1] if states else None
+
+
+def step_counts() -> dict[str, int]:
+    """The newest engine's step counters in this process (empty where no engine runs the plugin, or
+    the build counts none)."""
+    stats = getattr(newest_engine_state(), "stats", None)
+    return dict(stats.counts()) if stats is not None else {}
 
 
 def reserved_bytes() -> int | None:
     """What the engine reserved, as the plugin keeps it (its engine state, or before it, its
     process-wide reservation); ``None`` where no engine reserved (a stand-in engine)."""
-    from mla_planner.vllm_backend import engine, reservation
+    from mla_planner.vllm_backend import reservation
 
-    states = getattr(engine, "_states", None)
-    if states:
-        return int(states[-1][1].reservation.reserved_bytes)
+    state = newest_engine_state()
+    if state is not None:
+        return int(state.reservation.reserved_bytes)
     process_wide = getattr(reservation, "reserved_bytes", None)
     return int(process_wide()) if callable(process_wide) else None
 
