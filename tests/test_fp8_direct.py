@@ -23,7 +23,7 @@ import torch
 
 from mla_planner.executor.layout import FP8_BYTES_PER_TOKEN, PAGE_SIZE, ROPE_START, SCALES_START, as_slots
 from mla_planner.executor.reference import dequantize_fp8_ds_mla
-from mla_planner.kernels.fp8_direct import DEQUANT_MODES, KernelConfig, sparse_attention_fp8
+from mla_planner.kernels.fp8_direct import DEQUANT_MODES, KernelConfig, no_dequant_bound_probe, sparse_attention_fp8
 
 from harness.fp8_direct import SCALE, Fp8Case, check_output, lse_max_error, make_case, probability_rounding_bound, reference
 
@@ -259,10 +259,18 @@ def test_bad_arguments_raise_value_errors(name: str, mutate: Any, message: str) 
 
 
 @pytest.mark.parametrize("fields", [{"block_n": 24}, {"block_n": 8}, {"num_warps": 3}, {"num_stages": 0}, {"head_block": 8},
-                                    {"dequant": "none"}, {"dequant": "bf16"}])
+                                    {"dequant": "none"}, {"dequant": "widen"}, {"dequant": "bf16"}])
 def test_bad_configs_raise_value_errors(fields: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         KernelConfig(**fields)
+
+
+def test_the_bound_probe_takes_only_its_probes() -> None:
+    """The probes are reached through no_dequant_bound_probe alone, by name; a config cannot ask for
+    them (test_bad_configs_raise_value_errors) and an unknown name raises before any launch."""
+    args = _good()
+    with pytest.raises(ValueError, match="probe must be"):
+        no_dequant_bound_probe(args["q"], args["kv_cache"], args["indices"], args["softmax_scale"], probe="f32")
 
 
 def test_config_labels_are_distinct() -> None:

@@ -48,9 +48,9 @@ LOG2E = 1.4426950408889634  # log2(e): the kernel's softmax runs in base 2
 DEQUANT_MODES = {"f32": 0, "bits": 1}
 """The exact dequantisations a :class:`KernelConfig` can ask for, and the kernel's ``DEQUANT`` code
 of each."""
-_NO_DEQUANT = 2
-"""The kernel's ``DEQUANT`` code of :func:`no_dequant_bound_probe` (a wrong result by design): not a
-:class:`KernelConfig` mode, so nothing that takes a config can select it."""
+BOUND_PROBES = {"none": 2, "widen": 3}
+"""The kernel's ``DEQUANT`` codes of :func:`no_dequant_bound_probe`'s two probes (wrong results by
+design): not :class:`KernelConfig` modes, so nothing that takes a config can select them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,10 +182,11 @@ def _gather_keys(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride
     thread's 16 consecutive FP8 bytes become one 16-byte load and a row's 512 NoPE bytes are read
     by 32 threads in a coalesced sweep (656 = 16 * 41, which Triton's divisibility analysis sees).
 
-    ``DEQUANT``: 0 and 1 are :data:`DEQUANT_MODES`' ``f32`` and ``bits``; 2 is the bound probe
-    (:func:`no_dequant_bound_probe`): the row's 512 NoPE bytes read as 256 BF16 values, each used
-    twice, with no scale and no conversion -- the same bytes loaded, none of the dequantisation's
-    work done, and a meaningless result.
+    ``DEQUANT``: 0 and 1 are :data:`DEQUANT_MODES`' ``f32`` and ``bits``; 2 and 3 are the bound
+    probes (:func:`no_dequant_bound_probe`, meaningless results): 2 (``none``) reads the row's 512
+    NoPE bytes as 256 BF16 values and uses each twice -- the same bytes loaded, no dequantisation
+    work at all, but a load of another dtype, which Triton may stage differently; 3 (``widen``)
+    loads the bytes as the exact modes do and only widens each into BF16 bits (a shift), no scale.
     """
     page = (idx // PAGE).to(tl.int64)
     offset = (idx % PAGE).to(tl.int64)
@@ -201,7 +202,10 @@ def _gather_keys(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride
         row_f32 = page * page_stride_f32 + offset * 164
         tiles = tl.arange(0, 4)
         scales = tl.load(kv_f32 + row_f32[:, None] + 128 + tiles[None, :], mask=valid[:, None], other=0.0)
-        if DEQUANT == 1:
+        if DEQUANT == 3:
+            # Byte b -> BF16 bits b << 6: exponent field b >> 1 (<= 127), so finite, at most 2.
+            k = (nope.to(tl.int16) << 6).to(tl.bfloat16, bitcast=True)
+        elif DEQUANT == 1:
             k = _dequant_bits(nope, scales, BLOCK_N)
         else:
             k = _dequant_f32(nope, scales, BLOCK_N)
@@ -351,14 +355,19 @@ def no_dequant_bound_probe(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     config: KernelConfig | None = None,
+    probe: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A timing probe, not attention: :func:`sparse_attention_fp8`'s kernel with the
-    dequantisation taken out (each row's NoPE bytes read as BF16 and used as they are, no scale).
-    Same launch, gathers, dots and softmax; the output is meaningless by design and must never be
-    checked or used. ``config.dequant`` is ignored. How much faster it runs than the exact modes
-    bounds what any cheaper dequantisation could save (benchmarks/fp8_direct_bench.py --probe)."""
+    dequantisation taken out. ``probe="none"``: each row's NoPE bytes read as BF16 and used as
+    they are; ``"widen"``: the bytes loaded as the exact modes load them and only shifted into
+    BF16 bits; neither applies the scales (:data:`BOUND_PROBES`). Same launch, gathers, dots and
+    softmax; the output is meaningless by design and must never be checked or used.
+    ``config.dequant`` is ignored. How much faster it runs than the exact modes bounds what any
+    cheaper dequantisation could save (benchmarks/fp8_direct_bench.py --probe)."""
     config = DEFAULT_CONFIG if config is None else config
-    return _attend(q, kv_cache, indices, softmax_scale, out, None, None, lse, config, _NO_DEQUANT)
+    if probe not in BOUND_PROBES:
+        raise ValueError(f"probe must be one of {sorted(BOUND_PROBES)}, got {probe!r}")
+    return _attend(q, kv_cache, indices, softmax_scale, out, None, None, lse, config, BOUND_PROBES[probe])
 
 
 def _attend(
