@@ -139,9 +139,9 @@ def _dequant_f32(nope, scales, BLOCK_N: tl.constexpr):
 
     e4m3 -> float32 is exact, times a power of two is exact, -> bfloat16 is exact again (every
     e4m3 value times a power of two in range is a bfloat16 value): the BF16 operand equals the
-    float32 reference's dequantised key. (Multiplying in bfloat16 instead compiles to the same
-    float32 arithmetic on sm90, and Triton 3.8's interpreter computes bfloat16 arithmetic on
-    the raw bits.)"""
+    float32 reference's dequantised key. (Multiplying in bfloat16 instead needs Triton's e4m3 ->
+    bfloat16 cast, which Triton 3.8 compiles for sm90 through a one-value f16 -> bf16 convert per
+    element, and its interpreter computes bfloat16 arithmetic on the raw bits.)"""
     k = nope.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     k = tl.reshape(k, (BLOCK_N, 4, 128)) * scales[:, :, None]
     return tl.reshape(k, (BLOCK_N, 512)).to(tl.bfloat16)
