@@ -21,11 +21,24 @@ T = 2,048 (max abs error, the fraction outside FlashMLA's element-wise criterion
     python benchmarks/fp8_direct_bench.py --out fp8_direct_bench.md
     python benchmarks/fp8_direct_bench.py --quick
     python benchmarks/fp8_direct_bench.py --compile-report   # no GPU: sm90 registers/spills per config
+    python benchmarks/fp8_direct_bench.py --probe --out probe.md   # what the dequantisation costs
+
+``--probe`` asks whether converting the FP8 bytes bounds the kernel: at 16 heads, 2,048 and 32,768
+tokens, the two best configs of the H100 sweep under each dequantisation -- ``f32`` (the kernel's
+default), ``bits`` (exact, integer bit placement) and ``none`` and the two bound probes of
+:func:`no_dequant_bound_probe` (the same kernel with no dequantisation, wrong results by design,
+timed only: ``widen`` loads the bytes as the exact modes do and only shifts them into BF16 bits,
+``none`` reads them as BF16 and does nothing) -- interleaved, with the time over ``none`` per
+converted element. It needs torch and triton only (no vLLM).
+``--compile-report`` prints, per config and dequantisation, the PTX and SASS instruction counts
+that tell the modes apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import random
 import statistics
 import sys
@@ -37,7 +50,15 @@ from typing import Any
 import torch
 
 from mla_planner.executor.layout import D_QK, D_V, PAGE_SIZE, as_slots, page_of, slot_of
-from mla_planner.kernels.fp8_direct import KernelConfig, flops, gathered_bytes, sparse_attention_fp8
+from mla_planner.kernels.fp8_direct import (
+    BOUND_PROBES,
+    DEQUANT_MODES,
+    KernelConfig,
+    flops,
+    gathered_bytes,
+    no_dequant_bound_probe,
+    sparse_attention_fp8,
+)
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path[:0] = [str(TESTS), str(TESTS / "gpu")]  # tests/harness and gpu_helpers: not in the wheel
@@ -49,6 +70,12 @@ FULL_SHAPES = [(t, h) for h in (16, 32) for t in (512, 2048, 8192, 32768)]
 QUICK_SHAPES = [(2048, 16), (32768, 16)]
 CHECK_TOKENS = 2048
 PADDED_HEADS = 64
+PROBE_CONFIGS = ("n32 w4 s2 hm", "n32 w4 s2 km")
+"""The best configs of the H100 sweep at 16 heads (hm) and 32 heads (km), docs/fp8-direct.md."""
+PROBE_SHAPES = [(2048, 16), (32768, 16)]
+NO_DEQUANT = "none"
+PROBE_MODES = (*DEQUANT_MODES, *BOUND_PROBES)
+"""The exact modes, then the bound probes (no dequantisation; outputs meaningless, never checked)."""
 
 
 @dataclass
@@ -208,44 +235,259 @@ def markdown(shapes: list[Shape], configs: list[KernelConfig], header: str, topk
     return "\n".join(lines) + "\n"
 
 
-def compile_report(configs: list[KernelConfig]) -> None:
-    """Compile each config for sm90 (no GPU needed: Triton's bundled ptxas) at 16 and 32 heads and
-    print registers, spills, shared memory and which MMA it uses. Internal Triton API: may need
-    updating with Triton."""
+def probe_label(config: KernelConfig, mode: str) -> str:
+    return f"{config.label()} [{mode}]"
+
+
+def probe_runs(configs: list[KernelConfig], q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+               outs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Callable[[], object]]:
+    """One call per (config, mode): the exact modes through sparse_attention_fp8, the bound probes
+    through no_dequant_bound_probe; each writes its own ``outs[label]`` buffers."""
+    scale = D_QK**-0.5
+    runs: dict[str, Callable[[], object]] = {}
+    t, h = q.shape[0], q.shape[1]
+    for config in configs:
+        for mode in PROBE_MODES:
+            label = probe_label(config, mode)
+            out = torch.empty((t, h, D_V), dtype=torch.bfloat16, device=q.device)
+            lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
+            outs[label] = (out, lse)
+            if mode in DEQUANT_MODES:
+                runs[label] = functools.partial(sparse_attention_fp8, q, kv_cache, slots, scale, out=out, lse=lse,
+                                                config=dataclasses.replace(config, dequant=mode))
+            else:
+                runs[label] = functools.partial(no_dequant_bound_probe, q, kv_cache, slots, scale, out=out, lse=lse,
+                                                config=config, probe=mode)
+    return runs
+
+
+def probe_checks(shape: Shape, configs: list[KernelConfig], outs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 ref: torch.Tensor) -> None:
+    """The exact modes against the float32 reference, and bits against f32 bit for bit (same
+    config: same operands into the same dots). The probes' outputs are never looked at."""
+    for config in configs:
+        f32 = outs[probe_label(config, "f32")]
+        bits = outs[probe_label(config, "bits")]
+        for mode in DEQUANT_MODES:
+            label = probe_label(config, mode)
+            shape.checks.append(accuracy(f"T={shape.tokens} H={shape.heads} {label}", outs[label][0].float(), ref))
+        same = torch.equal(f32[0].view(torch.int16), bits[0].view(torch.int16)) and torch.equal(f32[1], bits[1])
+        shape.checks.append(f"T={shape.tokens} H={shape.heads} {config.label()}: bits output and lse "
+                            f"{'bit-identical to' if same else 'DIFFER from'} f32's")
+
+
+def probe_shape(shape: Shape, configs: list[KernelConfig], args: argparse.Namespace, gen: torch.Generator,
+                timer: Callable[[Callable[[], object]], float]) -> None:
+    """Times every (config, mode) on one shape, interleaved in a fresh random order each repeat;
+    at CHECK_TOKENS checks the exact modes."""
+    from mla_planner.calibration.kernel_timing import case_context
+    from mla_planner.calibration.synthetic import prefill_case
+
+    t, h, topk = shape.tokens, shape.heads, args.topk
+    inputs = prefill_case([t], [case_context(t, topk)], h, topk, gen, dtype=torch.bfloat16)
+    positions = inputs.indices
+    slots = slot_of(inputs.block_table[0][page_of(positions, PAGE_SIZE)], positions, PAGE_SIZE).to(torch.int32)
+    outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    runs = probe_runs(configs, inputs.q, inputs.kv_cache, slots, outs)
+    for name, run in list(runs.items()):  # warm-up and compile; a failure is noted, not fatal
+        try:
+            run()
+            torch.cuda.synchronize()
+        except Exception as exc:
+            shape.notes[name] = f"failed: {(str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]}"
+            del runs[name]
+    coin = random.Random(args.seed)
+    order = list(runs.items())
+    for _ in range(args.repeats):
+        coin.shuffle(order)
+        for name, run in order:
+            shape.times.setdefault(name, []).append(timer(run))
+    if t == CHECK_TOKENS and not shape.notes:
+        from mla_planner.executor.reference import sparse_attention
+
+        ref, _ = sparse_attention(inputs.q, as_slots(inputs.kv_cache), slots, D_QK**-0.5)
+        probe_checks(shape, configs, outs, ref)
+    del inputs, outs, runs
+    torch.cuda.empty_cache()
+
+
+def probe_markdown(shapes: list[Shape], configs: list[KernelConfig], header: str, topk: int) -> str:
+    """Per shape and config: each mode's median, its ratio to f32, and its time over the ``none``
+    probe per converted element (T x top-k x 512: the kernel converts every top-k entry's bytes,
+    the masked zeros of unused entries too)."""
+    lines = [header, "", "### Dequantisation probe", "",
+             "| tokens | heads | config | mode | median us | / f32 | over none us | over none ps / element |",
+             "|---:|---:|---|---|---:|---:|---:|---:|"]
+    for s in shapes:
+        elements = s.tokens * topk * D_V
+        for config in configs:
+            f32, none = s.median(probe_label(config, "f32")), s.median(probe_label(config, NO_DEQUANT))
+            for mode in PROBE_MODES:
+                label = probe_label(config, mode)
+                m = s.median(label)
+                if m is None:
+                    lines.append(f"| {s.tokens} | {s.heads} | {config.label()} | {mode} | {s.notes.get(label, 'n/a')} | | | |")
+                    continue
+                ratio = f"{m / f32:.2f}x" if f32 else "n/a"
+                over = f"{m - none:.1f} | {(m - none) * 1e6 / elements:.3f}" if none is not None else "n/a | n/a"
+                lines.append(f"| {s.tokens} | {s.heads} | {config.label()} | {mode} | {m:.1f} | {ratio} | {over} |")
+    lines += ["", "`none` and `widen` are bound probes: their outputs are wrong by design and never checked. "
+              "`none` reads the NoPE bytes as BF16 and does no dequantisation work; `widen` loads them as the exact modes "
+              "do and only shifts each byte into BF16 bits."]
+    checks = [c for s in shapes for c in s.checks]
+    if checks:
+        lines += ["", "### Exact modes against the float32 reference", ""] + [f"- {c}" for c in checks]
+    return "\n".join(lines) + "\n"
+
+
+def run_probe(args: argparse.Namespace) -> str:
+    """The --probe run: PROBE_SHAPES x PROBE_CONFIGS x PROBE_MODES; returns the Markdown."""
+    import triton
+
+    from mla_planner.calibration.kernel_timing import Timer
+
+    configs = [KernelConfig.parse(label) for label in PROBE_CONFIGS]
+    shapes = [Shape(t, h) for t, h in PROBE_SHAPES]
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    timer = Timer(gen.device)
+    for shape in shapes:
+        print(f"probe T={shape.tokens} H={shape.heads} ...", file=sys.stderr, flush=True)
+        probe_shape(shape, configs, args, gen, timer)
+    header = (f"FP8-direct dequantisation probe on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+              f"triton {triton.__version__}: top-k {args.topk}, calibration's synthetic inputs, L2 flushed before each "
+              f"call, median of {args.repeats} interleaved repeats.\n\nCommand: "
+              f"`python benchmarks/fp8_direct_bench.py {' '.join(sys.argv[1:])}`")
+    return probe_markdown(shapes, configs, header, args.topk)
+
+
+PTX_OPS = ("cvt", "prmt", "lop3", "mma", "wgmma")
+"""PTX mnemonics counted per kernel (by prefix: ``cvt`` counts every ``cvt.*``; ``mma`` the
+``mma.sync`` only)."""
+SASS_OPS = ("F2F", "F2FP", "HADD2", "FMUL", "PRMT", "LOP3", "SHF", "IMAD", "HMMA", "HGMMA")
+"""SASS opcodes counted: the conversions (F2F: one value; F2FP: a packed pair, e4m3x2 -> f16x2 or
+f32 -> bf16x2), what ptxas makes of the rest of a dequantisation (HADD2: its f16 -> f32; FMUL; the
+integer PRMT/LOP3/SHF/IMAD), and the MMAs (HMMA: mma.sync, HGMMA: wgmma)."""
+
+
+def ptx_counts(ptx: str) -> dict[str, int]:
+    """Static count of each ``PTX_OPS`` mnemonic in the kernel's PTX (predicates skipped)."""
+    counts = dict.fromkeys(PTX_OPS, 0)
+    for line in ptx.splitlines():
+        words = line.strip().split()
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        if not words:
+            continue
+        op = words[0]
+        for name in PTX_OPS:
+            if op == name or op.startswith(name + ".") and not (name == "mma" and not op.startswith("mma.sync")):
+                counts[name] += 1
+    return counts
+
+
+def sass_counts(cubin: bytes, bin_dir: Path) -> dict[str, int] | None:
+    """Static count of each ``SASS_OPS`` opcode in the cubin (Triton's bundled ``nvdisasm``), or
+    None where it is missing."""
     import re
     import subprocess
     import tempfile
 
+    nvdisasm = bin_dir / "nvdisasm"
+    if not nvdisasm.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    counts = dict.fromkeys(SASS_OPS, 0)
+    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass):
+        if op in counts:
+            counts[op] += 1
+    return counts
+
+
+def compile_kernel(config: KernelConfig, heads: int, dequant: int) -> Any:
+    """The kernel compiled for sm90 (no GPU needed) with Triton's internal API (may need updating
+    with Triton), for what the launcher passes: 16-byte divisible pointers and strides except
+    lse's head stride (1)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from mla_planner.kernels.fp8_direct import _sparse_fp8_kernel as kernel
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     types = ["*bf16", "*u8", "*fp32", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32"] + ["i32"] * 10 + ["i64"] * 3 + ["fp32"]
     names = kernel.arg_names
+    consts = {"PAGE": PAGE_SIZE, "BLOCK_H": config.heads_per_program(heads), "BLOCK_N": config.block_n,
+              "HAS_LENGTH": False, "HAS_SINK": False, "KEYS_AS_M": config.keys_as_m, "DEQUANT": dequant}
+    signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names[: len(types) - 1]) if n != "stride_lh"}
+    src = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+
+def ptxas_usage(ptx: str, ptxas: Path) -> tuple[str, str]:
+    """(registers, spill-store bytes) that Triton's bundled ptxas reports for sm_90a."""
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    return (regs.group(1) if regs else "?"), (spill.group(1) if spill else "?")
+
+
+def compile_report(configs: list[KernelConfig]) -> None:
+    """Compile each config under each dequantisation for sm90 (no GPU needed: Triton's bundled
+    ptxas and nvdisasm) at 16 and 32 heads; print registers, spills, shared memory, the MMA used
+    and static PTX / SASS instruction counts. The SASS counts over the ``none`` probe's, divided
+    by the elements a thread dequantises per loop iteration (block_n x 512 / threads), give each
+    mode's dequantisation instructions per element (static counts: the loop body is compiled once)."""
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    codes = {**DEQUANT_MODES, **BOUND_PROBES}
     for heads in (16, 32):
         for config in configs:
-            consts = {"PAGE": PAGE_SIZE, "BLOCK_H": config.heads_per_program(heads), "BLOCK_N": config.block_n,
-                      "HAS_LENGTH": False, "HAS_SINK": False, "KEYS_AS_M": config.keys_as_m}
-            signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
-            # What the launcher passes is 16-divisible except lse's head stride (1).
-            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names[: len(types) - 1]) if n != "stride_lh"}
-            src = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-            ptx = compiled.asm["ptx"]
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                f.write(ptx)
-                f.flush()
-                log = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f.name, "-o", "/dev/null"],
-                                     capture_output=True, text=True).stderr
-            regs = re.search(r"Used (\d+) registers", log)
-            spill = re.search(r"(\d+) bytes spill stores", log)
-            mma = "+".join(m for m in ("wgmma", "mma.sync") if m in ptx) or "no MMA"
-            print(f"H{heads:<3d} {config.label():<16s} registers {regs.group(1) if regs else '?':>4s}  spill stores "
-                  f"{spill.group(1) if spill else '?':>5s} B  shared {compiled.metadata.shared:>6d} B  {mma}")
+            sass_by_mode: dict[str, dict[str, int] | None] = {}
+            for mode in PROBE_MODES:
+                compiled = compile_kernel(config, heads, codes[mode])
+                ptx = compiled.asm["ptx"]
+                regs, spill = ptxas_usage(ptx, bin_dir / "ptxas")
+                mma = "+".join(m for m in ("wgmma", "mma.sync") if m in ptx) or "no MMA"
+                ptx_ops = " ".join(f"{k} {v}" for k, v in ptx_counts(ptx).items())
+                sass = sass_by_mode[mode] = sass_counts(compiled.asm["cubin"], bin_dir)
+                sass_ops = " ".join(f"{k} {v}" for k, v in sass.items()) if sass else "n/a (no nvdisasm)"
+                print(f"H{heads:<3d} {config.label():<14s} {mode:<5s} registers {regs:>4s}  spill stores {spill:>5s} B  "
+                      f"shared {compiled.metadata.shared:>6d} B  {mma}\n"
+                      f"      PTX: {ptx_ops}\n      SASS: {sass_ops}")
+            print(dequant_per_element(config, sass_by_mode))
+
+
+def dequant_per_element(config: KernelConfig, sass_by_mode: dict[str, dict[str, int] | None]) -> str:
+    """One line: each other mode's SASS counts minus the ``none`` probe's, per element a thread
+    dequantises in a loop iteration."""
+    base = sass_by_mode.get(NO_DEQUANT)
+    if base is None:
+        return "      per element: n/a"
+    per_thread = config.block_n * 512 / (32 * config.num_warps)
+    parts = []
+    for mode in PROBE_MODES:
+        counts = sass_by_mode.get(mode)
+        if mode == NO_DEQUANT:
+            continue
+        if counts is None:
+            continue
+        extra = {k: (counts[k] - base[k]) / per_thread for k in SASS_OPS if counts[k] != base[k]}
+        total = sum(extra.values())
+        parts.append(f"{mode}: {total:.2f} (" + ", ".join(f"{k} {v:+.2f}" for k, v in extra.items()) + ")")
+    return f"      SASS per element over none ({per_thread:.0f} elements/thread/iteration): " + "; ".join(parts)
 
 
 def main() -> None:
@@ -257,7 +499,10 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(SWEEP), help="comma-separated KernelConfig labels, e.g. 'n64 w8 s2 km'")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile-report", action="store_true", help="no GPU: compile the configs for sm90 and report registers")
+    parser.add_argument("--compile-report", action="store_true",
+                        help="no GPU: compile the configs for sm90 under each dequantisation; registers and instruction counts")
+    parser.add_argument("--probe", action="store_true",
+                        help=f"time each dequantisation and the no-dequant bound probes: {PROBE_SHAPES}, configs {PROBE_CONFIGS}")
     parser.add_argument("--out", type=Path, help="also write the Markdown tables here")
     args = parser.parse_args()
     configs = [KernelConfig.parse(label) for label in args.configs.split(",")]
@@ -266,6 +511,9 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("fp8_direct_bench.py needs a CUDA GPU (--compile-report runs without one)")
+    if args.probe:
+        write(run_probe(args), args.out)
+        return
     if args.quick:
         shapes = [Shape(t, h) for t, h in QUICK_SHAPES]
         args.repeats = min(args.repeats, 5)
@@ -290,11 +538,15 @@ def main() -> None:
         + (f"Separate route: n/a ({why}).\n" if provider is None else "Separate route: vLLM's gather + FlashMLA sparse prefill.\n")
         + f"\nCommand: `python benchmarks/fp8_direct_bench.py {' '.join(sys.argv[1:])}`"
     )
-    table = markdown(shapes, configs, header, args.topk)
+    write(markdown(shapes, configs, header, args.topk), args.out)
+
+
+def write(table: str, out: Path | None) -> None:
+    """Prints the Markdown, and writes it to ``out`` where given."""
     print(table)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(table)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from mla_planner.executor.layout import FP8_BYTES_PER_TOKEN, PAGE_SIZE
-from mla_planner.kernels.fp8_direct import KernelConfig, sparse_attention_fp8
+from mla_planner.executor.layout import FP8_BYTES_PER_TOKEN, PAGE_SIZE, ROPE_START, SCALES_START, as_slots
+from mla_planner.executor.reference import dequantize_fp8_ds_mla
+from mla_planner.kernels.fp8_direct import DEQUANT_MODES, KernelConfig, no_dequant_bound_probe, sparse_attention_fp8
 
 from harness.fp8_direct import SCALE, Fp8Case, check_output, lse_max_error, make_case, probability_rounding_bound, reference
 
@@ -48,10 +49,14 @@ class Spec:
     out_pad_heads: int = 0
     page_pad_bytes: int = 0
     """Extra bytes after each page: the cache is a view with a page stride above 64 x 656."""
+    special_bytes: bool = False
+    """NoPE bytes replaced by every non-NaN e4m3 code (:func:`_special_nope`)."""
 
 
 HM = KernelConfig(block_n=32, num_warps=4, num_stages=2, keys_as_m=False)
 KM = KernelConfig(block_n=32, num_warps=4, num_stages=2, keys_as_m=True)
+HM_BITS = dataclasses.replace(HM, dequant="bits")
+KM_BITS = dataclasses.replace(KM, dequant="bits")
 SPECS = [
     Spec("h16 topk64 heads-as-M", 16, 64, HM),
     Spec("h16 topk64 keys-as-M", 16, 64, KM),
@@ -67,7 +72,55 @@ SPECS = [
     Spec("h8 (padded to a 16-head program)", 8, 64, HM, sink=True),
     Spec("h16 per-row magnitude spread", 16, 64, HM, spread=1.0),
     Spec("h16 strided out, padded pages", 16, 64, KM, out_pad_heads=3, page_pad_bytes=48),
+    Spec("h16 topk64 heads-as-M, bits dequant", 16, 64, HM_BITS),
+    Spec("h32 topk128 keys-as-M block 64, bits dequant", 32, 128, dataclasses.replace(KM_BITS, block_n=64)),
+    Spec("h16 topk128 lengths+sink, bits dequant", 16, 128, HM_BITS, lengths=True, sink=True),
+    Spec("h16 magnitude spread, padded pages, bits dequant", 16, 64, KM_BITS, spread=1.0, page_pad_bytes=48),
+    Spec("h16 every e4m3 code, f32 dequant", 16, 64, HM, special_bytes=True),
+    Spec("h16 every e4m3 code, bits dequant", 16, 64, HM_BITS, special_bytes=True),
 ]
+
+# Every e4m3 code but the two NaNs (0x7F, 0xFF): +-0, the 14 subnormals (0x01-0x07, 0x81-0x87), the
+# normals up to +-448 (0x7E, 0xFE).
+E4M3_CODES = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+# Tile scales 2^-20 .. 2^7: down past the quantiser's floor (1e-4) and up to the largest the bits
+# path takes (its factor scale x 2^120 must stay finite).
+SPECIAL_SCALES = torch.exp2(torch.arange(-20, 8, dtype=torch.float32))
+
+
+def _special_nope(rows: int, gen: torch.Generator, scales_from: torch.Tensor = SPECIAL_SCALES) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, 512)`` NoPE bytes cycling through every non-NaN e4m3 code (a random phase per row)
+    and ``(rows, 4)`` tile scales drawn from ``scales_from`` (row 0: its smallest and largest)."""
+    phase = torch.randint(0, E4M3_CODES.numel(), (rows, 1), generator=gen)
+    nope = E4M3_CODES[(phase + torch.arange(512)) % E4M3_CODES.numel()]
+    scales = scales_from[torch.randint(0, scales_from.numel(), (rows, 4), generator=gen)]
+    scales[0, 0], scales[0, 1] = scales_from[0], scales_from[-1]
+    return nope, scales
+
+
+def _with_special_bytes(case: Fp8Case, gen: torch.Generator) -> Fp8Case:
+    """The case's cache with every row's NoPE bytes and scales from :func:`_special_nope`, scales
+    2^-20 .. 2^-4 (keys up to 28: larger ones make the scores, and lse's rounding, large enough to
+    leave lse's absolute limit; the dequantisation alone is checked up to 2^7)."""
+    pages = case.kv_cache.shape[0]
+    rows = case.kv_cache.reshape(pages * PAGE_SIZE, FP8_BYTES_PER_TOKEN).clone()
+    nope, scales = _special_nope(rows.shape[0], gen, SPECIAL_SCALES[SPECIAL_SCALES <= 2.0**-4])
+    rows[:, :SCALES_START] = nope
+    rows[:, SCALES_START:ROPE_START] = scales.view(torch.uint8)
+    return dataclasses.replace(case, kv_cache=rows.view(case.kv_cache.shape))
+
+
+def _doubled_scales(case: Fp8Case) -> Fp8Case:
+    """The case's cache with every tile scale doubled: what a dequantisation whose exponent bias is
+    off by one would compute."""
+    rows = as_slots(case.kv_cache).clone()
+    scales = rows[:, SCALES_START:ROPE_START].contiguous().view(torch.float32) * 2
+    rows[:, SCALES_START:ROPE_START] = scales.view(torch.uint8)
+    return dataclasses.replace(case, kv_cache=rows.view(case.kv_cache.shape))
+
+
+DEQUANT_ROWS = 64
+"""Rows of the direct dequantisation cases (:func:`test_dequant_is_bit_exact`)."""
 
 
 def _cache_with_page_padding(case: Fp8Case, pad: int) -> Fp8Case:
@@ -86,14 +139,22 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Fp8
     cases = {}
     for spec in SPECS:
         case = make_case(spec.tokens, spec.heads, spec.topk, spec.pages, gen, lengths=spec.lengths, sink=spec.sink, spread=spec.spread)
+        if spec.special_bytes:
+            case = _with_special_bytes(case, gen)
         if spec.page_pad_bytes:
             case = _cache_with_page_padding(case, spec.page_pad_bytes)
         cases[spec.name] = case
-    payload = [
+    attention = [
         {"q": c.q, "kv_cache": c.kv_cache, "indices": c.indices, "topk_length": c.topk_length, "attn_sink": c.attn_sink,
          "softmax_scale": SCALE, "config": dataclasses.asdict(s.config), "out_pad_heads": s.out_pad_heads}
         for s, c in zip(SPECS, cases.values())
     ]
+    nope, scales = _special_nope(DEQUANT_ROWS, gen)
+    # The kernel's dequantisation alone: each mode on the special rows, and each mode with the
+    # scales halved (an exponent off by one; halved, not doubled, so 2^7 stays in the bits path's
+    # range), which the bit-exact criterion must reject.
+    dequant = [{"nope": nope, "scales": s, "dequant": mode} for s in (scales, scales / 2) for mode in DEQUANT_MODES]
+    payload = {"attention": attention, "dequant": dequant}
     tmp = tmp_path_factory.mktemp("fp8_direct")
     torch.save(payload, tmp / "cases.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -102,7 +163,39 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Fp8
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"interpreter run failed:\n{done.stdout}\n{done.stderr}"
     results = torch.load(tmp / "results.pt")
-    return {name: (case, result) for (name, case), result in zip(cases.items(), results)}
+    by_name: dict[str, tuple[Any, dict[str, Any]]] = {
+        name: (case, result) for (name, case), result in zip(cases.items(), results["attention"])}
+    for entry, values in zip(dequant, results["dequant"]):
+        halved = "halved scales" if entry["scales"] is not scales else "scales"
+        by_name[f"dequant {entry['dequant']} {halved}"] = ((nope, scales), {"k": values})
+    return by_name
+
+
+def _dequant_mismatches(k: torch.Tensor, nope: torch.Tensor, scales: torch.Tensor) -> int:
+    """Elements of the kernel's BF16 ``k`` whose bits differ from the float32 reference's
+    dequantisation rounded to BF16 (exact: each value is a BF16 value), signed zeros included."""
+    packed = torch.zeros((nope.shape[0], FP8_BYTES_PER_TOKEN), dtype=torch.uint8)
+    packed[:, :SCALES_START] = nope
+    packed[:, SCALES_START:ROPE_START] = scales.contiguous().view(torch.uint8)
+    ref = dequantize_fp8_ds_mla(packed)[:, :SCALES_START].to(torch.bfloat16)
+    return int((k.view(torch.int16) != ref.view(torch.int16)).sum())
+
+
+@pytest.mark.parametrize("mode", sorted(DEQUANT_MODES))
+def test_dequant_is_bit_exact(interpreted: dict[str, tuple[Any, dict[str, Any]]], mode: str) -> None:
+    """Every non-NaN e4m3 code (zeros, subnormals, +-448) times scales 2^-20 .. 2^7: each mode's
+    BF16 bits equal the float32 reference's."""
+    (nope, scales), result = interpreted[f"dequant {mode} scales"]
+    assert _dequant_mismatches(result["k"], nope, scales) == 0
+
+
+@pytest.mark.parametrize("mode", sorted(DEQUANT_MODES))
+def test_dequant_check_catches_an_exponent_off_by_one(interpreted: dict[str, tuple[Any, dict[str, Any]]], mode: str) -> None:
+    """The bit-exact criterion rejects a dequantisation off by a factor of two (here: the mode run
+    on halved scales), on every element but the zeros."""
+    (nope, scales), result = interpreted[f"dequant {mode} halved scales"]
+    zeros = int((nope & 0x7F == 0).sum())
+    assert _dequant_mismatches(result["k"], nope, scales) == nope.numel() - zeros
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
@@ -165,31 +258,44 @@ def test_bad_arguments_raise_value_errors(name: str, mutate: Any, message: str) 
         sparse_attention_fp8(args["q"], args["kv_cache"], args["indices"], args["softmax_scale"], **kwargs)
 
 
-@pytest.mark.parametrize("fields", [{"block_n": 24}, {"block_n": 8}, {"num_warps": 3}, {"num_stages": 0}, {"head_block": 8}])
+@pytest.mark.parametrize("fields", [{"block_n": 24}, {"block_n": 8}, {"num_warps": 3}, {"num_stages": 0}, {"head_block": 8},
+                                    {"dequant": "none"}, {"dequant": "widen"}, {"dequant": "bf16"}])
 def test_bad_configs_raise_value_errors(fields: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         KernelConfig(**fields)
 
 
+def test_the_bound_probe_takes_only_its_probes() -> None:
+    """The probes are reached through no_dequant_bound_probe alone, by name; a config cannot ask for
+    them (test_bad_configs_raise_value_errors) and an unknown name raises before any launch."""
+    args = _good()
+    with pytest.raises(ValueError, match="probe must be"):
+        no_dequant_bound_probe(args["q"], args["kv_cache"], args["indices"], args["softmax_scale"], probe="f32")
+
+
 def test_config_labels_are_distinct() -> None:
-    configs = {HM, KM, dataclasses.replace(KM, block_n=64), dataclasses.replace(KM, num_stages=3), dataclasses.replace(HM, head_block=16)}
-    assert len(configs) == 5
+    configs = {HM, KM, dataclasses.replace(KM, block_n=64), dataclasses.replace(KM, num_stages=3), dataclasses.replace(HM, head_block=16),
+               HM_BITS, dataclasses.replace(KM_BITS, head_block=16)}
+    assert len(configs) == 7
     assert len({c.label() for c in configs}) == len(configs)
     assert all(KernelConfig.parse(c.label()) == c for c in configs)
     with pytest.raises(ValueError):
         KernelConfig.parse("n64 x3")
 
 
-@pytest.mark.parametrize("fault", ["scale 2% off", "sink ignored", "rope ignored"])
-def test_the_check_catches_a_wrong_result(interpreted: dict[str, tuple[Fp8Case, dict[str, Any]]], fault: str) -> None:
+@pytest.mark.parametrize("fault", ["scale 2% off", "sink ignored", "rope ignored", "dequant exponent off by one"])
+@pytest.mark.parametrize("spec", ["h16 topk128 lengths+sink", "h16 topk128 lengths+sink, bits dequant"])
+def test_the_check_catches_a_wrong_result(interpreted: dict[str, tuple[Fp8Case, dict[str, Any]]], fault: str, spec: str) -> None:
     """The criterion is not vacuous: the kernel's own output fails it against a reference with a
     small semantic fault."""
-    case, result = interpreted["h16 topk128 lengths+sink"]
+    case, result = interpreted[spec]
     scale = SCALE
     if fault == "scale 2% off":
         scale = SCALE * 1.02
     elif fault == "sink ignored":
         case = dataclasses.replace(case, attn_sink=None)
+    elif fault == "dequant exponent off by one":
+        case = _doubled_scales(case)
     else:
         q = case.q.clone()
         q[..., 512:] = 0

@@ -22,7 +22,8 @@ from harness.fp8_direct import SCALE, Fp8Case, check_output, lse_max_error, make
 pytestmark = pytest.mark.gpu
 
 CONFIGS = [DEFAULT_CONFIG, KernelConfig(block_n=64, num_warps=8, num_stages=2, keys_as_m=True),
-           KernelConfig(block_n=64, num_warps=8, num_stages=2, keys_as_m=False)]
+           KernelConfig(block_n=64, num_warps=8, num_stages=2, keys_as_m=False),
+           KernelConfig(block_n=32, num_warps=4, num_stages=2, keys_as_m=False, dequant="bits")]
 LSE_LIMIT = 1e-3
 
 

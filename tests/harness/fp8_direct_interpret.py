@@ -4,9 +4,12 @@
 
 ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates the kernel (at import), so the
 interpreter needs a fresh process; tests/test_fp8_direct.py starts this one, so the rest of a
-pytest session keeps the compiled path. CASES.pt: a list of dicts of the launcher's arguments
-(``config`` as a dict of :class:`KernelConfig` fields); RESULTS.pt: a list of ``{"out", "lse",
-"in_place", "pad_untouched", "seconds"}``. ``out`` and ``lse`` start as NaN, so an element the
+pytest session keeps the compiled path. CASES.pt: ``{"attention": [...], "dequant": [...]}``.
+Each attention case is a dict of the launcher's arguments (``config`` as a dict of
+:class:`KernelConfig` fields) and gives ``{"out", "lse", "in_place", "pad_untouched", "seconds"}``;
+each dequant case (``{"nope": (R, 512) uint8, "scales": (R, 4) float32, "dequant": mode}``, R a
+multiple of 16) runs the kernel's own dequantisation of that mode alone on those rows and gives
+their ``(R, 512)`` BF16 values. RESULTS.pt: ``{"attention": [...], "dequant": [...]}``. ``out`` and ``lse`` start as NaN, so an element the
 kernel never writes shows up; with ``out_pad_heads`` > 0 in a case, ``out`` is a strided head
 slice of a wider buffer (as vLLM passes it) whose other heads must stay untouched.
 
@@ -65,10 +68,13 @@ def main(cases_path: str, results_path: str) -> None:
     patch_interpreter()
     import torch
 
+    from harness.fp8_direct_dequant import dequant_rows
     from mla_planner.kernels.fp8_direct import KernelConfig, sparse_attention_fp8
 
+    cases = torch.load(cases_path)
+    dequantised = [dequant_rows(c["nope"], c["scales"], c["dequant"]) for c in cases["dequant"]]
     results = []
-    for case in torch.load(cases_path):
+    for case in cases["attention"]:
         q = case["q"]
         t, h = q.shape[0], q.shape[1]
         buffer = torch.full((t, h + case["out_pad_heads"], 512), float("nan"), dtype=torch.bfloat16)
@@ -81,7 +87,7 @@ def main(cases_path: str, results_path: str) -> None:
         seconds = time.perf_counter() - start
         results.append({"out": out.clone(), "lse": lse, "in_place": o is out and l is lse,
                         "pad_untouched": bool(buffer[:, h:].isnan().all()), "seconds": seconds})
-    torch.save(results, results_path)
+    torch.save({"attention": results, "dequant": dequantised}, results_path)
 
 
 if __name__ == "__main__":

@@ -41,9 +41,16 @@ import triton.language as tl
 
 from mla_planner.executor.layout import D_NOPE, D_QK, D_ROPE, D_V, FP8_BYTES_PER_TOKEN, NUM_TILES, ROPE_START, SCALES_START, TILE
 
-__all__ = ["DEFAULT_CONFIG", "KernelConfig", "sparse_attention_fp8"]
+__all__ = ["DEFAULT_CONFIG", "DEQUANT_MODES", "KernelConfig", "sparse_attention_fp8"]
 
 LOG2E = 1.4426950408889634  # log2(e): the kernel's softmax runs in base 2
+
+DEQUANT_MODES = {"f32": 0, "bits": 1}
+"""The exact dequantisations a :class:`KernelConfig` can ask for, and the kernel's ``DEQUANT`` code
+of each."""
+BOUND_PROBES = {"none": 2, "widen": 3}
+"""The kernel's ``DEQUANT`` codes of :func:`no_dequant_bound_probe`'s two probes (wrong results by
+design): not :class:`KernelConfig` modes, so nothing that takes a config can select them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +67,9 @@ class KernelConfig:
     ``head_block``: heads per program (a power of two >= 16, padded heads masked off), ``None``:
     all heads in one program up to 32 (each gathered row is then read once per token); more heads
     are split over programs that each re-read the rows (the accumulator is heads x 512 floats).
+    ``dequant``: how the FP8 bytes become BF16 (:data:`DEQUANT_MODES`), both exact and equal:
+    ``"f32"`` converts through Triton's e4m3 -> float32 cast, ``"bits"`` places each byte's
+    sign, exponent and mantissa into float32 bits with integer operations and rescales once.
     """
 
     block_n: int = 32
@@ -67,6 +77,7 @@ class KernelConfig:
     num_stages: int = 3
     keys_as_m: bool = True
     head_block: int | None = None
+    dequant: str = "f32"
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -77,6 +88,8 @@ class KernelConfig:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if self.head_block is not None and (self.head_block < 16 or self.head_block & (self.head_block - 1)):
             raise ValueError(f"head_block must be a power of two >= 16, got {self.head_block}")
+        if self.dequant not in DEQUANT_MODES:
+            raise ValueError(f"dequant must be one of {sorted(DEQUANT_MODES)}, got {self.dequant!r}")
 
     def heads_per_program(self, num_heads: int) -> int:
         if self.head_block is not None:
@@ -84,12 +97,14 @@ class KernelConfig:
         return min(max(16, int(triton.next_power_of_2(num_heads))), 32)
 
     def label(self) -> str:
-        """Short name for tables: ``n64 w8 s2 hm`` (``km`` for keys_as_m), ``hb16`` if set."""
+        """Short name for tables: ``n64 w8 s2 hm`` (``km`` for keys_as_m), ``hb16`` if set, the
+        dequant mode if not the default ``f32`` (``n32 w4 s2 hm bits``)."""
         parts = [f"n{self.block_n}", f"w{self.num_warps}", f"s{self.num_stages}", "km" if self.keys_as_m else "hm"]
         if self.head_block is not None:
             parts.append(f"hb{self.head_block}")
+        if self.dequant != "f32":
+            parts.append(self.dequant)
         return " ".join(parts)
-
 
     @classmethod
     def parse(cls, label: str) -> KernelConfig:
@@ -99,6 +114,9 @@ class KernelConfig:
         for part in label.split():
             if part in ("km", "hm"):
                 fields["keys_as_m"] = part == "km"
+                continue
+            if part in DEQUANT_MODES:
+                fields["dequant"] = part
                 continue
             name = part.rstrip("0123456789")
             if name not in keys or name == part:
@@ -114,8 +132,47 @@ what decides."""
 
 
 @triton.jit
+def _dequant_f32(nope, scales, BLOCK_N: tl.constexpr):
+    """FP8 bytes ``(BLOCK_N, 512)`` x tile scales ``(BLOCK_N, 4)`` -> BF16, through Triton's e4m3
+    -> float32 cast (on sm90: a packed e4m3x2 -> f16x2 convert, f16 -> f32, a multiply, a packed
+    f32 -> bf16 convert).
+
+    e4m3 -> float32 is exact, times a power of two is exact, -> bfloat16 is exact again (every
+    e4m3 value times a power of two in range is a bfloat16 value): the BF16 operand equals the
+    float32 reference's dequantised key. (Multiplying in bfloat16 instead needs Triton's e4m3 ->
+    bfloat16 cast, which Triton 3.8 compiles for sm90 through a one-value f16 -> bf16 convert per
+    element, and its interpreter computes bfloat16 arithmetic on the raw bits.)"""
+    k = nope.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    k = tl.reshape(k, (BLOCK_N, 4, 128)) * scales[:, :, None]
+    return tl.reshape(k, (BLOCK_N, 512)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dequant_bits(nope, scales, BLOCK_N: tl.constexpr):
+    """The same values as :func:`_dequant_f32` with no FP8 convert instruction: integer operations
+    put each byte's bits into a float32, one multiply rescales it, one packed convert rounds to
+    BF16 (exact).
+
+    An e4m3 byte ``s eeee mmm``, sign-extended and shifted left by 20, then masked to bit 31 and
+    bits 26..20, is the float32 ``s 0000eeee mmm0...``: exponent field ``e`` and mantissa ``m``,
+    i.e. the e4m3 value times 2^-120 (bias 127 against 7). That holds for the e4m3 subnormals too
+    (``e = 0``: ``m/8 x 2^-126`` is the float32 subnormal with those bits) and for zero and
+    negative zero, so one multiply by ``scale x 2^120`` gives exactly what the f32 path's e4m3
+    -> float32 cast times ``scale`` gives (Triton's multiply keeps float32 subnormals: no
+    ``.ftz``). Two limits, both outside what the cache holds: a tile scale of 2^8 or more makes
+    ``scale x 2^120`` infinite, and the NaN bytes (``0x7F``/``0xFF``, which no quantiser writes)
+    come out as +-480 instead of NaN."""
+    t = nope.to(tl.int8, bitcast=True).to(tl.int32)
+    bits = (t << 20) & -2014314496  # 0x87F00000 as int32: the sign bit and bits 26..20
+    k = bits.to(tl.float32, bitcast=True)
+    factor = scales * 1.329227995784916e36  # 2^120, exact in float32
+    k = tl.reshape(k, (BLOCK_N, 4, 128)) * factor[:, :, None]
+    return tl.reshape(k, (BLOCK_N, 512)).to(tl.bfloat16)
+
+
+@triton.jit
 def _gather_keys(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride_f32, page_stride_bf16,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr):
     """Rows ``idx`` (``(BLOCK_N,)`` slots) of the paged cache -> NoPE ``(BLOCK_N, 512)`` and RoPE
     ``(BLOCK_N, 64)``, both BF16. Invalid rows are not read (masked loads) and come back as zeros,
     so even a NaN-filled slot behind a ``-1`` contributes nothing.
@@ -124,26 +181,35 @@ def _gather_keys(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride
     a row starts at ``page * page_stride + offset * 656`` bytes, a multiple of 16 bytes, so each
     thread's 16 consecutive FP8 bytes become one 16-byte load and a row's 512 NoPE bytes are read
     by 32 threads in a coalesced sweep (656 = 16 * 41, which Triton's divisibility analysis sees).
+
+    ``DEQUANT``: 0 and 1 are :data:`DEQUANT_MODES`' ``f32`` and ``bits``; 2 and 3 are the bound
+    probes (:func:`no_dequant_bound_probe`, meaningless results): 2 (``none``) reads the row's 512
+    NoPE bytes as 256 BF16 values and uses each twice -- the same bytes loaded, no dequantisation
+    work at all, but a load of another dtype, which Triton may stage differently; 3 (``widen``)
+    loads the bytes as the exact modes do and only widens each into BF16 bits (a shift), no scale.
     """
     page = (idx // PAGE).to(tl.int64)
     offset = (idx % PAGE).to(tl.int64)
-    cols = tl.arange(0, 512)
-    row_u8 = page * page_stride_u8 + offset * 656
-    nope = tl.load(kv_u8 + row_u8[:, None] + cols[None, :], mask=valid[:, None], other=0)
-    # One float32 scale per 128-wide tile, at bytes [512, 528): float32 element 128 + tile.
-    row_f32 = page * page_stride_f32 + offset * 164
-    tiles = tl.arange(0, 4)
-    scales = tl.load(kv_f32 + row_f32[:, None] + 128 + tiles[None, :], mask=valid[:, None], other=0.0)
-    # e4m3 -> float32 is exact, times a power of two is exact, -> bfloat16 is exact again (every
-    # e4m3 value times a power of two in range is a bfloat16 value): the BF16 operand equals the
-    # float32 reference's dequantised key. (Multiplying in bfloat16 instead compiles to the same
-    # float32 arithmetic on sm90, and Triton 3.8's interpreter computes bfloat16 arithmetic on
-    # the raw bits.)
-    k = nope.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    k = tl.reshape(k, (BLOCK_N, 4, 128)) * scales[:, :, None]
-    k = tl.reshape(k, (BLOCK_N, 512)).to(tl.bfloat16)
-    # The RoPE part: 64 bfloat16 at bytes [528, 656) = bfloat16 elements [264, 328).
     row_bf16 = page * page_stride_bf16 + offset * 328
+    if DEQUANT == 2:
+        raw = tl.load(kv_bf16 + row_bf16[:, None] + tl.arange(0, 256)[None, :], mask=valid[:, None], other=0.0)
+        k = tl.reshape(tl.join(raw, raw), (BLOCK_N, 512))
+    else:
+        cols = tl.arange(0, 512)
+        row_u8 = page * page_stride_u8 + offset * 656
+        nope = tl.load(kv_u8 + row_u8[:, None] + cols[None, :], mask=valid[:, None], other=0)
+        # One float32 scale per 128-wide tile, at bytes [512, 528): float32 element 128 + tile.
+        row_f32 = page * page_stride_f32 + offset * 164
+        tiles = tl.arange(0, 4)
+        scales = tl.load(kv_f32 + row_f32[:, None] + 128 + tiles[None, :], mask=valid[:, None], other=0.0)
+        if DEQUANT == 3:
+            # Byte b -> BF16 bits b << 6: exponent field b >> 1 (<= 127), so finite, at most 2.
+            k = (nope.to(tl.int16) << 6).to(tl.bfloat16, bitcast=True)
+        elif DEQUANT == 1:
+            k = _dequant_bits(nope, scales, BLOCK_N)
+        else:
+            k = _dequant_f32(nope, scales, BLOCK_N)
+    # The RoPE part: 64 bfloat16 at bytes [528, 656) = bfloat16 elements [264, 328).
     rope_cols = tl.arange(0, 64)
     k_rope = tl.load(kv_bf16 + row_bf16[:, None] + 264 + rope_cols[None, :], mask=valid[:, None], other=0.0)
     return k, k_rope
@@ -162,6 +228,7 @@ def _sparse_fp8_kernel(
     HAS_LENGTH: tl.constexpr,
     HAS_SINK: tl.constexpr,
     KEYS_AS_M: tl.constexpr,
+    DEQUANT: tl.constexpr,
 ):
     """One program = one query token x ``BLOCK_H`` heads. All of a token's heads share one program
     so each gathered key row is read and dequantised once per token, not once per head; the rows
@@ -200,7 +267,7 @@ def _sparse_fp8_kernel(
         idx = tl.load(idx_ptr + t * stride_it + n, mask=in_row, other=-1)
         valid = in_row & (idx >= 0) & (idx < num_rows)
         k, k_rope = _gather_keys(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride_f32,
-                                 page_stride_bf16, PAGE, BLOCK_N)
+                                 page_stride_bf16, PAGE, BLOCK_N, DEQUANT)
         if KEYS_AS_M:
             # S^T (BLOCK_N, heads) = K Q^T: the key block is the MMA's M side.
             s = tl.dot(k, q_nope_t) + tl.dot(k_rope, q_rope_t)
@@ -275,6 +342,47 @@ def sparse_attention_fp8(
     else allocated. Returns ``(out, lse)``.
     """
     config = DEFAULT_CONFIG if config is None else config
+    return _attend(q, kv_cache, indices, softmax_scale, out, topk_length, attn_sink, lse, config,
+                   DEQUANT_MODES[config.dequant])
+
+
+def no_dequant_bound_probe(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+    probe: str = "none",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A timing probe, not attention: :func:`sparse_attention_fp8`'s kernel with the
+    dequantisation taken out. ``probe="none"``: each row's NoPE bytes read as BF16 and used as
+    they are; ``"widen"``: the bytes loaded as the exact modes load them and only shifted into
+    BF16 bits; neither applies the scales (:data:`BOUND_PROBES`). Same launch, gathers, dots and
+    softmax; the output is meaningless by design and must never be checked or used.
+    ``config.dequant`` is ignored. How much faster it runs than the exact modes bounds what any
+    cheaper dequantisation could save (benchmarks/fp8_direct_bench.py --probe)."""
+    config = DEFAULT_CONFIG if config is None else config
+    if probe not in BOUND_PROBES:
+        raise ValueError(f"probe must be one of {sorted(BOUND_PROBES)}, got {probe!r}")
+    return _attend(q, kv_cache, indices, softmax_scale, out, None, None, lse, config, BOUND_PROBES[probe])
+
+
+def _attend(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    out: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    attn_sink: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    config: KernelConfig,
+    dequant: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks the arguments (``ValueError``), allocates ``out``/``lse`` where absent, launches."""
     _check(q.dim() == 3 and q.shape[2] == D_QK, f"q must be (tokens, heads, {D_QK}), got {tuple(q.shape)}")
     _check(q.dtype == torch.bfloat16, f"q must be bfloat16, got {q.dtype}")
     _check(q.stride(2) == 1, "q's last dim must be contiguous")
@@ -355,6 +463,7 @@ def sparse_attention_fp8(
         HAS_LENGTH=topk_length is not None,
         HAS_SINK=attn_sink is not None,
         KEYS_AS_M=config.keys_as_m,
+        DEQUANT=dequant,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
