@@ -457,3 +457,118 @@ def test_stock_on_0_33_allocates_beyond_the_workspace_what_0_26_allocates_less_t
     assert old.peak_bytes == call.total_bytes
     assert new.peak_bytes == call.total_bytes - held and 8 * GIB <= new.peak_bytes < 8.1 * GIB
     assert not old.fits and not new.fits  # 0.95 leaves 6.15 GiB beside the engine: neither fits
+
+
+# --- vLLM's start-up warm-up ------------------------------------------------------------------
+# Both releases run FlashInfer's autotune once the KV cache is allocated, with a dummy step of
+# max_num_batched_tokens; model runner V2 (0.33's for these models) runs its attention, V1 (0.26's)
+# does not. docs/results-vllm-0.33.md, 33.4: every fresh 0.33 server at 0.95 died in it; at 0.90 it
+# served. docs/results-vllm-0.26.md: 0.26 at 0.95 started and died at the first 32K prompt.
+
+
+def test_0_33_at_095_stock_fails_at_start_up() -> None:
+    doc = doctor_json("--builtin-parser", "--vllm", "0.33", *E2E_LINE)
+    w = doc["warmup"]
+    assert (w["attends"], w["num_tokens"], w["num_requests"], w["query_lens"], w["num_decodes"]) == (True, 32_768, 1024, [32], 1024)
+    assert w["stock"]["fits"] is False and w["stock"]["peak_bytes"] == doc["stock"]["peak_bytes"]  # the same one call
+    assert doc["stock"]["fails_at"] == "start-up" and doc["stock"]["fits"] is False
+    assert doc["verdict"].startswith("stock: fails at start-up: vLLM 0.33.0's warm-up runs a 32,768-token step "
+                                     "(1,024 requests of 32 tokens, decode-only)")  # fmt: skip
+    out = cli("doctor", "--builtin-parser", "--vllm", "0.33", *E2E_LINE).stdout
+    assert "start-up    vLLM 0.33.0's warm-up, once the KV cache is allocated: a 32,768-token step" in out
+    assert "through the sparse-MLA kernels; stock 8.02 GiB: FAILS\n" in out
+
+
+def test_0_33_at_090_stock_starts_and_fits() -> None:
+    doc = doctor_json("--builtin-parser", "--vllm", "0.33", *[w if w != "0.95" else "0.90" for w in E2E_LINE])
+    assert doc["warmup"]["attends"] is True and doc["warmup"]["stock"]["fits"] is True
+    assert doc["stock"]["fails_at"] is None and doc["stock"]["fits"] is True
+    assert doc["verdict"].startswith("stock: fits")
+
+
+def test_0_26_at_095_stock_fails_at_its_first_long_step_not_start_up() -> None:
+    doc = doctor_json("--builtin-parser", "--vllm", "0.26", *E2E_LINE)
+    assert doc["warmup"]["attends"] is False and doc["warmup"]["stock"] is None
+    assert "model runner V1" in doc["warmup"]["why"]
+    assert doc["stock"]["fails_at"] == "worst step" and doc["stock"]["fits"] is False
+    assert doc["verdict"].startswith("stock: OOM at the first 32,768-token step")
+
+
+@pytest.mark.parametrize(("minor", "fails_at"), [("0.33", "start-up"), ("0.26", "worst step")])
+def test_enforce_eager_keeps_the_warm_up(minor: str, fails_at: str) -> None:
+    """--enforce-eager turns off compilation and CUDA graphs, not FlashInfer's autotune (0.33: it
+    leaves the optimization level, whose default turns the autotune on), so the warm-up step runs
+    as with CUDA graphs."""
+    doc = doctor_json("--builtin-parser", "--vllm", minor, *E2E_LINE, "--enforce-eager")
+    assert doc["deployment"]["enforce_eager"] is True
+    assert doc["warmup"]["attends"] is (minor == "0.33")
+    assert doc["stock"]["fails_at"] == fails_at
+
+
+def test_0_33_s6_stock_twin_dies_in_its_warm_up_past_the_int32_limit() -> None:
+    """docs/results-vllm-0.33.md, "KV cache against stock's": the s6 stock twin (tiny GLM-5, 8 heads,
+    eager, chunked prefill off, 70,000 tokens a step, 16 sequences) sized its KV cache, then died in
+    its warm-up with FlashMLA's int64_stride_to_int: one decode-kernel call over 70,000 tokens."""
+    glm5 = str(TINY.parent / "tiny-glm5")
+    doc = doctor_json("--builtin-parser", "--vllm", "0.33", "--", "vllm", "serve", glm5, "--enforce-eager",
+                      "--no-enable-chunked-prefill", "--max-num-batched-tokens", "70000", "--max-num-seqs", "16",
+                      "--max-model-len", "70000", "--kv-cache-dtype", "fp8_ds_mla", "--block-size", "64")  # fmt: skip
+    assert (doc["warmup"]["num_requests"], doc["warmup"]["query_lens"]) == (16, [4375])
+    assert doc["warmup"]["stock"]["limit"] == "int32_stride"
+    assert doc["stock"]["fails_at"] == "start-up" and doc["stock"]["max_gpu_memory_utilization"] is None
+    assert "past FlashMLA's int32 stride limit" in doc["verdict"]
+
+
+@pytest.mark.parametrize(("minor", "env", "flag", "attends"), [
+    ("0.33", [], "--no-enable-flashinfer-autotune", False),
+    ("0.33", [], "--enable-flashinfer-autotune", True),
+    ("0.33", ["VLLM_USE_V2_MODEL_RUNNER=0"], None, False),
+    ("0.26", ["VLLM_USE_V2_MODEL_RUNNER=1"], None, True),
+])  # fmt: skip
+def test_warm_up_follows_the_autotune_flag_and_the_runner(minor: str, env: list[str], flag: str | None, attends: bool) -> None:
+    line = [E2E_LINE[0], *env, *E2E_LINE[1:], *([flag] if flag else [])]
+    doc = doctor_json("--builtin-parser", "--vllm", minor, *line)
+    assert doc["warmup"]["attends"] is attends
+    assert doc["stock"]["fails_at"] == ("start-up" if attends else "worst step")
+
+
+@pytest.mark.parametrize(("release", "spec", "v2"), [
+    (vllm_releases.V0_33, {}, True),
+    (vllm_releases.V0_33, {"parallel_drafting": True, "speculative_method": "mtp"}, False),
+    (vllm_releases.V0_33, {"parallel_drafting": True, "speculative_method": "dflash"}, True),
+    (vllm_releases.V0_26, {}, False),
+])  # fmt: skip
+def test_the_model_runner_each_release_picks(release: vllm_releases.VllmRelease, spec: dict[str, Any], v2: bool) -> None:
+    d = dep.Deployment(**{**tiny(0.95, 32_768, release).__dict__, "num_speculative_tokens": 1, **spec})
+    assert dep.runs_v2(d) is v2
+
+
+def test_dummy_step_remainder_as_each_release_spreads_it() -> None:
+    assert vllm_releases.V0_33.dummy_query_lens(10, 4) == [2, 2, 3, 3]
+    assert vllm_releases.V0_26.dummy_query_lens(10, 4) == [2, 2, 2, 4]
+
+
+def test_a_warm_up_larger_than_the_worst_step_sets_the_highest_utilization() -> None:
+    """At 32 heads per rank stock sends decodes to the decode kernel apart from the prefill, so the
+    warm-up's 1,024 decodes of 32 tokens are one decode call of all the tokens while the worst
+    step's prefill goes through the prefill kernel: here the warm-up's call is the larger."""
+    model = dep.model_from_config(TINY / "config.json")
+    model = dep.Model(**{**model.__dict__, "num_heads": 32})
+    d = dep.Deployment(model, dep.GPUS["H200"], 1, 32_768, 0.95, 163_840, True, False, 1 << 30, 1024,
+                       release=vllm_releases.V0_33)  # fmt: skip
+    diag = dep.diagnose(d)
+    w = diag.warmup.stock
+    assert w is not None and w.launches == 1 and w.peak_bytes > diag.stock.peak_bytes
+    with_warmup, worst_alone = dep.max_stock_util(d, w.peak_bytes), dep.max_stock_util(d, diag.stock.peak_bytes)
+    assert with_warmup is not None and worst_alone is not None
+    assert diag.max_stock_util == with_warmup < worst_alone
+
+
+@pytest.mark.parametrize("use_vllm", [False, True])
+def test_both_parsers_read_the_autotune_flag_and_the_runner_variable(use_vllm: bool) -> None:
+    if use_vllm:
+        pytest.importorskip("vllm")
+    off = serve_line.parse(["VLLM_USE_V2_MODEL_RUNNER=0", "vllm", "serve", "m", "--no-enable-flashinfer-autotune"], use_vllm=use_vllm)
+    assert (off.flashinfer_autotune, off.v2_runner_env, off.ignored) == (False, False, ())
+    plain = serve_line.parse(["vllm", "serve", "m"], use_vllm=use_vllm)
+    assert (plain.flashinfer_autotune, plain.v2_runner_env) == (True, None)

@@ -335,6 +335,12 @@ class Deployment:
     mtp_draft: bool = False
     """The speculative method is MTP: the draft is the model's own MTP layer, loaded beside it."""
     parallel_drafting: bool = False
+    speculative_method: str | None = None
+    """``--speculative-config``'s method (DFlash and DSpark draft in parallel on model runner V2)."""
+    flashinfer_autotune: bool = True
+    """vLLM's start-up FlashInfer autotune runs (off: ``--no-enable-flashinfer-autotune``)."""
+    v2_runner_env: bool | None = None
+    """``VLLM_USE_V2_MODEL_RUNNER`` in the serve line's environment (``None``: unset)."""
 
     @property
     def heads_per_rank(self) -> int:
@@ -427,6 +433,55 @@ class StepVerdict:
     fits: bool
 
 
+PARALLEL_V2_DRAFTERS = ("dflash", "dspark")
+"""Speculative methods whose parallel drafting model runner V2 runs itself."""
+
+
+def runs_v2(d: Deployment) -> bool:
+    """Whether vLLM runs model runner V2 for this line: ``VLLM_USE_V2_MODEL_RUNNER`` where set, else
+    the release's default, less parallel drafting where the release sends it back to V1."""
+    if d.v2_runner_env is not None:
+        return d.v2_runner_env
+    r = d.release
+    if d.parallel_drafting and r.parallel_drafting_needs_v1 and (d.speculative_method or "").lower() not in PARALLEL_V2_DRAFTERS:
+        return False
+    return r.v2_runner_by_default
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """vLLM's start-up dummy step of ``max_num_batched_tokens`` tokens (FlashInfer's autotune, run
+    once the KV cache is allocated), and stock's kernel calls in it where it reaches them."""
+
+    step: Step
+    """Its requests as model runner V2 makes them (context 0; decodes where short enough)."""
+    attends: bool
+    """It runs the sparse-MLA kernels: model runner V2 builds attention metadata for it."""
+    why: str
+    """Why it does or does not, as the doctor prints it."""
+    stock: StepVerdict | None
+    """Stock's calls in it (``None`` where it does not attend)."""
+
+
+def warmup_step(d: Deployment) -> Step:
+    """Model runner V2's dummy step: the tokens spread over ``min(tokens, max_num_seqs)`` requests
+    of no context; those no longer than vLLM's decode threshold are decodes (first, the shorter)."""
+    t = d.max_num_batched_tokens
+    lens = d.release.dummy_query_lens(t, min(t, d.max_num_seqs))
+    threshold = sizing.decode_threshold(d.heads_per_rank, d.gpu.arch, d.verification_len)
+    return Step(lens, [0] * len(lens), sum(1 for q in lens if q <= threshold))
+
+
+def warmup(d: Deployment) -> Warmup:
+    step = warmup_step(d)
+    if not d.flashinfer_autotune:
+        return Warmup(step, False, "--no-enable-flashinfer-autotune", None)
+    if not runs_v2(d):
+        return Warmup(step, False, "model runner V1 builds no attention metadata for it, so the sparse-MLA kernels do "
+                      "not run in it", None)  # fmt: skip
+    return Warmup(step, True, "model runner V2 runs its attention", stock_step(d, step))
+
+
 @dataclass(frozen=True)
 class Diagnosis:
     deployment: Deployment
@@ -445,7 +500,22 @@ class Diagnosis:
     budget_kv_tokens: int  # the KV tokens the plugin's budget would hold (fp8_ds_mla)
     stock_path: str  # the path stock vLLM takes for this cache and heads per rank (the same rule in both releases)
     stride_tokens: int  # the longest single mixed-batch / prefill call the kernels accept
+    warmup: Warmup
     assumptions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stock_fails_at(self) -> str | None:
+        """Where stock vLLM fails: ``"start-up"`` (its warm-up step), ``"worst step"``, or ``None``."""
+        w = self.warmup
+        if w.stock is not None and not w.stock.fits:
+            return "start-up"
+        return None if self.stock.fits else "worst step"
+
+    @property
+    def stock_limit(self) -> str | None:
+        """A hard kernel limit stock crosses at start-up or on its worst step."""
+        w = self.warmup.stock
+        return (w.limit if w is not None else None) or self.stock.limit
 
 
 def kv_tokens(d: Deployment, kv_bytes: int, fp8: bool) -> int:
@@ -527,6 +597,14 @@ def max_stock_util(d: Deployment, stock_peak: int) -> float | None:
     return util if util > 0 else None
 
 
+def _max_stock_util(d: Deployment, worst: StepVerdict, start: Warmup) -> float | None:
+    """The highest util at which stock runs both its worst step and its warm-up (none past a limit)."""
+    verdicts = [worst] if start.stock is None else [worst, start.stock]
+    if any(v.limit for v in verdicts):
+        return None
+    return max_stock_util(d, max(v.peak_bytes for v in verdicts))
+
+
 def _paths(d: Deployment, t: int) -> dict[str, dict[str, Any]]:
     """Each sparse-MLA path's transient scratch for one call of `t` tokens as vLLM makes it."""
     h, arch, topk = d.heads_per_rank, d.gpu.arch, d.model.topk
@@ -552,6 +630,7 @@ def diagnose(d: Deployment) -> Diagnosis:
     steps = worst_steps(d)
     stock = max((stock_step(d, s) for s in steps), key=lambda v: (v.limit is not None, v.peak_bytes))
     plugin = max((plugin_step(d, s) for s in steps), key=lambda v: v.peak_bytes)
+    start = warmup(d)
     stock_kv = d.stock_kv_bytes()
     reserved = plugin_reservation(d)
     plugin_kv = stock_kv - reserved
@@ -569,8 +648,9 @@ def diagnose(d: Deployment) -> Diagnosis:
         plugin_kv_tokens=kv_tokens(d, plugin_kv, True),
         reserved_bytes=reserved,
         reserved_kv_tokens=kv_tokens(d, reserved, True),
-        max_stock_util=None if stock.limit else max_stock_util(d, stock.peak_bytes),
+        max_stock_util=_max_stock_util(d, stock, start),
         stride_tokens=stride,
+        warmup=start,
         budget_kv_tokens=d.budget_bytes // d.model.kv_bytes_per_token(True),
         stock_path=presets.vllm_path(d.heads_per_rank, "fp8" if d.kv_fp8 else "bf16", short=True),
         assumptions={
@@ -582,5 +662,9 @@ def diagnose(d: Deployment) -> Diagnosis:
                 " sampler), which can exceed the step's peak (the tiny GLM-5 at 1,024 sequences with MTP, vLLM 0.26:"
                 " 2.1 GiB more than this model)",
             "scratch": "the planner's byte models (docs/kernels.md, checked against the H200's allocator)",
+            "warmup": "counted: vLLM's start-up FlashInfer autotune step (kernel_warmup) as model runner V2 makes it;"
+                " assumed: FlashInfer installed (a dependency of both releases) and a first start: where every rank"
+                " loads autotune results an earlier start of the same configuration saved (vLLM 0.33's per-rank files,"
+                " TP > 1), the step is skipped",
         },
     )  # fmt: skip

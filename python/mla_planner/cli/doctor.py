@@ -98,6 +98,9 @@ def build(args: argparse.Namespace) -> tuple[Deployment, serve_line.ServeArgs]:
         num_speculative_tokens=serve.num_speculative_tokens,
         mtp_draft=serve.mtp_draft,
         parallel_drafting=serve.parallel_drafting,
+        speculative_method=serve.speculative_method,
+        flashinfer_autotune=serve.flashinfer_autotune,
+        v2_runner_env=serve.v2_runner_env,
     )
     if d.kv_fp8:
         try:
@@ -133,14 +136,36 @@ def flags_to_add(serve: serve_line.ServeArgs) -> list[str]:
     return [f"{flag} {value}" for flag, value in PLUGIN_FLAGS.items() if have[flag] != value]
 
 
+def _limit_text(limit: str, diag: Diagnosis) -> str:
+    if limit == "int32_stride":
+        return f"one kernel call past FlashMLA's int32 stride limit ({diag.stride_tokens:,} tokens)"
+    if limit == "workspace_assert":
+        return "a request longer than vLLM's gather workspace"
+    return limit
+
+
+def warmup_shape(w: deployment.Warmup) -> str:
+    """``1,024 requests of 32 tokens, decode-only`` (the longest where they differ)."""
+    q, d = w.step.query_lens, w.step.num_decodes
+    kind = "decode-only" if d == len(q) else "prefill-only" if d == 0 else f"{d:,} of them decodes"
+    return f"{len(q):,} request{'s' if len(q) > 1 else ''} of {max(q):,} tokens, {kind}"
+
+
+def _startup_problem(diag: Diagnosis) -> str:
+    w, t = diag.warmup, diag.worst_step.num_tokens
+    assert w.stock is not None
+    why = (_limit_text(w.stock.limit, diag) if w.stock.limit else
+           f"OOM (needs {format_bytes(w.stock.peak_bytes)} of scratch, {format_bytes(max(0, diag.headroom))} free for it)")
+    return (f"fails at start-up: vLLM {diag.deployment.release.version}'s warm-up runs a {t:,}-token step "
+            f"({warmup_shape(w)}) through the sparse-MLA kernels once the KV cache is allocated: {why}")
+
+
 def _stock_problem(diag: Diagnosis) -> str:
+    if diag.stock_fails_at == "start-up":
+        return _startup_problem(diag)
     s, t = diag.stock, diag.worst_step.num_tokens
-    if s.limit == "int32_stride":
-        return f"fails at a {t:,}-token step: one kernel call past FlashMLA's int32 stride limit ({diag.stride_tokens:,} tokens)"
-    if s.limit == "workspace_assert":
-        return f"fails at a {t:,}-token step: a request longer than vLLM's gather workspace"
     if s.limit:
-        return f"fails at a {t:,}-token step: {s.limit}"
+        return f"fails at a {t:,}-token step: {_limit_text(s.limit, diag)}"
     return f"OOM at the first {t:,}-token step (needs {format_bytes(s.peak_bytes)} of scratch, {format_bytes(max(0, diag.headroom))} free for it)"
 
 
@@ -154,16 +179,19 @@ def verdict(diag: Diagnosis, serve: serve_line.ServeArgs) -> tuple[str, list[str
     )  # fmt: skip
     if d.plugin:
         return (f"plugin (as given): {'fits' if p.fits else 'does not fit'} ({format_bytes(d.budget_bytes)} budget); "
-                f"stock would: {'fit' if s.fits else _stock_problem(diag)}"), []  # fmt: skip
-    if s.fits:
-        return f"stock: fits (worst step {format_bytes(s.peak_bytes)} of scratch, {format_bytes(diag.headroom)} free for it); {plugin_text}", []
+                f"stock would: {'fit' if diag.stock_fails_at is None else _stock_problem(diag)}"), []  # fmt: skip
+    if diag.stock_fails_at is None:
+        w = diag.warmup.stock
+        start = f", its start-up warm-up {format_bytes(w.peak_bytes)}" if w is not None and w.peak_bytes > s.peak_bytes else ""
+        return (f"stock: fits (worst step {format_bytes(s.peak_bytes)} of scratch{start}, {format_bytes(diag.headroom)} free "
+                f"for it); {plugin_text}"), []  # fmt: skip
     fixes = []
     add = flags_to_add(serve)
     if p.fits:
         fixes.append("add: " + " ".join(add) + " (install the plugin beside vLLM: `pip install .` in an mla-planner checkout, or its wheel; docs/vllm.md)")
     if diag.max_stock_util is not None:
         fixes.append(f"or lower --gpu-memory-utilization to {diag.max_stock_util:.2f}")
-    elif s.limit == "int32_stride":
+    elif diag.stock_limit == "int32_stride":
         fixes.append(f"or lower --max-num-batched-tokens to {diag.stride_tokens:,} (and check again)")
     return f"stock: {_stock_problem(diag)}; {plugin_text}", fixes
 
@@ -202,6 +230,25 @@ def _verdict_json(v: StepVerdict) -> dict[str, Any]:
     return {"peak_bytes": v.peak_bytes, "launches": v.launches, "limit": v.limit, "fits": v.fits}
 
 
+def warmup_json(w: deployment.Warmup) -> dict[str, Any]:
+    return {"num_tokens": w.step.num_tokens, "query_lens": sorted(set(w.step.query_lens)),
+            "num_requests": len(w.step.query_lens), "num_decodes": w.step.num_decodes, "attends": w.attends,
+            "why": w.why, "stock": None if w.stock is None else _verdict_json(w.stock)}  # fmt: skip
+
+
+def warmup_text(diag: Diagnosis) -> str:
+    """The ``start-up`` line: vLLM's warm-up step and, where it runs the kernels, stock's calls in it."""
+    w, release, t = diag.warmup, diag.deployment.release.version, diag.warmup.step.num_tokens
+    if not diag.deployment.flashinfer_autotune:
+        return f"vLLM {release}'s warm-up runs no {t:,}-token step ({w.why})"
+    head = f"vLLM {release}'s warm-up, once the KV cache is allocated: a {t:,}-token step"
+    if w.stock is None:
+        return f"{head}; {w.why}"
+    s = w.stock
+    return (f"{head} ({warmup_shape(w)}) through the sparse-MLA kernels; stock {format_bytes(s.peak_bytes)}: "
+            f"{'fits' if s.fits else 'FAILS'}" + (f" ({s.limit})" if s.limit else ""))
+
+
 def release_line(release: vllm_releases.VllmRelease, installed: str | None) -> str:
     """The release whose figures these are and, where another is installed here, that it differs."""
     line = f"models vLLM {release.version}"
@@ -235,7 +282,9 @@ def to_json(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None)
             "step_reserve_bytes": deployment.step_reserve(d.tp).bytes, "headroom_bytes": diag.headroom,
         },
         "worst_step": {"num_tokens": diag.worst_step.num_tokens, "stock_path": diag.stock_path, "paths": diag.paths},
-        "stock": {**_verdict_json(diag.stock), "kv_bytes": diag.stock_kv_bytes, "kv_tokens": diag.stock_kv_tokens,
+        "warmup": warmup_json(diag.warmup),
+        "stock": {**_verdict_json(diag.stock), "fits": diag.stock_fails_at is None, "fails_at": diag.stock_fails_at,
+                  "kv_bytes": diag.stock_kv_bytes, "kv_tokens": diag.stock_kv_tokens,
                   "max_gpu_memory_utilization": diag.max_stock_util},
         "plugin": {**_verdict_json(diag.plugin), "kv_bytes": diag.plugin_kv_bytes, "kv_tokens": diag.plugin_kv_tokens,
                    "budget_bytes": d.budget_bytes, "budget_kv_tokens": diag.budget_kv_tokens,
@@ -288,6 +337,7 @@ def to_text(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None)
                     for name, part in d.non_kv_parts().items() if part.bytes or name == "cuda_graphs"),
         f"            free for unreserved scratch: {format_bytes(diag.headroom)} = (1 - {d.gpu_memory_utilization:.2f}) x total "
         f"- {format_bytes(reserve.bytes)} the step holds ({reserve.source})",
+        f"start-up    {warmup_text(diag)}",
         f"stock       worst step {format_bytes(diag.stock.peak_bytes)}: {'fits' if diag.stock.fits else 'FAILS'}"
         + (f" ({diag.stock.limit})" if diag.stock.limit else "")
         + f"; KV cache {format_bytes(diag.stock_kv_bytes)} = {diag.stock_kv_tokens:,} tokens"

@@ -30,7 +30,8 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 _ENV_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 MODELLED_FLAGS = ("--model", "--tensor-parallel-size", "-tp", "--max-num-batched-tokens", "--gpu-memory-utilization",
                   "--max-model-len", "--kv-cache-dtype", "--block-size", "--attention-backend", "--max-num-seqs",
-                  "--enforce-eager", "--speculative-config", "--enable-chunked-prefill", "--no-enable-chunked-prefill")
+                  "--enforce-eager", "--speculative-config", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
+                  "--enable-flashinfer-autotune", "--no-enable-flashinfer-autotune")
 """The flags whose values the doctor's memory model reads."""
 MTP_METHODS = ("mtp", "deepseek_mtp", "glm4_moe_mtp")
 """``--speculative-config`` methods whose draft is the model's own MTP layer."""
@@ -57,6 +58,8 @@ class ServeArgs:
     """``--speculative-config`` as vLLM reads it (JSON)."""
     enable_chunked_prefill: bool | None = None
     """``--[no-]enable-chunked-prefill`` (``None``: vLLM's default, on for these models)."""
+    enable_flashinfer_autotune: bool | None = None
+    """``--[no-]enable-flashinfer-autotune`` (``None``: vLLM's default, on except at ``-O0``)."""
     env: dict[str, str] = field(default_factory=dict)
     parser: str = "built-in"
     ignored: tuple[str, ...] = ()
@@ -86,6 +89,21 @@ class ServeArgs:
     @property
     def chunked_prefill(self) -> bool:
         return self.enable_chunked_prefill is not False
+
+    @property
+    def flashinfer_autotune(self) -> bool:
+        return self.enable_flashinfer_autotune is not False
+
+    @property
+    def v2_runner_env(self) -> bool | None:
+        """``VLLM_USE_V2_MODEL_RUNNER`` as vLLM reads it (an integer, nonzero for on), ``None`` where unset."""
+        value = self.env.get("VLLM_USE_V2_MODEL_RUNNER")
+        if value is None:
+            return None
+        try:
+            return bool(int(value))
+        except ValueError:
+            raise CliError(f"the serve line: VLLM_USE_V2_MODEL_RUNNER={value} is not an integer (vLLM reads 0 or 1)") from None
 
 
 def _human_int(text: str) -> int:
@@ -118,6 +136,7 @@ def _builtin_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--speculative-config", type=_json_object)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--enable-flashinfer-autotune", action=argparse.BooleanOptionalAction, default=None)
     return p
 
 
@@ -285,6 +304,7 @@ def parse(words: Sequence[str], *, use_vllm: bool = True) -> ServeArgs:
         enforce_eager=bool(getattr(ns, "enforce_eager", False)),
         speculative_config=_speculative_config(getattr(ns, "speculative_config", None)),
         enable_chunked_prefill=getattr(ns, "enable_chunked_prefill", None),
+        enable_flashinfer_autotune=getattr(ns, "enable_flashinfer_autotune", None),
         env=env,
         parser=parser,
         ignored=unmodelled(argv),

@@ -10,6 +10,13 @@ The memory constants (``fixed_bytes``, ``activation_per_token``, ``cuda_graph_by
 to KV-cache figures measured on one H200 (tests/data/doctor_kv_lines.json, each line with its
 results page and run label); ``tests/test_doctor.py`` refits them from the lines named in
 ``fitted_on`` and checks every other line against the model.
+
+Start-up warm-up. Both releases, once the KV cache is allocated (``EngineCore`` initialises it, then
+``compile_or_warm_up_model``), run FlashInfer's autotune (``kernel_warmup``: on by default, also
+under ``--enforce-eager``, on SM90 and newer with FlashInfer, a dependency of both) with a dummy
+step of ``max_num_batched_tokens`` tokens. Whether that step reaches the sparse-MLA kernels is the
+model runner's: V2 builds attention metadata for it, V1 builds none unless told to, so its attention
+layers skip their kernels (``v2_runner_by_default``, ``parallel_drafting_needs_v1``).
 """
 
 from __future__ import annotations
@@ -65,10 +72,29 @@ class VllmRelease:
     compiled model saves on its activation peak against eager (fitted on the 2-layer test model)."""
     fitted_on: tuple[str, ...]
     """The measured lines (tests/data/doctor_kv_lines.json) the constants were fitted on."""
+    v2_runner_by_default: bool
+    """vLLM runs model runner V2 for the sparse-MLA models (DeepSeek-V3.2's and GLM-5's MoE
+    architectures) unless ``VLLM_USE_V2_MODEL_RUNNER`` says otherwise, so its start-up autotune
+    step runs their attention; 0.26 runs V2 by default only for the architectures it lists and for
+    dense models, neither of which these are."""
+    parallel_drafting_needs_v1: bool
+    """Parallel drafting (other than DFlash's and DSpark's) sends an engine that would run V2 back to
+    model runner V1 (where ``VLLM_USE_V2_MODEL_RUNNER`` is unset)."""
+    dummy_remainder_spread: bool
+    """V2's dummy step of ``t`` tokens over ``n`` requests gives the last ``t mod n`` requests one
+    token more each; otherwise the last request takes the whole remainder."""
 
     @property
     def minor(self) -> str:
         return minor_of(self.version)
+
+    def dummy_query_lens(self, num_tokens: int, num_reqs: int) -> list[int]:
+        """The query lengths of model runner V2's dummy step of ``num_tokens`` over ``num_reqs``
+        requests, in its order (the longer last)."""
+        base, extra = divmod(num_tokens, num_reqs)
+        if self.dummy_remainder_spread:
+            return [base] * (num_reqs - extra) + [base + 1] * extra
+        return [base] * (num_reqs - 1) + [base + extra]
 
     def gather_workspace_rows(self, max_model_len: int) -> int:
         """Rows of the BF16 gather workspace vLLM's sparse-MLA impl reserves: 5 x max_model_len, and
@@ -118,6 +144,9 @@ V0_26 = VllmRelease(
     # flag matrix's s1 stock twin (run E: MTP 1, CUDA graphs): the CUDA-graph term.
     fitted_on=("0.26 in-process stock 0.95 32k (26.11)", "0.26 in-process stock 0.95 64k (26.11)",
                "0.26 matrix s1 stock twin (run E)"),
+    v2_runner_by_default=False,
+    parallel_drafting_needs_v1=True,
+    dummy_remainder_spread=False,
 )
 V0_33 = VllmRelease(
     version="0.33.0",
@@ -137,6 +166,9 @@ V0_33 = VllmRelease(
     # step (plus its reservation): per token; `vllm serve` stock at 0.95 (CUDA graphs): graphs.
     fitted_on=("0.33 in-process stock 0.90 (33.12)", "0.33 in-process plugin 0.95 64k (33.21)",
                "0.33 serve stock 0.95 (33.4)"),
+    v2_runner_by_default=True,
+    parallel_drafting_needs_v1=True,
+    dummy_remainder_spread=True,
 )
 
 RELEASES: dict[str, VllmRelease] = {r.minor: r for r in (V0_26, V0_33)}
