@@ -167,14 +167,9 @@ def bench_shape(shape: Shape, configs: list[KernelConfig], args: argparse.Namesp
                 outputs[name] = out64[:, :h].clone()
             run()
         except Exception as exc:
-            shape.notes[name] = f"failed: {(str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]}"
+            shape.notes[name] = failure_note(exc)
             del runs[name]
-    coin = random.Random(args.seed)
-    order = list(runs.items())
-    for _ in range(args.repeats):
-        coin.shuffle(order)
-        for name, run in order:
-            shape.times.setdefault(name, []).append(timer(run))
+    time_interleaved(shape, runs, args.repeats, args.seed, timer)
 
     if t == CHECK_TOKENS:
         from mla_planner.executor.reference import sparse_attention
@@ -185,6 +180,23 @@ def bench_shape(shape: Shape, configs: list[KernelConfig], args: argparse.Namesp
     del inputs, q, out, lse
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def failure_note(exc: Exception) -> str:
+    """A run's failure as a table note: the first line of its message, cut to 120 characters."""
+    return f"failed: {(str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]}"
+
+
+def time_interleaved(shape: Shape, runs: dict[str, Callable[[], object]], repeats: int, seed: int,
+                     timer: Callable[[Callable[[], object]], float]) -> None:
+    """Time every run ``repeats`` times into ``shape.times``, in a fresh seeded order each round,
+    so that drift over the call falls on every run alike."""
+    coin = random.Random(seed)
+    order = list(runs.items())
+    for _ in range(repeats):
+        coin.shuffle(order)
+        for name, run in order:
+            shape.times.setdefault(name, []).append(timer(run))
 
 
 def shape_config_labels(configs: list[KernelConfig]) -> set[str]:
@@ -294,14 +306,9 @@ def probe_shape(shape: Shape, configs: list[KernelConfig], args: argparse.Namesp
             run()
             torch.cuda.synchronize()
         except Exception as exc:
-            shape.notes[name] = f"failed: {(str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]}"
+            shape.notes[name] = failure_note(exc)
             del runs[name]
-    coin = random.Random(args.seed)
-    order = list(runs.items())
-    for _ in range(args.repeats):
-        coin.shuffle(order)
-        for name, run in order:
-            shape.times.setdefault(name, []).append(timer(run))
+    time_interleaved(shape, runs, args.repeats, args.seed, timer)
     if t == CHECK_TOKENS and not shape.notes:
         from mla_planner.executor.reference import sparse_attention
 
