@@ -120,15 +120,13 @@ class Clients:
     that imported the CLI once (multiprocessing's forkserver, preloaded), started by ``warm`` while
     the servers start. The stand-in client (``serve_fakes.py bench``) runs the same way."""
 
-    def __init__(self, python: str, fake: bool, env: dict[str, str]) -> None:
+    def __init__(self, fake: bool, env: dict[str, str]) -> None:
         self.fake = fake
         # The forkserver starts with this process's environment, and the clients' imports read some
         # of it once (huggingface_hub's HF_HUB_OFFLINE, say): this process takes the clients' own.
         os.environ.update(env)
         self.mp = multiprocessing.get_context("forkserver")
         self.mp.set_forkserver_preload(["serve_fakes"] if fake else list(CLI_PRELOAD))
-        if python != sys.executable:
-            self.mp.set_executable(python)
         self._warming: threading.Thread | None = None
 
     def warm(self) -> None:

@@ -380,8 +380,7 @@ def render(phases: dict[str, dict[str, Any]]) -> str:
     if first:
         v = first.get("versions", {})
         run = first.get("run", {})
-        scaled = "".join(f", {run[k]} {what}" for k, what in (("layers", "hidden layers"), ("heads", "attention heads"))
-                         if run.get(k) is not None)
+        scaled = f", {run['layers']} hidden layers" if run.get("layers") is not None else ""
         out += [f"vLLM {v.get('vllm')}, torch {v.get('torch')}, mla-planner {v.get('mla-planner')}, transformers "
                 f"{v.get('transformers')}. Model: tests/e2e/tiny-deepseek-v32 (dummy weights{scaled}) with a generated "
                 "word-level tokenizer; `vllm serve` with vLLM's defaults (CUDA graphs, engine process) and "

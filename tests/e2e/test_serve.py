@@ -233,8 +233,8 @@ for engine in ("stock", "plugin"):
     out[engine].update(force_mqa=ea.attention_config.sparse_mla_force_mqa, port=ns.port, host=ns.host,
                        access_log_off=ns.disable_uvicorn_access_log, tp=ns.tensor_parallel_size,
                        iterations=ea.enable_logging_iteration_details)
-ns, ea = engine_args(serve_proc.ServerSpec("plugin", 0.95, 8201, tp=2, log_iterations=True), M)
-out["tp2"] = [ns.tensor_parallel_size, ea.enable_logging_iteration_details]
+ns, ea = engine_args(serve_proc.ServerSpec("plugin", 0.95, 8201, log_iterations=True), M)
+out["iterations"] = ea.enable_logging_iteration_details
 parser = FlexibleArgumentParser()
 add_cli_args(parser)
 for client in sum(serve_bench.WORKLOADS.values(), ()):
@@ -292,7 +292,7 @@ def test_command_lines_parse_with_vllms_parsers(tmp_path: Path) -> None:
         assert s["served_model_name"] == "['tiny-deepseek-v32']"
         assert (s["port"], s["host"], s["access_log_off"]) == (8200, "127.0.0.1", True)
         assert s["tp"] == 1 and s["iterations"] is False
-    assert got["tp2"] == [2, True]  # --tensor-parallel-size, --enable-logging-iteration-details
+    assert got["iterations"] is True  # --enable-logging-iteration-details
     long, doc = got["long"], got["mix-doc"]
     assert (long["backend"], long["dataset_name"], long["endpoint"]) == ("vllm", "random", "/v1/completions")
     assert (long["random_input_len"], long["random_output_len"], long["num_prompts"], long["max_concurrency"]) == \
@@ -504,31 +504,17 @@ def test_boundary_phase(tmp_path: Path) -> None:
 
 
 def test_servers_get_the_scaled_model(tmp_path: Path) -> None:
-    """--tp 2 --heads 32 --layers 8: every server is started with --tensor-parallel-size 2 on a copy
-    of the model with 32 attention heads (16 per rank) and 8 hidden layers, nothing else changed, its
-    tokenizer beside it; the report says which model ran."""
-    r = driver(tmp_path, "--phase", "boundary", "--tp", "2", "--heads", "32", "--layers", "8")
+    """--layers 8: every server is started on a copy of the model with 8 hidden layers, nothing else
+    changed, its tokenizer beside it; the report says which model ran."""
+    r = driver(tmp_path, "--phase", "boundary", "--layers", "8")
     assert r.returncode == 0, r.stdout + r.stderr
     original = json.loads((MODEL_DIR / "config.json").read_text())
     for server in results(tmp_path, "boundary-plugin.json")["servers"]:
         cmd = server["cmd"]
-        assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
         model = Path(cmd[cmd.index("serve") + 1])
-        assert model.name == "tiny-deepseek-v32-32h-8l" and (model / "tokenizer.json").is_file()
-        assert json.loads((model / "config.json").read_text()) == {**original, "num_attention_heads": 32,
-                                                                   "num_hidden_layers": 8}
-    assert "dummy weights, 8 hidden layers, 32 attention heads" in (tmp_path / serve_report.REPORT_MD).read_text()
-
-
-def test_a_phase_file_holds_one_model(tmp_path: Path) -> None:
-    """ab adds to an earlier call's ab.json, but not runs of another model: one report, one model."""
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1")
-    assert r.returncode == 0, r.stdout + r.stderr
-    before = (tmp_path / "ab.json").read_text()
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1", "--layers", "8")
-    assert r.returncode == 2 and "holds runs of another model or parallelism (--tp 1); give another --out" \
-        in r.stderr, r.stdout + r.stderr
-    assert (tmp_path / "ab.json").read_text() == before
+        assert model.name == "tiny-deepseek-v32-8l" and (model / "tokenizer.json").is_file()
+        assert json.loads((model / "config.json").read_text()) == {**original, "num_hidden_layers": 8}
+    assert "dummy weights, 8 hidden layers)" in (tmp_path / serve_report.REPORT_MD).read_text()
 
 
 def test_failrate_phase(tmp_path: Path) -> None:
@@ -587,6 +573,12 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     data = results(tmp_path, "ab.json")
     assert [(run["call"], run["workload"]) for run in data["runs"]].count((1, "long")) == 2
     assert {run["workload"] for run in data["runs"] if run["call"] == 0} == {"chat", "mix"}
+    # but not runs of another model: one report, one model
+    before = (tmp_path / "ab.json").read_text()
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1", "--layers", "8")
+    assert r.returncode == 2 and "holds runs of another model (--layers None); give another --out" \
+        in r.stderr, r.stdout + r.stderr
+    assert (tmp_path / "ab.json").read_text() == before
 
 
 def test_ab_at_once_runs_both_engines_together(tmp_path: Path) -> None:
@@ -1035,7 +1027,7 @@ def test_arguments() -> None:
     assert parse("--phase", "matrix", "--servers", "s3,s5,s6", "--stock-twins", "s5,s6").stock_twins == ["s5", "s6"]
     assert parse("--phase", "matrix", "--gpus", "6", "--util", "0.38", "--stock-twins").gpus == 6
     for bad in (["--workloads", "huge"], ["--util", "1.5"], ["--detach", "--follow"], ["--repeats", "0"],
-                ["--warmup-rounds", "-1"], ["--workloads", "mix", "--at-once", "chat"], ["--tp", "0"],
+                ["--warmup-rounds", "-1"], ["--workloads", "mix", "--at-once", "chat"],
                 ["--layers", "0"]):
         with pytest.raises(SystemExit):
             parse("--phase", "ab", *bad)
