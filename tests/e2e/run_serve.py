@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               "follow it until --deadline-s")
     add("--follow", action="store_true", help="follow the phase detached in DIR until it ends or --deadline-s")
     add("--report-only", type=Path, metavar="DIR", help="only write DIR's reports from its JSON (the ab step "
-                                                        "figures counted again from DIR's logs)")
+                                                        "figures as the run stored them: step_log.py compare "
+                                                        "--ab DIR counts them again)")
     add("--engine", choices=("stock", "plugin"), help="boundary, soak: default plugin; failrate: default stock")
     add("--util", type=float, help="--gpu-memory-utilization (ab: 0.40 each; boundary, soak: 0.95; matrix: 0.09, "
                                    "0.04 with --stock-twins --start together, plus each server's budget share)")
@@ -249,15 +250,11 @@ def run_phase(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_reports(out: Path, recount: bool = False) -> str:
-    """DIR/serve.md from DIR's phase files, DIR/matrix.md from its matrix.json, each where there is
-    one; with ``recount`` (``--report-only``) the ab step figures from DIR's logs. A phase has just
-    counted its own, so its report does not parse the logs again."""
+def write_reports(out: Path) -> str:
+    """DIR/serve.md from DIR's phase files, DIR/matrix.md from its matrix.json, each where there is one."""
     texts = []
     phases = serve_report.load_phases(out)
     if phases:
-        if recount:
-            serve_report.recount_steps(out, phases.get("ab"))
         texts.append(serve_report.render(phases))
         (out / serve_report.REPORT_MD).write_text(texts[-1])
     matrix = serve_report.load_matrix(out)
@@ -331,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.report_only:
-        print(write_reports(args.report_only, recount=True))
+        print(write_reports(args.report_only))
         return 0
     if args.detach:
         detach(args, argv)
