@@ -34,7 +34,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Callable
 
-from serve_proc import HERE, SERVED_NAME, VLLM_CLI, check_stop
+from serve_proc import HERE, SERVED_NAME, VLLM_CLI, check_stop, tail
 
 
 @dataclass(frozen=True)
@@ -237,10 +237,5 @@ def run_clients(clients: Clients, cmds: list[list[str]], results: list[Path], lo
         rc = p.exitcode
         out.append({"rc": rc, "timed_out": timed_out, "wall_s": wall, "result": summary,
                     "error": None if summary and rc == 0 else (why or f"rc {rc}"),
-                    "log": log.name, "log_tail": None if summary else tail(log)})
+                    "log": log.name, "log_tail": None if summary else tail(log, 15)})
     return out
-
-
-def tail(path: Path, lines: int = 15) -> str:
-    text = path.read_text(errors="replace") if path.is_file() else ""
-    return "\n".join(text.splitlines()[-lines:])[-3000:]

@@ -275,8 +275,14 @@ class Server:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
 
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])[-4000:]
+    def log_tail(self) -> str:
+        return tail(self.log_path, 30)
+
+
+def tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of a log (4,000 characters at most); "" where there is none."""
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    return "\n".join(text.splitlines()[-lines:])[-4000:]
 
 
 _LIVE: set[Server] = set()
