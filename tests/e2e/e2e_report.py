@@ -22,6 +22,12 @@ PROMPT_CASES = ("1", "2", "3", "4", "5")
 THROUGHPUT_GOAL = 0.97
 
 
+def load_driver(folder: Path) -> dict[str, Any]:
+    """run_e2e.py's record of its runs (how each process ended)."""
+    path = folder / DRIVER_JSON
+    return dict(json.loads(path.read_text())) if path.is_file() else {"runs": {}}
+
+
 def load_dir(folder: Path) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Run results by run name (file stem), and the driver's record."""
     runs: dict[str, dict[str, Any]] = {}
@@ -31,9 +37,7 @@ def load_dir(folder: Path) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         data = json.loads(path.read_text())
         if isinstance(data, dict) and data.get("schema") == 1 and "run" in data:
             runs[path.stem] = data
-    driver_path = folder / DRIVER_JSON
-    driver = json.loads(driver_path.read_text()) if driver_path.is_file() else {"runs": {}}
-    return runs, driver
+    return runs, load_driver(folder)
 
 
 def render_dir(folder: Path) -> str:
@@ -158,12 +162,11 @@ def throughput_section(runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[str
 
 
 def scratch_budget(planned: dict[str, Any]) -> str:
-    """The budget the planned run's backend read (``planner_settings``), else what the run was given."""
+    """The budget the planned run's backend read (``planner_settings``)."""
     settings = planned.get("planner_settings") or {}
     if "scratch_mb" in settings:
         return f"{settings['scratch_mb']} ({settings.get('source')})"
-    given = planned["run"].get("scratch_mb")
-    return f"{given} (given)" if given else f"not recorded{': ' + settings['error'] if 'error' in settings else ''}"
+    return f"not recorded{': ' + settings['error'] if 'error' in settings else ''}"
 
 
 def impl_names(startup: dict[str, Any]) -> str:

@@ -1,21 +1,11 @@
-"""Fault injection for an in-process engine (run_cases.py ``--faults``): make each reason a step
-cannot run its plan happen, and read the allocator's peak over every attention layer call.
+"""Fault injection for an in-process engine (run_cases.py ``--faults``; docs/e2e.md, "Fault
+injection"): make each reason a step cannot run its plan happen (``MODES``), and read the
+allocator's peak over every attention layer call.
 
 A test hook, never a setting: it patches the plugin's modules in this process, before the engine
 is built (the kernel provider is made at the impl's construction), and is armed per case with
 :func:`arm`. The same patch points exist in the plugin before the bounded path (the whole-step
 call of vLLM's that it replaced), so one driver measures both.
-
-Reasons (``MODES``):
-
-* ``plan`` -- the builder cannot plan: the planner's route choice raises.
-* ``tokens`` -- a layer call's tokens differ from its plan: the plan is made to cover one more.
-* ``oom2`` -- an allocation failure in the second launch of a split step, once per step.
-* ``launch`` -- an exception in the first launch of a step, once per step.
-
-The peak of a layer call is ``torch.cuda.max_memory_allocated()`` over the call less
-``torch.cuda.memory_allocated()`` at its start (the peak reset at its start): what the call took
-beyond what it was handed, vLLM's preallocated workspace not included.
 """
 
 from __future__ import annotations

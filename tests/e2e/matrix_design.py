@@ -1,27 +1,7 @@
-"""The flag matrix (issue 29): which ``vllm serve`` configurations ``run_serve.py --phase matrix``
-starts, and the check that they cover every value of every axis and the pairs the issue names.
-
-Axes (the values operators of DeepSeek-V3.2 and GLM-5 deployments set):
-
-- ``model``: the tiny DeepSeek-V3.2-shaped model (``tiny-deepseek-v32``, 16 heads: V3.2's 128 at
-  TP 8) or the tiny GLM-5-shaped one (``tiny-glm5``, ``GlmMoeDsaForCausalLM``, 8 heads: GLM-5's 64
-  at TP 8, the count vLLM's own GLM-5.2 kernel test uses per rank; below 32 heads per rank, so on an
-  H200 FP8 steps take vLLM's mixed-batch route as the real model's do, with SM90's decode threshold
-  of 256 tokens where V3.2's 16 heads get 128);
-- ``mtp``: speculative decoding off, or MTP with 1 or 2 speculative tokens (the model's copy with
-  ``num_nextn_predict_layers: 1``);
-- ``max_num_seqs``: 16, 128, 1024 (vLLM's CUDA-graph sizes follow it);
-- ``budget``: the plugin's ``MLA_PLANNER_SCRATCH_MB``: ``"min"`` (found as an operator would: a
-  start at 64 MiB is refused with the minimum, which the next start uses), 512, 1024 (the
-  default), 4096;
-- ``cuda_graphs``: vLLM's default, or ``--enforce-eager``;
-- ``chunked_prefill``: on (vLLM's default; ``--max-num-batched-tokens 32768``), or off
-  (``--no-enable-chunked-prefill``: then every prompt is one step, ``--max-num-batched-tokens``
-  = ``--max-model-len`` = 70,000, so the 64K case is one step of 65,536 tokens);
-- ``prefix_caching``: off (the driver's default) or on.
-
-``DESIGN`` is six servers; ``coverage_gaps`` says what a design misses (empty for ``DESIGN``), and
-tests/e2e/test_serve.py fails if a value or a required pair goes missing.
+"""The flag matrix (docs/e2e.md, "The flag matrix"): which ``vllm serve`` configurations
+``run_serve.py --phase matrix`` starts, on which axes (``AXES``: the values operators of
+DeepSeek-V3.2 and GLM-5 deployments set), and the check that ``DESIGN`` covers every value of every
+axis and the pairs in ``REQUIRED_PAIRS`` (``coverage_gaps``, empty for ``DESIGN``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One vLLM engine (stock FLASHMLA_SPARSE or our planned backend), the issue-6 cases in order.
+"""One vLLM engine in this process (stock FLASHMLA_SPARSE or the planned backend), the cases in order
+(docs/e2e.md, "What runs" and "Fault injection").
 
     python3 tests/e2e/run_cases.py --backend planned --util 0.95 --mnbt 32768 --cases 1 2 3 5 --out r.json
 
@@ -6,15 +7,7 @@ The JSON is rewritten after every case (a case is marked ``started`` before it r
 timeout keeps what came before. A case that raises (a CUDA OOM in stock is expected) is a result: its
 error is recorded, its requests are aborted, and the next case runs in the same engine, flagged with the
 failures that came before it. ``--dry-run`` prints the plan and checks the engine arguments against the
-installed vLLM, with no GPU.
-
-``--faults plan,tokens,oom2,launch`` (the planned backend) runs the cases once per fault mode in the
-same engine, each armed before its cases (faults.py: the reasons a step cannot run its plan), and
-records with each case the faults injected and the largest attention layer call's allocator peak,
-beside the reservation:
-
-    python3 tests/e2e/run_cases.py --backend planned --util 0.95 --mnbt 65536 --cases 1 2 4 5 \
-        --faults none,plan,tokens,oom2,launch --out faults.json
+installed vLLM, with no GPU; ``--faults`` runs the cases once per fault mode (faults.py).
 """
 
 from __future__ import annotations
@@ -155,9 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mnbt", type=int, default=32768, help="max_num_batched_tokens")
     ap.add_argument("--cases", nargs="+", required=True, help=f"in order; of {', '.join(CASES)} (commas also split)")
     ap.add_argument("--out", type=Path, required=True, help="JSON results, rewritten after every case")
-    ap.add_argument("--scratch-mb", type=int, help="planned backend's scratch budget (MLA_PLANNER_SCRATCH_MB)")
     ap.add_argument("--repeats", type=int, default=5, help="throughput repeats per workload")
-    ap.add_argument("--model", type=Path, default=MODEL_DIR)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (workers in their own processes)")
     ap.add_argument("--heads", type=int, help="the model's attention heads (default: its config's)")
     ap.add_argument("--block-size", type=int, default=64,
@@ -504,16 +495,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    if args.scratch_mb is not None:
-        os.environ["MLA_PLANNER_SCRATCH_MB"] = str(args.scratch_mb)
     if args.backend == "stock":  # with it set, our backend would stand in for FLASHMLA_SPARSE
         os.environ.pop(REPLACE_VAR, None)
-    model = model_variant(args.model, args.out.parent, heads=args.heads)
+    model = model_variant(MODEL_DIR, args.out.parent, heads=args.heads)
     kwargs = engine_kwargs(args.backend, args.util, args.mnbt, model=model, tp=args.tp, block_size=args.block_size)
     data: dict[str, Any] = {
         "schema": 1,
         "run": {"backend": args.backend, "util": args.util, "mnbt": args.mnbt, "cases": args.cases,
-                "repeats": args.repeats, "scratch_mb": args.scratch_mb},
+                "repeats": args.repeats},
         "engine_kwargs": kwargs,
         "env": {k: os.environ.get(k) for k in [*ENV_DEFAULTS, *PLANNER_VARS]},
         "case_titles": {c: CASE_TITLES[c] for c in args.cases},

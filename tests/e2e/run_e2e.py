@@ -1,15 +1,12 @@
-"""End to end in-process: stock FLASHMLA_SPARSE vs the planned backend, one engine per subprocess.
+"""End to end in-process (docs/e2e.md, "The in-process runner"): stock FLASHMLA_SPARSE vs the planned
+backend, one ``run_cases.py`` process per engine.
 
-    PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_e2e.py --group A --out /tmp/e2e   # 0.95: cases 1-5
-    PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath) python3 tests/e2e/run_e2e.py --group B --out /tmp/e2e   # 0.90: throughput, same function
-    python3 tests/e2e/run_e2e.py --report-only /tmp/e2e                          # e2e.md from the saved JSON
+    python3 tests/e2e/run_e2e.py --group A --out /tmp/e2e      # 0.95: cases 1-5
+    python3 tests/e2e/run_e2e.py --report-only /tmp/e2e        # e2e.md from the saved JSON
 
-Each run (see ``--list``) is one ``run_cases.py`` process: ``DIR/<run>.json`` (rewritten after every
-case) and ``DIR/<run>.log``. Cases 1-3 and 5 run at max_num_batched_tokens 32768, case 4 (65,536
-tokens) in its own engine at 65536, followed by case 5 again. A stock OOM does not end its engine's
-run: the failed requests are aborted and the next case is flagged as coming after a failure. Runs
-share one deadline (``--deadline-s``) so the group ends inside the device tool's 10 minutes; what
-the deadline cuts is reported as not run. ``DIR/e2e.md`` covers every run in DIR, earlier groups too.
+Each run (``--list``) writes ``DIR/<run>.json`` and ``DIR/<run>.log``. Runs share one deadline
+(``--deadline-s``), so a group ends inside a device call; what it cuts is reported as not run.
+``DIR/e2e.md`` covers every run in DIR, earlier groups' too.
 """
 
 from __future__ import annotations
@@ -59,8 +56,6 @@ RUNS = (  # planned first in group A: finishing every case at 0.95 is the goal
     Run("planned-tp2-0.95-64k", "planned", 0.95, 65536, ("4", "5"), "T", tp=2, heads=32, debug_log=True),
     Run("stock-tp2-0.95-32k", "stock", 0.95, 32768, ("1", "2", "3", "5"), "T", tp=2, heads=32),
     Run("stock-tp2-0.95-64k", "stock", 0.95, 65536, ("4", "5"), "T", tp=2, heads=32),
-    Run("stock-tp2-0.90-32k", "stock", 0.90, 32768, ("1", "throughput"), "U", tp=2, heads=32),
-    Run("planned-tp2-0.90-32k", "planned", 0.90, 32768, ("1", "throughput"), "U", tp=2, heads=32),
 )
 RUNS_BY_NAME = {r.name: r for r in RUNS}
 
@@ -72,20 +67,17 @@ def select_runs(group: str | None, names: str | None) -> list[Run]:
         if unknown:
             raise SystemExit(f"unknown run(s) {unknown}; known: {', '.join(RUNS_BY_NAME)}")
         return [RUNS_BY_NAME[n] for n in wanted]
-    # "all" is every single-GPU run; the tensor-parallel groups are asked for by name.
-    return [r for r in RUNS if r.group == group or (group == "all" and r.tp == 1)]
+    return [r for r in RUNS if r.group == group]
 
 
 def command(run: Run, out: Path, args: argparse.Namespace) -> list[str]:
-    cmd = [args.python, str(HERE / "run_cases.py"), "--backend", run.backend, "--util", str(run.util),
+    cmd = [sys.executable, str(HERE / "run_cases.py"), "--backend", run.backend, "--util", str(run.util),
            "--mnbt", str(run.mnbt), "--cases", *run.cases, "--out", str(out / f"{run.name}.json"),
            "--repeats", str(args.repeats)]
     if run.tp != 1:
         cmd += ["--tp", str(run.tp)]
     if run.heads is not None:
         cmd += ["--heads", str(run.heads)]
-    if run.backend == "planned" and args.scratch_mb is not None:
-        cmd += ["--scratch-mb", str(args.scratch_mb)]
     if args.fake_engine:
         cmd.append("--fake-engine")
     return cmd
@@ -116,11 +108,6 @@ def progress_lines(log: Path) -> list[str]:
     return [line for line in text.splitlines() if re.match(r"(engine up|engine start-up failed|case \S+: )", line)]
 
 
-def load_driver(out: Path) -> dict[str, Any]:
-    path = out / e2e_report.DRIVER_JSON
-    return json.loads(path.read_text()) if path.is_file() else {"runs": {}}
-
-
 def save_driver(out: Path, driver: dict[str, Any]) -> None:
     (out / e2e_report.DRIVER_JSON).write_text(json.dumps(driver, indent=1) + "\n")
 
@@ -133,14 +120,12 @@ def write_report(out: Path) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--group", choices=("A", "B", "T", "U", "all"),
-                    help="A: 0.95, cases 1-5; B: 0.90, throughput + same function; T, U: the same at tensor parallel 2")
+    ap.add_argument("--group", choices=("A", "B", "T"),
+                    help="A: 0.95, cases 1-5; B: 0.90, throughput + same function; T: A at tensor parallel 2")
     ap.add_argument("--runs", help="comma-separated run names instead of a group (see --list)")
     ap.add_argument("--out", type=Path, help="results folder (kept: later groups add to it)")
-    ap.add_argument("--scratch-mb", type=int, help="MLA_PLANNER_SCRATCH_MB for planned runs (default: unset)")
     ap.add_argument("--deadline-s", type=float, default=570, help="all runs of this call end by then (default 570)")
     ap.add_argument("--repeats", type=int, default=5, help="throughput repeats per workload (default 5)")
-    ap.add_argument("--python", default=sys.executable, help="interpreter for run_cases.py")
     ap.add_argument("--report-only", type=Path, metavar="DIR", help="only write DIR/e2e.md from DIR's JSON")
     ap.add_argument("--list", action="store_true", help="print the runs and exit")
     ap.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # CPU tests of the pipeline
@@ -164,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    driver = load_driver(out)
+    driver = e2e_report.load_driver(out)
     for run in select_runs(args.group, args.runs):
         left = args.deadline_s - (time.monotonic() - start)
         if left < MIN_RUN_S:

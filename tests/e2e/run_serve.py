@@ -1,24 +1,17 @@
-"""The serving driver: stock FLASHMLA_SPARSE against the plugin through ``vllm serve``, driven by
-``vllm bench serve`` and plain requests, and the plugin under the flag matrix's configurations.
+"""The serving driver (docs/e2e.md, "The serve driver" and "The flag matrix"): stock FLASHMLA_SPARSE
+against the plugin through ``vllm serve``, and the plugin under the flag matrix's configurations.
 
     export PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath)
-    python3 tests/e2e/run_serve.py --phase ab --out /tmp/serve          # or boundary, failrate, soak
-    python3 tests/e2e/run_serve.py --phase matrix --out /tmp/matrix --stock-twins
+    python3 tests/e2e/run_serve.py --phase ab --out /tmp/serve          # or boundary, failrate, soak, matrix
     python3 tests/e2e/run_serve.py --phase soak --detach --out /tmp/serve
     python3 tests/e2e/run_serve.py --phase soak --follow --out /tmp/serve   # the next call
     python3 tests/e2e/run_serve.py --report-only /tmp/serve
 
-Each phase (serve_phases.py) ends by ``--deadline-s`` and writes ``DIR/<phase>[-<engine>].json``
-(``ab.json``, ``matrix.json``: no engine), rewritten after every step, server logs under
-``DIR/logs``, bench results under ``DIR/bench``, and its report (serve_report.py): ``DIR/serve.md``
-over every phase file in DIR but the matrix's, ``DIR/matrix.md`` for it. Each served model folder
-gets a generated tokenizer in ``DIR/model`` (serve_tokenizer.py), checked before any server starts.
-
-A soak of 600 s does not fit in one 10-minute device call with a server's start-up, nor does
-``ab`` at its default counts with two servers' start-ups on a fresh machine, nor the whole matrix:
-``--detach`` runs the phase in a process of its own session (which the device machine keeps while
-it stays warm) and follows it until the deadline; ``--follow`` in the next call picks it up until
-it finishes.
+A phase (serve_phases.py) ends by ``--deadline-s`` and writes ``DIR/<phase>[-<engine>].json``,
+rewritten after every step, server logs under ``DIR/logs``, bench results under ``DIR/bench``, and
+its report (serve_report.py): ``DIR/serve.md``, or ``DIR/matrix.md`` for the matrix. A phase longer
+than a device call runs ``--detach``ed in a session of its own, which the machine keeps while it
+stays warm; ``--follow`` in the next call picks it up.
 """
 
 from __future__ import annotations
@@ -60,8 +53,6 @@ MAX_UTIL_SUM = 0.92  # the matrix's servers (and twins alive at once) on one GPU
 DETACHED_MARGIN_S = 600  # a detached soak's own deadline: --soak-s plus this (start-up, last iteration)
 DETACHED_DEADLINE_S = 1500  # any other detached phase's: within the 30 minutes a device machine is held
 LOGGING_VAR = "VLLM_LOGGING_CONFIG_PATH"
-# the arguments that change what a server runs: a phase file adds only runs that agree on them
-MODEL_ARGS = ("tp", "heads", "layers")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,19 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               "follow it until --deadline-s")
     add("--follow", action="store_true", help="follow the phase detached in DIR until it ends or --deadline-s")
     add("--report-only", type=Path, metavar="DIR", help="only write DIR's reports from its JSON (the ab step "
-                                                        "figures counted again from DIR's logs)")
+                                                        "figures as the run stored them: step_log.py compare "
+                                                        "--ab DIR counts them again)")
     add("--engine", choices=("stock", "plugin"), help="boundary, soak: default plugin; failrate: default stock")
     add("--util", type=float, help="--gpu-memory-utilization (ab: 0.40 each; boundary, soak: 0.95; matrix: 0.09, "
                                    "0.04 with --stock-twins --start together, plus each server's budget share)")
-    add("--scratch-mb", type=int, help="the plugin's budget (MLA_PLANNER_SCRATCH_MB; default: its own; not matrix)")
     add("--log-iterations", action="store_true", help="every server logs each engine step (vLLM's "
                                                       "--enable-logging-iteration-details), for step_log.py compare")
-    add("--tp", type=int, default=1, help="every server's --tensor-parallel-size (one GPU per worker)")
-    add("--heads", type=int, help="the model's attention heads (default: its config's; 16 x --tp keeps 16 per rank, "
-                                  "as DeepSeek-V3.2 at TP 8)")
     add("--layers", type=int, help="the model's hidden layers (default: its config's, 2; more put more of each step "
                                    "in attention, as in the real model's 61)")
-    add("--model", type=Path, default=MODEL_DIR)
     add("--workloads", default="long,chat,mix", help=f"ab: of {', '.join(serve_bench.WORKLOADS)}")
     add("--repeats", type=int, default=3, help="ab: interleaved repeats per engine and workload")
     add("--warmup-rounds", type=int, default=1, help="ab: rounds of every workload on both servers before the "
@@ -117,7 +104,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--port-base", type=int, default=8100, help="servers listen on this port and above (0: any free)")
     add("--start-timeout-s", type=float, help="a server's start-up limit (default 240; matrix: 360)")
     add("--request-timeout-s", type=float, help="one request's limit (default 120; matrix: 180)")
-    add("--python", default=sys.executable, help="interpreter for vllm serve and vllm bench serve")
     add("--fake-server", action="store_true", help=argparse.SUPPRESS)  # CPU tests: serve_fakes.py
     add("--fake-bench", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -150,8 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--repeats and --failrate-n must be at least 1, --prompt-scale and --sample-s positive")
     if args.warmup_rounds < 0 or args.retries < 0 or args.chat_n < 1 or args.gpus < 1:
         ap.error("--warmup-rounds and --retries must be 0 or more, --chat-n and --gpus at least 1")
-    if args.tp < 1 or any(n is not None and n < 1 for n in (args.heads, args.layers)):
-        ap.error("--tp, --heads and --layers must be at least 1")
+    if args.layers is not None and args.layers < 1:
+        ap.error("--layers must be at least 1")
     if args.phase == "matrix":
         matrix_args(ap, args)
     return args
@@ -197,8 +183,7 @@ def prepare_models(run: Run) -> bool:
                           for c in md.DESIGN if c.name in a.servers}
         folders = sorted(set(run.model_dirs.values()))
     else:
-        run.model_dir = served_model_dir(out / "model", model_variant(a.model, out / "variants", heads=a.heads,
-                                                                      layers=a.layers))
+        run.model_dir = served_model_dir(out / "model", model_variant(MODEL_DIR, out / "variants", layers=a.layers))
         folders = [run.model_dir]
     run.data["tokenizers"] = {}
     for folder in folders:
@@ -233,12 +218,10 @@ def run_phase(args: argparse.Namespace) -> int:
     # ab and failrate add to an earlier call's file (serve_phases.py says how); the others start afresh.
     data: dict[str, Any] = json.loads(path.read_text()) if args.phase in ("ab", "failrate") and path.is_file() else {}
     run_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                if k not in ("out", "model", "report_only", "gpu_of") and not k.startswith("fake")}
-    earlier = {k: data.get("run", {}).get(k) for k in MODEL_ARGS}
-    if data and earlier != {k: run_args[k] for k in MODEL_ARGS}:  # one file, one report: of one model
-        print(f"{path} holds runs of another model or parallelism "
-              f"({' '.join(f'--{k} {v}' for k, v in earlier.items() if v is not None)}); give another --out",
-              file=sys.stderr)
+                if k not in ("out", "report_only", "gpu_of") and not k.startswith("fake")}
+    earlier = data.get("run", {}).get("layers")
+    if data and earlier != args.layers:  # one file, one report: of one model
+        print(f"{path} holds runs of another model (--layers {earlier}); give another --out", file=sys.stderr)
         return 2
     data.update(schema=1, phase=args.phase, run=run_args, finished=False, versions=versions(),
                 started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -256,7 +239,7 @@ def run_phase(args: argparse.Namespace) -> int:
     if args.phase in ("ab", "soak"):
         # The clients' imports happen meanwhile, and the forkserver's spawn (a fork of this process)
         # is over before any port is probed: a child holding a probe socket would make it look taken.
-        run.clients = serve_bench.Clients(args.python, args.fake_bench, client_env())
+        run.clients = serve_bench.Clients(args.fake_bench, client_env())
         run.clients.warm()
     if not prepare_models(run):
         run.update(data, finished=True)
@@ -267,15 +250,11 @@ def run_phase(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_reports(out: Path, recount: bool = False) -> str:
-    """DIR/serve.md from DIR's phase files, DIR/matrix.md from its matrix.json, each where there is
-    one; with ``recount`` (``--report-only``) the ab step figures from DIR's logs. A phase has just
-    counted its own, so its report does not parse the logs again."""
+def write_reports(out: Path) -> str:
+    """DIR/serve.md from DIR's phase files, DIR/matrix.md from its matrix.json, each where there is one."""
     texts = []
     phases = serve_report.load_phases(out)
     if phases:
-        if recount:
-            serve_report.recount_steps(out, phases.get("ab"))
         texts.append(serve_report.render(phases))
         (out / serve_report.REPORT_MD).write_text(texts[-1])
     matrix = serve_report.load_matrix(out)
@@ -349,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.report_only:
-        print(write_reports(args.report_only, recount=True))
+        print(write_reports(args.report_only))
         return 0
     if args.detach:
         detach(args, argv)

@@ -34,7 +34,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Callable
 
-from serve_proc import HERE, SERVED_NAME, VLLM_CLI, check_stop
+from serve_proc import HERE, SERVED_NAME, VLLM_CLI, check_stop, tail
 
 
 @dataclass(frozen=True)
@@ -120,15 +120,13 @@ class Clients:
     that imported the CLI once (multiprocessing's forkserver, preloaded), started by ``warm`` while
     the servers start. The stand-in client (``serve_fakes.py bench``) runs the same way."""
 
-    def __init__(self, python: str, fake: bool, env: dict[str, str]) -> None:
+    def __init__(self, fake: bool, env: dict[str, str]) -> None:
         self.fake = fake
         # The forkserver starts with this process's environment, and the clients' imports read some
         # of it once (huggingface_hub's HF_HUB_OFFLINE, say): this process takes the clients' own.
         os.environ.update(env)
         self.mp = multiprocessing.get_context("forkserver")
         self.mp.set_forkserver_preload(["serve_fakes"] if fake else list(CLI_PRELOAD))
-        if python != sys.executable:
-            self.mp.set_executable(python)
         self._warming: threading.Thread | None = None
 
     def warm(self) -> None:
@@ -239,10 +237,5 @@ def run_clients(clients: Clients, cmds: list[list[str]], results: list[Path], lo
         rc = p.exitcode
         out.append({"rc": rc, "timed_out": timed_out, "wall_s": wall, "result": summary,
                     "error": None if summary and rc == 0 else (why or f"rc {rc}"),
-                    "log": log.name, "log_tail": None if summary else tail(log)})
+                    "log": log.name, "log_tail": None if summary else tail(log, 15)})
     return out
-
-
-def tail(path: Path, lines: int = 15) -> str:
-    text = path.read_text(errors="replace") if path.is_file() else ""
-    return "\n".join(text.splitlines()[-lines:])[-3000:]

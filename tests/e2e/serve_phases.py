@@ -1,22 +1,5 @@
-"""The served phases, each a plan over serve_run's servers, requests and bench clients:
-
-- ``ab``: stock and plugin servers up at once (started one after the other: vLLM's start-up
-  measures the GPU's free memory, which a second server starting beside it would disturb), then the
-  workloads in interleaved repeats after warm-up rounds (``--warmup-rounds``, left out of the
-  medians): for each repeat, each workload, both engines with the same seed, stock first in odd
-  repeats, the plugin first in even ones; the workloads of ``--at-once`` both at the same time.
-- ``boundary``: one server at 0.95 (plugin unless ``--engine stock``) through run_cases' cases 1, 2
-  and 5, then one at max_num_batched_tokens 65536 through cases 4 and 5: ok or error per case, and
-  /health after each.
-- ``failrate``: fresh servers (stock unless ``--engine plugin``) at each utilization in turn: start,
-  one 32K prompt, did it finish, did the engine die, stop. Trials add up over calls.
-- ``soak``: one server (plugin unless ``--engine stock``) at 0.95, the mix workload over and over for
-  ``--soak-s``, sampling the GPU's used memory (nvidia-smi; the server is the only process on the
-  GPU, so this is its API and engine processes' memory), /health and its process meanwhile.
-- ``matrix``: the plugin under matrix_design's configurations, several servers on one GPU (or
-  spread over ``--gpus``), each with a stock twin for its KV cache if asked: the minimum budgets
-  found, the servers started, the load on all at once (``Matrix`` says how).
-
+"""The served phases (docs/e2e.md, "Phases" and "The flag matrix"), each a plan over serve_run's
+servers, requests and bench clients: ``ab``, ``boundary``, ``failrate``, ``soak`` and ``matrix``.
 Each stops its servers on the way out, its record saying how far it came.
 """
 
@@ -29,8 +12,8 @@ from typing import Any, Callable, TypeVar
 import matrix_design as md
 import serve_bench as sb
 from serve_proc import Server, check_stop, disturbed, gpu_memory_used_mib, gpu_processes, group_pids, refusal, wait_gpu_idle
-from serve_run import (MIN_BENCH_S, MIN_SERVER_S, Job, Run, bench, finish, probe, run_line, say, start_jobs, start_one,
-                       up)
+from serve_report import up
+from serve_run import MIN_BENCH_S, MIN_SERVER_S, Job, Run, bench, finish, probe, run_line, say, start_jobs, start_one
 from step_log import stamp, step_figures
 
 ENGINES = ("stock", "plugin")
@@ -53,6 +36,8 @@ def ab(run: Run) -> None:
                 (earlier.get(figures) or {}).pop(w, None)
     servers: dict[str, Server] = {}
     try:
+        # one after the other: vLLM's start-up measures the GPU's free memory, which a second server
+        # starting beside it would disturb
         for k, engine in enumerate(ENGINES):
             server, records[engine] = start_one(run, Job(run.spec(engine, a.util, 100 * k), f"ab{call['id']}-{engine}",
                                                          run.model_dir), min_left_s=0)
@@ -186,7 +171,8 @@ def soak(run: Run) -> None:
     due = [t0]
 
     def sample(force: bool = False) -> None:
-        """Every ``--sample-s``: the GPU's used memory, the server process, /health."""
+        """Every ``--sample-s``: the GPU's used memory (the server is alone on the GPU: its API and
+        engine processes'), the server process, /health."""
         now = time.monotonic()
         if now < due[0] and not force:
             return
@@ -255,25 +241,10 @@ def each(items: list[T], work: Callable[[T], None]) -> None:
 
 class Matrix:
     """The matrix's servers, by name: their records (``data["servers"]``), and the plugin server and
-    stock twin of each once started.
-
-    1. **The minimum budget**, for each server whose budget is ``min``: a start at
-       ``MLA_PLANNER_SCRATCH_MB=64``. The plugin refuses a budget below what one step of the engine
-       can need, with a line ``set MLA_PLANNER_SCRATCH_MB=N or more``, and the server exits non-zero:
-       N is the minimum, and that server starts again with N. A server that starts at 64 is kept: 64
-       is the minimum. These starts come first, before any other (together unless ``--start
-       chained``): the KV figure of one kept beside others' carries their start-ups.
-    2. **The servers**, each with its own port, model copy and flags; with ``--stock-twins``, after
-       each its stock twin (``FLASHMLA_SPARSE``, the same flags, no budget), read only for its KV
-       cache lines and stopped before the next start. vLLM sizes a KV cache from the whole GPU's
-       free memory, from the engine's first snapshot to the end of its memory profiling: another
-       server allocating or freeing meanwhile is counted as this one's, or fails the start. Hence
-       ``--start`` (serve_run's ``gate``); a start that failed of another's memory is retried alone
-       (``--retries``), the first attempt kept in the record.
-    3. **The load**, on every server that is up, all servers at the same time: a chat burst of
-       ``--chat-n`` concurrent requests, then run_cases' 32K case (1), eight prompts (2) and 64K
-       case (4); ``/health`` after each.
-    4. **The end**: per server, alive (process and ``/health`` 200), then stopped; its log read.
+    stock twin of each once started. In order: the minimum budgets (``min`` servers started at
+    PROBE_MB: refused with the minimum in the line, or up, and 64 is it), the servers and their
+    twins (``--start``: serve_run's ``gate``; a start other servers' memory disturbed is retried
+    alone), the load on all at once, and the end (alive, then stopped, the log read).
     """
 
     def __init__(self, run: Run) -> None:

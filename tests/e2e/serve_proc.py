@@ -61,7 +61,6 @@ class ServerSpec:
     mnbt: int = 32768  # --max-num-batched-tokens
     max_model_len: int = 70000
     scratch_mb: int | None = None  # the plugin's budget (MLA_PLANNER_SCRATCH_MB); None: its default
-    tp: int = 1  # --tensor-parallel-size: one worker process per GPU
     log_iterations: bool = False  # vLLM logs every engine step (tests/e2e/step_log.py compare)
     prefix_caching: bool = False  # --enable-prefix-caching (off: --no-enable-prefix-caching)
     extra_args: tuple[str, ...] = ()  # more of vLLM's flags, after the fixed ones (the matrix's axes)
@@ -81,7 +80,6 @@ def server_args(spec: ServerSpec, model_dir: Path) -> list[str]:
             "--generation-config", "vllm",
             "--attention-backend", ENGINES[spec.engine], "--host", HOST, "--port", str(spec.port),
             "--disable-uvicorn-access-log",  # one log line per request (and per /health poll) otherwise
-            *(["--tensor-parallel-size", str(spec.tp)] if spec.tp > 1 else []),
             *(["--enable-logging-iteration-details"] if spec.log_iterations else []), *spec.extra_args]
 
 
@@ -277,8 +275,14 @@ class Server:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
 
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])[-4000:]
+    def log_tail(self) -> str:
+        return tail(self.log_path, 30)
+
+
+def tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of a log (4,000 characters at most); "" where there is none."""
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    return "\n".join(text.splitlines()[-lines:])[-4000:]
 
 
 _LIVE: set[Server] = set()

@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from step_log import pairs_line, plugin_over_stock, step_figures, verdict
+from step_log import pairs_line, plugin_over_stock, verdict
 
 REPORT_MD, MATRIX_JSON, MATRIX_MD = "serve.md", "matrix.json", "matrix.md"
 PHASES = ("ab", "boundary", "failrate", "soak")
@@ -40,21 +40,6 @@ def load_phases(folder: Path) -> dict[str, dict[str, Any]]:
 def load_matrix(folder: Path) -> dict[str, Any]:
     path = folder / MATRIX_JSON
     return dict(json.loads(path.read_text())) if path.is_file() else {}
-
-
-def recount_steps(out: Path, ab: dict[str, Any] | None) -> None:
-    """The step figures of each ab call that has them, counted again from its server logs in
-    ``out`` by this step_log, so that a report of an older run reads as ``step_log.py compare``
-    does now; a call whose logs are not all there, or do not parse, keeps what the run stored."""
-    if ab is None:
-        return
-    for call in ab.get("calls", []):
-        logs = [rec.get("log") for rec in call.get("servers", {}).values()]
-        if "steps" in call and logs and all(log and (out / log).is_file() for log in logs):
-            try:
-                call.update(step_figures(out, ab, call))
-            except Exception:  # the figures the run stored stand
-                pass
 
 
 def cell(value: Any, limit: int = 100) -> str:
@@ -380,8 +365,7 @@ def render(phases: dict[str, dict[str, Any]]) -> str:
     if first:
         v = first.get("versions", {})
         run = first.get("run", {})
-        scaled = "".join(f", {run[k]} {what}" for k, what in (("layers", "hidden layers"), ("heads", "attention heads"))
-                         if run.get(k) is not None)
+        scaled = f", {run['layers']} hidden layers" if run.get("layers") is not None else ""
         out += [f"vLLM {v.get('vllm')}, torch {v.get('torch')}, mla-planner {v.get('mla-planner')}, transformers "
                 f"{v.get('transformers')}. Model: tests/e2e/tiny-deepseek-v32 (dummy weights{scaled}) with a generated "
                 "word-level tokenizer; `vllm serve` with vLLM's defaults (CUDA graphs, engine process) and "

@@ -9,6 +9,7 @@ what came before; a step that its deadline leaves no time for is recorded as not
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
 import time
 import urllib.request
@@ -19,6 +20,7 @@ from typing import Any, Callable
 import serve_bench as sb
 from run_cases import write_json
 from serve_proc import KV_SIZED, Server, ServerSpec, check_stop, free_port, log_facts, server_command, server_env
+from serve_report import up
 from serve_requests import chat_burst, run_case
 
 MIN_SERVER_S = 120  # a server start (~65-95 s with CUDA graph capture) and one request
@@ -40,7 +42,7 @@ class Run:
         self.deadline: float = t0 + args.deadline_s
         self.lock = threading.RLock()
         self.clients: sb.Clients | None = None  # None: no step of this phase runs a bench client
-        self.model_dir: Path = args.model  # the served model folder (the bench clients' tokenizer too)
+        self.model_dir = Path()  # the served model folder (the bench clients' tokenizer too)
         self.model_dirs: dict[str, Path] = {}  # the matrix's, by server
 
     def save(self) -> None:
@@ -63,10 +65,8 @@ class Run:
         return free_port() if base == 0 else base + k
 
     def spec(self, engine: str, util: float, k: int, mnbt: int = 32768) -> ServerSpec:
-        """A phase's server: the run's budget (the plugin's), parallelism and iteration lines."""
-        a = self.args
-        return ServerSpec(engine, util, self.port(k), mnbt, scratch_mb=a.scratch_mb if engine == "plugin" else None,
-                          tp=a.tp, log_iterations=a.log_iterations)
+        """A phase's server, with vLLM's iteration lines where the run asks for them."""
+        return ServerSpec(engine, util, self.port(k), mnbt, log_iterations=self.args.log_iterations)
 
 
 # --- starting servers -------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def spawn(run: Run, job: Job) -> Starting:
     """Starts a job's server process. Call it from the main thread: the server's process gets SIGTERM
     when the thread that started it ends (``PR_SET_PDEATHSIG``)."""
     spec = job.spec
-    server = Server(spec, server_command(spec, job.model_dir, run.args.python, run.args.fake_server),
+    server = Server(spec, server_command(spec, job.model_dir, sys.executable, run.args.fake_server),
                     server_env(spec), run.out / "logs" / f"{job.label}.log")
     record: dict[str, Any] = {"label": job.label, "engine": spec.engine, "util": spec.util, "mnbt": spec.mnbt,
                               "port": spec.port, "scratch_mb": spec.scratch_mb, "cmd": server.cmd,
@@ -208,10 +208,6 @@ def start_one(run: Run, job: Job, min_left_s: float = MIN_SERVER_S) -> tuple[Ser
     return got[0], record
 
 
-def up(record: dict[str, Any]) -> bool:
-    return bool(record.get("startup", {}).get("status") == "ok")
-
-
 def finish(server: Server, record: dict[str, Any]) -> None:
     """A server's end: alive and /health, the plugin's metrics, the stop, then its whole log's facts."""
     record["alive_at_end"] = server.alive()
@@ -278,7 +274,7 @@ def bench(run: Run, servers: dict[str, Server], workload: str, seed: int, tags: 
         meta = {"engine": engine, "workload": workload, "tag": tags[engine]}
         for c in clients:
             results.append(run.out / "bench" / f"{tags[engine]}-{c.label}.json")
-            cmds.append(sb.bench_command(c, python=run.args.python, base_url=server.url, tokenizer=run.model_dir,
+            cmds.append(sb.bench_command(c, python=sys.executable, base_url=server.url, tokenizer=run.model_dir,
                                          seed=seed, result=results[-1], scale=scale, metadata=meta,
                                          fake=run.clients.fake))
     outcomes = sb.run_clients(run.clients, cmds, results, [r.with_suffix(".log") for r in results], timeout_s, tick)

@@ -1,42 +1,22 @@
-"""Where a server's time goes, step by step, from its log.
+"""Where a server's time goes, step by step, from its log (docs/e2e.md, "Step logs").
 
-The backend logs every FP8 step its metadata builder sees at debug level (``mla-planner step:
-...``): the steps it plans, with their route, and the steps it leaves to stock's code (decode-only
-steps, decodes beside prefills vLLM runs dense). With the timestamps in milliseconds the gaps
-between those lines are the steps' durations, to within the engine's one-step lead of the GPU
-(async scheduling builds step N+1 while step N runs), which shifts a gap onto the next step.
-Hence the decode-only time is estimated from steps inside runs of decode-only steps, where the
-shift does not matter: their mean gap times the number of decode-only steps. The mean, not the
-median: the timestamps are whole milliseconds, so the gaps of ~3 ms steps are 2, 3, 4 or 5 ms and
-their median a whole number, off by up to half a millisecond (on the H200: a median of 3 ms where
-the mean was 3.32), while the truncation errors cancel in the mean.
+Two kinds of step line: the plugin's (``mla-planner step: ...``, at debug level, written as the
+step is built) and vLLM's own (``Iteration(N): ...``, ``--enable-logging-iteration-details``,
+written as the step's output arrives; stock's engine logs only these). With the timestamps in
+milliseconds (``config``), the gaps between lines are the steps' durations, give or take the
+engine's one-step lead of the GPU (async scheduling builds step N+1 while step N runs). Hence:
 
-Stock's engine logs no such lines. Started with ``--enable-logging-iteration-details``
-(``run_serve.py --log-iterations``), every server, stock's too, logs vLLM's own line per engine
-step ("Iteration(N): C context requests, T context tokens, G generation requests, D generation
-tokens, iteration elapsed time: E ms"), from its API server as each step's output arrives; a step
-with no context tokens is decode-only. ``compare`` measures both engines of an ``ab`` with those
-lines alike: the decode-only steps' mean gap (the per-step cost the chat workload sees; any
-difference is work the plugin adds) and the other steps' time per token (their context and
-generation tokens: how much faster the steps that prefill are). A line written as its step's
-output arrives closes that step: its time is the gap before the line, where the plugin's, written
-as its step is built, has the gap after. E is the engine's wait for a step's output: with async
-scheduling the next step's host work runs before that wait, so E is what the GPU had left, and the
-gaps, not E, are the steps' durations. That host work is in the gaps too: the gap that closes a step
-holds the host work (scheduling, metadata build, planning, launches) of the step after it, so a
-decode-only step's gap counts among the decode-only ones only where the step after it is
-decode-only as well. The one before a step with context tokens carries that step's host work (on
-the H200, the mix on 8 layers: 38-51 ms, against 3 ms for the others); ``compare`` shows their mean
-apart, the host work the plugin's planning and launches add to a prefill.
+- the decode-only time is estimated inside runs of decode-only steps only, where that shift does
+  not matter, as their mean gap times their count: the mean, since the stamps are whole
+  milliseconds and the median of ~3 ms gaps is a whole number, off by up to half a millisecond;
+- an iteration line's step is the gap before it, and that gap also holds the next step's host work
+  (scheduling, metadata build, the plugin's planning, launches): the gap before a step with
+  context tokens is shown apart (``compare``), and a decode-only gap counts as such only where the
+  step after it is decode-only too.
 
     python3 tests/e2e/step_log.py config /tmp/step-logging.json   # then VLLM_LOGGING_CONFIG_PATH=/tmp/step-logging.json
     python3 tests/e2e/step_log.py report /tmp/serve/logs/ab0-plugin.log
-    python3 tests/e2e/step_log.py compare /tmp/serve/logs/ab0-stock.log /tmp/serve/logs/ab0-plugin.log
     python3 tests/e2e/step_log.py compare --ab /tmp/serve   # each workload's timed runs apart, and per repeat
-
-``config`` writes vLLM's own logging configuration (so it needs vLLM) with milliseconds in the
-timestamps and the plugin's logger at debug level (``--no-plugin-steps``: at INFO, as stock's engine
-logs nothing per step); every other vLLM logger stays at INFO.
 """
 
 from __future__ import annotations
@@ -65,7 +45,7 @@ FALLBACK = "bounded path (could not be planned)"  # the plugin's fallback: count
 KINDS = (DECODE_ONLY, "decodes + dense prefills, stock's code", "planned: mixed_batch", "planned: separate_prefill_decode",
          FALLBACK)
 DECODE_STEP, CONTEXT_STEP = ITERATION_KINDS = ("decode-only", "with context tokens")  # vLLM's iteration lines
-DEFAULT_GAP_S = 0.5
+GAP_S = 0.5  # gaps this long are idle time (between bench runs, start-up), not a step's
 STAMP = "%m-%d %H:%M:%S.%f"  # vLLM's log time under `config` (local time), to the microsecond; lines show ms
 Window = tuple[str, str]  # a bench run's first and last stamp
 Summary = dict[str, Any]  # one engine's steps, split as ``compare`` shows them (JSON-ready)
@@ -242,9 +222,9 @@ def own_gaps(steps: list[Step], before: bool) -> list[float | None]:
     return [None, *gaps] if before else [*gaps, None]
 
 
-def split(steps: list[Step], gap_s: float = DEFAULT_GAP_S, before: bool = False) -> Split:
-    """Gaps of ``gap_s`` or more are idle time (between bench runs, start-up), not a step's: a step
-    whose own gap is idle brings no time, so its tokens are not counted with the others'.
+def split(steps: list[Step], before: bool = False) -> Split:
+    """A step whose own gap is idle (``GAP_S`` or more) brings no time, so its tokens are not counted
+    with the others'.
 
     The gap between lines ``i`` and ``i + 1`` is a decode-only step's where the steps whose work it
     may hold are decode-only: ``i - 1`` to ``i + 1`` for the plugin's lines (written as a step is
@@ -253,29 +233,29 @@ def split(steps: list[Step], gap_s: float = DEFAULT_GAP_S, before: bool = False)
     gaps = line_gaps(steps)
     last = 2 if before else 1  # the furthest step whose work the gap after line i holds
     inner = [gaps[i] for i in range(1, len(gaps))
-             if gaps[i] < gap_s and i + last < len(steps)
+             if gaps[i] < GAP_S and i + last < len(steps)
              and all(steps[j].decode_only for j in range(i - 1, i + last + 1))]
     busy_tokens = sum(s.tokens for s, g in zip(steps, own_gaps(steps, before))
-                      if not s.decode_only and g is not None and g < gap_s)
-    return Split(len(steps), sum(g for g in gaps if g < gap_s), sum(s.decode_only for s in steps), inner, busy_tokens)
+                      if not s.decode_only and g is not None and g < GAP_S)
+    return Split(len(steps), sum(g for g in gaps if g < GAP_S), sum(s.decode_only for s in steps), inner, busy_tokens)
 
 
-def breakdown(steps: list[Step], gap_s: float = DEFAULT_GAP_S, before: bool = False) -> list[str]:
-    """The report's lines, by the kind of step (``before``: vLLM's iteration lines, see own_gaps)."""
+def breakdown(steps: list[Step]) -> list[str]:
+    """The report's lines on the plugin's step lines, by the kind of step."""
     if len(steps) < 2:
         return [f"{len(steps)} step line(s): nothing to measure (was the plugin's logger at DEBUG, or the server "
                 "started with --enable-logging-iteration-details?)"]
-    gaps = own_gaps(steps, before)
-    whole = split(steps, gap_s, before)
+    gaps = own_gaps(steps, before=False)
+    whole = split(steps)
     busy = whole.busy_s
-    lines = [f"{len(steps):,} steps logged, {busy:.2f} s busy (gaps under {gap_s} s); by the kind of step:",
+    lines = [f"{len(steps):,} steps logged, {busy:.2f} s busy (gaps under {GAP_S} s); by the kind of step:",
              "",
-             f"| kind | steps | tokens | decode tokens | gaps {'before' if before else 'after'} them, s |",
+             "| kind | steps | tokens | decode tokens | gaps after them, s |",
              "|---|---:|---:|---:|---:|"]
     order = KINDS + ITERATION_KINDS
     for kind in sorted({s.kind for s in steps}, key=lambda k: (order.index(k) if k in order else len(order), k)):
         mine = [i for i, s in enumerate(steps) if s.kind == kind]
-        own = sum(g for i in mine if (g := gaps[i]) is not None and g < gap_s)
+        own = sum(g for i in mine if (g := gaps[i]) is not None and g < GAP_S)
         lines.append(f"| {kind} | {len(mine):,} | {sum(steps[i].tokens for i in mine):,} | "
                      f"{sum(steps[i].decode_tokens for i in mine):,} | {own:.2f} |")
     lines.append("")
@@ -289,20 +269,20 @@ def breakdown(steps: list[Step], gap_s: float = DEFAULT_GAP_S, before: bool = Fa
     return lines
 
 
-def host_gaps(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> list[float]:
+def host_gaps(steps: list[Step]) -> list[float]:
     """vLLM's iteration lines: the gaps that close the last decode-only step of a run of them
     before a step with context tokens, which hold that step's host work (scheduling, metadata
     build, the plugin's planning, launches) besides the decode-only step's tail, s."""
     gaps = line_gaps(steps)
     return [gaps[i] for i in range(len(gaps) - 1)
-            if gaps[i] < gap_s and steps[i].decode_only and steps[i + 1].decode_only and not steps[i + 2].decode_only]
+            if gaps[i] < GAP_S and steps[i].decode_only and steps[i + 1].decode_only and not steps[i + 2].decode_only]
 
 
-def summarize(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> Summary:
+def summarize(steps: list[Step]) -> Summary:
     """The figures ``compare`` puts side by side, for one engine's iteration lines."""
-    sp = split(steps, gap_s, before=True)
+    sp = split(steps, before=True)
     waits = [s.elapsed_ms for s in steps if s.decode_only and s.elapsed_ms is not None]
-    host = host_gaps(steps, gap_s)
+    host = host_gaps(steps)
     return {"steps": sp.steps, "busy_s": sp.busy_s, "decode_steps": sp.decode_steps,
             "other_steps": sp.steps - sp.decode_steps, "decode_gaps": len(sp.decode_gaps),
             "decode_gap_ms": None if sp.decode_gap_s is None else sp.decode_gap_s * 1e3,
@@ -312,7 +292,7 @@ def summarize(steps: list[Step], gap_s: float = DEFAULT_GAP_S) -> Summary:
             "host_gaps": len(host), "host_gap_ms": statistics.mean(host) * 1e3 if host else None}
 
 
-def compare(a: Summary, b: Summary, gap_s: float = DEFAULT_GAP_S) -> list[str]:
+def compare(a: Summary, b: Summary) -> list[str]:
     """Stock's steps (``a``) beside the plugin's (``b``), from vLLM's iteration lines of the same
     work (the same bench runs), split into decode-only steps and the rest."""
     if a["steps"] < 2 or b["steps"] < 2:
@@ -325,7 +305,7 @@ def compare(a: Summary, b: Summary, gap_s: float = DEFAULT_GAP_S) -> list[str]:
         r = f"{y / x:.3f}" if ratio and x and y is not None else ""
         return f"| {label} | {cells[0]} | {cells[1]} | {r} |"
 
-    lines = [f"vLLM's iteration lines, gaps under {gap_s} s:", "",
+    lines = [f"vLLM's iteration lines, gaps under {GAP_S} s:", "",
              "| | stock | plugin | plugin/stock |", "|---|---:|---:|---:|",
              row("steps", "steps", ",", ratio=False),
              row("busy s", "busy_s", ".2f"),
@@ -366,25 +346,23 @@ def server_logs(out: Path, call: dict[str, Any]) -> dict[str, str]:
             for e, rec in call.get("servers", {}).items() if rec.get("log")}
 
 
-def ab_steps(texts: dict[str, str], data: dict[str, Any], call: dict[str, Any],
-             gap_s: float = DEFAULT_GAP_S) -> dict[str, dict[str, Summary]]:
+def ab_steps(texts: dict[str, str], data: dict[str, Any], call: dict[str, Any]) -> dict[str, dict[str, Summary]]:
     """Per workload of one ab call, per engine: the summary of the iteration lines inside that
     workload's timed runs in the engine's server log (``texts``: ``server_logs``)."""
     found: dict[str, dict[str, Summary]] = {}
     for workload in call.get("workloads", []):
         runs = timed_runs(data, call, workload)
         found[workload] = {e: summarize(parse_iterations(text, [(r["window"][0], r["window"][1]) for r in runs
-                                                                 if r["engine"] == e]), gap_s)
+                                                                 if r["engine"] == e]))
                            for e, text in texts.items()}
     return found
 
 
-def step_figures(out: Path, data: dict[str, Any], call: dict[str, Any],
-                 gap_s: float = DEFAULT_GAP_S) -> dict[str, Any]:
+def step_figures(out: Path, data: dict[str, Any], call: dict[str, Any]) -> dict[str, Any]:
     """An ab call's step figures, counted from its server logs in ``out``: per workload and engine
     (``steps``: ``ab_steps``) and per repeat (``step_pairs``: ``decode_pairs``)."""
     texts = server_logs(out, call)
-    return {"steps": ab_steps(texts, data, call, gap_s), "step_pairs": decode_pairs(texts, data, call, gap_s)}
+    return {"steps": ab_steps(texts, data, call), "step_pairs": decode_pairs(texts, data, call)}
 
 
 def plugin_over_stock(values: dict[str, dict[Any, float]]) -> list[float]:
@@ -393,8 +371,7 @@ def plugin_over_stock(values: dict[str, dict[Any, float]]) -> list[float]:
     return [plugin[k] / stock[k] for k in stock if k in plugin and stock[k]]
 
 
-def decode_pairs(texts: dict[str, str], data: dict[str, Any], call: dict[str, Any],
-                 gap_s: float = DEFAULT_GAP_S) -> dict[str, list[float]]:
+def decode_pairs(texts: dict[str, str], data: dict[str, Any], call: dict[str, Any]) -> dict[str, list[float]]:
     """Per workload of one ab call: plugin/stock mean decode-only gap of each repeat both engines
     ran (the runs of one seed), in repeat order. The spread of these says whether the pooled
     figure of ``ab_steps`` is told apart from the machine's own swings."""
@@ -403,8 +380,7 @@ def decode_pairs(texts: dict[str, str], data: dict[str, Any], call: dict[str, An
         gap: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
         for r in timed_runs(data, call, workload):
             if r["engine"] in gap and r["engine"] in texts:
-                mean = summarize(parse_iterations(texts[r["engine"]], [(r["window"][0], r["window"][1])]),
-                                 gap_s)["decode_gap_ms"]
+                mean = summarize(parse_iterations(texts[r["engine"]], [(r["window"][0], r["window"][1])]))["decode_gap_ms"]
                 if mean:
                     gap[r["engine"]][r.get("seed")] = mean
         pairs[workload] = plugin_over_stock(gap)
@@ -420,7 +396,7 @@ def pairs_line(ratios: list[float]) -> str:
             f"{statistics.median(ratios):.3f} ({len(ratios)} pairs{spread})")
 
 
-def compare_ab(out: Path, gap_s: float = DEFAULT_GAP_S) -> list[str]:
+def compare_ab(out: Path) -> list[str]:
     """``compare`` for each call and workload of ``out/ab.json``, with the per-repeat pairs."""
     data = json.loads((out / "ab.json").read_text())
     lines: list[str] = []
@@ -428,10 +404,10 @@ def compare_ab(out: Path, gap_s: float = DEFAULT_GAP_S) -> list[str]:
         if set(call.get("servers", {})) != {"stock", "plugin"}:
             continue
         texts = server_logs(out, call)
-        pairs = decode_pairs(texts, data, call, gap_s)
-        for workload, engines in ab_steps(texts, data, call, gap_s).items():
+        pairs = decode_pairs(texts, data, call)
+        for workload, engines in ab_steps(texts, data, call).items():
             lines += [f"### call {call['id']}, {workload} ({len(timed_runs(data, call, workload))} timed runs)", ""]
-            lines += compare(engines["stock"], engines["plugin"], gap_s) + [pairs_line(pairs[workload]), ""]
+            lines += compare(engines["stock"], engines["plugin"]) + [pairs_line(pairs[workload]), ""]
     return lines or [f"{out / 'ab.json'}: no call with both servers"]
 
 
@@ -440,35 +416,21 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     cfg = sub.add_parser("config", help="write the logging configuration (VLLM_LOGGING_CONFIG_PATH)")
     cfg.add_argument("path", type=Path)
-    cfg.add_argument("--no-plugin-steps", action="store_true",
-                     help="milliseconds only: the plugin's step lines stay off (for compare: both engines log alike)")
-    rep = sub.add_parser("report", help="the step breakdown of a server log")
+    rep = sub.add_parser("report", help="the step breakdown of a server log, from the plugin's step lines")
     rep.add_argument("log", type=Path)
-    rep.add_argument("--iterations", action="store_true", help="from vLLM's iteration lines, not the plugin's")
-    cmp = sub.add_parser("compare", help="stock's and the plugin's steps in an ab, from vLLM's iteration lines: "
-                                          "two server logs, or --ab DIR for each workload's timed runs")
-    cmp.add_argument("logs", type=Path, nargs="*", metavar="LOG", help="stock's server log, then the plugin's")
-    cmp.add_argument("--ab", type=Path, metavar="DIR", help="run_serve.py's folder of an ab phase")
-    for p in (rep, cmp):
-        p.add_argument("--gap-s", type=float, default=DEFAULT_GAP_S, help="gaps this long are idle time (default 0.5)")
+    cmp = sub.add_parser("compare", help="stock's and the plugin's steps in each workload's timed runs of an ab, "
+                                          "from vLLM's iteration lines")
+    cmp.add_argument("--ab", type=Path, metavar="DIR", required=True, help="run_serve.py's folder of an ab phase")
     args = ap.parse_args(argv)
     if args.command == "config":
-        write_config(args.path, plugin_steps=not args.no_plugin_steps)
+        write_config(args.path)
         print(f"VLLM_LOGGING_CONFIG_PATH={args.path}")
         return 0
     if args.command == "compare":
-        if len(args.logs) != (2 if args.ab is None else 0):
-            cmp.error("give two logs (stock's, then the plugin's) or --ab DIR")
-        if args.ab is not None:
-            print("\n".join(compare_ab(args.ab, args.gap_s)))
-            return 0
-        stock, plugin = (summarize(parse_iterations(p.read_text(errors="replace")), args.gap_s) for p in args.logs)
-        print("\n".join(compare(stock, plugin, args.gap_s)))
+        print("\n".join(compare_ab(args.ab)))
         return 0
     text = args.log.read_text(errors="replace")
-    steps = parse_iterations(text) if args.iterations else parse(text)
-    lines = breakdown(steps, args.gap_s, before=args.iterations)
-    print("\n".join(lines if args.iterations else [*lines, "", *layer_fallbacks(text), *summaries(text)]))
+    print("\n".join([*breakdown(parse(text)), "", *layer_fallbacks(text), *summaries(text)]))
     return 0
 
 

@@ -376,8 +376,8 @@ def test_device_install_check_wants_our_entry_point(tmp_path: Path) -> None:
 
 def test_run_cases_arguments() -> None:
     args = run_cases.parse_args(["--backend", "planned", "--util", "0.95", "--cases", "1,2", "3", "same_function",
-                                 "--out", "x.json", "--scratch-mb", "512"])
-    assert args.cases == ["1", "2", "3", "same_function"] and args.mnbt == 32768 and args.scratch_mb == 512
+                                 "--out", "x.json"])
+    assert args.cases == ["1", "2", "3", "same_function"] and args.mnbt == 32768
     for bad in (["--cases", "6"], ["--cases", "1", "--util", "1.5"], ["--cases", "1", "--backend", "x"]):
         argv = ["--backend", "stock", "--util", "0.9", "--out", "x.json", *bad]
         with pytest.raises(SystemExit):
@@ -396,8 +396,7 @@ def test_run_cases_arguments() -> None:
 
 def test_tensor_parallel_runs_scale_the_model_to_16_heads_per_rank(tmp_path: Path) -> None:
     tp_runs = [r for r in run_e2e.RUNS if r.tp != 1]
-    assert {r.group for r in tp_runs} == {"T", "U"} and all(r.heads == 16 * r.tp for r in tp_runs)
-    assert run_e2e.select_runs("all", None) == [r for r in run_e2e.RUNS if r.tp == 1]
+    assert {r.group for r in tp_runs} == {"T"} and all(r.heads == 16 * r.tp for r in tp_runs)
     args = run_e2e.parse_args(["--group", "T", "--out", str(tmp_path)])
     cmd = run_e2e.command(run_e2e.RUNS_BY_NAME["planned-tp2-0.95-32k"], tmp_path, args)
     assert cmd[cmd.index("--tp") + 1] == "2" and cmd[cmd.index("--heads") + 1] == "32"
@@ -565,9 +564,10 @@ def test_run_cases_runs_the_cases_once_per_fault_mode(tmp_path: Path) -> None:
 
 def test_driver_and_report_on_stand_ins(tmp_path: Path) -> None:
     out = tmp_path / "e2e"
-    r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--group", "all", "--out", str(out),
-                        "--fake-engine", "--repeats", "2", "--scratch-mb", "1024"],
-                       capture_output=True, text=True, timeout=300)
+    single_gpu = [r.name for r in run_e2e.RUNS if r.tp == 1]
+    r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--runs", ",".join(single_gpu), "--out", str(out),
+                        "--fake-engine", "--repeats", "2"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "MLA_PLANNER_SCRATCH_MB": "1024"})
     assert r.returncode == 0, r.stdout + r.stderr
     md = (out / e2e_report.REPORT_MD).read_text()
     assert md in r.stdout
@@ -579,7 +579,7 @@ def test_driver_and_report_on_stand_ins(tmp_path: Path) -> None:
     assert "attention implementation**" not in md  # each run ran the implementation its backend names
     assert "same function at 0.9: same first tokens" in md
     assert "planned/stock" in md and "## Throughput" in md
-    for run in (r for r in run_e2e.RUNS if r.tp == 1):  # "all" is the single-GPU runs
+    for run in (r for r in run_e2e.RUNS if r.tp == 1):
         data = json.loads((out / f"{run.name}.json").read_text())
         assert data["finished"] and list(data["cases"]) == list(run.cases)
     r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--report-only", str(out)], capture_output=True,
@@ -630,7 +630,7 @@ def startup_ok(**extra: Any) -> dict[str, Any]:
 
 def run_file(backend: str, cases: list[str], startup: dict[str, Any], results: dict[str, Any],
              finished: bool = True) -> dict[str, Any]:
-    return {"schema": 1, "run": {"backend": backend, "util": 0.95, "mnbt": 32768, "cases": cases, "scratch_mb": None},
+    return {"schema": 1, "run": {"backend": backend, "util": 0.95, "mnbt": 32768, "cases": cases},
             "env": {}, "case_titles": {c: run_cases.CASE_TITLES[c] for c in cases}, "startup": startup,
             "cases": results, "finished": finished, "versions": {"vllm": "0.26.0"}}
 

@@ -34,7 +34,6 @@ from run_cases import CASE_PROMPTS, MODEL_DIR, REPLACE_VAR, model_variant
 from serve_requests import chat_prompts
 from serve_tokenizer import check_tokenizer, served_model_dir
 from test_e2e import e2e_unavailable
-from test_step_log import iteration_line
 
 HERE = Path(__file__).resolve().parent
 VOCAB = json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"]
@@ -158,17 +157,11 @@ def test_the_tiny_glm5_has_glm5s_attention_geometry_at_tp8() -> None:
 # --- command lines ----------------------------------------------------------------------------------
 
 
-def test_each_matrix_server_gets_its_flags_and_its_twin_the_same(tmp_path: Path) -> None:
+def test_each_matrix_servers_twin_gets_its_flags(tmp_path: Path) -> None:
+    """The twin's flags are the server's but for the backend and the port (what each value of the
+    axes becomes in vLLM's engine config: test_command_lines_parse_with_vllms_parsers)."""
     for c in md.DESIGN:
         args = proc.server_args(md.spec(c, "plugin", 0.09, 8300, 512), tmp_path)
-        assert args[args.index("--max-num-seqs") + 1] == str(c.max_num_seqs)
-        assert ("--enforce-eager" in args) is (not c.cuda_graphs)
-        assert ("--no-enable-chunked-prefill" in args) is (not c.chunked_prefill)
-        assert ("--enable-prefix-caching" in args) is c.prefix_caching is ("--no-enable-prefix-caching" not in args)
-        mnbt = int(args[args.index("--max-num-batched-tokens") + 1])
-        assert mnbt == (32768 if c.chunked_prefill else 70000) and int(args[args.index("--max-model-len") + 1]) == 70000
-        spec = json.loads(args[args.index("--speculative-config") + 1]) if c.mtp else None
-        assert spec == ({"method": "mtp", "num_speculative_tokens": c.mtp} if c.mtp else None)
         stock = proc.server_args(md.spec(c, "stock", 0.09, 8320, None), tmp_path)
         assert args[args.index("--attention-backend") + 1] == "CUSTOM"
         assert stock[stock.index("--attention-backend") + 1] == "FLASHMLA_SPARSE"
@@ -233,8 +226,8 @@ for engine in ("stock", "plugin"):
     out[engine].update(force_mqa=ea.attention_config.sparse_mla_force_mqa, port=ns.port, host=ns.host,
                        access_log_off=ns.disable_uvicorn_access_log, tp=ns.tensor_parallel_size,
                        iterations=ea.enable_logging_iteration_details)
-ns, ea = engine_args(serve_proc.ServerSpec("plugin", 0.95, 8201, tp=2, log_iterations=True), M)
-out["tp2"] = [ns.tensor_parallel_size, ea.enable_logging_iteration_details]
+ns, ea = engine_args(serve_proc.ServerSpec("plugin", 0.95, 8201, log_iterations=True), M)
+out["iterations"] = ea.enable_logging_iteration_details
 parser = FlexibleArgumentParser()
 add_cli_args(parser)
 for client in sum(serve_bench.WORKLOADS.values(), ()):
@@ -292,7 +285,7 @@ def test_command_lines_parse_with_vllms_parsers(tmp_path: Path) -> None:
         assert s["served_model_name"] == "['tiny-deepseek-v32']"
         assert (s["port"], s["host"], s["access_log_off"]) == (8200, "127.0.0.1", True)
         assert s["tp"] == 1 and s["iterations"] is False
-    assert got["tp2"] == [2, True]  # --tensor-parallel-size, --enable-logging-iteration-details
+    assert got["iterations"] is True  # --enable-logging-iteration-details
     long, doc = got["long"], got["mix-doc"]
     assert (long["backend"], long["dataset_name"], long["endpoint"]) == ("vllm", "random", "/v1/completions")
     assert (long["random_input_len"], long["random_output_len"], long["num_prompts"], long["max_concurrency"]) == \
@@ -504,31 +497,17 @@ def test_boundary_phase(tmp_path: Path) -> None:
 
 
 def test_servers_get_the_scaled_model(tmp_path: Path) -> None:
-    """--tp 2 --heads 32 --layers 8: every server is started with --tensor-parallel-size 2 on a copy
-    of the model with 32 attention heads (16 per rank) and 8 hidden layers, nothing else changed, its
-    tokenizer beside it; the report says which model ran."""
-    r = driver(tmp_path, "--phase", "boundary", "--tp", "2", "--heads", "32", "--layers", "8")
+    """--layers 8: every server is started on a copy of the model with 8 hidden layers, nothing else
+    changed, its tokenizer beside it; the report says which model ran."""
+    r = driver(tmp_path, "--phase", "boundary", "--layers", "8")
     assert r.returncode == 0, r.stdout + r.stderr
     original = json.loads((MODEL_DIR / "config.json").read_text())
     for server in results(tmp_path, "boundary-plugin.json")["servers"]:
         cmd = server["cmd"]
-        assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
         model = Path(cmd[cmd.index("serve") + 1])
-        assert model.name == "tiny-deepseek-v32-32h-8l" and (model / "tokenizer.json").is_file()
-        assert json.loads((model / "config.json").read_text()) == {**original, "num_attention_heads": 32,
-                                                                   "num_hidden_layers": 8}
-    assert "dummy weights, 8 hidden layers, 32 attention heads" in (tmp_path / serve_report.REPORT_MD).read_text()
-
-
-def test_a_phase_file_holds_one_model(tmp_path: Path) -> None:
-    """ab adds to an earlier call's ab.json, but not runs of another model: one report, one model."""
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1")
-    assert r.returncode == 0, r.stdout + r.stderr
-    before = (tmp_path / "ab.json").read_text()
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1", "--layers", "8")
-    assert r.returncode == 2 and "holds runs of another model or parallelism (--tp 1); give another --out" \
-        in r.stderr, r.stdout + r.stderr
-    assert (tmp_path / "ab.json").read_text() == before
+        assert model.name == "tiny-deepseek-v32-8l" and (model / "tokenizer.json").is_file()
+        assert json.loads((model / "config.json").read_text()) == {**original, "num_hidden_layers": 8}
+    assert "dummy weights, 8 hidden layers)" in (tmp_path / serve_report.REPORT_MD).read_text()
 
 
 def test_failrate_phase(tmp_path: Path) -> None:
@@ -587,6 +566,12 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     data = results(tmp_path, "ab.json")
     assert [(run["call"], run["workload"]) for run in data["runs"]].count((1, "long")) == 2
     assert {run["workload"] for run in data["runs"] if run["call"] == 0} == {"chat", "mix"}
+    # but not runs of another model: one report, one model
+    before = (tmp_path / "ab.json").read_text()
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1", "--layers", "8")
+    assert r.returncode == 2 and "holds runs of another model (--layers None); give another --out" \
+        in r.stderr, r.stdout + r.stderr
+    assert (tmp_path / "ab.json").read_text() == before
 
 
 def test_ab_at_once_runs_both_engines_together(tmp_path: Path) -> None:
@@ -949,33 +934,22 @@ def test_serve_report_from_hand_made_results(tmp_path: Path) -> None:
     assert not (tmp_path / serve_report.MATRIX_MD).exists()  # no matrix.json here
 
 
-def test_report_counts_the_steps_again_from_the_logs(tmp_path: Path) -> None:
-    """--report-only counts an ab call's step figures again from its server logs (a run stores
-    them as the step_log of its day counted them); without the logs the stored figures stand."""
+def test_report_says_an_ab_calls_stored_step_figures(tmp_path: Path) -> None:
+    """The step figures a run stored (``--log-iterations``): the plugin's decode-only steps against
+    stock's, and the per-repeat pairs."""
     import step_log
 
-    window = ["12-02 02:30:00.000", "12-02 02:30:00.999"]
-    runs = [{"call": 0, "workload": "chat", "engine": e, "seed": 1010, "repeat": 1, "warmup": False, "status": "ok",
-             "tag": f"ab0-r1-chat-{e}", "window": window, "clients": {"chat": {"result": bench_result(100.0, 50.0)}},
-             "combined": bench_result(100.0, 50.0)} for e in ("stock", "plugin")]
-    stale = {e: step_log.summarize([]) | {"decode_gap_ms": 9.0, "decode_gaps": 1} for e in ("stock", "plugin")}
-    stale["plugin"]["decode_gap_ms"] = 18.0  # +100% as stored
-    call = {"id": 0, "workloads": ["chat"], "util": 0.4, "steps": {"chat": stale}, "step_pairs": {"chat": [2.0]},
+    stored = {e: step_log.summarize([]) | {"decode_gap_ms": 9.0, "decode_gaps": 1} for e in ("stock", "plugin")}
+    stored["plugin"]["decode_gap_ms"] = 18.0
+    call = {"id": 0, "workloads": ["chat"], "util": 0.4, "steps": {"chat": stored}, "step_pairs": {"chat": [2.0]},
             "servers": {e: {"label": f"ab0-{e}", "engine": e, "log": f"logs/{e}.log"} for e in ("stock", "plugin")}}
-    (tmp_path / "ab.json").write_text(json.dumps({"schema": 1, "phase": "ab", "finished": True, "runs": runs,
+    (tmp_path / "ab.json").write_text(json.dumps({"schema": 1, "phase": "ab", "finished": True, "runs": [],
                                                   "calls": [call]}))
     assert run_serve.main(["--report-only", str(tmp_path)]) == 0
-    assert "decode-only steps: the plugin's +100.0% against stock's (1 and 1 gaps)" in \
-        (tmp_path / serve_report.REPORT_MD).read_text()  # no logs: as stored
-    (tmp_path / "logs").mkdir()
-    for engine, gap in (("stock", 4), ("plugin", 5)):  # decode-only steps 4 and 5 ms apart
-        (tmp_path / "logs" / f"{engine}.log").write_text("\n".join(iteration_line(k * gap, 0, 8, 1.0)
-                                                                  for k in range(20)))
-    assert run_serve.main(["--report-only", str(tmp_path)]) == 0
     md_text = (tmp_path / serve_report.REPORT_MD).read_text()
-    assert "decode-only steps: the plugin's +25.0% against stock's (17 and 17 gaps)" in md_text
-    assert "decode-only steps per repeat, plugin/stock: 1.250; median 1.250 (1 pairs)" in md_text
-    assert results(tmp_path, "ab.json")["calls"][0]["steps"] == {"chat": stale}  # not rewritten
+    assert "chat, vLLM's iteration lines of the timed runs (call 0): decode-only steps: the plugin's +100.0% " \
+        "against stock's (1 and 1 gaps); decode-only steps per repeat, plugin/stock: 2.000; median 2.000 (1 pairs)" \
+        in md_text
 
 
 def test_matrix_report_from_hand_made_results() -> None:
@@ -1035,7 +1009,7 @@ def test_arguments() -> None:
     assert parse("--phase", "matrix", "--servers", "s3,s5,s6", "--stock-twins", "s5,s6").stock_twins == ["s5", "s6"]
     assert parse("--phase", "matrix", "--gpus", "6", "--util", "0.38", "--stock-twins").gpus == 6
     for bad in (["--workloads", "huge"], ["--util", "1.5"], ["--detach", "--follow"], ["--repeats", "0"],
-                ["--warmup-rounds", "-1"], ["--workloads", "mix", "--at-once", "chat"], ["--tp", "0"],
+                ["--warmup-rounds", "-1"], ["--workloads", "mix", "--at-once", "chat"],
                 ["--layers", "0"]):
         with pytest.raises(SystemExit):
             parse("--phase", "ab", *bad)

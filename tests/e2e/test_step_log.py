@@ -130,14 +130,6 @@ def test_step_log_compares_the_engines_from_vllms_iteration_lines(tmp_path: Path
     assert "other steps: stock's time per token 1.306x the plugin's (r)" in out
     assert step_log.compare(step_log.summarize(stock), step_log.summarize([]))[0].startswith(
         "iteration lines: stock 9, plugin 0: nothing to compare")
-    # the command line, and a report of one engine's iteration lines
-    (tmp_path / "s.log").write_text(engine_log(3, 100, 2.0))
-    (tmp_path / "p.log").write_text(engine_log(4, 80, 1.5))
-    assert step_log.main(["compare", str(tmp_path / "s.log"), str(tmp_path / "p.log")]) == 0
-    report = step_log.breakdown(stock, before=True)
-    assert "| kind | steps | tokens | decode tokens | gaps before them, s |" in report
-    assert "| with context tokens | 1 | 8,063 | 63 | 0.10 |" in report  # the 100 ms before its line
-    assert report[-1].startswith("decode-only steps: mean 3.00 ms inside runs of them (2 gaps")
 
 
 def test_step_log_gives_a_prefills_host_work_to_the_prefill() -> None:
@@ -221,7 +213,7 @@ def test_step_log_compares_each_workloads_timed_runs(tmp_path: Path) -> None:
     assert "decode-only steps per repeat, plugin/stock: 1.333; median 1.333 (1 pairs)" in out[chat:mix]
     assert step_log.main(["compare", "--ab", str(tmp_path)]) == 0
     with pytest.raises(SystemExit):
-        step_log.main(["compare", "--ab", str(tmp_path), str(tmp_path / "logs" / "s.log")])
+        step_log.main(["compare", str(tmp_path / "logs" / "s.log")])
 
 
 
@@ -261,7 +253,7 @@ def test_step_log_config_logs_the_plugin_alone(tmp_path: Path) -> None:
     lines through with millisecond timestamps and no other vLLM logger's."""
     path, quiet = tmp_path / "logging.json", tmp_path / "quiet.json"
     assert step_log.main(["config", str(path)]) == 0
-    assert step_log.main(["config", str(quiet), "--no-plugin-steps"]) == 0
+    step_log.write_config(quiet, plugin_steps=False)  # run_serve.py --log-iterations
     # vLLM 0.26 applies it when vllm.logger is imported, 0.33 when a process configures its logging.
     code = """if True:
         import logging
@@ -282,5 +274,5 @@ def test_step_log_config_logs_the_plugin_alone(tmp_path: Path) -> None:
         assert re.search(r"INFO \d\d-\d\d \d\d:\d\d:\d\d\.\d{3} .*shown", run.stdout)  # milliseconds
         runs[config] = step_log.parse(run.stdout)
     assert [(s.tokens, s.kind) for s in runs[path]] == [(1, step_log.DECODE_ONLY)]
-    assert runs[quiet] == []  # --no-plugin-steps: the plugin's debug line is not written
+    assert runs[quiet] == []  # plugin_steps=False: the plugin's debug line is not written
 
