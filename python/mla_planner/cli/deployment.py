@@ -455,12 +455,15 @@ class Warmup:
 
     step: Step
     """Its requests as model runner V2 makes them (context 0; decodes where short enough)."""
-    attends: bool
-    """It runs the sparse-MLA kernels: model runner V2 builds attention metadata for it."""
     why: str
-    """Why it does or does not, as the doctor prints it."""
+    """Why it does or does not run the sparse-MLA kernels, as the doctor prints it."""
     stock: StepVerdict | None
     """Stock's calls in it (``None`` where it does not attend)."""
+
+    @property
+    def attends(self) -> bool:
+        """It runs the sparse-MLA kernels: model runner V2 builds attention metadata for it."""
+        return self.stock is not None
 
 
 def warmup_step(d: Deployment) -> Step:
@@ -475,11 +478,11 @@ def warmup_step(d: Deployment) -> Step:
 def warmup(d: Deployment) -> Warmup:
     step = warmup_step(d)
     if not d.flashinfer_autotune:
-        return Warmup(step, False, "--no-enable-flashinfer-autotune", None)
+        return Warmup(step, "--no-enable-flashinfer-autotune", None)
     if not runs_v2(d):
-        return Warmup(step, False, "model runner V1 builds no attention metadata for it, so the sparse-MLA kernels do "
+        return Warmup(step, "model runner V1 builds no attention metadata for it, so the sparse-MLA kernels do "
                       "not run in it", None)  # fmt: skip
-    return Warmup(step, True, "model runner V2 runs its attention", stock_step(d, step))
+    return Warmup(step, "model runner V2 runs its attention", stock_step(d, step))
 
 
 @dataclass(frozen=True)
