@@ -40,8 +40,11 @@ import argparse
 import dataclasses
 import functools
 import random
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -395,10 +398,6 @@ def ptx_counts(ptx: str) -> dict[str, int]:
 def sass_counts(cubin: bytes, bin_dir: Path) -> dict[str, int] | None:
     """Static count of each ``SASS_OPS`` opcode in the cubin (Triton's bundled ``nvdisasm``), or
     None where it is missing."""
-    import re
-    import subprocess
-    import tempfile
-
     nvdisasm = bin_dir / "nvdisasm"
     if not nvdisasm.exists():
         return None
@@ -436,10 +435,6 @@ def compile_kernel(config: KernelConfig, heads: int, dequant: int) -> Any:
 
 def ptxas_usage(ptx: str, ptxas: Path) -> tuple[str, str]:
     """(registers, spill-store bytes) that Triton's bundled ptxas reports for sm_90a."""
-    import re
-    import subprocess
-    import tempfile
-
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
