@@ -209,17 +209,20 @@ def shape_config_labels(configs: list[KernelConfig]) -> set[str]:
 def markdown(shapes: list[Shape], configs: list[KernelConfig], header: str, topk: int) -> str:
     labels = [c.label() for c in configs]
     lines = [header, "", "### Sweep (our kernel)", "",
-             "| tokens | heads | config | median us | vs best | TFLOP/s (H heads, all top-k) | GB/s (T x top-k x 656 B) |", "|---:|---:|---|---:|---:|---:|---:|"]
+             "| tokens | heads | config | median us | vs best | vs first | TFLOP/s (H heads, all top-k) | GB/s (T x top-k x 656 B) |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|"]
     for s in shapes:
         medians = {n: m for n in labels if (m := s.median(n)) is not None}
         best = min(medians.values()) if medians else None
+        first = medians.get(labels[0])
         for n in labels:
             m = medians.get(n)
             if m is None or best is None:
-                lines.append(f"| {s.tokens} | {s.heads} | {n} | {s.notes.get(n, 'n/a')} | | | |")
+                lines.append(f"| {s.tokens} | {s.heads} | {n} | {s.notes.get(n, 'n/a')} | | | | |")
                 continue
             mark = " **best**" if m == best else ""
-            lines.append(f"| {s.tokens} | {s.heads} | {n}{mark} | {m:.1f} | {m / best:.2f}x "
+            vs_first = f"{m / first:.2f}x" if first is not None else "n/a"
+            lines.append(f"| {s.tokens} | {s.heads} | {n}{mark} | {m:.1f} | {m / best:.2f}x | {vs_first} "
                          f"| {flops(s.tokens, s.heads, topk) / m / 1e6:.0f} | {gathered_bytes(s.tokens, topk) / m / 1e3:.0f} |")
     lines += ["", "### Against the separate route (same inputs, same run)", "",
               "| tokens | heads | ours, best config | us | separate route us | gather us | prefill@64 us "
@@ -254,15 +257,15 @@ def probe_label(config: KernelConfig, mode: str) -> str:
     return f"{config.label()} [{mode}]"
 
 
-def probe_runs(configs: list[KernelConfig], q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-               outs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Callable[[], object]]:
+def probe_runs(configs: list[KernelConfig], modes: list[str], q: torch.Tensor, kv_cache: torch.Tensor,
+               slots: torch.Tensor, outs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Callable[[], object]]:
     """One call per (config, mode): the exact modes through sparse_attention_fp8, the bound probes
     through no_dequant_bound_probe; each writes its own ``outs[label]`` buffers."""
     scale = D_QK**-0.5
     runs: dict[str, Callable[[], object]] = {}
     t, h = q.shape[0], q.shape[1]
     for config in configs:
-        for mode in PROBE_MODES:
+        for mode in modes:
             label = probe_label(config, mode)
             out = torch.empty((t, h, D_V), dtype=torch.bfloat16, device=q.device)
             lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
@@ -276,19 +279,21 @@ def probe_runs(configs: list[KernelConfig], q: torch.Tensor, kv_cache: torch.Ten
     return runs
 
 
-def probe_checks(shape: Shape, configs: list[KernelConfig], outs: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                 ref: torch.Tensor) -> None:
-    """The exact modes against the float32 reference, and bits against f32 bit for bit (same
-    config: same operands into the same dots). The probes' outputs are never looked at."""
+def probe_checks(shape: Shape, configs: list[KernelConfig], modes: list[str],
+                 outs: dict[str, tuple[torch.Tensor, torch.Tensor]], ref: torch.Tensor) -> None:
+    """The exact modes run against the float32 reference, and bits against f32 bit for bit where
+    both ran (same config: same operands into the same dots). The probes' outputs are never
+    looked at."""
     for config in configs:
-        f32 = outs[probe_label(config, "f32")]
-        bits = outs[probe_label(config, "bits")]
-        for mode in DEQUANT_MODES:
-            label = probe_label(config, mode)
-            shape.checks.append(accuracy(f"T={shape.tokens} H={shape.heads} {label}", outs[label][0].float(), ref))
-        same = torch.equal(f32[0].view(torch.int16), bits[0].view(torch.int16)) and torch.equal(f32[1], bits[1])
-        shape.checks.append(f"T={shape.tokens} H={shape.heads} {config.label()}: bits output and lse "
-                            f"{'bit-identical to' if same else 'DIFFER from'} f32's")
+        for mode in modes:
+            if mode in DEQUANT_MODES:
+                label = probe_label(config, mode)
+                shape.checks.append(accuracy(f"T={shape.tokens} H={shape.heads} {label}", outs[label][0].float(), ref))
+        if "f32" in modes and "bits" in modes:
+            f32, bits = outs[probe_label(config, "f32")], outs[probe_label(config, "bits")]
+            same = torch.equal(f32[0].view(torch.int16), bits[0].view(torch.int16)) and torch.equal(f32[1], bits[1])
+            shape.checks.append(f"T={shape.tokens} H={shape.heads} {config.label()}: bits output and lse "
+                                f"{'bit-identical to' if same else 'DIFFER from'} f32's")
 
 
 def probe_shape(shape: Shape, configs: list[KernelConfig], args: argparse.Namespace, gen: torch.Generator,
@@ -303,7 +308,7 @@ def probe_shape(shape: Shape, configs: list[KernelConfig], args: argparse.Namesp
     positions = inputs.indices
     slots = slot_of(inputs.block_table[0][page_of(positions, PAGE_SIZE)], positions, PAGE_SIZE).to(torch.int32)
     outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    runs = probe_runs(configs, inputs.q, inputs.kv_cache, slots, outs)
+    runs = probe_runs(configs, args.modes, inputs.q, inputs.kv_cache, slots, outs)
     for name, run in list(runs.items()):  # warm-up and compile; a failure is noted, not fatal
         try:
             run()
@@ -316,12 +321,12 @@ def probe_shape(shape: Shape, configs: list[KernelConfig], args: argparse.Namesp
         from mla_planner.executor.reference import sparse_attention
 
         ref, _ = sparse_attention(inputs.q, as_slots(inputs.kv_cache), slots, D_QK**-0.5)
-        probe_checks(shape, configs, outs, ref)
+        probe_checks(shape, configs, args.modes, outs, ref)
     del inputs, outs, runs
     torch.cuda.empty_cache()
 
 
-def probe_markdown(shapes: list[Shape], configs: list[KernelConfig], header: str, topk: int) -> str:
+def probe_markdown(shapes: list[Shape], configs: list[KernelConfig], modes: list[str], header: str, topk: int) -> str:
     """Per shape and config: each mode's median, its ratio to f32, and its time over the ``none``
     probe per converted element (T x top-k x 512: the kernel converts every top-k entry's bytes,
     the masked zeros of unused entries too)."""
@@ -332,7 +337,7 @@ def probe_markdown(shapes: list[Shape], configs: list[KernelConfig], header: str
         elements = s.tokens * topk * D_V
         for config in configs:
             f32, none = s.median(probe_label(config, "f32")), s.median(probe_label(config, NO_DEQUANT))
-            for mode in PROBE_MODES:
+            for mode in modes:
                 label = probe_label(config, mode)
                 m = s.median(label)
                 if m is None:
@@ -356,7 +361,7 @@ def run_probe(args: argparse.Namespace) -> str:
 
     from mla_planner.calibration.kernel_timing import Timer
 
-    configs = [KernelConfig.parse(label) for label in PROBE_CONFIGS]
+    configs = [KernelConfig.parse(label) for label in (args.configs or ",".join(PROBE_CONFIGS)).split(",")]
     shapes = [Shape(t, h) for t, h in PROBE_SHAPES]
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     timer = Timer(gen.device)
@@ -367,7 +372,7 @@ def run_probe(args: argparse.Namespace) -> str:
               f"triton {triton.__version__}: top-k {args.topk}, calibration's synthetic inputs, L2 flushed before each "
               f"call, median of {args.repeats} interleaved repeats.\n\nCommand: "
               f"`python benchmarks/fp8_direct_bench.py {' '.join(sys.argv[1:])}`")
-    return probe_markdown(shapes, configs, header, args.topk)
+    return probe_markdown(shapes, configs, args.modes, header, args.topk)
 
 
 PTX_OPS = ("cvt", "prmt", "lop3", "mma", "wgmma")
@@ -425,12 +430,14 @@ def compile_kernel(config: KernelConfig, heads: int, dequant: int) -> Any:
     types = ["*bf16", "*u8", "*fp32", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32"] + ["i32"] * 10 + ["i64"] * 3 + ["fp32"]
     names = kernel.arg_names
     consts = {"PAGE": PAGE_SIZE, "BLOCK_H": config.heads_per_program(heads), "BLOCK_N": config.block_n,
-              "HAS_LENGTH": False, "HAS_SINK": False, "KEYS_AS_M": config.keys_as_m, "DEQUANT": dequant}
+              "HAS_LENGTH": False, "HAS_SINK": False, "KEYS_AS_M": config.keys_as_m, "DEQUANT": dequant,
+              "SCALES_V4": config.scales == "v4", "DV_SPLIT": config.dv_split}
     signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names[: len(types) - 1]) if n != "stride_lh"}
     src = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages,
+                                   **({} if config.max_regs is None else {"maxnreg": config.max_regs})})
 
 
 def ptxas_usage(ptx: str, ptxas: Path) -> tuple[str, str]:
@@ -445,20 +452,21 @@ def ptxas_usage(ptx: str, ptxas: Path) -> tuple[str, str]:
     return (regs.group(1) if regs else "?"), (spill.group(1) if spill else "?")
 
 
-def compile_report(configs: list[KernelConfig]) -> None:
+def compile_report(configs: list[KernelConfig], modes: list[str], heads_list: list[int]) -> None:
     """Compile each config under each dequantisation for sm90 (no GPU needed: Triton's bundled
     ptxas and nvdisasm) at 16 and 32 heads; print registers, spills, shared memory, the MMA used
     and static PTX / SASS instruction counts. The SASS counts over the ``none`` probe's, divided
     by the elements a thread dequantises per loop iteration (block_n x 512 / threads), give each
-    mode's dequantisation instructions per element (static counts: the loop body is compiled once)."""
+    mode's dequantisation instructions per element (static counts: the loop body is compiled once).
+    ``modes`` and ``heads_list`` narrow it (each compile takes seconds)."""
     import triton
 
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     codes = {**DEQUANT_MODES, **BOUND_PROBES}
-    for heads in (16, 32):
+    for heads in heads_list:
         for config in configs:
             sass_by_mode: dict[str, dict[str, int] | None] = {}
-            for mode in PROBE_MODES:
+            for mode in modes:
                 compiled = compile_kernel(config, heads, codes[mode])
                 ptx = compiled.asm["ptx"]
                 regs, spill = ptxas_usage(ptx, bin_dir / "ptxas")
@@ -466,10 +474,11 @@ def compile_report(configs: list[KernelConfig]) -> None:
                 ptx_ops = " ".join(f"{k} {v}" for k, v in ptx_counts(ptx).items())
                 sass = sass_by_mode[mode] = sass_counts(compiled.asm["cubin"], bin_dir)
                 sass_ops = " ".join(f"{k} {v}" for k, v in sass.items()) if sass else "n/a (no nvdisasm)"
-                print(f"H{heads:<3d} {config.label():<14s} {mode:<5s} registers {regs:>4s}  spill stores {spill:>5s} B  "
+                print(f"H{heads:<3d} {config.label():<20s} {mode:<5s} registers {regs:>4s}  spill stores {spill:>5s} B  "
                       f"shared {compiled.metadata.shared:>6d} B  {mma}\n"
                       f"      PTX: {ptx_ops}\n      SASS: {sass_ops}")
-            print(dequant_per_element(config, sass_by_mode))
+            if len(modes) > 1:
+                print(dequant_per_element(config, sass_by_mode))
 
 
 def dequant_per_element(config: KernelConfig, sass_by_mode: dict[str, dict[str, int] | None]) -> str:
@@ -498,7 +507,10 @@ def main() -> None:
     parser.add_argument("--tokens", default="512,2048,8192,32768")
     parser.add_argument("--heads", default="16,32")
     parser.add_argument("--topk", type=int, default=2048)
-    parser.add_argument("--configs", default=",".join(SWEEP), help="comma-separated KernelConfig labels, e.g. 'n64 w8 s2 km'")
+    parser.add_argument("--configs", help="comma-separated KernelConfig labels, e.g. 'n64 w8 s2 km' or 'n32 w4 s2 hm dv2 r168' "
+                        f"(default: the sweep {', '.join(SWEEP)}; with --probe, {', '.join(PROBE_CONFIGS)})")
+    parser.add_argument("--modes", default=",".join(PROBE_MODES),
+                        help="with --probe or --compile-report: the dequantisations and bound probes to run, comma-separated")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile-report", action="store_true",
@@ -507,9 +519,12 @@ def main() -> None:
                         help=f"time each dequantisation and the no-dequant bound probes: {PROBE_SHAPES}, configs {PROBE_CONFIGS}")
     parser.add_argument("--out", type=Path, help="also write the Markdown tables here")
     args = parser.parse_args()
-    configs = [KernelConfig.parse(label) for label in args.configs.split(",")]
+    args.modes = args.modes.split(",")
+    if unknown := [m for m in args.modes if m not in PROBE_MODES]:
+        parser.error(f"unknown --modes {unknown}: choose from {', '.join(PROBE_MODES)}")
+    configs = [KernelConfig.parse(label) for label in (args.configs or ",".join(SWEEP)).split(",")]
     if args.compile_report:
-        compile_report(configs)
+        compile_report(configs, args.modes, [int(h) for h in args.heads.split(",")])
         return
     if not torch.cuda.is_available():
         sys.exit("fp8_direct_bench.py needs a CUDA GPU (--compile-report runs without one)")

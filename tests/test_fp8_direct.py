@@ -57,6 +57,10 @@ HM = KernelConfig(block_n=32, num_warps=4, num_stages=2, keys_as_m=False)
 KM = KernelConfig(block_n=32, num_warps=4, num_stages=2, keys_as_m=True)
 HM_BITS = dataclasses.replace(HM, dequant="bits")
 KM_BITS = dataclasses.replace(KM, dequant="bits")
+HM_V4 = dataclasses.replace(HM, scales="v4")
+KM_V4 = dataclasses.replace(KM, scales="v4")
+HM_DV2 = dataclasses.replace(HM, dv_split=2)
+KM_DV2 = dataclasses.replace(KM, dv_split=2)
 SPECS = [
     Spec("h16 topk64 heads-as-M", 16, 64, HM),
     Spec("h16 topk64 keys-as-M", 16, 64, KM),
@@ -78,6 +82,28 @@ SPECS = [
     Spec("h16 magnitude spread, padded pages, bits dequant", 16, 64, KM_BITS, spread=1.0, page_pad_bytes=48),
     Spec("h16 every e4m3 code, f32 dequant", 16, 64, HM, special_bytes=True),
     Spec("h16 every e4m3 code, bits dequant", 16, 64, HM_BITS, special_bytes=True),
+    # The 16-byte tile-scale load (its PTX carried out by the interpreter's patch).
+    Spec("h16 topk64 heads-as-M, 16-byte scales", 16, 64, HM_V4),
+    Spec("h32 topk128 lengths+sink keys-as-M block 64, 16-byte scales", 32, 128, dataclasses.replace(KM_V4, block_n=64),
+         lengths=True, sink=True),
+    Spec("h16 magnitude spread, padded pages, 16-byte scales", 16, 64, KM_V4, spread=1.0, page_pad_bytes=48),
+    Spec("h16 every e4m3 code, 16-byte scales", 16, 64, HM_V4, special_bytes=True),
+    Spec("h16 every e4m3 code, 16-byte scales, bits dequant", 16, 64, dataclasses.replace(KM_V4, dequant="bits"),
+         special_bytes=True),
+    # The output split over two programs a token.
+    Spec("h16 topk64 heads-as-M, split output", 16, 64, HM_DV2),
+    Spec("h16 topk64 keys-as-M, split output", 16, 64, KM_DV2),
+    Spec("h16 topk128 lengths+sink, split output", 16, 128, HM_DV2, lengths=True, sink=True),
+    Spec("h32 topk128 lengths+sink keys-as-M block 64, split output", 32, 128, dataclasses.replace(KM_DV2, block_n=64),
+         lengths=True, sink=True),
+    Spec("h32 topk64 sink, two head groups, split output", 32, 64, dataclasses.replace(HM_DV2, head_block=16), sink=True),
+    Spec("h16 topk80 keys-as-M, split output", 16, 80, KM_DV2, lengths=True),
+    Spec("h16 strided out, padded pages, split output", 16, 64, KM_DV2, out_pad_heads=3, page_pad_bytes=48),
+    Spec("h16 every e4m3 code, split output", 16, 64, HM_DV2, special_bytes=True),
+    Spec("h16 every e4m3 code, split output, bits dequant", 16, 64, dataclasses.replace(KM_DV2, dequant="bits"),
+         special_bytes=True),
+    Spec("h8 split output, 16-byte scales, register cap", 8, 64, dataclasses.replace(HM_DV2, scales="v4", max_regs=168),
+         sink=True),
 ]
 
 # Every e4m3 code but the two NaNs (0x7F, 0xFF): +-0, the 14 subnormals (0x01-0x07, 0x81-0x87), the
@@ -108,6 +134,26 @@ def _with_special_bytes(case: Fp8Case, gen: torch.Generator) -> Fp8Case:
     rows[:, :SCALES_START] = nope
     rows[:, SCALES_START:ROPE_START] = scales.view(torch.uint8)
     return dataclasses.replace(case, kv_cache=rows.view(case.kv_cache.shape))
+
+
+def _tiles_reversed(case: Fp8Case) -> Fp8Case:
+    """The case's cache with each row's four tile scales in reverse order: what a scale load that
+    hands the scales to the wrong tiles would compute."""
+    rows = as_slots(case.kv_cache).clone()
+    scales = rows[:, SCALES_START:ROPE_START].contiguous().view(torch.float32).flip(1).contiguous()
+    rows[:, SCALES_START:ROPE_START] = scales.view(torch.uint8)
+    return dataclasses.replace(case, kv_cache=rows.view(case.kv_cache.shape))
+
+
+@pytest.mark.parametrize("spec", ["h16 every e4m3 code, 16-byte scales", "h16 every e4m3 code, split output"])
+def test_the_check_catches_tile_scales_in_the_wrong_order(interpreted: dict[str, tuple[Fp8Case, dict[str, Any]]], spec: str) -> None:
+    """The cases of the 16-byte scale load and of the split output tell the tiles apart: the
+    kernel's output fails against a reference whose tile scales are reversed within each row."""
+    case, result = interpreted[spec]
+    wrong = _tiles_reversed(case)
+    ref_out, _ = reference(wrong)
+    with pytest.raises(AssertionError):
+        check_output(spec, result["out"].float(), ref_out, probability_rounding_bound(wrong), **PREFILL_OUT)
 
 
 def _doubled_scales(case: Fp8Case) -> Fp8Case:
@@ -259,7 +305,8 @@ def test_bad_arguments_raise_value_errors(name: str, mutate: Any, message: str) 
 
 
 @pytest.mark.parametrize("fields", [{"block_n": 24}, {"block_n": 8}, {"num_warps": 3}, {"num_stages": 0}, {"head_block": 8},
-                                    {"dequant": "none"}, {"dequant": "widen"}, {"dequant": "bf16"}])
+                                    {"dequant": "none"}, {"dequant": "widen"}, {"dequant": "bf16"}, {"scales": "v2"},
+                                    {"dv_split": 4}, {"dv_split": 0}, {"max_regs": 100}, {"max_regs": 256}, {"max_regs": 16}])
 def test_bad_configs_raise_value_errors(fields: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         KernelConfig(**fields)
@@ -273,10 +320,34 @@ def test_the_bound_probe_takes_only_its_probes() -> None:
         no_dequant_bound_probe(args["q"], args["kv_cache"], args["indices"], args["softmax_scale"], probe="f32")
 
 
+def test_the_launch_follows_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the launcher hands Triton: the default launch as before (one program a token and head
+    group, no register cap, the scales' masked load, no split); a split doubles the programs along
+    the token axis; a register cap becomes maxnreg."""
+    from mla_planner.kernels import fp8_direct
+
+    launches: list[tuple[tuple[int, ...], dict[str, Any]]] = []
+
+    class Recorder:
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            return lambda *args, **kwargs: launches.append((grid, kwargs))
+
+    monkeypatch.setattr(fp8_direct, "_sparse_fp8_kernel", Recorder())
+    args = _good(heads=32)
+    for config in (KernelConfig(), dataclasses.replace(HM, head_block=16, scales="v4", dv_split=2, max_regs=168)):
+        sparse_attention_fp8(args["q"], args["kv_cache"], args["indices"], args["softmax_scale"], config=config)
+    (grid, default), (split_grid, split) = launches
+    assert grid == (3, 1) and "maxnreg" not in default
+    assert (default["SCALES_V4"], default["DV_SPLIT"]) == (False, 1)
+    assert split_grid == (6, 2) and split["maxnreg"] == 168
+    assert (split["SCALES_V4"], split["DV_SPLIT"]) == (True, 2)
+
+
 def test_config_labels_are_distinct() -> None:
     configs = {HM, KM, dataclasses.replace(KM, block_n=64), dataclasses.replace(KM, num_stages=3), dataclasses.replace(HM, head_block=16),
-               HM_BITS, dataclasses.replace(KM_BITS, head_block=16)}
-    assert len(configs) == 7
+               HM_BITS, dataclasses.replace(KM_BITS, head_block=16), HM_V4, HM_DV2, dataclasses.replace(HM_DV2, max_regs=168),
+               dataclasses.replace(KM_BITS, scales="v4", dv_split=2, max_regs=200)}
+    assert len(configs) == 11
     assert len({c.label() for c in configs}) == len(configs)
     assert all(KernelConfig.parse(c.label()) == c for c in configs)
     with pytest.raises(ValueError):
@@ -284,7 +355,8 @@ def test_config_labels_are_distinct() -> None:
 
 
 @pytest.mark.parametrize("fault", ["scale 2% off", "sink ignored", "rope ignored", "dequant exponent off by one"])
-@pytest.mark.parametrize("spec", ["h16 topk128 lengths+sink", "h16 topk128 lengths+sink, bits dequant"])
+@pytest.mark.parametrize("spec", ["h16 topk128 lengths+sink", "h16 topk128 lengths+sink, bits dequant",
+                                  "h16 topk128 lengths+sink, split output"])
 def test_the_check_catches_a_wrong_result(interpreted: dict[str, tuple[Fp8Case, dict[str, Any]]], fault: str, spec: str) -> None:
     """The criterion is not vacuous: the kernel's own output fails it against a reference with a
     small semantic fault."""

@@ -13,22 +13,38 @@ their ``(R, 512)`` BF16 values. RESULTS.pt: ``{"attention": [...], "dequant": [.
 kernel never writes shows up; with ``out_pad_heads`` > 0 in a case, ``out`` is a strided head
 slice of a wider buffer (as vLLM passes it) whose other heads must stay untouched.
 
-Two fixes to Triton 3.8's interpreter (numpy), neither touching the kernel or its GPU path:
+Three fixes to Triton 3.8's interpreter (numpy), none touching the kernel or its GPU path:
 
 * ``tl.dot`` on bfloat16 operands multiplies their raw uint16 bit patterns (the interpreter keeps
   bfloat16 as uint16 and only up-converts 8-bit floats before ``np.matmul``): the patch
   up-converts bfloat16 operands to float32 first (exact; the GPU's tensor cores multiply them
   exactly and accumulate in float32 too);
 * the float32 -> bfloat16 cast truncates: the patch rounds to nearest even, as the GPU's
-  ``cvt.rn.bf16.f32`` does.
+  ``cvt.rn.bf16.f32`` does;
+* inline PTX does not run: the kernel's one piece of it, the 16-byte tile-scale load
+  (``SCALES_V4_ASM``, ``KernelConfig(scales="v4")``), is carried out as the PTX states it (four
+  words at each valid row's address, zeros elsewhere), checking the address's 16-byte alignment;
+  any other inline PTX still raises. So the interpreter checks the addresses, masks and the order
+  in which the four words become tile scales; the PTX text itself runs on the GPU only.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
 from typing import Any
+
+
+class _Results:
+    """What the interpreter's inline-asm call returns: its outputs, by index."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def get_result(self, i: int) -> Any:
+        return self.handles[i]
 
 
 def patch_interpreter() -> None:
@@ -40,6 +56,8 @@ def patch_interpreter() -> None:
     builder = interpreter.InterpreterBuilder
     original_dot = builder.create_dot
     original_cast = builder.cast_impl
+    original_inline_asm = builder.create_inline_asm
+    from mla_planner.kernels.fp8_direct import SCALES_V4_ASM
 
     def to_f32(handle: Any) -> Any:
         if handle.dtype.scalar != tl.bfloat16:
@@ -56,8 +74,23 @@ def patch_interpreter() -> None:
             return interpreter.TensorHandle(rounded.view(np.uint16), tl.bfloat16)
         return original_cast(self, src, dst_type)
 
+    def create_inline_asm(self: Any, asm: str, constraints: str, values: list[Any], types: list[Any], is_pure: bool,
+                          pack: int) -> Any:
+        if asm != SCALES_V4_ASM.value:
+            return original_inline_asm(self, asm, constraints, values, types, is_pure, pack)
+        # What the PTX does: where $5 is nonzero, the four 32-bit words at address $4; else zeros.
+        # The address must be 16-byte aligned, as ld.global.v4 needs on the GPU.
+        addresses, valid = values[0].data.astype(np.uint64).ravel(), values[1].data.ravel()
+        words = np.zeros((addresses.size, 4), dtype=np.int32)
+        for i in np.flatnonzero(valid):
+            assert int(addresses[i]) % 16 == 0, f"scale load at {int(addresses[i]):#x}: not 16-byte aligned"
+            words[i] = np.frombuffer(ctypes.string_at(int(addresses[i]), 16), dtype=np.int32)
+        shape = values[0].data.shape
+        return _Results([interpreter.TensorHandle(words[:, j].reshape(shape).copy(), tl.int32) for j in range(4)])
+
     builder.create_dot = create_dot
     builder.cast_impl = cast_impl
+    builder.create_inline_asm = create_inline_asm
     # create_fp_trunc and friends are lambdas that look cast_impl up on the instance, so they
     # take the patched one.
 

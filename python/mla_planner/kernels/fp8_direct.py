@@ -41,13 +41,31 @@ import triton.language as tl
 
 from mla_planner.executor.layout import D_NOPE, D_QK, D_ROPE, D_V, FP8_BYTES_PER_TOKEN, NUM_TILES, ROPE_START, SCALES_START, TILE
 
-__all__ = ["DEFAULT_CONFIG", "DEQUANT_MODES", "KernelConfig", "sparse_attention_fp8"]
+__all__ = ["DEFAULT_CONFIG", "DEQUANT_MODES", "DV_SPLITS", "SCALE_LOADS", "KernelConfig", "sparse_attention_fp8"]
 
 LOG2E = 1.4426950408889634  # log2(e): the kernel's softmax runs in base 2
 
 DEQUANT_MODES = {"f32": 0, "bits": 1}
 """The exact dequantisations a :class:`KernelConfig` can ask for, and the kernel's ``DEQUANT`` code
 of each."""
+SCALE_LOADS = ("f32", "v4")
+"""How a row's four tile scales are fetched (:class:`KernelConfig`'s ``scales``)."""
+DV_SPLITS = (1, 2)
+"""Programs a (token, head group)'s 512 output columns can be split over (``dv_split``)."""
+SCALES_V4_ASM = tl.constexpr("""{
+    .reg .pred p;
+    setp.ne.b32 p, $5, 0;
+    mov.b32 $0, 0;
+    mov.b32 $1, 0;
+    mov.b32 $2, 0;
+    mov.b32 $3, 0;
+    @p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];
+}""")
+"""One 16-byte load of a row's four tile scales (bytes [512, 528)): ``$4`` the address, ``$5``
+nonzero where the row is valid; an invalid row reads nothing and gets four zeros, as the masked
+loads give. The address is 16-byte aligned: the launcher checks the cache's base and page stride,
+and a row starts at a multiple of 656 = 16 x 41 bytes, so byte 512 = 16 x 32 of it is too.
+(A ``tl.constexpr``: a kernel reads no other module global.)"""
 BOUND_PROBES = {"none": 2, "widen": 3}
 """The kernel's ``DEQUANT`` codes of :func:`no_dequant_bound_probe`'s two probes (wrong results by
 design): not :class:`KernelConfig` modes, so nothing that takes a config can select them."""
@@ -70,6 +88,19 @@ class KernelConfig:
     ``dequant``: how the FP8 bytes become BF16 (:data:`DEQUANT_MODES`), both exact and equal:
     ``"f32"`` converts through Triton's e4m3 -> float32 cast, ``"bits"`` places each byte's
     sign, exponent and mantissa into float32 bits with integer operations and rescales once.
+    ``scales``: how each row's four float32 tile scales are read (:data:`SCALE_LOADS`). ``"f32"``:
+    one masked ``(block_n, 4)`` float32 load, which Triton spreads one scale per thread (at 32 keys
+    and 4 warps there are as many scales as threads), so each scale is its own 4-byte copy;
+    ``"v4"``: each row's 16 scale bytes as one 16-byte ``ld.global.v4`` (inline PTX, which
+    Triton neither vectorises differently nor pipelines), four values per row handed to the
+    dequantisation. Same values either way.
+    ``dv_split``: programs per (token, head group) (:data:`DV_SPLITS`). 2: each program keeps only
+    its half of the 512 output columns (the accumulator is heads x 256), gathers a row's NoPE bytes
+    as two 256-byte halves (its own, kept for the value dot, and the other, used for the scores and
+    dropped) and computes the full scores; a row is then gathered by both programs (neighbours in
+    launch order, so the second read can come from L2) and the score dot is done twice.
+    ``max_regs``: Triton's ``maxnreg`` (registers a thread at most; ptxas spills beyond), ``None``:
+    ptxas' own choice. Fewer registers a thread let more programs share an SM.
     """
 
     block_n: int = 32
@@ -78,6 +109,9 @@ class KernelConfig:
     keys_as_m: bool = True
     head_block: int | None = None
     dequant: str = "f32"
+    scales: str = "f32"
+    dv_split: int = 1
+    max_regs: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -90,6 +124,14 @@ class KernelConfig:
             raise ValueError(f"head_block must be a power of two >= 16, got {self.head_block}")
         if self.dequant not in DEQUANT_MODES:
             raise ValueError(f"dequant must be one of {sorted(DEQUANT_MODES)}, got {self.dequant!r}")
+        if self.scales not in SCALE_LOADS:
+            raise ValueError(f"scales must be one of {SCALE_LOADS}, got {self.scales!r}")
+        if self.dv_split not in DV_SPLITS:
+            raise ValueError(f"dv_split must be one of {DV_SPLITS}, got {self.dv_split}")
+        if self.max_regs is not None and not (32 <= self.max_regs <= 255 and self.max_regs % 8 == 0):
+            # 255 is a thread's most; a cap between multiples of 8 buys nothing, since an SM hands
+            # registers to a warp 8 a thread at a time.
+            raise ValueError(f"max_regs must be a multiple of 8 in [32, 255], got {self.max_regs}")
 
     def heads_per_program(self, num_heads: int) -> int:
         if self.head_block is not None:
@@ -98,25 +140,35 @@ class KernelConfig:
 
     def label(self) -> str:
         """Short name for tables: ``n64 w8 s2 hm`` (``km`` for keys_as_m), ``hb16`` if set, the
-        dequant mode if not the default ``f32`` (``n32 w4 s2 hm bits``)."""
+        dequant mode if not the default ``f32`` (``n32 w4 s2 hm bits``), then ``sv4`` for the
+        16-byte scale load, ``dv2`` for a split output, ``r168`` for a register cap."""
         parts = [f"n{self.block_n}", f"w{self.num_warps}", f"s{self.num_stages}", "km" if self.keys_as_m else "hm"]
         if self.head_block is not None:
             parts.append(f"hb{self.head_block}")
         if self.dequant != "f32":
             parts.append(self.dequant)
+        if self.scales != "f32":
+            parts.append(f"s{self.scales}")
+        if self.dv_split != 1:
+            parts.append(f"dv{self.dv_split}")
+        if self.max_regs is not None:
+            parts.append(f"r{self.max_regs}")
         return " ".join(parts)
 
     @classmethod
     def parse(cls, label: str) -> KernelConfig:
         """The inverse of :meth:`label` (fields left out keep their defaults)."""
         fields: dict[str, object] = {}
-        keys = {"n": "block_n", "w": "num_warps", "s": "num_stages", "hb": "head_block"}
+        keys = {"n": "block_n", "w": "num_warps", "s": "num_stages", "hb": "head_block", "dv": "dv_split", "r": "max_regs"}
         for part in label.split():
             if part in ("km", "hm"):
                 fields["keys_as_m"] = part == "km"
                 continue
             if part in DEQUANT_MODES:
                 fields["dequant"] = part
+                continue
+            if part.startswith("s") and part[1:] in SCALE_LOADS:
+                fields["scales"] = part[1:]
                 continue
             name = part.rstrip("0123456789")
             if name not in keys or name == part:
@@ -133,7 +185,8 @@ what decides."""
 
 @triton.jit
 def _dequant_f32(nope, scales, BLOCK_N: tl.constexpr):
-    """FP8 bytes ``(BLOCK_N, 512)`` x tile scales ``(BLOCK_N, 4)`` -> BF16, through Triton's e4m3
+    """FP8 bytes ``(BLOCK_N, W)`` x tile scales ``(BLOCK_N, W / 128)`` -> BF16 (W = 512, or 256 for
+    half a row), through Triton's e4m3
     -> float32 cast (on sm90: a packed e4m3x2 -> f16x2 convert, f16 -> f32, a multiply, a packed
     f32 -> bf16 convert).
 
@@ -143,8 +196,8 @@ def _dequant_f32(nope, scales, BLOCK_N: tl.constexpr):
     bfloat16 cast, which Triton 3.8 compiles for sm90 through a one-value f16 -> bf16 convert per
     element, and its interpreter computes bfloat16 arithmetic on the raw bits.)"""
     k = nope.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    k = tl.reshape(k, (BLOCK_N, 4, 128)) * scales[:, :, None]
-    return tl.reshape(k, (BLOCK_N, 512)).to(tl.bfloat16)
+    k = tl.reshape(k, (BLOCK_N, nope.shape[1] // 128, 128)) * scales[:, :, None]
+    return tl.reshape(k, (BLOCK_N, nope.shape[1])).to(tl.bfloat16)
 
 
 @triton.jit
@@ -166,13 +219,45 @@ def _dequant_bits(nope, scales, BLOCK_N: tl.constexpr):
     bits = (t << 20) & -2014314496  # 0x87F00000 as int32: the sign bit and bits 26..20
     k = bits.to(tl.float32, bitcast=True)
     factor = scales * 1.329227995784916e36  # 2^120, exact in float32
-    k = tl.reshape(k, (BLOCK_N, 4, 128)) * factor[:, :, None]
-    return tl.reshape(k, (BLOCK_N, 512)).to(tl.bfloat16)
+    k = tl.reshape(k, (BLOCK_N, nope.shape[1] // 128, 128)) * factor[:, :, None]
+    return tl.reshape(k, (BLOCK_N, nope.shape[1])).to(tl.bfloat16)
+
+
+@triton.jit
+def _tile_scales(kv_u8, kv_f32, row_u8, row_f32, valid, BLOCK_N: tl.constexpr, SCALES_V4: tl.constexpr):
+    """The four float32 tile scales of rows ``row`` (bytes [512, 528) of each), ``(BLOCK_N, 4)``;
+    zeros for invalid rows. ``SCALES_V4``: one 16-byte load a row (:data:`SCALES_V4_ASM`), else
+    Triton's masked load of float32 elements 128..131."""
+    if SCALES_V4:
+        s0, s1, s2, s3 = tl.inline_asm_elementwise(
+            SCALES_V4_ASM, "=r,=r,=r,=r,l,r", [kv_u8 + row_u8 + 512, valid.to(tl.int32)],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        # join(join(s0, s2), join(s1, s3))[r, j, i] is scale 2j + i, so the reshape is in tile order.
+        scales = tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), (BLOCK_N, 4))
+        scales = scales.to(tl.float32, bitcast=True)
+    else:
+        # One float32 scale per 128-wide tile, at bytes [512, 528): float32 element 128 + tile.
+        tiles = tl.arange(0, 4)
+        scales = tl.load(kv_f32 + row_f32[:, None] + 128 + tiles[None, :], mask=valid[:, None], other=0.0)
+    return scales
+
+
+@triton.jit
+def _convert(nope, scales, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr):
+    """FP8 bytes -> BF16 under ``DEQUANT`` 0 (f32), 1 (bits) or 3 (the widen probe)."""
+    if DEQUANT == 3:
+        # Byte b -> BF16 bits b << 6: exponent field b >> 1 (<= 127), so finite, at most 2.
+        k = (nope.to(tl.int16) << 6).to(tl.bfloat16, bitcast=True)
+    elif DEQUANT == 1:
+        k = _dequant_bits(nope, scales, BLOCK_N)
+    else:
+        k = _dequant_f32(nope, scales, BLOCK_N)
+    return k
 
 
 @triton.jit
 def _gather_keys(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride_f32, page_stride_bf16,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr):
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr, SCALES_V4: tl.constexpr):
     """Rows ``idx`` (``(BLOCK_N,)`` slots) of the paged cache -> NoPE ``(BLOCK_N, 512)`` and RoPE
     ``(BLOCK_N, 64)``, both BF16. Invalid rows are not read (masked loads) and come back as zeros,
     so even a NaN-filled slot behind a ``-1`` contributes nothing.
@@ -186,7 +271,8 @@ def _gather_keys(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride
     probes (:func:`no_dequant_bound_probe`, meaningless results): 2 (``none``) reads the row's 512
     NoPE bytes as 256 BF16 values and uses each twice -- the same bytes loaded, no dequantisation
     work at all, but a load of another dtype, which Triton may stage differently; 3 (``widen``)
-    loads the bytes as the exact modes do and only widens each into BF16 bits (a shift), no scale.
+    loads the bytes as the exact modes do and only widens each into BF16 bits (a shift), no scale
+    (so no scale is loaded either). ``SCALES_V4``: :func:`_tile_scales`.
     """
     page = (idx // PAGE).to(tl.int64)
     offset = (idx % PAGE).to(tl.int64)
@@ -198,21 +284,49 @@ def _gather_keys(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride
         cols = tl.arange(0, 512)
         row_u8 = page * page_stride_u8 + offset * 656
         nope = tl.load(kv_u8 + row_u8[:, None] + cols[None, :], mask=valid[:, None], other=0)
-        # One float32 scale per 128-wide tile, at bytes [512, 528): float32 element 128 + tile.
         row_f32 = page * page_stride_f32 + offset * 164
-        tiles = tl.arange(0, 4)
-        scales = tl.load(kv_f32 + row_f32[:, None] + 128 + tiles[None, :], mask=valid[:, None], other=0.0)
-        if DEQUANT == 3:
-            # Byte b -> BF16 bits b << 6: exponent field b >> 1 (<= 127), so finite, at most 2.
-            k = (nope.to(tl.int16) << 6).to(tl.bfloat16, bitcast=True)
-        elif DEQUANT == 1:
-            k = _dequant_bits(nope, scales, BLOCK_N)
-        else:
-            k = _dequant_f32(nope, scales, BLOCK_N)
+        scales = _tile_scales(kv_u8, kv_f32, row_u8, row_f32, valid, BLOCK_N, SCALES_V4)
+        k = _convert(nope, scales, BLOCK_N, DEQUANT)
     # The RoPE part: 64 bfloat16 at bytes [528, 656) = bfloat16 elements [264, 328).
     rope_cols = tl.arange(0, 64)
     k_rope = tl.load(kv_bf16 + row_bf16[:, None] + 264 + rope_cols[None, :], mask=valid[:, None], other=0.0)
     return k, k_rope
+
+
+@triton.jit
+def _gather_halves(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride_f32, page_stride_bf16, half,
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr, SCALES_V4: tl.constexpr):
+    """:func:`_gather_keys` with the NoPE part as two ``(BLOCK_N, 256)`` BF16 halves: columns
+    ``[256 half, 256 half + 256)`` (the program's own, the value operand) and the other 256
+    columns; then the RoPE part. Each half is dequantised with its own two tile scales."""
+    page = (idx // PAGE).to(tl.int64)
+    offset = (idx % PAGE).to(tl.int64)
+    row_bf16 = page * page_stride_bf16 + offset * 328
+    own0 = half * 256
+    other0 = 256 - own0
+    if DEQUANT == 2:
+        cols = tl.arange(0, 128)
+        raw = tl.load(kv_bf16 + row_bf16[:, None] + half * 128 + cols[None, :], mask=valid[:, None], other=0.0)
+        k_own = tl.reshape(tl.join(raw, raw), (BLOCK_N, 256))
+        raw = tl.load(kv_bf16 + row_bf16[:, None] + (128 - half * 128) + cols[None, :], mask=valid[:, None], other=0.0)
+        k_other = tl.reshape(tl.join(raw, raw), (BLOCK_N, 256))
+    else:
+        cols = tl.arange(0, 256)
+        row_u8 = page * page_stride_u8 + offset * 656
+        row_f32 = page * page_stride_f32 + offset * 164
+        scales = tl.reshape(_tile_scales(kv_u8, kv_f32, row_u8, row_f32, valid, BLOCK_N, SCALES_V4), (BLOCK_N, 2, 2))
+        # Tiles 2 half and 2 half + 1 are the own half's; picked by a select and a sum of one term
+        # (exact), since a register tensor cannot be indexed at a runtime position.
+        own_tiles = tl.arange(0, 2)[None, :, None] == half
+        scales_own = tl.sum(tl.where(own_tiles, scales, 0.0), axis=1)
+        scales_other = tl.sum(tl.where(own_tiles, 0.0, scales), axis=1)
+        nope = tl.load(kv_u8 + row_u8[:, None] + own0 + cols[None, :], mask=valid[:, None], other=0)
+        k_own = _convert(nope, scales_own, BLOCK_N, DEQUANT)
+        nope = tl.load(kv_u8 + row_u8[:, None] + other0 + cols[None, :], mask=valid[:, None], other=0)
+        k_other = _convert(nope, scales_other, BLOCK_N, DEQUANT)
+    rope_cols = tl.arange(0, 64)
+    k_rope = tl.load(kv_bf16 + row_bf16[:, None] + 264 + rope_cols[None, :], mask=valid[:, None], other=0.0)
+    return k_own, k_other, k_rope
 
 
 @triton.jit
@@ -229,22 +343,40 @@ def _sparse_fp8_kernel(
     HAS_SINK: tl.constexpr,
     KEYS_AS_M: tl.constexpr,
     DEQUANT: tl.constexpr,
+    SCALES_V4: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
 ):
-    """One program = one query token x ``BLOCK_H`` heads. All of a token's heads share one program
-    so each gathered key row is read and dequantised once per token, not once per head; the rows
-    of different tokens differ (each has its own top-k), so a program never shares them across
-    tokens. Online softmax over blocks of ``BLOCK_N`` top-k entries, in the base-2 domain
-    (``scale_log2`` = softmax scale * log2(e)); O accumulates in float32 registers."""
-    t = tl.program_id(0).to(tl.int64)
+    """One program = one query token x ``BLOCK_H`` heads (x one of ``DV_SPLIT`` parts of the 512
+    output columns). All of a token's heads share one program so each gathered key row is read and
+    dequantised once per token, not once per head; the rows of different tokens differ (each has
+    its own top-k), so a program never shares them across tokens. Online softmax over blocks of
+    ``BLOCK_N`` top-k entries, in the base-2 domain (``scale_log2`` = softmax scale * log2(e));
+    O accumulates in float32 registers. With ``DV_SPLIT`` = 2, programs ``2t`` and ``2t + 1``
+    take token ``t``'s two output halves: launched next to each other, so the rows the first
+    gathers are still in L2 when the second gathers them."""
+    if DV_SPLIT == 1:
+        t = tl.program_id(0).to(tl.int64)
+        half = 0
+    else:
+        t = (tl.program_id(0) // DV_SPLIT).to(tl.int64)
+        half = tl.program_id(0) % DV_SPLIT
+    DV: tl.constexpr = 512 // DV_SPLIT
     h0 = tl.program_id(1) * BLOCK_H
     heads = h0 + tl.arange(0, BLOCK_H)
     head_ok = heads < num_heads
-    d_nope = tl.arange(0, 512)
     d_rope = tl.arange(0, 64)
 
-    # The query, loaded once: (BLOCK_H, 512) NoPE and (BLOCK_H, 64) RoPE, bf16; padded heads are 0.
+    # The query, loaded once: (BLOCK_H, 512) NoPE (or its own half and the other half) and
+    # (BLOCK_H, 64) RoPE, bf16; padded heads are 0.
     q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
-    q_nope = tl.load(q_row + d_nope[None, :], mask=head_ok[:, None], other=0.0)
+    if DV_SPLIT == 1:
+        d_nope = tl.arange(0, 512)
+        q_nope = tl.load(q_row + d_nope[None, :], mask=head_ok[:, None], other=0.0)
+    else:
+        d_half = tl.arange(0, 256)
+        d_nope = half * 256 + d_half  # the output columns this program writes
+        q_nope = tl.load(q_row + d_nope[None, :], mask=head_ok[:, None], other=0.0)
+        q_other = tl.load(q_row + (256 - half * 256) + d_half[None, :], mask=head_ok[:, None], other=0.0)
     q_rope = tl.load(q_row + 512 + d_rope[None, :], mask=head_ok[:, None], other=0.0)
 
     n_end = topk
@@ -255,22 +387,32 @@ def _sparse_fp8_kernel(
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
     if KEYS_AS_M:
-        acc = tl.zeros((512, BLOCK_H), tl.float32)
+        acc = tl.zeros((DV, BLOCK_H), tl.float32)
         q_nope_t = tl.trans(q_nope)
         q_rope_t = tl.trans(q_rope)
+        if DV_SPLIT != 1:
+            q_other_t = tl.trans(q_other)
     else:
-        acc = tl.zeros((BLOCK_H, 512), tl.float32)
+        acc = tl.zeros((BLOCK_H, DV), tl.float32)
 
     for start in range(0, n_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         in_row = n < n_end
         idx = tl.load(idx_ptr + t * stride_it + n, mask=in_row, other=-1)
         valid = in_row & (idx >= 0) & (idx < num_rows)
-        k, k_rope = _gather_keys(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride_f32,
-                                 page_stride_bf16, PAGE, BLOCK_N, DEQUANT)
+        if DV_SPLIT == 1:
+            k, k_rope = _gather_keys(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride_f32,
+                                     page_stride_bf16, PAGE, BLOCK_N, DEQUANT, SCALES_V4)
+        else:
+            # k: this program's half of the columns (the value operand); k_other only scores.
+            k, k_other, k_rope = _gather_halves(kv_u8, kv_f32, kv_bf16, idx, valid, page_stride_u8, page_stride_f32,
+                                                page_stride_bf16, half, PAGE, BLOCK_N, DEQUANT, SCALES_V4)
         if KEYS_AS_M:
             # S^T (BLOCK_N, heads) = K Q^T: the key block is the MMA's M side.
-            s = tl.dot(k, q_nope_t) + tl.dot(k_rope, q_rope_t)
+            if DV_SPLIT == 1:
+                s = tl.dot(k, q_nope_t) + tl.dot(k_rope, q_rope_t)
+            else:
+                s = tl.dot(k, q_nope_t) + tl.dot(k_other, q_other_t) + tl.dot(k_rope, q_rope_t)
             s = tl.where(valid[:, None], s * scale_log2, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=0))
             # A head with no valid key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -278,18 +420,21 @@ def _sparse_fp8_kernel(
             alpha = tl.exp2(m - m_safe)
             p = tl.exp2(s - m_safe[None, :])
             l = l * alpha + tl.sum(p, axis=0)
-            # O^T (512, heads) += V^T P^T: the 512 value columns are M.
+            # O^T (DV, heads) += V^T P^T: the value columns (512, or this half's 256) are M.
             acc = acc * alpha[None, :] + tl.dot(tl.trans(k), p.to(tl.bfloat16))
         else:
             # S (heads, BLOCK_N) = Q K^T over the 576 dims: NoPE part + RoPE part.
-            s = tl.dot(q_nope, tl.trans(k)) + tl.dot(q_rope, tl.trans(k_rope))
+            if DV_SPLIT == 1:
+                s = tl.dot(q_nope, tl.trans(k)) + tl.dot(q_rope, tl.trans(k_rope))
+            else:
+                s = tl.dot(q_nope, tl.trans(k)) + tl.dot(q_other, tl.trans(k_other)) + tl.dot(q_rope, tl.trans(k_rope))
             s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            # O (heads, 512) += P V, V = the dequantised NoPE part (MLA: the value is the latent).
+            # O (heads, DV) += P V, V = the dequantised NoPE part (MLA: the value is the latent).
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
         m = m_new
 
@@ -303,7 +448,11 @@ def _sparse_fp8_kernel(
         denom = l + tl.exp2(sink * 1.4426950408889634 - m_fin)
     inv = tl.where(has_keys, 1.0 / denom, 0.0)
     lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * 0.6931471805599453, float("inf"))
-    tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
+    if DV_SPLIT == 1:
+        tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
+    else:
+        # Both halves compute lse, with their score dots summed in another order; one writes it.
+        tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok & (half == 0))
     out_row = out_ptr + t * stride_ot
     if KEYS_AS_M:
         o = (acc * inv[None, :]).to(tl.bfloat16)
@@ -447,7 +596,9 @@ def _attend(
     # Absent optional inputs get a stand-in pointer of the same dtype, never read (HAS_* False).
     # Read-only inputs stand in: Triton's interpreter copies every argument back after the run,
     # so passing an output twice would clobber it there.
-    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    grid = (num_tokens * config.dv_split, triton.cdiv(num_heads, block_h))
+    # maxnreg only where asked: the default launch stays as it was.
+    launch_options = {} if config.max_regs is None else {"maxnreg": config.max_regs}
     _sparse_fp8_kernel[grid](
         q, cache3, kv_f32, kv_bf16, indices,
         topk_length if topk_length is not None else indices,
@@ -464,8 +615,11 @@ def _attend(
         HAS_SINK=attn_sink is not None,
         KEYS_AS_M=config.keys_as_m,
         DEQUANT=dequant,
+        SCALES_V4=config.scales == "v4",
+        DV_SPLIT=config.dv_split,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options,
     )
     return out, lse
 
