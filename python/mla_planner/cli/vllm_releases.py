@@ -241,6 +241,22 @@ V0_33 = VllmRelease(
 
 RELEASES: dict[str, VllmRelease] = {r.minor: r for r in (V0_26, V0_33)}
 NEWEST = V0_33
+SIMULATED = V0_26
+"""The release whose stock calls ``simulate`` and ``plan`` replay (``policies.stock``): no workspace
+holds a call's padded q or output, so each call's buffers are all its scratch, and the prefill
+padding is the planner's default by architecture. Masked MHA, where asked for, is the behaviour of
+the releases that have it (:func:`with_masked_mha`)."""
+
+
+def names(releases: list[VllmRelease]) -> str:
+    """``0.26 and 0.33``: the releases' minor versions, for help texts."""
+    minors = [r.minor for r in releases]
+    return ", ".join(minors[:-1]) + " and " + minors[-1] if len(minors) > 1 else "".join(minors)
+
+
+def with_masked_mha() -> list[VllmRelease]:
+    """The releases whose vLLM runs masked-MHA prefill."""
+    return [r for r in RELEASES.values() if r.masked_mha]
 
 
 def release_for(installed: str | None) -> VllmRelease:
