@@ -3,8 +3,8 @@
     python benchmarks/planning_bench.py
 
 Prints, for 256 to 4,096 prefill requests: microseconds per call of
-mla_planner.split_prefill_chunks (numpy in, numpy out) and of vLLM 0.26.0's
-split_prefill_chunks (a torch tensor in, a list out) on the same input,
+mla_planner.split_prefill_chunks (numpy in, numpy out) and of the installed
+vLLM's split_prefill_chunks (a torch tensor in, a list out) on the same input,
 their ratio (target >= 50x), and our time per request (flat when cost grows
 linearly with requests).
 """

@@ -13,8 +13,8 @@ longer than top-k and vLLM runs it as sparse MQA, not dense MHA), planned on eac
   the profile priced them at (padded, or 16/32 native where it prices those cheaper).
 
 Each route is timed as a whole (CUDA events, L2 flushed before, median of ``--runs``, routes
-interleaved), the launches exactly as planned and priced. "Stock" is vLLM 0.26's rule with no
-budget: one mixed call at 16 heads (separate at 128, where vLLM's rule already picks it). Outputs
+interleaved), the launches exactly as planned and priced. "Stock" is vLLM's rule with no budget:
+one mixed call at 16 heads (separate at 128, where vLLM's rule already picks it). Outputs
 are checked on ``--check-rows`` random rows against the float32 reference with FlashMLA's
 tolerances (decode kernel: abs 1e-3 / rel 2.01/128; prefill kernel: abs 8e-4 / rel 3.01/128;
 both cos diff 1e-5) and the fraction of elements outside them is printed.

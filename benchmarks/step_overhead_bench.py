@@ -19,8 +19,8 @@ The engine is the issue's (#14) tiny DeepSeek-V3.2 shape: 16 heads per rank, top
 cache (``fp8_ds_mla``), a dense-MHA prefill backend (short prefills, under top-k tokens, never
 reach the sparse kernels), the default 1 GiB scratch budget, and DeepSeek-V3.2's 61 attention
 layers per step (``--layers``): a step's first layer call does work its later ones reuse (FlashMLA's
-schedules; on vLLM 0.33 the plugin's workspace views), so the number of layers weighs it. The
-steps:
+schedules; the plugin's workspace views, where the release's impl keeps a workspace), so the number
+of layers weighs it. The steps:
 
 * ``decode``: 64 decodes of 1,000 tokens of context (uniform decode, what FULL CUDA graphs replay);
 * ``capture``: ``build_for_cudagraph_capture`` of 64 one-token requests, as vLLM's capture loop
@@ -28,8 +28,9 @@ steps:
 * ``chat``: the 64 decodes plus one new 1,000-token prompt, which runs dense MHA: the sparse
   kernels see the 64 decode tokens only (vLLM bench serve's chat workload);
 * ``mid``: the 64 decodes plus one 2,500-token prompt, past top-k, so every token is sparse, in one
-  call: over what the engine holds on vLLM 0.33, so the plan runs it as one launch; within it on
-  0.26 (which reserves the whole budget), so stock's call runs it;
+  call: over what the engine holds where the release's impl keeps a workspace, so the plan runs it
+  as one launch; within it where it keeps none (the reservation holds the whole budget), so stock's
+  call runs it;
 * ``long``: the 64 decodes plus one 8,000-token prompt, past top-k, so every token is sparse; the
   planner splits it under the budget.
 

@@ -10,7 +10,8 @@ __version__: str
 GLOBAL_TOPK_MASK_MAX_BYTES: int
 MIN_HEADS_FOR_BF16_PREFILL: int
 NATIVE_PREFILL_HEADS: list[int]
-"""Heads FlashMLA's SM90 sparse prefill kernel runs unpadded in vLLM 0.33's build (16, 32)."""
+"""Heads FlashMLA's SM90 sparse prefill kernel runs unpadded, in a build with native 16/32-head
+prefill kernels (16, 32)."""
 ALLOCATOR_RESERVE_BYTES: int
 DEFAULT_TOPK: int
 H200_NUM_SMS: int
@@ -121,8 +122,9 @@ class StepConfig:
     def prefill_takes_out(self) -> bool: ...
     @property
     def native_prefill_heads(self) -> bool:
-        """The prefill kernel runs the query heads unpadded (16 or 32 on sm90, vLLM 0.33's
-        FlashMLA); otherwise vLLM's padding. A cost model may also take native heads per step."""
+        """The prefill kernel runs the query heads unpadded (16 or 32 on sm90, given a FlashMLA
+        build with native 16/32-head prefill kernels); otherwise vLLM's padding. A cost model may
+        also take native heads per step."""
     @property
     def decode_heads(self) -> int:
         """Heads the sparse decode kernel runs (64 or 128)."""
@@ -136,11 +138,12 @@ class StepConfig:
     @property
     def prefill_padding(self) -> int:
         """vLLM's ``prefill_padding``, the head multiple it pads the prefill kernel's q to: the one
-        given, else vLLM 0.26's (64 on sm90, 128 on sm100); vLLM 0.33 pads to 64 on both."""
+        given, else the padding by architecture (64 on sm90, 128 on sm100). A FlashMLA build with
+        64-head sm100 prefill kernels pads to 64 on both; the release module says which."""
     @property
     def native_prefill_heads_possible(self) -> bool:
         """The prefill kernel can run ``num_heads`` unpadded on this GPU (16 or 32 on sm90), given
-        a FlashMLA build with those kernels (vLLM 0.33's)."""
+        a FlashMLA build with those kernels."""
     @property
     def decode_writes_in_place(self) -> bool: ...
     @property
@@ -296,7 +299,8 @@ def padded_heads(
     num_heads: int, *, kernel: Kernel = "sparse_decode", arch: str = "sm90", padding: int | None = None
 ) -> int:
     """Heads ``kernel`` runs for ``num_heads`` query heads per rank (q is zero-padded up to it);
-    ``padding``: vLLM's ``prefill_padding`` for the prefill kernel (default 0.26's for ``arch``)."""
+    ``padding``: vLLM's ``prefill_padding`` for the prefill kernel (default: the padding by
+    architecture, 64 on sm90 and 128 on sm100)."""
 def plan_mixed_batch(
     num_tokens: int,
     *,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from mla_planner import H200_NUM_SMS, MAX_HEADS, StepConfig
 
-from . import checks, presets
+from . import checks, presets, vllm_releases
 from .units import GIB, format_bytes, size_arg
 
 DEFAULT_MAX_MODEL_LEN = 163_840  # DeepSeek-V3.2's context length
@@ -61,7 +61,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8", help="KV cache dtype (default fp8)")
     g.add_argument("--arch", choices=("sm90", "sm100"), default="sm90", help="GPU architecture (default sm90)")
     g.add_argument("--num-sms", type=checks.int_in(1, checks.MAX_NUM_SMS), default=H200_NUM_SMS, help=f"SM count (default {H200_NUM_SMS}, H200)")
-    g.add_argument("--masked-mha", action="store_true", help="masked-MHA prefill available (vLLM >= 0.27: sm100 + bf16 KV only)")
+    masked = vllm_releases.names(vllm_releases.with_masked_mha())
+    g.add_argument("--masked-mha", action="store_true", help=f"masked-MHA prefill available (vLLM {masked}: sm100 + bf16 KV only)")
     b = p.add_argument_group("budgets")
     b.add_argument("--budget", type=size_arg, default=GIB, help="bytes one attention launch may allocate, e.g. 1GiB, 512MiB (default 1GiB)")
     b.add_argument(

@@ -1,16 +1,16 @@
 """Will a vLLM deployment of a sparse-MLA model survive its worst step? A pure model, of the vLLM
-release the serve line runs on (:mod:`.vllm_releases`: 0.26 and 0.33).
+release the serve line runs on (:mod:`.vllm_releases`: one description per supported release).
 
 What vLLM does, per GPU (docs/kernels.md, "Two vLLM facts about reservation";
-``gpu_worker.determine_available_memory`` in both releases): it gives the KV cache
+``gpu_worker.determine_available_memory`` in every release modelled): it gives the KV cache
 ``util x total`` less the non-KV memory: model loading (weights and what loading allocates: the
 workspaces, the top-k buffer), the profiled peak of a max-size dummy step, and with CUDA graphs
 the CUDA-graph estimate (:func:`non_kv_parts`). The profile run never calls the sparse-MLA kernels,
 so stock vLLM's attention scratch must come out of what lies outside ``util x total``, less what a
 step holds that the profile did not set aside (``step_reserve``, measured on the H200). The plugin
-reserves what its largest launch allocates (on 0.26 also the step's output) inside the model memory
-instead (:func:`plugin_reservation`), so its KV cache is that much smaller and its scratch comes out
-of the reservation.
+reserves what its largest launch allocates (and the step's output, where the release's workspace
+has no view for it) inside the model memory instead (:func:`plugin_reservation`), so its KV cache
+is that much smaller and its scratch comes out of the reservation.
 
 Every byte of scratch comes from the planner core (`policies.stock`, `plan_step`) and the engine's
 own sizing (`engine_model.sizing`); this module only adds the memory model around them, and labels
@@ -39,9 +39,11 @@ from mla_planner.engine_model.settings import Settings
 
 from . import policies, presets, vllm_releases
 from .config import CliError, PlannerConfig, in_flags
+from .gpus import GPUS as GPUS
+from .gpus import H200_TOTAL_BYTES as H200_TOTAL_BYTES
+from .gpus import Gpu
 from .steps import Step
-from .units import GIB
-from .vllm_releases import ACTIVATION_HIDDEN, VllmRelease
+from .vllm_releases import ACTIVATION_HIDDEN, StepReserve, VllmRelease
 
 MIB = 1 << 20
 SERVE_NAMES = {"scratch_budget_bytes": "the budget (MLA_PLANNER_SCRATCH_MB)", "max_model_len": "--max-model-len"}
@@ -59,41 +61,6 @@ def installed_vllm() -> str | None:
 
 
 # --- GPUs ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    arch: str
-    num_sms: int
-    total_bytes: int  # what torch.cuda.mem_get_info reports as total
-    source: str  # "measured: ..." or "assumed: ..."
-
-    @property
-    def measured(self) -> bool:
-        return self.source.startswith("measured")
-
-
-H200_TOTAL_BYTES = 150_109_880_320
-"""torch.cuda.mem_get_info()[1] on the H200 of docs/results-vllm-0.26.md, 26.2 (139.80 GiB)."""
-H200_DATASHEET_GIB = 141
-# The H200 exposes this fraction of its datasheet capacity to torch; the other GPUs are assumed to
-# expose the same fraction of theirs.
-USABLE_FRACTION = H200_TOTAL_BYTES / (H200_DATASHEET_GIB * GIB)
-H100_TOTAL_BYTES = 85_017_493_504
-"""torch.cuda.mem_get_info()[1] on the H100 80GB HBM3 of docs/results-vllm-0.33.md, 33.32 (79.18 GiB)."""
-
-
-def _datasheet(name: str, arch: str, num_sms: int, gib: int) -> Gpu:
-    total = int(gib * GIB * USABLE_FRACTION)
-    return Gpu(name, arch, num_sms, total, f"assumed: datasheet {gib} GB x the H200's usable fraction {USABLE_FRACTION:.4f}")
-
-
-GPUS: dict[str, Gpu] = {
-    "H200": Gpu("H200", "sm90", 132, H200_TOTAL_BYTES, "measured: torch.cuda.mem_get_info total on an H200 (docs/results-vllm-0.26.md)"),
-    "H100": Gpu("H100", "sm90", 132, H100_TOTAL_BYTES, "measured: torch.cuda.mem_get_info total on an H100 80GB HBM3 (docs/results-vllm-0.33.md)"),
-    "B200": _datasheet("B200", "sm100", 148, 180),
-}
 
 
 def gpu_present() -> Gpu:
@@ -278,35 +245,6 @@ def topk_buffer_bytes(model: Model, max_num_batched_tokens: int) -> int:
     return max_num_batched_tokens * model.topk * 4
 
 
-# A stock 32K step of the tiny model (16 heads): one decode call, out allocated by the kernel.
-_STOCK_32K = decode_scratch(1, 32_768, 16)
-_BEFORE_O_ACCUM = sum(v for k, v in _STOCK_32K.buffers.items() if k in ("q_padded", "out", "lse"))
-# step_reserve: what a step holds outside the attention scratch and outside what vLLM set aside.
-# TP 1: at 0.90 the 32K step ran with 0.87 GiB left free (scratch + reserve = 10% - 0.87 GiB).
-# Cross-check at 0.95: it failed asking for o_accum with 1.89 GiB free, q_padded, out and lse held.
-STEP_RESERVE_TP1 = int(0.10 * H200_TOTAL_BYTES - 0.87 * GIB) - _STOCK_32K.total_bytes
-# TP 2 (each rank 16 heads): at 0.95 o_accum failed with 429 MiB free; at 0.90 with 7.41 GiB free
-# (where TP 1 ran): the multi-GPU engine holds more. Assumed the same at larger TP.
-STEP_RESERVE_TP2 = int(0.05 * H200_TOTAL_BYTES) - (_BEFORE_O_ACCUM + 429 * MIB)
-
-
-class StepReserve(NamedTuple):
-    bytes: int
-    source: str
-    """Where the figure comes from, as the doctor prints it."""
-
-
-def step_reserve(tp: int) -> StepReserve:
-    """What a step holds at tensor parallel ``tp`` outside the scratch and what vLLM set aside: the
-    test model's TP 1 figure at TP 1, its TP 2 figure from TP 2 up."""
-    if tp == 1:
-        return StepReserve(STEP_RESERVE_TP1, "measured on the test model under vLLM 0.26, TP 1")
-    return StepReserve(STEP_RESERVE_TP2, "measured on the test model under vLLM 0.26, TP 2" if tp == 2
-                       else "assumed: the test model's under vLLM 0.26 at TP 2")
-
-
-
-
 # --- the deployment and its diagnosis ------------------------------------------------------------
 
 
@@ -408,7 +346,12 @@ class Deployment:
         """Memory a step's unreserved scratch can take: what lies outside util x total, less the
         step's own unreserved memory."""
         u = self.gpu_memory_utilization if util is None else util
-        return self.gpu.total_bytes - int(u * self.gpu.total_bytes) - step_reserve(self.tp).bytes
+        return self.gpu.total_bytes - int(u * self.gpu.total_bytes) - self.step_reserve().bytes
+
+    def step_reserve(self) -> StepReserve:
+        """What a step holds outside the scratch and what vLLM set aside, at this tensor parallel
+        size, as the release's description gives it."""
+        return self.release.step_reserve.at(self.tp)
 
     def planner_config(self, *, fp8: bool) -> PlannerConfig:
         try:
@@ -501,7 +444,7 @@ class Diagnosis:
     reserved_kv_tokens: int  # the KV tokens those bytes would hold (fp8_ds_mla)
     max_stock_util: float | None
     budget_kv_tokens: int  # the KV tokens the plugin's budget would hold (fp8_ds_mla)
-    stock_path: str  # the path stock vLLM takes for this cache and heads per rank (the same rule in both releases)
+    stock_path: str  # the path stock vLLM takes for this cache and heads per rank (the same rule in every release modelled)
     stride_tokens: int  # the longest single mixed-batch / prefill call the kernels accept
     warmup: Warmup
     assumptions: dict[str, str] = field(default_factory=dict)
@@ -526,11 +469,16 @@ def kv_tokens(d: Deployment, kv_bytes: int, fp8: bool) -> int:
     return max(0, kv_bytes) // per_token
 
 
+PER_RANK_AUTOTUNE_FILES = " and ".join(f"vLLM {r.minor}'s per-rank files" for r in vllm_releases.RELEASES.values()
+                                      if r.per_rank_autotune_files) or "per-rank files"
+"""Where saved autotune results can skip the start-up step, as the doctor's sources say it."""
+
+
 WORKSPACE_BUFFERS = ("q_padded", "out")
 """A sparse prefill call's buffers that live in vLLM's workspace where the release keeps its padded
 views there (counted with the non-KV memory, not with the call's transient scratch). Only the
 prefill kernel's: vLLM's FP8 decode-kernel call (the mixed batch, and the separate route's decodes)
-pads q into a fresh ``new_zeros`` and lets the kernel allocate its output, in 0.33 as in 0.26."""
+pads q into a fresh ``new_zeros`` and lets the kernel allocate its output, in every release modelled."""
 
 
 def stock_step(d: Deployment, step: Step) -> StepVerdict:
@@ -578,9 +526,8 @@ def plugin_reservation(d: Deployment) -> int:
     """What the plugin holds back from the KV cache, as its engine setup sizes it
     (:func:`.sizing.reservation`): the most one launch of any plan of the routes its steps may take
     allocates beyond vLLM's workspace at this step size, and where the release's workspace has no
-    view for it the step's output. The H200 logged 1,535 MiB at 32,768 tokens a step and 2,047 MiB
-    at 65,536 under vLLM 0.26 (docs/results-vllm-0.26.md, 26.16), 676 MiB at 16 heads and the
-    default budget under 0.33 (docs/results-vllm-0.33.md)."""
+    view for it the step's output. tests/test_doctor.py checks it against the reservations the H200
+    logged under each release."""
     routes, max_decode = plugin_routes(d)
     return sizing.reservation(routes, d.max_num_batched_tokens, max_decode, d.heads_per_rank,
                               d.release.padded_view_heads(d.heads_per_rank))[1]
@@ -604,7 +551,7 @@ def worst_steps(d: Deployment) -> list[Step]:
 
 def max_stock_util(d: Deployment, stock_peak: int) -> float | None:
     """The highest util (two decimals) at which `stock_peak` fits the headroom, if any."""
-    util = math.floor((1 - (stock_peak + step_reserve(d.tp).bytes) / d.gpu.total_bytes) * 100) / 100
+    util = math.floor((1 - (stock_peak + d.step_reserve().bytes) / d.gpu.total_bytes) * 100) / 100
     return util if util > 0 else None
 
 
@@ -667,15 +614,13 @@ def diagnose(d: Deployment) -> Diagnosis:
         assumptions={
             "gpu_total": d.gpu.source,
             **{name: part.source for name, part in d.non_kv_parts().items()},
-            "step_reserve": "measured on the H200 under vLLM 0.26 (tiny e2e model): TP 1 at 0.90 and 0.95; TP 2 at 0.95 and"
-                " 0.90; assumed the same for other models, TP > 2 and other releases",
+            "step_reserve": d.release.step_reserve.provenance,
             "sampler": "not modelled: the profile's sampler run over max_num_seqs x vocabulary (with MTP, its rejection"
-                " sampler), which can exceed the step's peak (the tiny GLM-5 at 1,024 sequences with MTP, vLLM 0.26:"
-                " 2.1 GiB more than this model)",
+                f" sampler), which can exceed the step's peak ({d.release.sampler_excess})",
             "scratch": "the planner's byte models (docs/kernels.md, checked against the H200's allocator)",
             "warmup": "counted: vLLM's start-up FlashInfer autotune step (kernel_warmup) as model runner V2 makes it;"
                 " assumed: FlashInfer installed (a dependency of both releases) and a first start: where every rank"
-                " loads autotune results an earlier start of the same configuration saved (vLLM 0.33's per-rank files,"
+                f" loads autotune results an earlier start of the same configuration saved ({PER_RANK_AUTOTUNE_FILES},"
                 " TP > 1), the step is skipped",
         },
     )  # fmt: skip

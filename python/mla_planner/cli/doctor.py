@@ -19,11 +19,12 @@ PLUGIN_FLAGS = {"--attention-backend": "CUSTOM", "--kv-cache-dtype": "fp8_ds_mla
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    releases = " or ".join(vllm_releases.RELEASES)
     p = commands.add_parser(
         "doctor",
         help="will a `vllm serve` line run out of memory on its worst step, and what fixes it",
         description=(
-            "Read a `vllm serve` command line (after --) and say whether stock vLLM (0.26 or 0.33) and the "
+            f"Read a `vllm serve` command line (after --) and say whether stock vLLM ({releases}) and the "
             "mla-planner plugin survive its worst step, what each leaves for the KV cache, and which flags to change."
         ),
     )
@@ -279,7 +280,7 @@ def to_json(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None)
         "memory": {
             "weights_bytes": d.weights_per_rank, "activation_bytes": d.activation,
             "non_kv_bytes": d.non_kv_bytes(), "non_kv_parts": {name: part.bytes for name, part in d.non_kv_parts().items()},
-            "step_reserve_bytes": deployment.step_reserve(d.tp).bytes, "headroom_bytes": diag.headroom,
+            "step_reserve_bytes": d.step_reserve().bytes, "headroom_bytes": diag.headroom,
         },
         "worst_step": {"num_tokens": diag.worst_step.num_tokens, "stock_path": diag.stock_path, "paths": diag.paths},
         "warmup": warmup_json(diag.warmup),
@@ -306,7 +307,7 @@ def _tag(source: str) -> str:
 
 def to_text(diag: Diagnosis, serve: serve_line.ServeArgs, installed: str | None) -> list[str]:
     d, a = diag.deployment, diag.assumptions
-    reserve = deployment.step_reserve(d.tp)
+    reserve = d.step_reserve()
     paths = diag.paths
     mixed, sep = paths["mixed_batch"], paths["separate"]
     taken = diag.stock_path

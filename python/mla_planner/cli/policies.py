@@ -1,10 +1,11 @@
 """What one step costs under each policy.
 
-*stock*: vLLM 0.26's FLASHMLA_SPARSE backend as shipped. Mixed batch: one
-decode-kernel call over every sparse token of the step. Separate: one decode
-call for the decodes, one prefill call per `split_prefill_chunks` chunk.
-Both let the kernel allocate `out` (vLLM passes none). Prefills are routed
-all-or-nothing per step (vLLM's rule; masked MHA is vLLM >= 0.27).
+*stock*: vLLM's FLASHMLA_SPARSE backend as shipped, as the release
+`vllm_releases.SIMULATED` describes runs it. Mixed batch: one decode-kernel
+call over every sparse token of the step. Separate: one decode call for the
+decodes, one prefill call per `split_prefill_chunks` chunk. Both let the
+kernel allocate `out` (vLLM passes none). Prefills are routed all-or-nothing
+per step (vLLM's rule for masked MHA, where the release has it).
 
 *planned*: `mla_planner.plan_step` under the byte budget.
 

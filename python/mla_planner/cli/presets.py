@@ -1,5 +1,6 @@
 """Model presets: heads per rank for a model at a tensor-parallel size, and
-the FP8 path vLLM 0.26 takes there (mixed batch below 32 heads per rank)."""
+the FP8 path vLLM takes there (mixed batch below 32 heads per rank, the rule of
+every release :mod:`.vllm_releases` describes)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import argparse
 from dataclasses import dataclass
 
 from mla_planner import MIN_HEADS_FOR_BF16_PREFILL, step_mode
+
+from . import vllm_releases
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ def lookup(name: str) -> Preset:
 
 
 def vllm_path(num_heads: int, kv_dtype: str, *, short: bool = False) -> str:
-    """The attention path vLLM 0.26's FLASHMLA_SPARSE backend takes."""
+    """The attention path vLLM's FLASHMLA_SPARSE backend takes (every supported release's rule)."""
     mode = step_mode(num_heads, kv_dtype=kv_dtype)
     if short:
         return {"bf16": "bf16 sparse prefill kernel", "mixed_batch": "mixed batch"}.get(mode, "separate prefill/decode")
@@ -73,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
             heads = preset.heads_per_rank(tp)
             print(f"  --tp {tp}: {heads:3d} heads per rank; FP8 KV takes vLLM's {vllm_path(heads, 'fp8', short=True)} path")
     print(
-        f"vLLM 0.26 runs FP8 steps in mixed batch below {MIN_HEADS_FOR_BF16_PREFILL} heads per rank, "
+        f"vLLM {vllm_releases.names(list(vllm_releases.RELEASES.values()))} run FP8 steps in mixed batch below "
+        f"{MIN_HEADS_FOR_BF16_PREFILL} heads per rank, "
         "separate prefill/decode otherwise.\nAnything else: --heads N (query heads per rank) and --topk."
     )
     return 0

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from . import vllm_releases
 from .atomic import AtomicFiles
 from .config import PlannerConfig
 from .records import PERCENTILES, POLICIES, Records
@@ -89,8 +90,10 @@ def markdown(s: dict[str, Any], cfg: PlannerConfig, *, plot: bool = True) -> str
     lines = ["# mla-planner simulate", "", *(f"- {h}" for h in _header(s)), ""]
     lines += [
         "Scratch = the bytes of the step's largest sparse-attention kernel launch (split-KV accumulators,",
-        "padded q, outputs the kernel allocates). Stock = vLLM as shipped: 0.26's FLASHMLA_SPARSE backend,",
-        "and 0.33's all-or-nothing masked-MHA fallback where masked MHA is on. Planned = mla-planner under",
+        "padded q, outputs the kernel allocates). Stock = vLLM as shipped: "
+        f"{vllm_releases.SIMULATED.minor}'s FLASHMLA_SPARSE backend,",
+        f"and {vllm_releases.names(vllm_releases.with_masked_mha())}'s all-or-nothing masked-MHA fallback where masked"
+        " MHA is on. Planned = mla-planner under",
         f"a {format_bytes(cfg.step.scratch_budget_bytes)} budget per launch. A step over the headroom is an OOM in production;",
         "a step over a hard limit raises in the kernel whatever the memory. Details: docs/cli.md.",
         "",

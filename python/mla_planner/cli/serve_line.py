@@ -24,8 +24,8 @@ from typing import Any, NoReturn
 
 from .config import CliError
 
-# CacheConfig.gpu_memory_utilization's default in vLLM 0.26.0 and 0.33.0; the batch defaults, which
-# depend on the GPU and the release, are the release's (vllm_releases.VllmRelease.default_batch).
+# CacheConfig.gpu_memory_utilization's default, the same in every release vllm_releases describes; the
+# batch defaults, which depend on the GPU and the release, are the release's (VllmRelease.default_batch).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 _ENV_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 MODELLED_FLAGS = ("--model", "--tensor-parallel-size", "-tp", "--max-num-batched-tokens", "--gpu-memory-utilization",
@@ -151,16 +151,17 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-# Where `vllm serve`'s parser is built: vLLM 0.33 (entrypoints.common), 0.26 (entrypoints.openai).
+# Where `vllm serve`'s parser is built, in the order tried: entrypoints.common where the installed
+# release has it, else entrypoints.openai.
 _VLLM_PARSER_MODULES = ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.openai.cli_args")
 
 
 def _vllm_namespace(argv: list[str]) -> argparse.Namespace | None:
     """vLLM's own serve parser, or None where vLLM cannot be imported or cannot build its parser
-    here (vLLM 0.26 and 0.33 infer a device type while building it, and fail on a machine with
-    none). vLLM logs to stdout (``VLLM_LOGGING_STREAM``'s default), from its import on (Triton's
-    INFO lines): everything it prints while it is imported and parses goes to stderr, so stdout
-    holds the command's report alone (``doctor --json | jq``)."""
+    here (vLLM infers a device type while building it, and fails on a machine with none). vLLM
+    logs to stdout (``VLLM_LOGGING_STREAM``'s default), from its import on (Triton's INFO lines):
+    everything it prints while it is imported and parses goes to stderr, so stdout holds the
+    command's report alone (``doctor --json | jq``)."""
     with contextlib.redirect_stdout(sys.stderr):
         return _vllm_parse(argv)
 
@@ -169,7 +170,7 @@ def _vllm_namespace(argv: list[str]) -> argparse.Namespace | None:
 def _a_device_type() -> Iterator[None]:
     """vLLM's platform with a device type while its parser is built and parses: without a GPU it is
     vLLM's ``UnspecifiedPlatform``, whose empty device type makes the parser's ``DeviceConfig``
-    default raise "Failed to infer device type" (0.26 and 0.33 ``config/device.py``). Parsing reads
+    default raise "Failed to infer device type" (vLLM's ``config/device.py``). Parsing reads
     flags and defaults; nothing runs on the device."""
     platform: Any = getattr(importlib.import_module("vllm.platforms"), "current_platform")
     cls = type(platform)
@@ -312,8 +313,8 @@ def parse(words: Sequence[str], *, use_vllm: bool = True) -> ServeArgs:
 
 
 def _speculative_config(value: Any) -> dict[str, Any] | None:
-    """``--speculative-config`` from either parser: a dict (vLLM 0.26 and 0.33 parse the JSON), or
-    its JSON text."""
+    """``--speculative-config`` from either parser: a dict (vLLM's parser parses the JSON), or its
+    JSON text."""
     if value is None or isinstance(value, dict):
         return value
     try:

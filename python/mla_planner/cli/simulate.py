@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from mla_planner import data
 
-from . import checks, config, policies, report
+from . import checks, config, policies, report, vllm_releases
 from .atomic import atomic_files, check_folder
 from .config import CliError, PlannerConfig
 from .records import POLICIES, Records, summarise
@@ -36,7 +36,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="replay a workload trace under stock vLLM and under the planner",
         description=(
             "Replay a JSON Lines trace (one scheduler step per line; format in docs/cli.md) under stock "
-            "vLLM 0.26 and under mla-planner. With no TRACE: the built-in default workload."
+            f"vLLM {vllm_releases.SIMULATED.minor} and under mla-planner. With no TRACE: the built-in default workload."
         ),
     )
     p.add_argument(

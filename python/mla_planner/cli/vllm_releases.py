@@ -22,10 +22,41 @@ layers skip their kernels (``v2_runner_by_default``, ``parallel_drafting_needs_v
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from mla_planner import decode_scratch
 from mla_planner.engine_model import sizing
 
+from .gpus import H200_TOTAL_BYTES
 from .units import GIB
+
+MIB = 1 << 20
+
+
+class StepReserve(NamedTuple):
+    bytes: int
+    source: str
+    """Where the figure comes from, as the doctor prints it."""
+
+
+@dataclass(frozen=True)
+class StepReserves:
+    """What a step holds outside the attention scratch and outside what vLLM set aside before the
+    KV cache, as measured on the 2-layer test model (16 heads per rank) at TP 1 and TP 2: what stock's
+    scratch cannot have of the memory beyond ``util x total``."""
+
+    tp1: StepReserve
+    tp2: StepReserve
+    beyond_tp2: str
+    """The source of TP 2's figure where it stands in for a larger tensor parallel size."""
+    provenance: str
+    """The measurement as a whole, for the doctor's list of sources."""
+
+    def at(self, tp: int) -> StepReserve:
+        """The figure at tensor parallel ``tp``: TP 1's at 1, TP 2's from 2 up."""
+        if tp == 1:
+            return self.tp1
+        return self.tp2 if tp == 2 else StepReserve(self.tp2.bytes, self.beyond_tp2)
 
 
 def minor_of(version: str) -> str:
@@ -83,6 +114,15 @@ class VllmRelease:
     dummy_remainder_spread: bool
     """V2's dummy step of ``t`` tokens over ``n`` requests gives the last ``t mod n`` requests one
     token more each; otherwise the last request takes the whole remainder."""
+    per_rank_autotune_files: bool
+    """FlashInfer's start-up autotune keeps its results in a file per rank, so at tensor parallel
+    above 1 a start whose every rank loads the file an earlier start of the same configuration saved
+    skips the dummy step; otherwise every start runs it."""
+    step_reserve: StepReserves
+    """What a step holds beyond what vLLM set aside, with where each figure was measured."""
+    sampler_excess: str
+    """A measured case of what the doctor leaves out: the profile run's sampler over
+    ``max_num_seqs`` x vocabulary exceeding the step's peak (cited in its sources)."""
 
     @property
     def minor(self) -> str:
@@ -124,6 +164,25 @@ ACTIVATION_HIDDEN = 1024
 """The hidden size of the test models the per-token activation was fitted on; another model's is
 assumed to scale with its hidden size."""
 
+# step_reserve, measured on the H200 under vLLM 0.26 with the 2-layer test model at 16 heads per rank.
+# A stock 32K step of it: one decode call, `out` allocated by the kernel.
+_STOCK_32K = decode_scratch(1, 32_768, 16)
+_BEFORE_O_ACCUM = sum(v for k, v in _STOCK_32K.buffers.items() if k in ("q_padded", "out", "lse"))
+STEP_RESERVE_0_26 = StepReserves(
+    # TP 1: at 0.90 the 32K step ran with 0.87 GiB left free (scratch + reserve = 10% - 0.87 GiB).
+    # Cross-check at 0.95: it failed asking for o_accum with 1.89 GiB free, q_padded, out and lse held.
+    tp1=StepReserve(int(0.10 * H200_TOTAL_BYTES - 0.87 * GIB) - _STOCK_32K.total_bytes,
+                    "measured on the test model under vLLM 0.26, TP 1"),
+    # TP 2 (each rank 16 heads): at 0.95 o_accum failed with 429 MiB free; at 0.90 with 7.41 GiB free
+    # (where TP 1 ran): the multi-GPU engine holds more. Assumed the same at larger TP.
+    tp2=StepReserve(int(0.05 * H200_TOTAL_BYTES) - (_BEFORE_O_ACCUM + 429 * MIB),
+                    "measured on the test model under vLLM 0.26, TP 2"),
+    beyond_tp2="assumed: the test model's under vLLM 0.26 at TP 2",
+    provenance="measured on the H200 under vLLM 0.26 (tiny e2e model): TP 1 at 0.90 and 0.95; TP 2 at 0.95 and"
+               " 0.90; assumed the same for other models, TP > 2 and other releases",
+)  # fmt: skip
+SAMPLER_EXCESS_0_26 = "the tiny GLM-5 at 1,024 sequences with MTP, vLLM 0.26: 2.1 GiB more than this model"
+
 # The constants: tests/test_doctor.py's fit (exact: three lines, three unknowns per release) of
 # `fitted_on`'s lines, over what the model computes from geometry (weights, workspaces, top-k
 # buffers). Refit with `cd tests && PYTHONPATH=../python python -m harness.doctor_kv` after a line changes.
@@ -147,6 +206,11 @@ V0_26 = VllmRelease(
     v2_runner_by_default=False,
     parallel_drafting_needs_v1=True,
     dummy_remainder_spread=False,
+    # kernel_warmup.flashinfer_autotune: above one rank no persistent cache (every rank tunes); at
+    # one rank the leader tunes into its cache file, and the dummy step runs either way.
+    per_rank_autotune_files=False,
+    step_reserve=STEP_RESERVE_0_26,
+    sampler_excess=SAMPLER_EXCESS_0_26,
 )
 V0_33 = VllmRelease(
     version="0.33.0",
@@ -169,10 +233,30 @@ V0_33 = VllmRelease(
     v2_runner_by_default=True,
     parallel_drafting_needs_v1=True,
     dummy_remainder_spread=True,
+    per_rank_autotune_files=True,
+    # Not measured under 0.33: 0.26's figures, whose sources name the release they were measured on.
+    step_reserve=STEP_RESERVE_0_26,
+    sampler_excess=SAMPLER_EXCESS_0_26,
 )
 
 RELEASES: dict[str, VllmRelease] = {r.minor: r for r in (V0_26, V0_33)}
 NEWEST = V0_33
+SIMULATED = V0_26
+"""The release whose stock calls ``simulate`` and ``plan`` replay (``policies.stock``): no workspace
+holds a call's padded q or output, so each call's buffers are all its scratch, and the prefill
+padding is the planner's default by architecture. Masked MHA, where asked for, is the behaviour of
+the releases that have it (:func:`with_masked_mha`)."""
+
+
+def names(releases: list[VllmRelease]) -> str:
+    """``0.26 and 0.33``: the releases' minor versions, for help texts."""
+    minors = [r.minor for r in releases]
+    return ", ".join(minors[:-1]) + " and " + minors[-1] if len(minors) > 1 else "".join(minors)
+
+
+def with_masked_mha() -> list[VllmRelease]:
+    """The releases whose vLLM runs masked-MHA prefill."""
+    return [r for r in RELEASES.values() if r.masked_mha]
 
 
 def release_for(installed: str | None) -> VllmRelease:

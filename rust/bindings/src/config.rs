@@ -80,7 +80,8 @@ getters! { StepConfig {
     /// The prefill kernel runs the query heads unpadded (16 or 32 on sm90).
     native_prefill_heads: bool = |c| c.execution.native_prefill_heads;
     /// vLLM's `prefill_padding`, the head multiple it pads the prefill
-    /// kernel's q to: the one given, else vLLM 0.26's (64 on sm90, 128 on sm100).
+    /// kernel's q to: the one given, else the padding by architecture (64 on
+    /// sm90, 128 on sm100).
     prefill_padding: u32 = |c| c.prefill_padding();
     /// Heads the sparse decode kernel runs (64 or 128).
     decode_heads: u32 = |c| c.decode_heads();
@@ -90,7 +91,7 @@ getters! { StepConfig {
     /// Heads vLLM pads the prefill kernel's q to (what its own code runs).
     prefill_padded_heads: u32 = |c| c.prefill_padded_heads();
     /// The prefill kernel can run these heads unpadded on this GPU (16 or 32
-    /// on sm90), given a FlashMLA build with those kernels (vLLM 0.33's).
+    /// on sm90), given a FlashMLA build with those kernels.
     native_prefill_heads_possible: bool = |c| mla_planner::geometry::prefill_runs_native(c.num_heads, c.gpu.arch);
     /// The decode kernel writes straight into the step's output.
     decode_writes_in_place: bool = |c| c.decode_writes_in_place();
@@ -122,9 +123,11 @@ impl StepConfig {
     /// flags can be set on its own. `mode`: "mixed_batch" or
     /// "separate_prefill_decode" fixes the FP8 route; None follows vLLM.
     /// `native_prefill_heads`: the prefill kernel runs 16 or 32 heads (sm90)
-    /// unpadded, as vLLM 0.33's FlashMLA can; default: vLLM's padding.
-    /// `prefill_padding`: that padding's head multiple (64 or 128); default
-    /// vLLM 0.26's by architecture, while vLLM 0.33 pads to 64 on sm100 too.
+    /// unpadded, given a FlashMLA build with native 16/32-head prefill
+    /// kernels; default: vLLM's padding. `prefill_padding`: that padding's
+    /// head multiple (64 or 128); default the padding by architecture (64 on
+    /// sm90, 128 on sm100), which a build with 64-head sm100 kernels lowers
+    /// to 64 there.
     #[new]
     #[pyo3(signature = (
         num_heads, *, arch="sm90", num_sms=None, topk=None, kv_dtype="fp8", scratch_budget_bytes=None,

@@ -99,7 +99,7 @@ pub(crate) fn prefill_padding(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option
     .transpose()
 }
 
-/// [`prefill_padding`], or vLLM 0.26's for `arch` when not given.
+/// [`prefill_padding`], or the padding by architecture when not given.
 pub(crate) fn prefill_padding_or_default(obj: Option<&Bound<'_, PyAny>>, arch: Arch) -> PyResult<u32> {
     Ok(prefill_padding(obj)?.unwrap_or_else(|| default_prefill_padding(arch)))
 }

@@ -32,7 +32,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 /// `(tokens, bound)`: the most query tokens one sparse prefill launch may take
 /// within `budget_bytes`, and what caps it ("budget" or a hard limit).
-/// `padding`: vLLM's `prefill_padding` (default vLLM 0.26's for `arch`).
+/// `padding`: vLLM's `prefill_padding` (default: the padding by architecture).
 #[pyfunction]
 #[pyo3(signature = (num_heads, *, budget_bytes, arch="sm90", topk=None, out_preallocated=false, translated_indices=false, native_heads=false, padding=None))]
 #[allow(clippy::too_many_arguments)]

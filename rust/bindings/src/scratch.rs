@@ -93,7 +93,7 @@ fn decode_scratch(
 /// `translated_indices` the workspace indices and valid counts. With
 /// `native_heads` the kernel runs `num_heads` unpadded (16 or 32, sm90); else
 /// q is padded to a multiple of `padding` (vLLM's `prefill_padding`; default
-/// vLLM 0.26's for `arch`).
+/// the padding by architecture: 64 on sm90, 128 on sm100).
 #[pyfunction]
 #[pyo3(signature = (s_q, num_heads, *, arch="sm90", topk=None, out_preallocated=false, translated_indices=false, native_heads=false, padding=None))]
 #[allow(clippy::too_many_arguments)]
@@ -184,7 +184,8 @@ fn max_tokens_per_launch(num_heads: &Bound<'_, PyAny>) -> PyResult<(u64, &'stati
 
 /// Heads `kernel` ("sparse_decode" or "sparse_prefill") runs for `num_heads`
 /// query heads per rank: the caller zero-pads q up to it. `padding`: vLLM's
-/// `prefill_padding` for the prefill kernel (default vLLM 0.26's for `arch`).
+/// `prefill_padding` for the prefill kernel (default: the padding by
+/// architecture).
 #[pyfunction]
 #[pyo3(signature = (num_heads, *, kernel="sparse_decode", arch="sm90", padding=None))]
 fn padded_heads(

@@ -53,7 +53,7 @@ pub fn min_scratch_budget(cfg: &StepConfig, limits: EngineLimits) -> Result<u64>
 
 /// The most one launch of any plan within `limits` on `cfg`'s route allocates, less its padded
 /// q and kernel output where the caller's workspace holds those: `served_heads` is the heads of
-/// the workspace's padded q and output (vLLM 0.33's views; `None`: no such workspace), and a
+/// the workspace's padded q and output (`None`: no such workspace), and a
 /// launch whose kernel runs that many heads takes both from it. This is what must be reserved
 /// for the launches beyond the workspace; the budget bounds every launch's own bytes.
 pub fn largest_launch_bytes(cfg: &StepConfig, limits: EngineLimits, served_heads: Option<u32>) -> Result<u64> {
@@ -136,8 +136,8 @@ pub fn largest_launch_bytes(cfg: &StepConfig, limits: EngineLimits, served_heads
 }
 
 /// The most one launch of `plan` allocates beyond a caller's workspace that holds the padded q
-/// and kernel output of every launch whose kernel runs `served_heads` heads (vLLM 0.33's views;
-/// `None`: no such workspace): what of the plan's peak the reservation must hold, which
+/// and kernel output of every launch whose kernel runs `served_heads` heads (`None`: no such
+/// workspace): what of the plan's peak the reservation must hold, which
 /// [`largest_launch_bytes`] bounds. `decode_heads`: the heads the decode kernel runs
 /// ([`StepConfig::decode_heads`]).
 pub fn peak_beyond_workspace(plan: &StepPlan, decode_heads: u32, served_heads: Option<u32>) -> u64 {
@@ -236,7 +236,7 @@ mod tests {
         assert!(worst > at(90), "the worst decode is not the longest");
         let short = EngineLimits { max_decode_query_len: 90, ..limits };
         assert_eq!(min_scratch_budget(&separate, short).unwrap(), worst + ALLOCATOR_RESERVE_BYTES);
-        // Longer decodes need more: 256 tokens (vLLM 0.33's threshold at 64 heads) need 64.4 MiB.
+        // Longer decodes need more: 256 tokens (the threshold by heads and architecture at 64 heads) need 64.4 MiB.
         let longer = EngineLimits { max_decode_query_len: 256, ..limits };
         assert!(min_scratch_budget(&separate, longer).unwrap() > 64 << 20);
     }

@@ -15,8 +15,9 @@ use crate::plan::MaskConfig;
 /// schedule holds two small int32 tensors (< 5 KiB at 132 SMs).
 pub const ALLOCATOR_RESERVE_BYTES: u64 = 64 << 10;
 
-/// vLLM 0.26's gather workspace: `get_prefill_workspace_size(max_model_len)`
-/// is `max_model_len * 5` rows of 576 bf16.
+/// vLLM's gather workspace: `get_prefill_workspace_size(max_model_len)` is
+/// `max_model_len * 5` rows of 576 bf16 (a release that sizes it otherwise
+/// passes its rows: `gather_workspace_rows`).
 pub const VLLM_GATHER_ROWS_PER_MODEL_LEN: u64 = 5;
 /// vLLM's sparse indexer sizes its KV workspace `max_model_len * 40` rows.
 pub const VLLM_INDEXER_ROWS_PER_MODEL_LEN: u64 = 40;
@@ -87,12 +88,13 @@ pub struct Execution {
     /// The prefill kernel writes into a caller's `out=`.
     pub prefill_takes_out: bool,
     /// The prefill kernel runs the query heads as they are (16 or 32 on SM90,
-    /// which vLLM 0.33's FlashMLA build runs natively) instead of the padding
-    /// vLLM uses: no padded q, a quarter or half of the kernel's rows.
+    /// given a FlashMLA build with native 16/32-head prefill kernels) instead
+    /// of the padding vLLM uses: no padded q, a quarter or half of the
+    /// kernel's rows.
     pub native_prefill_heads: bool,
     /// vLLM's `prefill_padding`, the head multiple it pads the prefill
-    /// kernel's q to (64 or 128); `None`: vLLM 0.26's, by architecture
-    /// ([`default_prefill_padding`]). vLLM 0.33 pads to 64 on Blackwell too.
+    /// kernel's q to (64 or 128); `None`: the padding by architecture
+    /// ([`default_prefill_padding`]: 64 on Hopper, 128 on Blackwell).
     pub prefill_padding: Option<u32>,
 }
 
@@ -150,10 +152,11 @@ pub struct StepConfig {
 }
 
 impl StepConfig {
-    /// The configuration vLLM 0.26 runs for a model: workspaces sized from
-    /// `max_model_len` as vLLM sizes them, its indexer logits budget, its
-    /// prefill routing (`force_mqa`: every prefill through sparse MQA), and
-    /// the backend's execution.
+    /// The configuration vLLM runs for a model: workspaces sized from
+    /// `max_model_len` as vLLM sizes them (the gather workspace at 5 rows a
+    /// token), its indexer logits budget, its prefill routing (`force_mqa`:
+    /// every prefill through sparse MQA), the padding by architecture, and the
+    /// backend's execution.
     #[allow(clippy::too_many_arguments)]
     pub fn vllm(
         gpu: Gpu,
@@ -250,7 +253,7 @@ impl StepConfig {
         decode_padded_heads(self.num_heads).unwrap_or(128)
     }
 
-    /// vLLM's `prefill_padding`: the execution's, else vLLM 0.26's for the
+    /// vLLM's `prefill_padding`: the execution's, else the padding by
     /// architecture (64 on SM90, 128 on SM100).
     pub fn prefill_padding(&self) -> u32 {
         self.execution.prefill_padding.unwrap_or_else(|| default_prefill_padding(self.gpu.arch))

@@ -122,10 +122,10 @@ pub fn decode_padded_heads(num_heads: u32) -> Result<u32> {
     Ok(if num_heads <= 64 { 64 } else { 128 })
 }
 
-/// vLLM's `prefill_padding` where the caller names none: the head multiple
-/// vLLM 0.26 pads the BF16 sparse prefill kernel's q to, 64 on Hopper and 128
-/// on Blackwell. vLLM 0.33 pads to 64 on both (its FlashMLA build has 64-head
-/// Blackwell prefill kernels); its backend passes that.
+/// vLLM's `prefill_padding` where the caller names none: the padding by
+/// architecture of the BF16 sparse prefill kernel's q, 64 on Hopper and 128 on
+/// Blackwell. A FlashMLA build with 64-head Blackwell prefill kernels pads to
+/// 64 on both; a release that has one passes that (its release module says).
 pub fn default_prefill_padding(arch: Arch) -> u32 {
     match arch {
         Arch::Sm90 => 64,
@@ -149,11 +149,12 @@ pub fn prefill_padded_heads(num_heads: u32, padding: u32) -> Result<u32> {
 }
 
 /// Head counts FlashMLA's SM90 BF16 sparse prefill kernel runs without
-/// padding in vLLM 0.33's build (besides its 64 and 128).
+/// padding in a build with native 16/32-head prefill kernels (besides its 64
+/// and 128).
 pub const NATIVE_PREFILL_HEADS: [u32; 2] = [16, 32];
 
 /// Whether the sparse prefill kernel can run `num_heads` natively on `arch`
-/// (given a kernel build that has those kernels: vLLM 0.33's, not 0.26's).
+/// (given a FlashMLA build with native 16/32-head prefill kernels).
 pub fn prefill_runs_native(num_heads: u32, arch: Arch) -> bool {
     arch == Arch::Sm90 && NATIVE_PREFILL_HEADS.contains(&num_heads)
 }
@@ -208,7 +209,7 @@ mod tests {
         assert_eq!(prefill_padded_heads(16, default_prefill_padding(Arch::Sm90)).unwrap(), 64);
         assert_eq!(prefill_padded_heads(96, default_prefill_padding(Arch::Sm90)).unwrap(), 128);
         assert_eq!(prefill_padded_heads(16, default_prefill_padding(Arch::Sm100)).unwrap(), 128);
-        assert_eq!(prefill_padded_heads(16, 64).unwrap(), 64); // vLLM 0.33 on Blackwell
+        assert_eq!(prefill_padded_heads(16, 64).unwrap(), 64); // 64-head Blackwell kernels
         assert_eq!(prefill_padded_heads(65, 128).unwrap(), 128);
         for bad in [0, 32, 96, 256] {
             let err = prefill_padded_heads(16, bad).unwrap_err().to_string();

@@ -201,9 +201,9 @@ impl Step<'_> {
     }
 }
 
-/// The longest decode query vLLM schedules. vLLM 0.33's FlashMLA sparse builder counts a request
-/// as a decode up to a threshold of 128 to 1,024 query tokens (by heads and architecture; 128 at 16
-/// heads on SM90), one length for all (its start-up warm-up: 1,024 requests of 32); vLLM 0.26's,
+/// The longest decode query vLLM schedules. A FlashMLA sparse builder with a decode threshold by
+/// heads and architecture counts a request as a decode up to 128 to 1,024 query tokens (128 at 16
+/// heads on SM90), one length for all (its start-up warm-up: 1,024 requests of 32); one without,
 /// up to 1 + speculative tokens.
 pub const MAX_DECODE_QUERY_LEN: u64 = 1024;
 

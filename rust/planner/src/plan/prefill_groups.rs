@@ -1,4 +1,4 @@
-//! Masked-MHA routing of a prefill set (vLLM >= 0.27 on SM100 with FA4 and a
+//! Masked-MHA routing of a prefill set (where vLLM has it: SM100 with FA4 and a
 //! BF16 KV cache): which top-k masks a set needs, whether they fit the mask
 //! workspace, and a partition into groups that each fit, so masked MHA stays
 //! in use where vLLM would send the whole step to sparse MQA.

@@ -100,7 +100,7 @@ mod tests {
         assert_eq!(bd.get("lse"), 16 * 4);
         assert_eq!(prefill_scratch(Arch::Sm90, padded).unwrap().get("out"), 64 * D_V * 2);
         assert!(prefill_scratch(Arch::Sm100, native).is_err());
-        // Blackwell: 128 heads under vLLM 0.26's padding, 64 under 0.33's.
+        // Blackwell: 128 heads under the padding by architecture, 64 with 64-head Blackwell kernels.
         assert_eq!(
             prefill_scratch(Arch::Sm100, PrefillShape { padding: 128, ..padded }).unwrap().get("out"),
             128 * D_V * 2
