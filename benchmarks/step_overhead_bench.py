@@ -15,7 +15,7 @@ CPU its launch and not the kernel. Meta ops dispatch through Python-level meta k
 costs a few to 20 us here, more than a CUDA launch's: read the figures as "how much host work",
 compared between the two backends on the same machine, not as GPU step times.
 
-The engine is the issue's (#14) tiny DeepSeek-V3.2 shape: 16 heads per rank, top-k 2048, FP8
+The engine is the end-to-end tests' tiny DeepSeek-V3.2 shape: 16 heads per rank, top-k 2048, FP8
 cache (``fp8_ds_mla``), a dense-MHA prefill backend (short prefills, under top-k tokens, never
 reach the sparse kernels), the default 1 GiB scratch budget, and DeepSeek-V3.2's 61 attention
 layers per step (``--layers``): a step's first layer call does work its later ones reuse (FlashMLA's
