@@ -1,6 +1,6 @@
 """How fast `mla-planner simulate` replays a trace.
 
-Target (issue 3): 100,000 steps in under 10 s on the 2-core dev machine.
+Target: 100,000 steps in under 10 s on the 2-core dev machine.
 Generates the trace (not timed in the target), then times the whole command
 end to end as a user runs it (process start, parsing, both policies, the
 report, CSV and PNG) and, in process, parsing and replay on their own.

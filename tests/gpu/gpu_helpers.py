@@ -30,7 +30,7 @@ PREFILL_OUT = {"abs_tol": 8e-4, "rel_tol": 3.01 / 128, "cos_diff_tol": 1e-5}
 
 
 def prediction_tolerance(predicted: int) -> int:
-    """The issue's bar: within 1% or 2 MiB, whichever is larger."""
+    """The bar a byte model's prediction must meet: within 1% or 2 MiB, whichever is larger."""
     return max(predicted // 100, 2 * MiB)
 
 

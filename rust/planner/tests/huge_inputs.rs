@@ -380,7 +380,7 @@ proptest! {
     }
 }
 
-// The cases the hardening issue found, each once by name.
+// Inputs that once got past the checks, each kept as a case by name.
 
 fn too_many_launches(e: PlanError) -> bool {
     matches!(e, PlanError::TooManyLaunches { .. })
