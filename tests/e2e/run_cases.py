@@ -71,6 +71,12 @@ def token_prompt(length: int, rng: random.Random) -> dict[str, list[int]]:
     return {"prompt_token_ids": [rng.randrange(*TOKEN_RANGE) for _ in range(length)]}
 
 
+def case_prompts(case: str) -> list[list[int]]:
+    """A case's prompts as token ids: the same for both backends, in-process and served."""
+    rng = random.Random(case_seed(case))
+    return [token_prompt(n, rng)["prompt_token_ids"] for n in CASE_PROMPTS[case]]
+
+
 def case_seed(case: str) -> int:
     """Distinct prompts per case (prefix caching is off anyway), the same for both backends."""
     return 1000 + CASES.index(case)
@@ -355,8 +361,7 @@ def measured(bench: Bench, body: Callable[[], dict[str, Any]]) -> dict[str, Any]
 
 
 def run_prompts_case(bench: Bench, case: str) -> dict[str, Any]:
-    rng = random.Random(case_seed(case))
-    prompts = [token_prompt(n, rng) for n in CASE_PROMPTS[case]]
+    prompts = [{"prompt_token_ids": ids} for ids in case_prompts(case)]
     max_tokens = CASE_MAX_TOKENS.get(case, MAX_TOKENS)
 
     def body() -> dict[str, Any]:

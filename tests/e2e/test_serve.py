@@ -31,7 +31,7 @@ import serve_bench as sb
 import serve_proc as proc
 import serve_report
 from run_cases import CASE_PROMPTS, MODEL_DIR, REPLACE_VAR, model_variant
-from serve_requests import chat_prompts
+from serve_run import chat_prompts
 from serve_tokenizer import check_tokenizer, served_model_dir
 from test_e2e import e2e_unavailable
 
