@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--port-base", type=int, default=8100, help="servers listen on this port and above (0: any free)")
     add("--start-timeout-s", type=float, help="a server's start-up limit (default 240; matrix: 360)")
     add("--request-timeout-s", type=float, help="one request's limit (default 120; matrix: 180)")
-    add("--fake-server", action="store_true", help=argparse.SUPPRESS)  # CPU tests: serve_fakes.py
+    add("--fake-server", action="store_true", help=argparse.SUPPRESS)  # CPU tests: fakes.py
     add("--fake-bench", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.report_only:

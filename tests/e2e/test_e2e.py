@@ -5,7 +5,7 @@ kernels, and skips elsewhere with the reason. It runs the planned backend's 0.95
 driver (a few minutes), or, with ``MLA_E2E_RESULTS=DIR``, checks a driver's saved results instead.
 The other tests run on any CPU in seconds: the packing of vLLM for the GPU machine and its unpacking
 there (``device_install.sh``, on a toy vLLM), the argument checks, and the driver and report end to end
-on stand-ins for vLLM and torch (``e2e_fakes``).
+on stand-ins for vLLM and torch (``fakes``).
 """
 
 from __future__ import annotations
@@ -411,9 +411,9 @@ def test_tensor_parallel_runs_scale_the_model_to_16_heads_per_rank(tmp_path: Pat
 
 
 def test_a_tensor_parallel_bench_never_touches_the_gpu_here() -> None:
-    import e2e_fakes
+    import fakes
 
-    torch, llm, params = e2e_fakes.modules()
+    torch, llm, params = fakes.modules()
 
     class NoCuda:
         def __getattr__(self, name: str) -> Any:
@@ -472,9 +472,9 @@ def test_engine_arguments_are_known_to_the_installed_vllm() -> None:
 
 
 def test_a_hung_engine_is_a_case_error_not_a_hang() -> None:
-    import e2e_fakes
+    import fakes
 
-    bench = run_cases.Bench(run_cases.engine_kwargs("stock", 0.9, 32768), e2e_fakes.modules(), case_timeout_s=0.2)
+    bench = run_cases.Bench(run_cases.engine_kwargs("stock", 0.9, 32768), fakes.modules(), case_timeout_s=0.2)
     bench.llm.llm_engine.step = lambda: []  # never progresses
     result = run_cases.run_prompts_case(bench, "5")
     assert result["status"] == "error" and "TimeoutError" in result["error"] and not result["tokens_back"]

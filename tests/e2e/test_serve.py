@@ -8,7 +8,7 @@ and random dataset); the matrix's design and its coverage; every server's and be
 line through the installed vLLM's parsers (the matrix's into its engine config); what a server log
 says; the server's process handling (its start settled, the group kill, no server left when the
 driver is stopped or killed); every phase end to end on stand-ins for ``vllm serve`` and ``vllm
-bench serve`` (serve_fakes.py), once with vLLM's real bench client; and the reports.
+bench serve`` (fakes.py), once with vLLM's real bench client; and the reports.
 """
 
 from __future__ import annotations
@@ -784,7 +784,7 @@ def test_the_whole_matrix_on_stand_ins(full_run: tuple[Path, subprocess.Complete
         assert rec["probe"]["refusal_line"].endswith(f"set MLA_PLANNER_SCRATCH_MB={minimum} or more")
         assert rec["probe"]["rc"] != 0 and rec["probe"]["startup"]["status"] == "exited"
         assert f"budget {minimum} MiB (MLA_PLANNER_SCRATCH_MB)" in rec["plugin"]["planner_lines"][0]
-    assert data["servers"]["s5"]["plugin"]["cmd"][3].endswith("tiny-glm5-1mtp")  # [python, serve_fakes.py, serve, model
+    assert data["servers"]["s5"]["plugin"]["cmd"][3].endswith("tiny-glm5-1mtp")  # [python, fakes.py, serve, model
     assert set(p.name for p in (out / "model").iterdir()) == {"tiny-deepseek-v32", "tiny-deepseek-v32-1mtp",
                                                               "tiny-glm5-1mtp"}
     md_text = (out / "matrix.md").read_text()
