@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import e2e_report
+import report
 import serve_proc
 from run_cases import ENV_DEFAULTS
 
@@ -109,13 +109,7 @@ def progress_lines(log: Path) -> list[str]:
 
 
 def save_driver(out: Path, driver: dict[str, Any]) -> None:
-    (out / e2e_report.DRIVER_JSON).write_text(json.dumps(driver, indent=1) + "\n")
-
-
-def write_report(out: Path) -> str:
-    text = e2e_report.render_dir(out)
-    (out / e2e_report.REPORT_MD).write_text(text)
-    return text
+    (out / report.DRIVER_JSON).write_text(json.dumps(driver, indent=1) + "\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -143,13 +137,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r.group}  {r.name:20} {r.backend:8} util {r.util}  mnbt {r.mnbt:5}  cases {' '.join(r.cases)}{tp}")
         return 0
     if args.report_only:
-        print(write_report(args.report_only))
+        print(report.write(args.report_only))
         return 0
 
     start = time.monotonic()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    driver = e2e_report.load_driver(out)
+    driver = report.load_driver(out)
     for run in select_runs(args.group, args.runs):
         left = args.deadline_s - (time.monotonic() - start)
         if left < MIN_RUN_S:
@@ -168,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         save_driver(out, driver)
         time.sleep(3 if result["timed_out"] else 1)  # the next engine measures free memory at start-up
     save_driver(out, driver)
-    print(write_report(out))
+    print(report.write(out))
     return 0
 
 

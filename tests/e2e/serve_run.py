@@ -23,7 +23,7 @@ import serve_bench as sb
 from run_cases import CASE_MAX_TOKENS, CASE_PROMPTS, MAX_TOKENS, TOKEN_RANGE, case_prompts, write_json
 from serve_proc import (KV_SIZED, SERVED_NAME, Server, ServerSpec, check_stop, free_port, log_facts, post_json,
                         server_command, server_env)
-from serve_report import up
+from report import up
 
 MIN_SERVER_S = 120  # a server start (~65-95 s with CUDA graph capture) and one request
 MIN_BENCH_S = 30  # a bench client takes some seconds to start (prompt sampling): start none with less left

@@ -29,7 +29,7 @@ import matrix_design as md
 import run_serve
 import serve_bench as sb
 import serve_proc as proc
-import serve_report
+import report
 from run_cases import CASE_PROMPTS, MODEL_DIR, REPLACE_VAR, model_variant
 from serve_run import chat_prompts
 from serve_tokenizer import check_tokenizer, served_model_dir
@@ -488,7 +488,7 @@ def test_boundary_phase(tmp_path: Path) -> None:
     assert first["cases"]["1"]["status"] == "error" and first["cases"]["1"]["health_after"] is None
     assert first["cases"]["2"] == {"status": "not run", "error": "server process exited"}
     assert not first["alive_at_end"] and "CUDA out of memory" in first["error_count"] and not first["planner_lines"]
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "boundary (plugin, util 0.95): every case finished" in md_text
     assert "boundary (stock, util 0.95): not finished: case 1 (32768), 2 (32768), 5 (32768), 4 (65536), 5 (65536)" \
         in md_text
@@ -507,7 +507,7 @@ def test_servers_get_the_scaled_model(tmp_path: Path) -> None:
         model = Path(cmd[cmd.index("serve") + 1])
         assert model.name == "tiny-deepseek-v32-8l" and (model / "tokenizer.json").is_file()
         assert json.loads((model / "config.json").read_text()) == {**original, "num_hidden_layers": 8}
-    assert "dummy weights, 8 hidden layers)" in (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "dummy weights, 8 hidden layers)" in (tmp_path / report.SERVE_MD).read_text()
 
 
 def test_failrate_phase(tmp_path: Path) -> None:
@@ -519,7 +519,7 @@ def test_failrate_phase(tmp_path: Path) -> None:
         assert t["server"]["stop"]["left_running"] is False
         assert (t["status"], t["engine_died"], t["oom_in_log"]) == (("ok", False, False) if t["util"] == 0.9
                                                                     else ("error", True, True))
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "failrate (stock) at 0.9: 0 of 2 failed (0 at start-up, 0 on the 32K prompt), engine died in 0" in md_text
     assert "failrate (stock) at 0.95: 2 of 2 failed (0 at start-up, 2 on the 32K prompt), engine died in 2" in md_text
     assert "| 0.95 | 2 | 0 | 0 | 2 | 2 | 2 | HTTP 500:" in md_text
@@ -531,7 +531,7 @@ def test_failrate_phase(tmp_path: Path) -> None:
     assert [t["label"] for t in data["trials"]][-2:] == ["failrate-stock-0.95-c1-2", "failrate-stock-0.95-c2-1"]
     last = data["trials"][-1]
     assert (last["status"], last["engine_died"], last["oom_in_log"]) == ("startup failed", None, True)
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "failrate (stock) at 0.95: 3 of 3 failed (1 at start-up, 2 on the 32K prompt), engine died in 2" in md_text
     assert "| 0.95 | 3 | 0 | 1 | 2 | 2 | 3 | HTTP 500:" in md_text
 
@@ -554,7 +554,7 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     mix = data["runs"][10]
     assert mix["workload"] == "mix" and set(mix["clients"]) == {"mix-chat", "mix-doc"} and mix["combined"]["completed"] == 64 + 24
     assert [s["stop"]["left_running"] for s in data["calls"][0]["servers"].values()] == [False, False]
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "chat: plugin/stock total tokens/s 1.24" in md_text  # the stand-in's plugin is 1.25x faster
     assert "ab servers at util 0.4: KV cache stock 60.00 GiB, plugin 59.00 GiB (stock − plugin 1,024 MiB)" in md_text
     assert "| combined | plugin/stock | – | – | – | – | 1.24" in md_text
@@ -599,7 +599,7 @@ def test_ab_at_once_runs_both_engines_together(tmp_path: Path) -> None:
             assert max(s[0] for s in both) < min(s[1] for s in both)
         else:
             assert not first["at_once"] and max(s[1] for s in spans(first)) <= min(s[0] for s in spans(second))
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "chat: plugin/stock total tokens/s per repeat, median " in md_text
     assert "Plugin/stock TPOT p50 per repeat (same seed, at the same time): " in md_text
     assert "Plugin/stock total tokens/s per repeat (same seed, back to back): " in md_text  # long
@@ -614,7 +614,7 @@ def test_ab_deadline_leaves_runs_not_run(tmp_path: Path) -> None:
     assert data["finished"] and {run["status"] for run in data["runs"]} == {"not run"}
     assert all("deadline" in run["error"] for run in data["runs"])
     assert "ab0-w1-chat-stock: not run: deadline" in r.stdout
-    assert "- ab0-r1-long-plugin: not run: deadline" in (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "- ab0-r1-long-plugin: not run: deadline" in (tmp_path / report.SERVE_MD).read_text()
 
 
 def test_ab_keeps_step_figures_of_the_runs_it_keeps(tmp_path: Path) -> None:
@@ -632,7 +632,7 @@ def test_ab_keeps_step_figures_of_the_runs_it_keeps(tmp_path: Path) -> None:
     steps = data["calls"][1]["steps"]["long"]
     assert steps["stock"]["steps"] == steps["plugin"]["steps"] == 0  # the stand-in bench sends no request
     assert "- long, vLLM's iteration lines of the timed runs (call 1): too few steps to compare" in \
-        (tmp_path / serve_report.REPORT_MD).read_text()
+        (tmp_path / report.SERVE_MD).read_text()
 
 
 def test_ab_stops_when_a_server_does_not_start(tmp_path: Path) -> None:
@@ -641,7 +641,7 @@ def test_ab_stops_when_a_server_does_not_start(tmp_path: Path) -> None:
     data = results(tmp_path, "ab.json")
     assert data["runs"] == [] and list(data["calls"][0]["servers"]) == ["stock"]
     assert data["calls"][0]["servers"]["stock"]["startup"]["status"] == "exited"
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "**ab call 0: stock server did not start: exited** (no bench run)" in md_text
     assert "| ab0-stock | stock | 0.4 | 32768 | exited, " in md_text and "RuntimeError: fake start-up failure |" in md_text
 
@@ -676,7 +676,7 @@ def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
     assert steps["stock"]["other_steps"] == 3
     # no run of three decode-only steps in the stand-in's lines: the report says so
     assert "- long, vLLM's iteration lines of the timed runs (call 0): too few steps to compare" in \
-        (tmp_path / serve_report.REPORT_MD).read_text()
+        (tmp_path / report.SERVE_MD).read_text()
 
 
 def test_soak_phase(tmp_path: Path) -> None:
@@ -694,10 +694,10 @@ def test_soak_phase(tmp_path: Path) -> None:
     used = [s["used_mib"][0] for s in samples]
     assert used == sorted(used) and used[0] >= 1000  # the stand-in's memory grows by 10 MiB a sample
     warm = data["iterations"][0]["t_end_s"]
-    flat = serve_report.memory_flatness(samples, warm)
+    flat = report.memory_flatness(samples, warm)
     after = [s["used_mib"][0] for s in samples if s["t_s"] >= warm]
     assert flat["spread_mib"] == max(after) - min(after) > 0
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert f"**max − min {flat['spread_mib']:,} MiB**" in md_text and "same processes" in md_text
     assert all(s["processes"] == [[4242, 900]] for s in samples)
     assert "| processes holding GPU memory (nvidia-smi) | at most 1 in a sample, 1 distinct pids |" in md_text
@@ -707,14 +707,14 @@ def test_soak_phase(tmp_path: Path) -> None:
 def test_memory_steps_show_where_growth_stops() -> None:
     used = [1000, 1000, 2000, 2004, 2520, 2521, 2522, 2524, 2523]  # warm-up, a larger shape, then flat
     samples = [{"t_s": 5.0 * i, "used_mib": [u]} for i, u in enumerate(used)]
-    assert serve_report.memory_steps(samples, 0.0) == [(10.0, 1000), (20.0, 516)]
-    assert serve_report.memory_steps(samples, 12.0) == [(20.0, 516)]  # only steps from a sample at 12 s on
-    after = serve_report.settled(samples, 12.0)
+    assert report.memory_steps(samples, 0.0) == [(10.0, 1000), (20.0, 516)]
+    assert report.memory_steps(samples, 12.0) == [(20.0, 516)]  # only steps from a sample at 12 s on
+    after = report.settled(samples, 12.0)
     assert after is not None and (after["at_s"], after["span_s"], after["spread_mib"]) == (20.0, 20.0, 4)
-    assert serve_report.steps_row(after) == (
+    assert report.steps_row(after) == (
         "| steps of 16 MiB or more between samples after warm-up | +516 MiB at 20 s; from the last (20 s) to the "
         "end (20 s, 5 samples): 2,520–2,524 MiB, max − min 4 MiB |")
-    assert serve_report.settled(samples, 21.0) is None
+    assert report.settled(samples, 21.0) is None
 
 
 def test_a_phase_detaches_and_is_followed(tmp_path: Path) -> None:
@@ -914,7 +914,7 @@ def test_serve_report_from_hand_made_results(tmp_path: Path) -> None:
     (tmp_path / "boundary-plugin.json").write_text(json.dumps(boundary))
     (tmp_path / "notes.json").write_text("[1, 2]")  # not a phase file: ignored
     assert run_serve.main(["--report-only", str(tmp_path)]) == 0
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "chat: plugin/stock total tokens/s 1.300 (medians of 3 and 3 repeats)" in md_text  # 260 / 200
     assert "| chat | stock | 50.0 | 100.0 | 4.00 | 8.00 | 20 | 200 | 1 |" in md_text  # medians; failures summed
     assert "| chat | plugin/stock | 0.800 | 0.800 | 1.000 | 1.000 | 1.300 | 1.300 | |" in md_text
@@ -931,7 +931,7 @@ def test_serve_report_from_hand_made_results(tmp_path: Path) -> None:
     assert "| b-32k | 1: one 32,768-token prompt | no result: the driver ended during this case |" in md_text
     assert "| b-32k | 2:  | no result: the driver ended |" in md_text
     assert "boundary (plugin, util 0.95): not finished: case 1 (32768), 2 (32768)" in md_text
-    assert not (tmp_path / serve_report.MATRIX_MD).exists()  # no matrix.json here
+    assert not (tmp_path / report.MATRIX_MD).exists()  # no matrix.json here
 
 
 def test_report_says_an_ab_calls_stored_step_figures(tmp_path: Path) -> None:
@@ -946,7 +946,7 @@ def test_report_says_an_ab_calls_stored_step_figures(tmp_path: Path) -> None:
     (tmp_path / "ab.json").write_text(json.dumps({"schema": 1, "phase": "ab", "finished": True, "runs": [],
                                                   "calls": [call]}))
     assert run_serve.main(["--report-only", str(tmp_path)]) == 0
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "chat, vLLM's iteration lines of the timed runs (call 0): decode-only steps: the plugin's +100.0% " \
         "against stock's (1 and 1 gaps); decode-only steps per repeat, plugin/stock: 2.000; median 2.000 (1 pairs)" \
         in md_text
@@ -971,7 +971,7 @@ def test_matrix_report_from_hand_made_results() -> None:
                        "plugin": {"startup": {"status": "ok", "elapsed_s": 60}, "alive_at_end": True,
                                   "health_at_end": 200},
                        "phases": {"chat": ok, "32k": {"status": "started"}}}}}
-    text = serve_report.render_matrix(data)
+    text = report.render_matrix(data)
     assert "**not finished**" in text and "**missing budget=4096**" in text
     assert ("| s1 | v32 | 1 | 128 | 1024 | yes | on | off | 91 s | 5.50 | 6.25 | -0.75 | – | – | 97/100, **3 failed** "
             "| not run | – | – | 3 | **no** (after chat burst) |") in text
@@ -979,7 +979,7 @@ def test_matrix_report_from_hand_made_results() -> None:
     assert "| 1/1 | **cut** (driver ended) | – | – | – | yes |" in text
     assert "engines dead at the end: s1; servers not up: s3." in text
     assert "- error: `ValueError: decode query lengths must be one length`" in text
-    assert serve_report.render_matrix({}).startswith("# Flag matrix")
+    assert report.render_matrix({}).startswith("# Flag matrix")
 
 
 # --- arguments --------------------------------------------------------------------------------------
