@@ -21,15 +21,16 @@ Both: stock (FLASHMLA_SPARSE) at gpu_memory_utilization >= 0.95 runs out of memo
 does) or in flight at once (served: it logs a CUDA OOM, answers 500 and exits, as a server whose
 engine died); stock dies on 32K steps at 0.95 (docs/kernels.md).
 
-The served stand-in's environment steers it: FAKE_SERVE_START_S (seconds before it listens,
-default 0.2), FAKE_SERVE_EXIT_AT_START=1 (logs a CUDA OOM and exits with an error instead). For the matrix: the plugin (CUSTOM) refuses to start below
-its minimum budget with the line the plugin logs (``set MLA_PLANNER_SCRATCH_MB=N or more``; N is
-FAKE_SERVE_MIN_MB, or 64 + ``--max-num-seqs`` / 8), reserves MLA_PLANNER_SCRATCH_MB (1024 unless
-set) from its KV cache, and with ``--speculative-config`` logs one line of a step that fell back to
-the bounded path; FAKE_SERVE_DIE_OVER=N makes any server's engine die on a prompt of more than N
-tokens (FAKE_SERVE_HANG_OVER=N: never answer it), and FAKE_SERVE_DISTURB_ONCE=PATH makes the first
-server to start (the one that creates PATH) fail as vLLM's memory profiling does when another
-process frees GPU memory meanwhile.
+The served stand-in's environment steers it: FAKE_SERVE_START_S (seconds before it listens, default
+0.2), FAKE_SERVE_EXIT_AT_START=1 (logs a CUDA OOM and exits with an error instead). For the matrix:
+the plugin (CUSTOM) refuses to start below its minimum budget with the line the plugin logs (``set
+MLA_PLANNER_SCRATCH_MB=N or more``; N is FAKE_SERVE_MIN_MB, or 64 + ``--max-num-seqs`` / 8),
+reserves MLA_PLANNER_SCRATCH_MB (1024 unless set) from its KV cache, and with
+``--speculative-config`` logs one line of a step that fell back to the bounded path;
+FAKE_SERVE_DIE_OVER=N makes any server's engine die on a prompt of more than N tokens
+(FAKE_SERVE_HANG_OVER=N: never answer it), and FAKE_SERVE_DISTURB_ONCE=PATH makes the first server
+to start (the one that creates PATH) fail as vLLM's memory profiling does when another process frees
+GPU memory meanwhile.
 """
 
 from __future__ import annotations

@@ -45,10 +45,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return served_model_dir(tmp_path_factory.mktemp("model"))
 
 
-def driver(out: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """run_serve.py on the stand-ins, any free ports."""
+def driver(out: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240,
+           rc: int = 0) -> subprocess.CompletedProcess[str]:
+    """run_serve.py on the stand-ins, any free ports; it must exit with ``rc``."""
     cmd = [sys.executable, str(HERE / "run_serve.py"), "--out", str(out), "--port-base", "0", "--fake-server", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == rc, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
 
 
 def with_env(**values: str) -> dict[str, str]:
@@ -476,7 +479,6 @@ def test_no_server_outlives_a_stopped_driver(tmp_path: Path, phase: str, how: si
 def test_boundary_phase(tmp_path: Path) -> None:
     for engine in ("plugin", "stock"):
         r = driver(tmp_path, "--phase", "boundary", "--engine", engine)
-        assert r.returncode == 0, r.stdout + r.stderr
     plugin = results(tmp_path, "boundary-plugin.json")
     assert plugin["finished"] and [s["mnbt"] for s in plugin["servers"]] == [32768, 65536]
     for s in plugin["servers"]:
@@ -500,7 +502,6 @@ def test_servers_get_the_scaled_model(tmp_path: Path) -> None:
     """--layers 8: every server is started on a copy of the model with 8 hidden layers, nothing else
     changed, its tokenizer beside it; the report says which model ran."""
     r = driver(tmp_path, "--phase", "boundary", "--layers", "8")
-    assert r.returncode == 0, r.stdout + r.stderr
     original = json.loads((MODEL_DIR / "config.json").read_text())
     for server in results(tmp_path, "boundary-plugin.json")["servers"]:
         cmd = server["cmd"]
@@ -512,7 +513,6 @@ def test_servers_get_the_scaled_model(tmp_path: Path) -> None:
 
 def test_failrate_phase(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "failrate", "--failrate-n", "2")
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "failrate-stock.json")
     assert [t["util"] for t in data["trials"]] == [0.9, 0.95, 0.9, 0.95]  # interleaved
     for t in data["trials"]:
@@ -526,7 +526,6 @@ def test_failrate_phase(tmp_path: Path) -> None:
     # adds to it; this server fails its start-up (stock vLLM 0.33 at 0.95 on the H200 did, every time)
     r = driver(tmp_path, "--phase", "failrate", "--failrate-n", "1", "--failrate-utils", "0.95",
                env=with_env(FAKE_SERVE_EXIT_AT_START="1"))
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "failrate-stock.json")
     assert [t["label"] for t in data["trials"]][-2:] == ["failrate-stock-0.95-c1-2", "failrate-stock-0.95-c2-1"]
     last = data["trials"][-1]
@@ -538,7 +537,6 @@ def test_failrate_phase(tmp_path: Path) -> None:
 
 def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "2")
-    assert r.returncode == 0, r.stdout + r.stderr
     assert "ab0-r1-long-stock: 32 done, 0 failed" in r.stdout
     data = results(tmp_path, "ab.json")
     order = [(run["repeat"], run["workload"], run["engine"]) for run in data["runs"]]
@@ -562,14 +560,14 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     assert "Warm-up rounds, not in the medians (combined): stock " in md_text
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "1", "--workloads", "long",
                "--warmup-rounds", "0")
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "ab.json")
     assert [(run["call"], run["workload"]) for run in data["runs"]].count((1, "long")) == 2
     assert {run["workload"] for run in data["runs"] if run["call"] == 0} == {"chat", "mix"}
     # but not runs of another model: one report, one model
     before = (tmp_path / "ab.json").read_text()
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1", "--layers", "8")
-    assert r.returncode == 2 and "holds runs of another model (--layers None); give another --out" \
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1", "--layers", "8",
+               rc=2)
+    assert "holds runs of another model (--layers None); give another --out" \
         in r.stderr, r.stdout + r.stderr
     assert (tmp_path / "ab.json").read_text() == before
 
@@ -580,7 +578,6 @@ def test_ab_at_once_runs_both_engines_together(tmp_path: Path) -> None:
     after the other, as without it."""
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat,mix,long", "--repeats", "1",
                "--at-once", "chat,mix", env=with_env(FAKE_BENCH_HOLD_S="0.5"))
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "ab.json")
     assert data["calls"][0]["at_once"] == ["chat", "mix"]
     runs = data["runs"]
@@ -609,7 +606,6 @@ def test_ab_deadline_leaves_runs_not_run(tmp_path: Path) -> None:
     """Too little time left: no run starts, and a pair at once runs neither when one cannot."""
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat,long", "--repeats", "1", "--at-once",
                "chat", "--deadline-s", "30")
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "ab.json")
     assert data["finished"] and {run["status"] for run in data["runs"]} == {"not run"}
     assert all("deadline" in run["error"] for run in data["runs"])
@@ -625,7 +621,7 @@ def test_ab_keeps_step_figures_of_the_runs_it_keeps(tmp_path: Path) -> None:
     for _ in range(2):
         r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1",
                    "--warmup-rounds", "0", "--log-iterations", env=with_env(VLLM_LOGGING_CONFIG_PATH=str(config)))
-        assert r.returncode == 0 and "servers log with millisecond stamps" not in r.stdout, r.stdout + r.stderr
+        assert "servers log with millisecond stamps" not in r.stdout, r.stdout
     data = results(tmp_path, "ab.json")
     assert "long" not in data["calls"][0]["steps"]  # its runs were replaced by the second call's
     assert "long" not in data["calls"][0]["step_pairs"] and data["calls"][1]["step_pairs"] == {"long": []}
@@ -637,7 +633,6 @@ def test_ab_keeps_step_figures_of_the_runs_it_keeps(tmp_path: Path) -> None:
 
 def test_ab_stops_when_a_server_does_not_start(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", env=with_env(FAKE_SERVE_EXIT_AT_START="1"))
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "ab.json")
     assert data["runs"] == [] and list(data["calls"][0]["servers"]) == ["stock"]
     assert data["calls"][0]["servers"]["stock"]["startup"]["status"] == "exited"
@@ -652,7 +647,6 @@ def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     r = driver(tmp_path, "--phase", "ab", "--workloads", "long", "--repeats", "1", "--warmup-rounds", "0",
                "--prompt-scale", "0.0625", "--log-iterations", timeout=400)
-    assert r.returncode == 0, r.stdout + r.stderr
     # no VLLM_LOGGING_CONFIG_PATH given: the driver writes one with millisecond stamps for the servers
     assert f"servers log with millisecond stamps (VLLM_LOGGING_CONFIG_PATH={tmp_path / 'logging.json'})" in r.stdout
     assert "%(msecs)03d" in (tmp_path / "logging.json").read_text()
@@ -684,7 +678,6 @@ def test_soak_phase(tmp_path: Path) -> None:
     env = fake_nvidia_smi(tmp_path / "bin", f'n=$(cat {counter} 2>/dev/null || echo 0); echo $((n + 1)) > {counter}; '
                                             'echo $((1000 + 10 * n))')
     r = driver(tmp_path, "--phase", "soak", "--fake-bench", "--soak-s", "3", "--sample-s", "0.3", env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "soak-plugin.json")
     assert data["finished"] and len(data["iterations"]) >= 2 and data["same_processes"]
     assert data["pids_at_start"] == [data["server"]["pid"]]
@@ -721,17 +714,17 @@ def test_a_phase_detaches_and_is_followed(tmp_path: Path) -> None:
     hold = with_env(FAKE_BENCH_HOLD_S="8")  # the phase outlasts the follower's first look, 5 s on
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1",
                "--warmup-rounds", "0", "--detach", "--deadline-s", "0.5", env=hold)
-    assert r.returncode == 0 and "ab: still running" in r.stdout and "with --phase ab --follow" in r.stdout, \
+    assert "ab: still running" in r.stdout and "with --phase ab --follow" in r.stdout, \
         r.stdout + r.stderr
     pid = int((tmp_path / "ab-driver.pid").read_text())
     r = driver(tmp_path, "--phase", "ab", "--follow", "--deadline-s", "120")
-    assert r.returncode == 0 and f"ab: finished (pid {pid} ended)" in r.stdout, r.stdout + r.stderr
+    assert f"ab: finished (pid {pid} ended)" in r.stdout, r.stdout
     assert "  | ab0-r1-long-plugin: 32 done" in r.stdout  # the detached driver's log, followed
     data = results(tmp_path, "ab.json")
     assert data["finished"] and data["run"]["deadline_s"] == run_serve.DETACHED_DEADLINE_S
     assert [run["status"] for run in data["runs"]] == ["ok", "ok"]
-    r = driver(tmp_path, "--phase", "boundary", "--follow", "--deadline-s", "1")
-    assert r.returncode == 2 and "no detached boundary in" in r.stderr
+    r = driver(tmp_path, "--phase", "boundary", "--follow", "--deadline-s", "1", rc=2)
+    assert "no detached boundary in" in r.stderr
 
 
 # --- the matrix on stand-ins -------------------------------------------------------------------------
@@ -747,7 +740,6 @@ def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess
 
 def test_the_whole_matrix_on_stand_ins(full_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, r = full_run
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     data = results(out, "matrix.json")
     assert data["finished"] and data["coverage_gaps"] == [] and list(data["servers"]) == [c.name for c in md.DESIGN]
     for name, rec in data["servers"].items():
@@ -807,7 +799,6 @@ def test_a_64_mib_start_that_comes_up_is_kept_and_dead_engines_are_reported(tmp_
     the 64K prompt: the step failed, the engine dead, its first errors."""
     r = driver(tmp_path, "--phase", "matrix", "--servers", "s3,s4",
                env=with_env(FAKE_SERVE_MIN_MB="64", FAKE_SERVE_DIE_OVER="40000"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     servers = results(tmp_path, "matrix.json")["servers"]
     s3 = servers["s3"]
     assert s3["probe"]["outcome"] == "started" and s3["probe"]["min_mb"] == 64 == s3["scratch_mb"]
@@ -827,7 +818,6 @@ def test_a_64_mib_start_that_comes_up_is_kept_and_dead_engines_are_reported(tmp_
 def test_a_start_the_others_disturbed_is_retried_alone(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "matrix", "--servers", "s2,s4", "--start", "together",
                env=with_env(FAKE_SERVE_DISTURB_ONCE=str(tmp_path / "disturbed")))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     retried = [rec for rec in results(tmp_path, "matrix.json")["servers"].values() if rec.get("attempts")]
     assert len(retried) == 1, r.stdout
     rec = retried[0]
@@ -840,7 +830,6 @@ def test_a_start_the_others_disturbed_is_retried_alone(tmp_path: Path) -> None:
 
 def test_together_starts_every_server_at_once_and_stops_the_twins_after(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "matrix", "--servers", "s1,s2,s4", "--stock-twins", "s1,s2", "--start", "together")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     servers = results(tmp_path, "matrix.json")["servers"]
     assert "twin" not in servers.pop("s4") and not (tmp_path / "logs" / "s4-stock.log").exists()  # not named
     records = [rec[k] for rec in servers.values() for k in ("plugin", "twin")]
@@ -856,7 +845,6 @@ def test_servers_spread_over_gpus_start_chained_on_each(tmp_path: Path) -> None:
     two GPUs' side by side."""
     r = driver(tmp_path, "--phase", "matrix", "--servers", "s1,s2,s3", "--gpus", "2", "--stock-twins", "--start",
                "chained", env=with_env(FAKE_SERVE_START_S="1"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     servers = results(tmp_path, "matrix.json")["servers"]
     for name, gpu in (("s1", 0), ("s2", 1), ("s3", 0)):
         for log in (f"{name}.log", f"{name}-stock.log"):
@@ -870,8 +858,8 @@ def test_servers_spread_over_gpus_start_chained_on_each(tmp_path: Path) -> None:
 
 
 def test_what_the_deadline_leaves_out_is_not_run(tmp_path: Path) -> None:
+    # below a server's 120 s: nothing starts
     r = driver(tmp_path, "--phase", "matrix", "--servers", "s2,s3", "--stock-twins", "s2", "--deadline-s", "60")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]  # below a server's 120 s: nothing starts
     servers = results(tmp_path, "matrix.json")["servers"]
     assert servers["s3"]["probe"]["outcome"] == "not run" and servers["s2"]["plugin"]["startup"]["status"] == "not run"
     assert servers["s2"]["twin"]["startup"]["status"] == "not run"
