@@ -71,6 +71,12 @@ def token_prompt(length: int, rng: random.Random) -> dict[str, list[int]]:
     return {"prompt_token_ids": [rng.randrange(*TOKEN_RANGE) for _ in range(length)]}
 
 
+def case_prompts(case: str) -> list[list[int]]:
+    """A case's prompts as token ids: the same for both backends, in-process and served."""
+    rng = random.Random(case_seed(case))
+    return [token_prompt(n, rng)["prompt_token_ids"] for n in CASE_PROMPTS[case]]
+
+
 def case_seed(case: str) -> int:
     """Distinct prompts per case (prefix caching is off anyway), the same for both backends."""
     return 1000 + CASES.index(case)
@@ -157,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="limit on one generate call (default 90 s; a 2-layer model prefills 64K tokens in seconds)")
     ap.add_argument("--faults", help="fault modes, comma-separated (faults.MODES): the cases run once per mode")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, check engine arguments, run nothing")
-    ap.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # CPU tests: e2e_fakes
+    ap.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # CPU tests: fakes
     args = ap.parse_args(argv)
     args.cases = [c for item in args.cases for c in item.split(",") if c]
     unknown = [c for c in args.cases if c not in CASES]
@@ -208,7 +214,7 @@ def sampling_kwargs(max_tokens: int = MAX_TOKENS, logprobs: int | None = None) -
 
 class Bench:
     """The engine and what the cases need of it. vLLM and torch are imported only here; the CPU tests
-    pass stand-ins for the three (``e2e_fakes``)."""
+    pass stand-ins for the three (``fakes``)."""
 
     def __init__(self, kwargs: dict[str, Any], modules: tuple[Any, Any, Any] | None = None,
                  case_timeout_s: float = 90) -> None:
@@ -355,8 +361,7 @@ def measured(bench: Bench, body: Callable[[], dict[str, Any]]) -> dict[str, Any]
 
 
 def run_prompts_case(bench: Bench, case: str) -> dict[str, Any]:
-    rng = random.Random(case_seed(case))
-    prompts = [token_prompt(n, rng) for n in CASE_PROMPTS[case]]
+    prompts = [{"prompt_token_ids": ids} for ids in case_prompts(case)]
     max_tokens = CASE_MAX_TOKENS.get(case, MAX_TOKENS)
 
     def body() -> dict[str, Any]:
@@ -462,9 +467,9 @@ def run_case(bench: Bench, case: str, repeats: int) -> dict[str, Any]:
 
 
 def fake_modules() -> tuple[Any, Any, Any]:
-    import e2e_fakes
+    import fakes
 
-    return e2e_fakes.modules()
+    return fakes.modules()
 
 
 def planner_settings() -> dict[str, Any]:

@@ -12,7 +12,6 @@ Each run (``--list``) writes ``DIR/<run>.json`` and ``DIR/<run>.log``. Runs shar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -22,9 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import e2e_report
+import report
 import serve_proc
+import serve_run
 from run_cases import ENV_DEFAULTS
+from serve_run import say
 
 HERE = Path(__file__).resolve().parent
 MIN_RUN_S = 75  # an engine start-up alone takes about a minute: start no run with less left
@@ -108,16 +109,6 @@ def progress_lines(log: Path) -> list[str]:
     return [line for line in text.splitlines() if re.match(r"(engine up|engine start-up failed|case \S+: )", line)]
 
 
-def save_driver(out: Path, driver: dict[str, Any]) -> None:
-    (out / e2e_report.DRIVER_JSON).write_text(json.dumps(driver, indent=1) + "\n")
-
-
-def write_report(out: Path) -> str:
-    text = e2e_report.render_dir(out)
-    (out / e2e_report.REPORT_MD).write_text(text)
-    return text
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group", choices=("A", "B", "T"),
@@ -143,32 +134,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r.group}  {r.name:20} {r.backend:8} util {r.util}  mnbt {r.mnbt:5}  cases {' '.join(r.cases)}{tp}")
         return 0
     if args.report_only:
-        print(write_report(args.report_only))
+        print(report.write(args.report_only))
         return 0
 
-    start = time.monotonic()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    driver = e2e_report.load_driver(out)
-    for run in select_runs(args.group, args.runs):
-        left = args.deadline_s - (time.monotonic() - start)
-        if left < MIN_RUN_S:
-            driver["runs"][run.name] = {"status": "not run", "reason": f"deadline: {left:.0f} s left"}
-            print(f"{run.name}: not run ({left:.0f} s left of the deadline)", flush=True)
+    # the served phases' bookkeeping: the deadline, and driver.json saved as it changes
+    run = serve_run.Run(args, out / report.DRIVER_JSON, report.load_driver(out), time.monotonic())
+    for r in select_runs(args.group, args.runs):
+        if run.left() < MIN_RUN_S:
+            why = {"status": "not run", "reason": f"deadline: {run.left():.0f} s left"}
+            run.update(run.data["runs"], **{r.name: why})
+            say(f"{r.name}: not run ({run.left():.0f} s left of the deadline)")
             continue
-        timeout = min(run.timeout_s, left - 5)
-        print(f"{run.name}: running (timeout {timeout:.0f} s) ...", flush=True)
-        extra_env = {"VLLM_LOGGING_LEVEL": "DEBUG"} if run.debug_log else None
-        result = run_one(command(run, out, args), out / f"{run.name}.log", timeout, extra_env)
-        driver["runs"][run.name] = {"status": "ran", **result}
+        timeout = min(r.timeout_s, run.left() - 5)
+        say(f"{r.name}: running (timeout {timeout:.0f} s) ...")
+        extra_env = {"VLLM_LOGGING_LEVEL": "DEBUG"} if r.debug_log else None
+        result = run_one(command(r, out, args), out / f"{r.name}.log", timeout, extra_env)
+        run.update(run.data["runs"], **{r.name: {"status": "ran", **result}})
         state = "TIMED OUT" if result["timed_out"] else f"rc {result['rc']}"
-        print(f"{run.name}: {state} after {result['wall_s']:.0f} s", flush=True)
-        for line in progress_lines(out / f"{run.name}.log"):
-            print(f"    {line}", flush=True)
-        save_driver(out, driver)
+        say(f"{r.name}: {state} after {result['wall_s']:.0f} s")
+        for line in progress_lines(out / f"{r.name}.log"):
+            say(f"    {line}")
         time.sleep(3 if result["timed_out"] else 1)  # the next engine measures free memory at start-up
-    save_driver(out, driver)
-    print(write_report(out))
+    run.save()
+    print(report.write(out))
     return 0
 
 

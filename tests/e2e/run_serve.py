@@ -9,7 +9,7 @@ against the plugin through ``vllm serve``, and the plugin under the flag matrix'
 
 A phase (serve_phases.py) ends by ``--deadline-s`` and writes ``DIR/<phase>[-<engine>].json``,
 rewritten after every step, server logs under ``DIR/logs``, bench results under ``DIR/bench``, and
-its report (serve_report.py): ``DIR/serve.md``, or ``DIR/matrix.md`` for the matrix. A phase longer
+its report (report.py): ``DIR/serve.md``, or ``DIR/matrix.md`` for the matrix. A phase longer
 than a device call runs ``--detach``ed in a session of its own, which the machine keeps while it
 stays warm; ``--follow`` in the next call picks it up.
 """
@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import matrix_design as md
+import report
 import serve_bench
 import serve_phases
-import serve_report
 import step_log
 from run_cases import CASE_TITLES, ENV_DEFAULTS, MODEL_DIR, PLANNER_VARS, model_variant, versions
 from serve_proc import client_env, install_cleanup
@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--port-base", type=int, default=8100, help="servers listen on this port and above (0: any free)")
     add("--start-timeout-s", type=float, help="a server's start-up limit (default 240; matrix: 360)")
     add("--request-timeout-s", type=float, help="one request's limit (default 120; matrix: 180)")
-    add("--fake-server", action="store_true", help=argparse.SUPPRESS)  # CPU tests: serve_fakes.py
+    add("--fake-server", action="store_true", help=argparse.SUPPRESS)  # CPU tests: fakes.py
     add("--fake-bench", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.report_only:
@@ -250,20 +250,6 @@ def run_phase(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_reports(out: Path) -> str:
-    """DIR/serve.md from DIR's phase files, DIR/matrix.md from its matrix.json, each where there is one."""
-    texts = []
-    phases = serve_report.load_phases(out)
-    if phases:
-        texts.append(serve_report.render(phases))
-        (out / serve_report.REPORT_MD).write_text(texts[-1])
-    matrix = serve_report.load_matrix(out)
-    if matrix:
-        texts.append(serve_report.render_matrix(matrix))
-        (out / serve_report.MATRIX_MD).write_text(texts[-1])
-    return "\n".join(texts) or f"no results in {out}"
-
-
 def driver_files(args: argparse.Namespace) -> tuple[Path, Path]:
     """A detached phase's log and pid file in DIR."""
     out: Path = args.out
@@ -328,19 +314,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.report_only:
-        print(write_reports(args.report_only))
+        print(report.write(args.report_only))
         return 0
     if args.detach:
         detach(args, argv)
     if args.detach or args.follow:
         rc = follow(args)
-        print(write_reports(args.out))
+        print(report.write(args.out))
         return rc
     install_cleanup()
     try:
         rc = run_phase(args)
     finally:
-        text = write_reports(args.out)
+        text = report.write(args.out)
     print(text)
     return rc
 

@@ -87,7 +87,7 @@ def bench_command(client: Client, *, python: str, base_url: str, tokenizer: Path
                   scale: float = 1.0, metadata: dict[str, str] | None = None, fake: bool = False) -> list[str]:
     """``vllm bench serve`` for one client (flags as in vLLM 0.26.0 and 0.33.0)."""
     prompts = scaled(client.num_prompts, scale)
-    head = [python, str(HERE / "serve_fakes.py"), "bench"] if fake else [python, *VLLM_CLI, "bench", "serve"]
+    head = [python, str(HERE / "fakes.py"), "bench"] if fake else [python, *VLLM_CLI, "bench", "serve"]
     cmd = [*head, "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
            "--model", SERVED_NAME, "--tokenizer", str(tokenizer),
            "--dataset-name", "random", "--random-input-len", str(client.input_len),
@@ -118,7 +118,7 @@ class Clients:
     server idle between runs. So each client is a fresh process that runs the ``vllm`` console
     script's own entry point with the command line ``bench_command`` wrote, forked from one process
     that imported the CLI once (multiprocessing's forkserver, preloaded), started by ``warm`` while
-    the servers start. The stand-in client (``serve_fakes.py bench``) runs the same way."""
+    the servers start. The stand-in client (``fakes.py bench``) runs the same way."""
 
     def __init__(self, fake: bool, env: dict[str, str]) -> None:
         self.fake = fake
@@ -126,7 +126,7 @@ class Clients:
         # of it once (huggingface_hub's HF_HUB_OFFLINE, say): this process takes the clients' own.
         os.environ.update(env)
         self.mp = multiprocessing.get_context("forkserver")
-        self.mp.set_forkserver_preload(["serve_fakes"] if fake else list(CLI_PRELOAD))
+        self.mp.set_forkserver_preload(["fakes"] if fake else list(CLI_PRELOAD))
         self._warming: threading.Thread | None = None
 
     def warm(self) -> None:
@@ -154,8 +154,8 @@ def entry_point(cmd: list[str]) -> tuple[str, list[str]]:
     """The module whose ``main()`` runs ``cmd``, and the ``sys.argv`` it sees."""
     if cmd[1:3] == list(VLLM_CLI):
         return VLLM_CLI[1], ["vllm", *cmd[3:]]
-    if Path(cmd[1]).name == "serve_fakes.py":
-        return "serve_fakes", [cmd[1], *cmd[2:]]
+    if Path(cmd[1]).name == "fakes.py":
+        return "fakes", [cmd[1], *cmd[2:]]
     raise ValueError(f"not a bench command line: {cmd[:3]}")
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, TypeVar
 import matrix_design as md
 import serve_bench as sb
 from serve_proc import Server, check_stop, disturbed, gpu_memory_used_mib, gpu_processes, group_pids, refusal, wait_gpu_idle
-from serve_report import up
+from report import up
 from serve_run import MIN_BENCH_S, MIN_SERVER_S, Job, Run, bench, finish, probe, run_line, say, start_jobs, start_one
 from step_log import stamp, step_figures
 

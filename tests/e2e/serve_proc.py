@@ -84,7 +84,7 @@ def server_args(spec: ServerSpec, model_dir: Path) -> list[str]:
 
 
 def server_command(spec: ServerSpec, model_dir: Path, python: str, fake: bool = False) -> list[str]:
-    head = [python, str(HERE / "serve_fakes.py"), "serve"] if fake else [python, *VLLM_CLI, "serve"]
+    head = [python, str(HERE / "fakes.py"), "serve"] if fake else [python, *VLLM_CLI, "serve"]
     return head + server_args(spec, model_dir)
 
 

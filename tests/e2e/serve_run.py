@@ -9,19 +9,21 @@ what came before; a step that its deadline leaves no time for is recorded as not
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import serve_bench as sb
-from run_cases import write_json
-from serve_proc import KV_SIZED, Server, ServerSpec, check_stop, free_port, log_facts, server_command, server_env
-from serve_report import up
-from serve_requests import chat_burst, run_case
+from run_cases import CASE_MAX_TOKENS, CASE_PROMPTS, MAX_TOKENS, TOKEN_RANGE, case_prompts, write_json
+from serve_proc import (KV_SIZED, SERVED_NAME, Server, ServerSpec, check_stop, free_port, log_facts, post_json,
+                        server_command, server_env)
+from report import up
 
 MIN_SERVER_S = 120  # a server start (~65-95 s with CUDA graph capture) and one request
 MIN_BENCH_S = 30  # a bench client takes some seconds to start (prompt sampling): start none with less left
@@ -231,6 +233,79 @@ def plugin_metrics(url: str) -> list[str]:
 
 
 # --- requests ---------------------------------------------------------------------------------------
+# Plain HTTP POSTs: run_cases' cases (token-id prompts, as the in-process runs draw them) and the
+# matrix's chat burst. A case's prompts go at once, each on its own thread, a few milliseconds apart
+# in the case's order, so the server receives them as one submission (case 3's 32K blocker first).
+# Throughput is not measured here: that is ``vllm bench serve``'s job (serve_bench.py).
+
+STAGGER_S = 0.02
+CHAT_PREFIX, CHAT_LEN, CHAT_MAX_TOKENS, CHAT_SEED = 256, (300, 1100), (16, 256), 2900
+
+
+
+def chat_prompts(n: int, seed: int = CHAT_SEED) -> list[tuple[list[int], int]]:
+    """``n`` (token ids, max_tokens): a shared 256-token prefix (a system prompt: prefix caching's
+    hits), then each its own tokens to 300-1,100 in all; 16-256 tokens out. The same for every server."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(*TOKEN_RANGE) for _ in range(CHAT_PREFIX)]
+    prompts = []
+    for _ in range(n):
+        length = rng.randint(*CHAT_LEN)
+        ids = prefix + [rng.randrange(*TOKEN_RANGE) for _ in range(length - CHAT_PREFIX)]
+        prompts.append((ids, rng.randint(*CHAT_MAX_TOKENS)))
+    return prompts
+
+
+def completion_body(ids: list[int], max_tokens: int) -> dict[str, Any]:
+    """Greedy, exactly ``max_tokens`` tokens back (ignore_eos is vLLM's extension of the API)."""
+    return {"model": SERVED_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+def one_request(url: str, ids: list[int], max_tokens: int, delay_s: float, timeout_s: float) -> dict[str, Any]:
+    time.sleep(delay_s)
+    t0 = time.perf_counter()
+    status, body, error = post_json(url + "/v1/completions", completion_body(ids, max_tokens), timeout_s)
+    usage = (body or {}).get("usage") or {}
+    tokens = usage.get("completion_tokens")
+    ok = status == 200 and tokens == max_tokens
+    if status == 200 and not ok:
+        error = f"{tokens} tokens back, {max_tokens} asked"
+    return {"prompt_len": len(ids), "status": status, "ok": ok, "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": tokens, "elapsed_s": time.perf_counter() - t0, "error": error}
+
+
+def send_all(url: str, prompts: list[tuple[list[int], int]], stagger_s: float, timeout_s: float) -> dict[str, Any]:
+    """Every prompt at once, each on its own thread (``stagger_s`` apart), every answer awaited (or
+    its error recorded): counts, and the first few errors."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        futures = [pool.submit(one_request, url, ids, max_tokens, i * stagger_s, timeout_s)
+                   for i, (ids, max_tokens) in enumerate(prompts)]
+        requests = [f.result() for f in futures]
+    errors: list[str] = []
+    for r in requests:
+        if not r["ok"] and str(r["error"]) not in errors and len(errors) < 5:
+            errors.append(str(r["error"]))
+    ok = sum(r["ok"] for r in requests)
+    return {"status": "ok" if ok == len(requests) else "error", "error": errors[0] if errors else None,
+            "errors": errors, "n_requests": len(requests), "requests_ok": ok, "elapsed_s": time.perf_counter() - t0,
+            "prompt_tokens": sum(len(ids) for ids, _ in prompts), "max_tokens": sum(m for _, m in prompts),
+            "requests": requests}
+
+
+def run_case(url: str, case: str, timeout_s: float) -> dict[str, Any]:
+    """One of run_cases' cases: its prompts as one submission."""
+    max_tokens = CASE_MAX_TOKENS.get(case, MAX_TOKENS)
+    result = send_all(url, [(ids, max_tokens) for ids in case_prompts(case)], STAGGER_S, timeout_s)
+    return {**result, "prompt_lens": CASE_PROMPTS[case], "max_tokens": max_tokens}
+
+
+def chat_burst(url: str, n: int, timeout_s: float) -> dict[str, Any]:
+    """``n`` chat completions at once (``chat_prompts``); the requests themselves are not kept."""
+    result = send_all(url, chat_prompts(n), 0.0, timeout_s)
+    del result["requests"]
+    return result
+
 
 
 def probe(run: Run, name: str, server: Server, steps: list[tuple[str, str | None]], results: dict[str, Any]) -> None:

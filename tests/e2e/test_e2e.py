@@ -5,7 +5,7 @@ kernels, and skips elsewhere with the reason. It runs the planned backend's 0.95
 driver (a few minutes), or, with ``MLA_E2E_RESULTS=DIR``, checks a driver's saved results instead.
 The other tests run on any CPU in seconds: the packing of vLLM for the GPU machine and its unpacking
 there (``device_install.sh``, on a toy vLLM), the argument checks, and the driver and report end to end
-on stand-ins for vLLM and torch (``e2e_fakes``).
+on stand-ins for vLLM and torch (``fakes``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 import e2e_bundle as eb
-import e2e_report
+import report
 import faults
 import run_cases
 import run_e2e
@@ -60,7 +60,7 @@ def test_planned_finishes_every_case_at_095(tmp_path: Path) -> None:
     if not saved:
         subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--runs", ",".join(PLANNED_095), "--out", str(out)],
                        check=True, timeout=900)
-    runs, _ = e2e_report.load_dir(out)
+    runs = report.in_process_runs(report.load(out))
     seen = set()
     for name in PLANNED_095:
         assert name in runs, f"no results of {name} in {out}"
@@ -411,9 +411,9 @@ def test_tensor_parallel_runs_scale_the_model_to_16_heads_per_rank(tmp_path: Pat
 
 
 def test_a_tensor_parallel_bench_never_touches_the_gpu_here() -> None:
-    import e2e_fakes
+    import fakes
 
-    torch, llm, params = e2e_fakes.modules()
+    torch, llm, params = fakes.modules()
 
     class NoCuda:
         def __getattr__(self, name: str) -> Any:
@@ -472,9 +472,9 @@ def test_engine_arguments_are_known_to_the_installed_vllm() -> None:
 
 
 def test_a_hung_engine_is_a_case_error_not_a_hang() -> None:
-    import e2e_fakes
+    import fakes
 
-    bench = run_cases.Bench(run_cases.engine_kwargs("stock", 0.9, 32768), e2e_fakes.modules(), case_timeout_s=0.2)
+    bench = run_cases.Bench(run_cases.engine_kwargs("stock", 0.9, 32768), fakes.modules(), case_timeout_s=0.2)
     bench.llm.llm_engine.step = lambda: []  # never progresses
     result = run_cases.run_prompts_case(bench, "5")
     assert result["status"] == "error" and "TimeoutError" in result["error"] and not result["tokens_back"]
@@ -569,7 +569,7 @@ def test_driver_and_report_on_stand_ins(tmp_path: Path) -> None:
                         "--fake-engine", "--repeats", "2"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "MLA_PLANNER_SCRATCH_MB": "1024"})
     assert r.returncode == 0, r.stdout + r.stderr
-    md = (out / e2e_report.REPORT_MD).read_text()
+    md = (out / report.E2E_MD).read_text()
     assert md in r.stdout
     assert "planned at 0.95: cases 1, 2, 3, 4, 5 all finished" in md
     assert "| stock-0.95-32k | stock | 0.95 | 32768 | **OOM** (tried to allocate 8.00 GiB) |" in md
@@ -584,12 +584,12 @@ def test_driver_and_report_on_stand_ins(tmp_path: Path) -> None:
         assert data["finished"] and list(data["cases"]) == list(run.cases)
     r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--report-only", str(out)], capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode == 0 and (out / e2e_report.REPORT_MD).read_text() == md
+    assert r.returncode == 0 and (out / report.E2E_MD).read_text() == md
 
 
 def test_driver_deadline_and_timeout(tmp_path: Path) -> None:
     assert run_e2e.main(["--group", "B", "--out", str(tmp_path), "--deadline-s", "10", "--fake-engine"]) == 0
-    md = (tmp_path / e2e_report.REPORT_MD).read_text()
+    md = (tmp_path / report.E2E_MD).read_text()
     assert "not run (deadline): stock-0.90-32k, planned-0.90-32k" in md
     result = run_e2e.run_one([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "sleep.log", 1)
     assert result["timed_out"] and result["rc"] != 0 and result["wall_s"] < 30
@@ -651,11 +651,11 @@ def test_report_from_hand_made_results(tmp_path: Path) -> None:
     }
     for name, data in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
-    (tmp_path / e2e_report.DRIVER_JSON).write_text(json.dumps({"runs": {
+    (tmp_path / report.DRIVER_JSON).write_text(json.dumps({"runs": {
         "planned-0.95-32k": {"status": "ran", "rc": -15, "timed_out": True, "wall_s": 300.0, "log": "p.log"},
         "planned-0.95-64k": {"status": "not run", "reason": "deadline: 40 s left"}}}))
     assert run_e2e.main(["--report-only", str(tmp_path)]) == 0
-    md = (tmp_path / e2e_report.REPORT_MD).read_text()
+    md = (tmp_path / report.E2E_MD).read_text()
     assert "planned at 0.95: cases 1, 2, 5 not all finished (case 2, 5)" in md
     assert "| ok | 110.00 | 8.00 | 1.00 | 16,384 | yes 1/1: [5, 6, 7, 8] | 100.00 |" in md
     assert "no result: process ended during this case (timeout)" in md

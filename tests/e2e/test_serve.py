@@ -8,7 +8,7 @@ and random dataset); the matrix's design and its coverage; every server's and be
 line through the installed vLLM's parsers (the matrix's into its engine config); what a server log
 says; the server's process handling (its start settled, the group kill, no server left when the
 driver is stopped or killed); every phase end to end on stand-ins for ``vllm serve`` and ``vllm
-bench serve`` (serve_fakes.py), once with vLLM's real bench client; and the reports.
+bench serve`` (fakes.py), once with vLLM's real bench client; and the reports.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import matrix_design as md
 import run_serve
 import serve_bench as sb
 import serve_proc as proc
-import serve_report
+import report
 from run_cases import CASE_PROMPTS, MODEL_DIR, REPLACE_VAR, model_variant
-from serve_requests import chat_prompts
+from serve_run import chat_prompts
 from serve_tokenizer import check_tokenizer, served_model_dir
 from test_e2e import e2e_unavailable
 
@@ -45,10 +45,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return served_model_dir(tmp_path_factory.mktemp("model"))
 
 
-def driver(out: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """run_serve.py on the stand-ins, any free ports."""
+def driver(out: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240,
+           rc: int = 0) -> subprocess.CompletedProcess[str]:
+    """run_serve.py on the stand-ins, any free ports; it must exit with ``rc``."""
     cmd = [sys.executable, str(HERE / "run_serve.py"), "--out", str(out), "--port-base", "0", "--fake-server", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == rc, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
 
 
 def with_env(**values: str) -> dict[str, str]:
@@ -476,7 +479,6 @@ def test_no_server_outlives_a_stopped_driver(tmp_path: Path, phase: str, how: si
 def test_boundary_phase(tmp_path: Path) -> None:
     for engine in ("plugin", "stock"):
         r = driver(tmp_path, "--phase", "boundary", "--engine", engine)
-        assert r.returncode == 0, r.stdout + r.stderr
     plugin = results(tmp_path, "boundary-plugin.json")
     assert plugin["finished"] and [s["mnbt"] for s in plugin["servers"]] == [32768, 65536]
     for s in plugin["servers"]:
@@ -488,7 +490,7 @@ def test_boundary_phase(tmp_path: Path) -> None:
     assert first["cases"]["1"]["status"] == "error" and first["cases"]["1"]["health_after"] is None
     assert first["cases"]["2"] == {"status": "not run", "error": "server process exited"}
     assert not first["alive_at_end"] and "CUDA out of memory" in first["error_count"] and not first["planner_lines"]
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "boundary (plugin, util 0.95): every case finished" in md_text
     assert "boundary (stock, util 0.95): not finished: case 1 (32768), 2 (32768), 5 (32768), 4 (65536), 5 (65536)" \
         in md_text
@@ -500,45 +502,41 @@ def test_servers_get_the_scaled_model(tmp_path: Path) -> None:
     """--layers 8: every server is started on a copy of the model with 8 hidden layers, nothing else
     changed, its tokenizer beside it; the report says which model ran."""
     r = driver(tmp_path, "--phase", "boundary", "--layers", "8")
-    assert r.returncode == 0, r.stdout + r.stderr
     original = json.loads((MODEL_DIR / "config.json").read_text())
     for server in results(tmp_path, "boundary-plugin.json")["servers"]:
         cmd = server["cmd"]
         model = Path(cmd[cmd.index("serve") + 1])
         assert model.name == "tiny-deepseek-v32-8l" and (model / "tokenizer.json").is_file()
         assert json.loads((model / "config.json").read_text()) == {**original, "num_hidden_layers": 8}
-    assert "dummy weights, 8 hidden layers)" in (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "dummy weights, 8 hidden layers)" in (tmp_path / report.SERVE_MD).read_text()
 
 
 def test_failrate_phase(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "failrate", "--failrate-n", "2")
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "failrate-stock.json")
     assert [t["util"] for t in data["trials"]] == [0.9, 0.95, 0.9, 0.95]  # interleaved
     for t in data["trials"]:
         assert t["server"]["stop"]["left_running"] is False
         assert (t["status"], t["engine_died"], t["oom_in_log"]) == (("ok", False, False) if t["util"] == 0.9
                                                                     else ("error", True, True))
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "failrate (stock) at 0.9: 0 of 2 failed (0 at start-up, 0 on the 32K prompt), engine died in 0" in md_text
     assert "failrate (stock) at 0.95: 2 of 2 failed (0 at start-up, 2 on the 32K prompt), engine died in 2" in md_text
     assert "| 0.95 | 2 | 0 | 0 | 2 | 2 | 2 | HTTP 500:" in md_text
     # adds to it; this server fails its start-up (stock vLLM 0.33 at 0.95 on the H200 did, every time)
     r = driver(tmp_path, "--phase", "failrate", "--failrate-n", "1", "--failrate-utils", "0.95",
                env=with_env(FAKE_SERVE_EXIT_AT_START="1"))
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "failrate-stock.json")
     assert [t["label"] for t in data["trials"]][-2:] == ["failrate-stock-0.95-c1-2", "failrate-stock-0.95-c2-1"]
     last = data["trials"][-1]
     assert (last["status"], last["engine_died"], last["oom_in_log"]) == ("startup failed", None, True)
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "failrate (stock) at 0.95: 3 of 3 failed (1 at start-up, 2 on the 32K prompt), engine died in 2" in md_text
     assert "| 0.95 | 3 | 0 | 1 | 2 | 2 | 3 | HTTP 500:" in md_text
 
 
 def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "2")
-    assert r.returncode == 0, r.stdout + r.stderr
     assert "ab0-r1-long-stock: 32 done, 0 failed" in r.stdout
     data = results(tmp_path, "ab.json")
     order = [(run["repeat"], run["workload"], run["engine"]) for run in data["runs"]]
@@ -554,7 +552,7 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     mix = data["runs"][10]
     assert mix["workload"] == "mix" and set(mix["clients"]) == {"mix-chat", "mix-doc"} and mix["combined"]["completed"] == 64 + 24
     assert [s["stop"]["left_running"] for s in data["calls"][0]["servers"].values()] == [False, False]
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "chat: plugin/stock total tokens/s 1.24" in md_text  # the stand-in's plugin is 1.25x faster
     assert "ab servers at util 0.4: KV cache stock 60.00 GiB, plugin 59.00 GiB (stock − plugin 1,024 MiB)" in md_text
     assert "| combined | plugin/stock | – | – | – | – | 1.24" in md_text
@@ -562,14 +560,14 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
     assert "Warm-up rounds, not in the medians (combined): stock " in md_text
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "1", "--workloads", "long",
                "--warmup-rounds", "0")
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "ab.json")
     assert [(run["call"], run["workload"]) for run in data["runs"]].count((1, "long")) == 2
     assert {run["workload"] for run in data["runs"] if run["call"] == 0} == {"chat", "mix"}
     # but not runs of another model: one report, one model
     before = (tmp_path / "ab.json").read_text()
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1", "--layers", "8")
-    assert r.returncode == 2 and "holds runs of another model (--layers None); give another --out" \
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1", "--layers", "8",
+               rc=2)
+    assert "holds runs of another model (--layers None); give another --out" \
         in r.stderr, r.stdout + r.stderr
     assert (tmp_path / "ab.json").read_text() == before
 
@@ -580,7 +578,6 @@ def test_ab_at_once_runs_both_engines_together(tmp_path: Path) -> None:
     after the other, as without it."""
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat,mix,long", "--repeats", "1",
                "--at-once", "chat,mix", env=with_env(FAKE_BENCH_HOLD_S="0.5"))
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "ab.json")
     assert data["calls"][0]["at_once"] == ["chat", "mix"]
     runs = data["runs"]
@@ -599,7 +596,7 @@ def test_ab_at_once_runs_both_engines_together(tmp_path: Path) -> None:
             assert max(s[0] for s in both) < min(s[1] for s in both)
         else:
             assert not first["at_once"] and max(s[1] for s in spans(first)) <= min(s[0] for s in spans(second))
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "chat: plugin/stock total tokens/s per repeat, median " in md_text
     assert "Plugin/stock TPOT p50 per repeat (same seed, at the same time): " in md_text
     assert "Plugin/stock total tokens/s per repeat (same seed, back to back): " in md_text  # long
@@ -609,12 +606,11 @@ def test_ab_deadline_leaves_runs_not_run(tmp_path: Path) -> None:
     """Too little time left: no run starts, and a pair at once runs neither when one cannot."""
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat,long", "--repeats", "1", "--at-once",
                "chat", "--deadline-s", "30")
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "ab.json")
     assert data["finished"] and {run["status"] for run in data["runs"]} == {"not run"}
     assert all("deadline" in run["error"] for run in data["runs"])
     assert "ab0-w1-chat-stock: not run: deadline" in r.stdout
-    assert "- ab0-r1-long-plugin: not run: deadline" in (tmp_path / serve_report.REPORT_MD).read_text()
+    assert "- ab0-r1-long-plugin: not run: deadline" in (tmp_path / report.SERVE_MD).read_text()
 
 
 def test_ab_keeps_step_figures_of_the_runs_it_keeps(tmp_path: Path) -> None:
@@ -625,23 +621,22 @@ def test_ab_keeps_step_figures_of_the_runs_it_keeps(tmp_path: Path) -> None:
     for _ in range(2):
         r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1",
                    "--warmup-rounds", "0", "--log-iterations", env=with_env(VLLM_LOGGING_CONFIG_PATH=str(config)))
-        assert r.returncode == 0 and "servers log with millisecond stamps" not in r.stdout, r.stdout + r.stderr
+        assert "servers log with millisecond stamps" not in r.stdout, r.stdout
     data = results(tmp_path, "ab.json")
     assert "long" not in data["calls"][0]["steps"]  # its runs were replaced by the second call's
     assert "long" not in data["calls"][0]["step_pairs"] and data["calls"][1]["step_pairs"] == {"long": []}
     steps = data["calls"][1]["steps"]["long"]
     assert steps["stock"]["steps"] == steps["plugin"]["steps"] == 0  # the stand-in bench sends no request
     assert "- long, vLLM's iteration lines of the timed runs (call 1): too few steps to compare" in \
-        (tmp_path / serve_report.REPORT_MD).read_text()
+        (tmp_path / report.SERVE_MD).read_text()
 
 
 def test_ab_stops_when_a_server_does_not_start(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", env=with_env(FAKE_SERVE_EXIT_AT_START="1"))
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "ab.json")
     assert data["runs"] == [] and list(data["calls"][0]["servers"]) == ["stock"]
     assert data["calls"][0]["servers"]["stock"]["startup"]["status"] == "exited"
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "**ab call 0: stock server did not start: exited** (no bench run)" in md_text
     assert "| ab0-stock | stock | 0.4 | 32768 | exited, " in md_text and "RuntimeError: fake start-up failure |" in md_text
 
@@ -652,7 +647,6 @@ def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     r = driver(tmp_path, "--phase", "ab", "--workloads", "long", "--repeats", "1", "--warmup-rounds", "0",
                "--prompt-scale", "0.0625", "--log-iterations", timeout=400)
-    assert r.returncode == 0, r.stdout + r.stderr
     # no VLLM_LOGGING_CONFIG_PATH given: the driver writes one with millisecond stamps for the servers
     assert f"servers log with millisecond stamps (VLLM_LOGGING_CONFIG_PATH={tmp_path / 'logging.json'})" in r.stdout
     assert "%(msecs)03d" in (tmp_path / "logging.json").read_text()
@@ -676,7 +670,7 @@ def test_ab_with_vllms_bench_client(tmp_path: Path) -> None:
     assert steps["stock"]["other_steps"] == 3
     # no run of three decode-only steps in the stand-in's lines: the report says so
     assert "- long, vLLM's iteration lines of the timed runs (call 0): too few steps to compare" in \
-        (tmp_path / serve_report.REPORT_MD).read_text()
+        (tmp_path / report.SERVE_MD).read_text()
 
 
 def test_soak_phase(tmp_path: Path) -> None:
@@ -684,7 +678,6 @@ def test_soak_phase(tmp_path: Path) -> None:
     env = fake_nvidia_smi(tmp_path / "bin", f'n=$(cat {counter} 2>/dev/null || echo 0); echo $((n + 1)) > {counter}; '
                                             'echo $((1000 + 10 * n))')
     r = driver(tmp_path, "--phase", "soak", "--fake-bench", "--soak-s", "3", "--sample-s", "0.3", env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
     data = results(tmp_path, "soak-plugin.json")
     assert data["finished"] and len(data["iterations"]) >= 2 and data["same_processes"]
     assert data["pids_at_start"] == [data["server"]["pid"]]
@@ -694,10 +687,10 @@ def test_soak_phase(tmp_path: Path) -> None:
     used = [s["used_mib"][0] for s in samples]
     assert used == sorted(used) and used[0] >= 1000  # the stand-in's memory grows by 10 MiB a sample
     warm = data["iterations"][0]["t_end_s"]
-    flat = serve_report.memory_flatness(samples, warm)
+    flat = report.memory_flatness(samples, warm)
     after = [s["used_mib"][0] for s in samples if s["t_s"] >= warm]
     assert flat["spread_mib"] == max(after) - min(after) > 0
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert f"**max − min {flat['spread_mib']:,} MiB**" in md_text and "same processes" in md_text
     assert all(s["processes"] == [[4242, 900]] for s in samples)
     assert "| processes holding GPU memory (nvidia-smi) | at most 1 in a sample, 1 distinct pids |" in md_text
@@ -707,31 +700,31 @@ def test_soak_phase(tmp_path: Path) -> None:
 def test_memory_steps_show_where_growth_stops() -> None:
     used = [1000, 1000, 2000, 2004, 2520, 2521, 2522, 2524, 2523]  # warm-up, a larger shape, then flat
     samples = [{"t_s": 5.0 * i, "used_mib": [u]} for i, u in enumerate(used)]
-    assert serve_report.memory_steps(samples, 0.0) == [(10.0, 1000), (20.0, 516)]
-    assert serve_report.memory_steps(samples, 12.0) == [(20.0, 516)]  # only steps from a sample at 12 s on
-    after = serve_report.settled(samples, 12.0)
+    assert report.memory_steps(samples, 0.0) == [(10.0, 1000), (20.0, 516)]
+    assert report.memory_steps(samples, 12.0) == [(20.0, 516)]  # only steps from a sample at 12 s on
+    after = report.settled(samples, 12.0)
     assert after is not None and (after["at_s"], after["span_s"], after["spread_mib"]) == (20.0, 20.0, 4)
-    assert serve_report.steps_row(after) == (
+    assert report.steps_row(after) == (
         "| steps of 16 MiB or more between samples after warm-up | +516 MiB at 20 s; from the last (20 s) to the "
         "end (20 s, 5 samples): 2,520–2,524 MiB, max − min 4 MiB |")
-    assert serve_report.settled(samples, 21.0) is None
+    assert report.settled(samples, 21.0) is None
 
 
 def test_a_phase_detaches_and_is_followed(tmp_path: Path) -> None:
     hold = with_env(FAKE_BENCH_HOLD_S="8")  # the phase outlasts the follower's first look, 5 s on
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1",
                "--warmup-rounds", "0", "--detach", "--deadline-s", "0.5", env=hold)
-    assert r.returncode == 0 and "ab: still running" in r.stdout and "with --phase ab --follow" in r.stdout, \
+    assert "ab: still running" in r.stdout and "with --phase ab --follow" in r.stdout, \
         r.stdout + r.stderr
     pid = int((tmp_path / "ab-driver.pid").read_text())
     r = driver(tmp_path, "--phase", "ab", "--follow", "--deadline-s", "120")
-    assert r.returncode == 0 and f"ab: finished (pid {pid} ended)" in r.stdout, r.stdout + r.stderr
+    assert f"ab: finished (pid {pid} ended)" in r.stdout, r.stdout
     assert "  | ab0-r1-long-plugin: 32 done" in r.stdout  # the detached driver's log, followed
     data = results(tmp_path, "ab.json")
     assert data["finished"] and data["run"]["deadline_s"] == run_serve.DETACHED_DEADLINE_S
     assert [run["status"] for run in data["runs"]] == ["ok", "ok"]
-    r = driver(tmp_path, "--phase", "boundary", "--follow", "--deadline-s", "1")
-    assert r.returncode == 2 and "no detached boundary in" in r.stderr
+    r = driver(tmp_path, "--phase", "boundary", "--follow", "--deadline-s", "1", rc=2)
+    assert "no detached boundary in" in r.stderr
 
 
 # --- the matrix on stand-ins -------------------------------------------------------------------------
@@ -747,7 +740,6 @@ def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess
 
 def test_the_whole_matrix_on_stand_ins(full_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, r = full_run
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     data = results(out, "matrix.json")
     assert data["finished"] and data["coverage_gaps"] == [] and list(data["servers"]) == [c.name for c in md.DESIGN]
     for name, rec in data["servers"].items():
@@ -784,7 +776,7 @@ def test_the_whole_matrix_on_stand_ins(full_run: tuple[Path, subprocess.Complete
         assert rec["probe"]["refusal_line"].endswith(f"set MLA_PLANNER_SCRATCH_MB={minimum} or more")
         assert rec["probe"]["rc"] != 0 and rec["probe"]["startup"]["status"] == "exited"
         assert f"budget {minimum} MiB (MLA_PLANNER_SCRATCH_MB)" in rec["plugin"]["planner_lines"][0]
-    assert data["servers"]["s5"]["plugin"]["cmd"][3].endswith("tiny-glm5-1mtp")  # [python, serve_fakes.py, serve, model
+    assert data["servers"]["s5"]["plugin"]["cmd"][3].endswith("tiny-glm5-1mtp")  # [python, fakes.py, serve, model
     assert set(p.name for p in (out / "model").iterdir()) == {"tiny-deepseek-v32", "tiny-deepseek-v32-1mtp",
                                                               "tiny-glm5-1mtp"}
     md_text = (out / "matrix.md").read_text()
@@ -807,7 +799,6 @@ def test_a_64_mib_start_that_comes_up_is_kept_and_dead_engines_are_reported(tmp_
     the 64K prompt: the step failed, the engine dead, its first errors."""
     r = driver(tmp_path, "--phase", "matrix", "--servers", "s3,s4",
                env=with_env(FAKE_SERVE_MIN_MB="64", FAKE_SERVE_DIE_OVER="40000"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     servers = results(tmp_path, "matrix.json")["servers"]
     s3 = servers["s3"]
     assert s3["probe"]["outcome"] == "started" and s3["probe"]["min_mb"] == 64 == s3["scratch_mb"]
@@ -827,7 +818,6 @@ def test_a_64_mib_start_that_comes_up_is_kept_and_dead_engines_are_reported(tmp_
 def test_a_start_the_others_disturbed_is_retried_alone(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "matrix", "--servers", "s2,s4", "--start", "together",
                env=with_env(FAKE_SERVE_DISTURB_ONCE=str(tmp_path / "disturbed")))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     retried = [rec for rec in results(tmp_path, "matrix.json")["servers"].values() if rec.get("attempts")]
     assert len(retried) == 1, r.stdout
     rec = retried[0]
@@ -840,7 +830,6 @@ def test_a_start_the_others_disturbed_is_retried_alone(tmp_path: Path) -> None:
 
 def test_together_starts_every_server_at_once_and_stops_the_twins_after(tmp_path: Path) -> None:
     r = driver(tmp_path, "--phase", "matrix", "--servers", "s1,s2,s4", "--stock-twins", "s1,s2", "--start", "together")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     servers = results(tmp_path, "matrix.json")["servers"]
     assert "twin" not in servers.pop("s4") and not (tmp_path / "logs" / "s4-stock.log").exists()  # not named
     records = [rec[k] for rec in servers.values() for k in ("plugin", "twin")]
@@ -856,7 +845,6 @@ def test_servers_spread_over_gpus_start_chained_on_each(tmp_path: Path) -> None:
     two GPUs' side by side."""
     r = driver(tmp_path, "--phase", "matrix", "--servers", "s1,s2,s3", "--gpus", "2", "--stock-twins", "--start",
                "chained", env=with_env(FAKE_SERVE_START_S="1"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     servers = results(tmp_path, "matrix.json")["servers"]
     for name, gpu in (("s1", 0), ("s2", 1), ("s3", 0)):
         for log in (f"{name}.log", f"{name}-stock.log"):
@@ -870,8 +858,8 @@ def test_servers_spread_over_gpus_start_chained_on_each(tmp_path: Path) -> None:
 
 
 def test_what_the_deadline_leaves_out_is_not_run(tmp_path: Path) -> None:
+    # below a server's 120 s: nothing starts
     r = driver(tmp_path, "--phase", "matrix", "--servers", "s2,s3", "--stock-twins", "s2", "--deadline-s", "60")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]  # below a server's 120 s: nothing starts
     servers = results(tmp_path, "matrix.json")["servers"]
     assert servers["s3"]["probe"]["outcome"] == "not run" and servers["s2"]["plugin"]["startup"]["status"] == "not run"
     assert servers["s2"]["twin"]["startup"]["status"] == "not run"
@@ -914,7 +902,7 @@ def test_serve_report_from_hand_made_results(tmp_path: Path) -> None:
     (tmp_path / "boundary-plugin.json").write_text(json.dumps(boundary))
     (tmp_path / "notes.json").write_text("[1, 2]")  # not a phase file: ignored
     assert run_serve.main(["--report-only", str(tmp_path)]) == 0
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "chat: plugin/stock total tokens/s 1.300 (medians of 3 and 3 repeats)" in md_text  # 260 / 200
     assert "| chat | stock | 50.0 | 100.0 | 4.00 | 8.00 | 20 | 200 | 1 |" in md_text  # medians; failures summed
     assert "| chat | plugin/stock | 0.800 | 0.800 | 1.000 | 1.000 | 1.300 | 1.300 | |" in md_text
@@ -931,7 +919,7 @@ def test_serve_report_from_hand_made_results(tmp_path: Path) -> None:
     assert "| b-32k | 1: one 32,768-token prompt | no result: the driver ended during this case |" in md_text
     assert "| b-32k | 2:  | no result: the driver ended |" in md_text
     assert "boundary (plugin, util 0.95): not finished: case 1 (32768), 2 (32768)" in md_text
-    assert not (tmp_path / serve_report.MATRIX_MD).exists()  # no matrix.json here
+    assert not (tmp_path / report.MATRIX_MD).exists()  # no matrix.json here
 
 
 def test_report_says_an_ab_calls_stored_step_figures(tmp_path: Path) -> None:
@@ -946,7 +934,7 @@ def test_report_says_an_ab_calls_stored_step_figures(tmp_path: Path) -> None:
     (tmp_path / "ab.json").write_text(json.dumps({"schema": 1, "phase": "ab", "finished": True, "runs": [],
                                                   "calls": [call]}))
     assert run_serve.main(["--report-only", str(tmp_path)]) == 0
-    md_text = (tmp_path / serve_report.REPORT_MD).read_text()
+    md_text = (tmp_path / report.SERVE_MD).read_text()
     assert "chat, vLLM's iteration lines of the timed runs (call 0): decode-only steps: the plugin's +100.0% " \
         "against stock's (1 and 1 gaps); decode-only steps per repeat, plugin/stock: 2.000; median 2.000 (1 pairs)" \
         in md_text
@@ -971,7 +959,7 @@ def test_matrix_report_from_hand_made_results() -> None:
                        "plugin": {"startup": {"status": "ok", "elapsed_s": 60}, "alive_at_end": True,
                                   "health_at_end": 200},
                        "phases": {"chat": ok, "32k": {"status": "started"}}}}}
-    text = serve_report.render_matrix(data)
+    text = report.render_matrix(data)
     assert "**not finished**" in text and "**missing budget=4096**" in text
     assert ("| s1 | v32 | 1 | 128 | 1024 | yes | on | off | 91 s | 5.50 | 6.25 | -0.75 | – | – | 97/100, **3 failed** "
             "| not run | – | – | 3 | **no** (after chat burst) |") in text
@@ -979,7 +967,7 @@ def test_matrix_report_from_hand_made_results() -> None:
     assert "| 1/1 | **cut** (driver ended) | – | – | – | yes |" in text
     assert "engines dead at the end: s1; servers not up: s3." in text
     assert "- error: `ValueError: decode query lengths must be one length`" in text
-    assert serve_report.render_matrix({}).startswith("# Flag matrix")
+    assert report.render_matrix({}).startswith("# Flag matrix")
 
 
 # --- arguments --------------------------------------------------------------------------------------

@@ -1,43 +1,223 @@
-"""Stand-ins for ``vllm serve`` and ``vllm bench serve``, for CPU tests of the serving driver.
+"""Stand-ins for vLLM, torch.cuda, ``vllm serve`` and ``vllm bench serve``, for the CPU tests of the
+drivers and reports. No number they produce means anything.
 
-    python3 serve_fakes.py serve MODEL_DIR --port P --attention-backend B ...   # the server's flags
-    python3 serve_fakes.py bench --base-url URL --num-prompts N ...             # bench's flags
+In-process (``modules()``, what ``run_cases.Bench`` takes in place of torch, ``vllm.LLM`` and
+``SamplingParams``): the shape of what run_cases touches in vLLM 0.26.0 (``LLM.enqueue``,
+``llm_engine.step``/``has_unfinished_requests``/``abort_request``/``output_processor.request_states``,
+the cache config and the engine core's KV cache config) and a toy scheduler: prompts are prefilled
+under the token budget in order, then decode one token a step.
 
-``serve`` answers what the driver and vLLM's bench client use: ``/health``, ``/v1/models``,
-``/tokenize`` and ``/v1/completions`` (token-id or text prompts, streamed as server-sent events or
-not), on the word-level tokenizer's words (``w<id>``). It logs the lines the driver reads (KV cache,
-the plugin's budget) and, under ``--enable-logging-iteration-details``, vLLM's line per engine step
-(two a request). Like e2e_fakes, stock (FLASHMLA_SPARSE) at gpu_memory_utilization >= 0.95
-"runs out of memory" when more than 16,384 prompt tokens are in flight at once: it logs a CUDA OOM,
-answers 500 and exits, as a server whose engine died. The environment steers start-up:
-FAKE_SERVE_START_S (seconds before it listens, default 0.2), FAKE_SERVE_EXIT_AT_START=1 (logs a CUDA
-OOM and exits with an error instead). For the matrix: the plugin (CUSTOM) refuses to start below
-its minimum budget with the line the plugin logs (``set MLA_PLANNER_SCRATCH_MB=N or more``; N is
-FAKE_SERVE_MIN_MB, or 64 + ``--max-num-seqs`` / 8), reserves MLA_PLANNER_SCRATCH_MB (1024 unless
-set) from its KV cache, and with ``--speculative-config`` logs one line of a step that fell back to
-the bounded path; FAKE_SERVE_DIE_OVER=N makes any server's engine die on a prompt of more than N
-tokens (FAKE_SERVE_HANG_OVER=N: never answer it), and FAKE_SERVE_DISTURB_ONCE=PATH makes the first
-server to start (the one that creates PATH) fail as vLLM's memory profiling does when another
-process frees GPU memory meanwhile. ``bench`` writes a result JSON shaped like bench's: every
-prompt completed if the server's /health answers 200, none otherwise. No number either produces
-means anything.
+Served (``python3 fakes.py serve MODEL_DIR --port P --attention-backend B ...`` with the server's
+flags; ``python3 fakes.py bench --base-url URL --num-prompts N ...`` with bench's): ``serve`` answers
+what the driver and vLLM's bench client use: ``/health``, ``/v1/models``, ``/tokenize`` and
+``/v1/completions`` (token-id or text prompts, streamed as server-sent events or not), on the
+word-level tokenizer's words (``w<id>``). It logs the lines the driver reads (KV cache, the plugin's
+budget) and, under ``--enable-logging-iteration-details``, vLLM's line per engine step (two a
+request). ``bench`` writes a result JSON shaped like bench's: every prompt completed if the server's
+/health answers 200, none otherwise.
+
+Both: stock (FLASHMLA_SPARSE) at gpu_memory_utilization >= 0.95 runs out of memory with more than
+16,384 prompt tokens in one step (in-process: it raises, leaving its requests in the engine as vLLM
+does) or in flight at once (served: it logs a CUDA OOM, answers 500 and exits, as a server whose
+engine died); stock dies on 32K steps at 0.95 (docs/kernels.md).
+
+The served stand-in's environment steers it: FAKE_SERVE_START_S (seconds before it listens, default
+0.2), FAKE_SERVE_EXIT_AT_START=1 (logs a CUDA OOM and exits with an error instead). For the matrix:
+the plugin (CUSTOM) refuses to start below its minimum budget with the line the plugin logs (``set
+MLA_PLANNER_SCRATCH_MB=N or more``; N is FAKE_SERVE_MIN_MB, or 64 + ``--max-num-seqs`` / 8),
+reserves MLA_PLANNER_SCRATCH_MB (1024 unless set) from its KV cache, and with
+``--speculative-config`` logs one line of a step that fell back to the bounded path;
+FAKE_SERVE_DIE_OVER=N makes any server's engine die on a prompt of more than N tokens
+(FAKE_SERVE_HANG_OVER=N: never answer it), and FAKE_SERVE_DISTURB_ONCE=PATH makes the first server
+to start (the one that creates PATH) fail as vLLM's memory profiling does when another process frees
+GPU memory meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 from typing import Any
 
 from step_log import stamp
 
+GIB = 1 << 30
 OOM_TOKENS = 16384
+TOTAL = 140 * GIB
+
+
+class FakeOOM(RuntimeError):
+    pass
+
+
+@dataclass
+class FakeParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    ignore_eos: bool = False
+    detokenize: bool = True
+    logprobs: int | None = None
+
+
+@dataclass
+class _Request:
+    internal_id: str
+    external_id: str
+    prompt: list[int]
+    params: FakeParams
+    computed: int = 0
+    generated: list[int] = field(default_factory=list)
+
+
+class FakeCuda:
+    def __init__(self) -> None:
+        self.allocated = 0
+        self.peak = 0
+
+    def alloc(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+
+    def transient(self, nbytes: int) -> None:
+        self.peak = max(self.peak, self.allocated + nbytes)
+
+    def synchronize(self) -> None:
+        pass
+
+    def reset_peak_memory_stats(self) -> None:
+        self.peak = self.allocated
+
+    def max_memory_allocated(self) -> int:
+        return self.peak
+
+    def max_memory_reserved(self) -> int:
+        return self.peak
+
+    def memory_allocated(self) -> int:
+        return self.allocated
+
+    def memory_reserved(self) -> int:
+        return self.allocated
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return TOTAL - self.allocated, TOTAL
+
+    def get_device_name(self) -> str:
+        return "Fake H200 (CPU stand-in)"
+
+
+CUDA = FakeCuda()
+
+
+def _impl(planned: bool) -> Any:
+    """An object whose class has the module and name of the real implementation."""
+    if planned:
+        return type("PlannedFlashMLASparseImpl", (), {"__module__": "mla_planner.vllm_backend.backend"})()
+    return type("FlashMLASparseImpl", (), {"__module__": "vllm.v1.attention.backends.mla.flashmla_sparse"})()
+
+
+class FakeEngine:
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self.budget = int(kwargs["max_num_batched_tokens"])
+        util = float(kwargs["gpu_memory_utilization"])
+        planned = kwargs["attention_backend"] == "CUSTOM"
+        self.oom = not planned and util >= 0.95
+        kv_bytes = int(util * TOTAL) - 8 * GIB - (GIB if planned else 0)  # planned reserves a 1 GiB scratch
+        block_bytes = 64 * 1200
+        blocks = kv_bytes // block_bytes
+        self.vllm_config = SimpleNamespace(
+            cache_config=SimpleNamespace(num_gpu_blocks=blocks, block_size=64, kv_cache_size_tokens=blocks * 64,
+                                         kv_cache_max_concurrency=blocks * 64 / kwargs["max_model_len"]),
+            compilation_config=SimpleNamespace(static_forward_context={
+                f"model.layers.{i}.attn": SimpleNamespace(
+                    attn_backend=SimpleNamespace(get_name=lambda: "FLASHMLA_SPARSE"),  # ours keeps stock's name
+                    impl=_impl(planned))
+                for i in range(2)}),
+        )
+        kv_config = SimpleNamespace(
+            kv_cache_tensors=[SimpleNamespace(size=blocks * 64 * 656, block_stride=0),
+                              SimpleNamespace(size=blocks * block_bytes - blocks * 64 * 656, block_stride=0)],
+            kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace())])
+        self.engine_core = SimpleNamespace(engine_core=SimpleNamespace(
+            available_gpu_memory_for_kv_cache=kv_bytes, scheduler=SimpleNamespace(kv_cache_config=kv_config)))
+        self.output_processor = SimpleNamespace(request_states={})
+        self._ids = itertools.count()
+        CUDA.allocated = 0
+        CUDA.alloc(2 * GIB + blocks * block_bytes)
+
+    @property
+    def _requests(self) -> dict[str, _Request]:
+        states: dict[str, _Request] = self.output_processor.request_states
+        return states
+
+    def add(self, prompt: dict[str, list[int]], params: FakeParams) -> str:
+        ext = str(next(self._ids))
+        req = _Request(f"{ext}-abcd1234", ext, list(prompt["prompt_token_ids"]), params)
+        self._requests[req.internal_id] = req
+        return req.internal_id
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def abort_request(self, request_ids: list[str], internal: bool = False) -> None:
+        for rid in request_ids:
+            self._requests.pop(rid, None)
+
+    def step(self) -> list[Any]:
+        time.sleep(0.001)
+        left, prefill = self.budget, 0
+        for req in self._requests.values():
+            if req.computed < len(req.prompt):
+                take = min(left, len(req.prompt) - req.computed)
+                req.computed += take
+                left -= take
+                prefill += take
+                if req.computed == len(req.prompt):
+                    req.generated.append(100 + sum(req.prompt) % 1000)
+            elif left > 0:
+                left -= 1
+                req.generated.append(100 + (sum(req.prompt) + len(req.generated)) % 1000)
+        CUDA.transient(prefill * 4096)
+        if self.oom and prefill > OOM_TOKENS:
+            raise FakeOOM("CUDA out of memory. Tried to allocate 8.00 GiB. GPU 0 has a total capacity of 139.8 GiB")
+        outputs = []
+        for req in list(self._requests.values()):
+            if len(req.generated) >= req.params.max_tokens:
+                del self._requests[req.internal_id]
+                logprobs = None
+                if req.params.logprobs:
+                    logprobs = [{t: SimpleNamespace(logprob=-1.0), t + 1: SimpleNamespace(logprob=-1.25)}
+                                for t in req.generated]
+                completion = SimpleNamespace(token_ids=list(req.generated), finish_reason="length", logprobs=logprobs)
+                outputs.append(SimpleNamespace(request_id=req.external_id, finished=True,
+                                               prompt_token_ids=req.prompt, outputs=[completion]))
+        return outputs
+
+
+class FakeLLM:
+    def __init__(self, **kwargs: Any) -> None:
+        self.llm_engine = FakeEngine(kwargs)
+
+    def enqueue(self, prompts: list[dict[str, list[int]]], params: FakeParams, use_tqdm: bool = True) -> list[str]:
+        return [self.llm_engine.add(p, params) for p in prompts]
+
+
+def modules() -> tuple[Any, Any, Any]:
+    """What ``run_cases.Bench`` takes in place of (torch, vllm.LLM, vllm.SamplingParams)."""
+    return SimpleNamespace(cuda=CUDA), FakeLLM, FakeParams
+
+
+# --- vllm serve and vllm bench serve ---------------------------------------------------------------
+
 SPECIALS = {"<s>": 0, "</s>": 1, "<unk>": 2}
 
 
