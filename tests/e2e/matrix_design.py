@@ -30,7 +30,8 @@ AXES: dict[str, tuple[Any, ...]] = {
     "chunked_prefill": (True, False),
     "prefix_caching": (False, True),
 }
-# Issue 29's two deaths, each kept in the matrix with CUDA graphs (their padded decode batches).
+# Two configurations that once killed the engine, each kept in the matrix with CUDA graphs (their
+# padded decode batches).
 REQUIRED_PAIRS: tuple[dict[str, Any], ...] = (
     {"mtp": 1, "max_num_seqs": 128, "cuda_graphs": True},
     {"budget": 512, "max_num_seqs": 1024, "cuda_graphs": True},
@@ -55,7 +56,7 @@ class Config:
 
 
 DESIGN: tuple[Config, ...] = (
-    Config("s1", "v32", mtp=1, max_num_seqs=128, budget=1024),  # issue 29's first death (MTP 1 x 128)
+    Config("s1", "v32", mtp=1, max_num_seqs=128, budget=1024),  # the first of those deaths (MTP 1 x 128)
     Config("s2", "v32", mtp=0, max_num_seqs=1024, budget=512),  # its second (512 MiB x 1024)
     Config("s3", "v32", mtp=2, max_num_seqs=16, budget="min", chunked_prefill=False, prefix_caching=True),
     Config("s4", "v32", mtp=0, max_num_seqs=128, budget=4096, cuda_graphs=False),

@@ -749,7 +749,7 @@ def runs_table(driver: dict[str, Any]) -> list[str]:
 def render_e2e(runs_by_name: dict[str, dict[str, Any]], driver: dict[str, Any]) -> str:
     runs = sorted(runs_by_name.items(), key=_order)
     first_ok = next((d for _, d in runs if d.get("startup", {}).get("status") == "ok"), None)
-    out = ["# End to end: stock FLASHMLA_SPARSE vs the planned backend (issue 6)", ""]
+    out = ["# End to end: stock FLASHMLA_SPARSE vs the planned backend", ""]
     if first_ok:
         v = first_ok.get("versions", {})
         out += [f"Device: {first_ok['startup'].get('device', '?')}; vLLM {v.get('vllm')}, torch {v.get('torch')}, "

@@ -41,7 +41,7 @@ TOKEN_RANGE = (100, 30000)
 MAX_TOKENS = 4
 GIB = 1 << 30
 
-# Issue 6. Case 3: the 32K blocker fills one step of 32,768 tokens; the five queued prompts (32,767
+# The cases. Case 3: the 32K blocker fills one step of 32,768 tokens; the five queued prompts (32,767
 # tokens) then share the next step with the blocker's first decode token.
 CASE_PROMPTS: dict[str, list[int]] = {
     "1": [32768],

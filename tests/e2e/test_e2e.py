@@ -1,4 +1,4 @@
-"""Issue 6 end to end (docs/e2e.md).
+"""End to end, stock against the planned backend (docs/e2e.md).
 
 ``test_planned_finishes_every_case_at_095`` (marker ``e2e``) needs a CUDA GPU and vLLM 0.26.0 with its
 kernels, and skips elsewhere with the reason. It runs the planned backend's 0.95 runs through the
