@@ -385,7 +385,7 @@ def test_the_release_follows_the_installed_vllm(tmp_path: pathlib.Path, monkeypa
     assert (release.forward_returns_lse, release.stock_workspace, release.masked_mha is not None,
             release.native_prefill_kernels) == (FACTS.forward_returns_lse, FACTS.stock_workspace, FACTS.masked_mha,
                                                 FACTS.native_prefill_kernels)
-    # vLLM's own gather-workspace rows: 5 x max_model_len by default in both versions.
+    # vLLM's own gather-workspace rows: 5 x max_model_len by default in every release.
     config = vllm_config(model_dir(tmp_path, num_heads=16, topk=TOPK), max_model_len=4096)
     assert release.prefill_workspace_rows(config) == 5 * 4096
     assert vllm_api.indexer_workspace_rows(config) == 40 * 4096  # 132-byte rows in the same memory
