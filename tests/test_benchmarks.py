@@ -14,6 +14,7 @@ import pytest
 
 import mla_planner
 from mla_planner.profiles import REFERENCE_GPU, packaged_for_gpu
+from releases import ALL
 
 BENCHMARKS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
 
@@ -39,7 +40,7 @@ def load_benchmark(name: str) -> Any:
     return module
 
 
-@pytest.mark.parametrize("kernels", ["vllm 0.26.0", "vllm 0.33.0"])
+@pytest.mark.parametrize("kernels", [f"vllm {facts.version}" for facts in ALL.values()])
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("tokens", [512, 32768])
 def test_route_bench_plans_each_route_as_the_backend_would(kernels: str, heads: int, tokens: int) -> None:
@@ -72,7 +73,7 @@ def test_step_overhead_bench_times_what_each_engine_runs() -> None:
     """step_overhead_bench (one repeat, two layers; its figures are not checked, only what it
     says each layer call ran): decode-only steps run stock's call on every engine; the long
     prompt runs the plan's launches; the mid-sized one the plan's one launch where stock's call is
-    over what the engine holds (0.33), stock's call where the reservation holds it (0.26)."""
+    over what the engine holds (beside a vLLM workspace), stock's call where the reservation holds it."""
     from mla_planner.vllm_backend.releases import release
 
     script = BENCHMARKS[0].parent / "step_overhead_bench.py"

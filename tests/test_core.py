@@ -1,4 +1,4 @@
-"""The bindings against the numbers of docs/kernels.md and vLLM 0.26.0's own functions."""
+"""The bindings against the numbers of docs/kernels.md and the installed vLLM's own functions."""
 
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def test_fuzzed_arguments_raise_only_value_error(a: object, b: object, c: object
             pass
 
 
-# --- equivalence with vLLM (0.26.0 or 0.33.0) -------------------------------------------------
+# --- equivalence with vLLM (the installed release) --------------------------------------------
 
 
 @settings(max_examples=500, deadline=None)
@@ -452,19 +452,20 @@ def test_native_prefill_heads_size_the_plan(heads: int) -> None:
 
 
 def test_prefill_padding_is_vllms_own() -> None:
-    """vLLM 0.26 pads the prefill kernel's q to 128 heads on sm100, 0.33 to 64 (its FlashMLA has the
-    64-head Blackwell kernel): the configuration carries the padding its backend uses, and the
-    plan's heads, launches and bytes follow it."""
-    v026 = mp.StepConfig(16, arch="sm100", max_model_len=70_000, execution="vllm", mode="separate_prefill_decode")
-    v033 = v026.replace(prefill_padding=64)
-    assert (v026.prefill_padding, v026.prefill_padded_heads, v026.to_dict()["prefill_padding"]) == (128, 128, None)
-    assert (v033.prefill_padding, v033.prefill_padded_heads, v033.prefill_heads) == (64, 64, 64)
-    assert mp.StepConfig(16, max_model_len=1).prefill_padding == 64  # sm90: 64 under both
+    """vLLM pads the prefill kernel's q on sm100 to 128 heads, or to 64 where its FlashMLA has the
+    64-head Blackwell kernel (tests/releases: each release's ``prefill_padded_heads``): the
+    configuration carries the padding its backend uses, and the plan's heads, launches and bytes
+    follow it."""
+    pad128 = mp.StepConfig(16, arch="sm100", max_model_len=70_000, execution="vllm", mode="separate_prefill_decode")
+    pad64 = pad128.replace(prefill_padding=64)
+    assert (pad128.prefill_padding, pad128.prefill_padded_heads, pad128.to_dict()["prefill_padding"]) == (128, 128, None)
+    assert (pad64.prefill_padding, pad64.prefill_padded_heads, pad64.prefill_heads) == (64, 64, 64)
+    assert mp.StepConfig(16, max_model_len=1).prefill_padding == 64  # sm90: 64 under every release
     q, c = [1, 40_000], [10, 0]
-    p026, p033 = mp.plan_step(q, c, 1, v026), mp.plan_step(q, c, 1, v033)
-    assert (p026.prefill_heads, p033.prefill_heads) == (128, 64)
-    assert p033.longest_launch("sparse_prefill") > p026.longest_launch("sparse_prefill")
-    assert max(p026.peak_bytes, p033.peak_bytes) <= v026.launch_budget_bytes
+    p128, p64 = mp.plan_step(q, c, 1, pad128), mp.plan_step(q, c, 1, pad64)
+    assert (p128.prefill_heads, p64.prefill_heads) == (128, 64)
+    assert p64.longest_launch("sparse_prefill") > p128.longest_launch("sparse_prefill")
+    assert max(p128.peak_bytes, p64.peak_bytes) <= pad128.launch_budget_bytes
     assert mp.prefill_scratch(1000, 16, arch="sm100", padding=64).buffers == mp.prefill_scratch(1000, 16).buffers
     assert mp.prefill_scratch(1000, 16, arch="sm100").buffers["lse"] == 1000 * 128 * 4
     assert mp.padded_heads(16, kernel="sparse_prefill", arch="sm100", padding=64) == 64

@@ -1,6 +1,6 @@
-"""`mla-planner doctor`: the memory model against what the H200 runs showed (docs/results-vllm-0.26.md,
-docs/results-vllm-0.33.md; the KV-cache lines in tests/data/doctor_kv_lines.json), and the command line
-(one subprocess per run)."""
+"""`mla-planner doctor`: the memory model against what the H200 runs showed (docs/results-vllm-*.md;
+each release's figures in tests/releases, the KV-cache lines in tests/data/doctor_kv_lines.json), and
+the command line (one subprocess per run)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from mla_planner.cli.steps import Step
 from mla_planner.cli.units import format_bytes
 from mla_planner.engine_model.settings import DEFAULT_SCRATCH_MB, MAX_SCRATCH_MB
 from harness import doctor_kv
+from releases import ALL, NEWEST, ReleaseFacts
 
 GIB = 1 << 30
 TINY = Path(__file__).resolve().parent / "e2e" / "tiny-deepseek-v32"
@@ -35,7 +36,11 @@ def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
     return r
 
 
-def tiny(util: float, mnbt: int, release: vllm_releases.VllmRelease = vllm_releases.V0_26) -> dep.Deployment:
+def modelled(facts: ReleaseFacts) -> vllm_releases.VllmRelease:
+    return vllm_releases.RELEASES[facts.minor]
+
+
+def tiny(util: float, mnbt: int, release: vllm_releases.VllmRelease) -> dep.Deployment:
     """The e2e engines: tiny model, TP 1, H200, fp8_ds_mla, the plugin's default budget, in-process
     (eager, 16 sequences)."""
     return dep.Deployment(dep.model_from_config(TINY / "config.json"), dep.GPUS["H200"], 1, mnbt, util,
@@ -52,38 +57,53 @@ CASES = {
 }
 
 
-def test_mtp_draft_is_what_0_26_measured_it_loading() -> None:
-    """Under vLLM 0.26 the MTP server's model loading exceeded the one without by 0.29 GiB (s1 2.11
-    against s2 1.82 GiB, docs/results-vllm-0.26.md, "KV cache against stock's"): the MTP layer and
-    the draft's own top-k buffer, which vLLM replaces by the target's."""
-    d = doctor_kv.deployment(next(x for x in doctor_kv.lines() if x["label"] == "0.26 matrix s1 stock twin (run E)"))
-    assert abs(d.non_kv_parts()["mtp_draft"].bytes / GIB - (2.11 - 1.82)) <= 0.01
+def test_the_tests_know_every_release_the_doctor_models() -> None:
+    """Each release the doctor models has its facts in tests/releases, and nothing else does."""
+    assert list(ALL) == list(vllm_releases.RELEASES)
+    assert all(modelled(facts).version == facts.version for facts in ALL.values())
+    assert NEWEST.version == vllm_releases.NEWEST.version
 
 
+MTP_LOADING = [f for f in ALL.values() if f.mtp_draft_loading_gib is not None]
+
+
+@pytest.mark.parametrize("facts", MTP_LOADING, ids=[f.minor for f in MTP_LOADING])
+def test_mtp_draft_is_what_was_measured_loading(facts: ReleaseFacts) -> None:
+    """An MTP server's model loading exceeded the one without MTP by what the MTP layer and the
+    draft's own top-k buffer (which vLLM replaces by the target's) hold."""
+    assert facts.mtp_draft_loading_gib is not None
+    label, gib = facts.mtp_draft_loading_gib
+    d = doctor_kv.deployment(next(x for x in doctor_kv.lines() if x["label"] == label))
+    assert abs(d.non_kv_parts()["mtp_draft"].bytes / GIB - gib) <= 0.01
+
+
+@pytest.mark.parametrize("minor", list(ALL))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_h200_at_095_stock_fails_plugin_fits(case: int) -> None:
+def test_h200_at_095_stock_fails_plugin_fits(case: int, minor: str) -> None:
     mnbt, step = CASES[case]
-    d = tiny(0.95, mnbt)
+    d = tiny(0.95, mnbt, modelled(ALL[minor]))
     assert not dep.stock_step(d, step).fits
     assert dep.plugin_step(d, step).fits
     if case == 4:
         assert dep.stock_step(d, step).limit == "int32_stride"
 
 
-def test_h200_at_090_stock_32k_step_fits() -> None:
-    d = tiny(0.90, 32_768)
+@pytest.mark.parametrize("minor", list(ALL))
+def test_h200_at_090_stock_32k_step_fits(minor: str) -> None:
+    d = tiny(0.90, 32_768, modelled(ALL[minor]))
     assert dep.stock_step(d, CASES[1][1]).fits
     assert dep.diagnose(d).max_stock_util == 0.90
 
 
-@pytest.mark.parametrize(("release", "mnbt", "reserved_mib"), [(vllm_releases.V0_26, 32_768, 1535),
-                                                            (vllm_releases.V0_26, 65_536, 2047),
-                                                            (vllm_releases.V0_33, 32_768, 676)])  # fmt: skip
-def test_reservation_is_what_the_plugin_logged(release: vllm_releases.VllmRelease, mnbt: int, reserved_mib: int) -> None:
+LOGGED = [(minor, mnbt, mib) for minor, f in ALL.items() for mnbt, mib in f.logged_reservation_mib.items()]
+
+
+@pytest.mark.parametrize(("minor", "mnbt", "reserved_mib"), LOGGED)
+def test_reservation_is_what_the_plugin_logged(minor: str, mnbt: int, reserved_mib: int) -> None:
     """The reservation the doctor sizes with the engine's functions is the one the plugin logged at
-    16 heads and the default budget ("1535 MiB reserved", floored to whole MiB; 0.33: its padded q and
-    output are vLLM's workspace views, so the reservation holds neither the output nor them)."""
-    diag = dep.diagnose(tiny(0.95, mnbt, release))
+    16 heads and the default budget ("1535 MiB reserved", floored to whole MiB; where the padded q
+    and output are vLLM's workspace views, the reservation holds neither the output nor them)."""
+    diag = dep.diagnose(tiny(0.95, mnbt, modelled(ALL[minor])))
     assert diag.reserved_bytes >> 20 == reserved_mib
     assert diag.stock_kv_bytes - diag.plugin_kv_bytes == diag.reserved_bytes
 
@@ -120,19 +140,24 @@ def test_kv_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(abs(r.error_gib) <= KV_TOLERANCE_GIB for r in rows if r.use != "outside")
 
 
-def test_tp2_reserve_matches_both_tp2_runs() -> None:
-    """At TP 2 (16 heads per rank) stock's 32K step failed at 0.95 and 0.90, and ran at 0.85."""
+TP2_RUNS = [f for f in ALL.values() if f.tp2_stock_32k_fits]
+
+
+@pytest.mark.parametrize("facts", TP2_RUNS, ids=[f.minor for f in TP2_RUNS])
+def test_tp2_reserve_matches_the_tp2_runs(facts: ReleaseFacts) -> None:
+    """At TP 2 (16 heads per rank) stock's 32K step failed or ran as the release's runs did."""
     model = dep.model_from_config(TINY / "config.json")
     model = dep.Model(**{**model.__dict__, "num_heads": 32})
-    for util, ok in ((0.95, False), (0.90, False), (0.85, True)):
+    for util, ok in facts.tp2_stock_32k_fits:
         d = dep.Deployment(model, dep.GPUS["H200"], 2, 32_768, util, 163_840, True, False, 1 << 30, 1024,
-                           release=vllm_releases.V0_26)  # the runs were on 0.26
+                           release=modelled(facts))
         assert dep.stock_step(d, CASES[1][1]).fits is ok, util
 
 
 E2E_LINE = ["--", "vllm", "serve", str(TINY), "--gpu-memory-utilization", "0.95", "--max-num-batched-tokens", "32768",
             "--kv-cache-dtype", "fp8_ds_mla", "--block-size", "64"]  # fmt: skip
 MODELLED = vllm_releases.release_for(dep.installed_vllm())
+STEP_RESERVE_RELEASE = next(f for f in ALL.values() if f.step_reserve_measured_here)
 
 
 def doctor_json(*args: str) -> dict[str, Any]:
@@ -140,28 +165,23 @@ def doctor_json(*args: str) -> dict[str, Any]:
     return doc
 
 
-def test_cli_e2e_line_json() -> None:
-    doc = doctor_json("--builtin-parser", "--vllm", "0.26", *E2E_LINE)
+@pytest.mark.parametrize("minor", list(ALL))
+def test_cli_e2e_line_json(minor: str) -> None:
+    """The reservation at 16 heads and the default budget is the one the plugin logged."""
+    doc = doctor_json("--builtin-parser", "--vllm", minor, *E2E_LINE)
     assert doc["schema"] == "mla-planner.doctor/1"
+    assert doc["release"]["modelled"] == ALL[minor].version
     assert doc["serve"]["parser"] == "built-in"
     assert doc["deployment"]["heads_per_rank"] == 16
     assert doc["stock"]["fits"] is False and doc["plugin"]["fits"] is True
     assert doc["stock"]["peak_bytes"] == 13_178_503_168
     assert doc["stock"]["kv_bytes"] - doc["plugin"]["kv_bytes"] == doc["plugin"]["reserved_bytes"]
-    assert doc["plugin"]["reserved_bytes"] >> 20 == 1535
+    assert doc["plugin"]["reserved_bytes"] >> 20 == ALL[minor].logged_reservation_mib[32_768]
+    assert doc["memory"]["non_kv_parts"]["cuda_graphs"] == modelled(ALL[minor]).cuda_graph_bytes
     assert doc["stock"]["max_gpu_memory_utilization"] == 0.90
     assert doc["fixes"] == ["add: --attention-backend CUSTOM (install the plugin beside vLLM: `pip install .` in an mla-planner checkout, or its wheel; docs/vllm.md)", "or lower --gpu-memory-utilization to 0.90"]
     assert set(doc["sources"]) >= {"gpu_total", "weights", "activation", "fixed", "cuda_graphs", "step_reserve"}
     assert doc["memory"]["non_kv_bytes"] == sum(doc["memory"]["non_kv_parts"].values())
-
-
-def test_cli_e2e_line_json_on_0_33() -> None:
-    """vLLM 0.33's reservation at 16 heads and the default budget: 676 MiB, whatever the step size."""
-    doc = doctor_json("--builtin-parser", "--vllm", "0.33", *E2E_LINE)
-    assert doc["release"]["modelled"] == "0.33.0"
-    assert doc["plugin"]["reserved_bytes"] >> 20 == 676
-    assert doc["stock"]["kv_bytes"] - doc["plugin"]["kv_bytes"] == doc["plugin"]["reserved_bytes"]
-    assert doc["memory"]["non_kv_parts"]["cuda_graphs"] == vllm_releases.V0_33.cuda_graph_bytes
 
 
 def test_cli_names_the_release_it_models_and_the_one_installed() -> None:
@@ -173,40 +193,60 @@ def test_cli_names_the_release_it_models_and_the_one_installed() -> None:
         assert doctor_json("--builtin-parser", "--vllm", minor, *E2E_LINE)["release"]["modelled"] == made.version
 
 
-@pytest.mark.parametrize("installed, modelled", [(None, "0.33.0"), ("0.26.0", "0.26.0"), ("0.26.3", "0.26.0"),
-                                                 ("0.33.0", "0.33.0"), ("0.40.0", "0.33.0")])  # fmt: skip
+def a_later_patch(version: str) -> str:
+    major, minor, _ = version.split(".")
+    return f"{major}.{minor}.3"
+
+
+def a_later_minor(version: str) -> str:
+    major, minor, _ = version.split(".")
+    return f"{major}.{int(minor) + 7}.0"
+
+
+DEFAULT_RELEASES = [(None, NEWEST.version), (a_later_minor(NEWEST.version), NEWEST.version),
+                    *((f.version, f.version) for f in ALL.values()),
+                    *((a_later_patch(f.version), f.version) for f in ALL.values())]  # fmt: skip
+
+
+@pytest.mark.parametrize("installed, modelled", DEFAULT_RELEASES)
 def test_default_release_is_the_installed_one_else_the_newest(installed: str | None, modelled: str) -> None:
     assert vllm_releases.release_for(installed).version == modelled
 
 
-@pytest.mark.parametrize("release, installed, says", [
-    (vllm_releases.V0_26, None, "models vLLM 0.26.0"),
-    (vllm_releases.V0_26, "0.26.0", "models vLLM 0.26.0 (installed here)"),
-    (vllm_releases.V0_26, "0.33.0", "models vLLM 0.26.0; vLLM 0.33.0 is installed here (--vllm picks"),
-    (vllm_releases.V0_33, "0.33.0", "models vLLM 0.33.0 (installed here)"),
-])  # fmt: skip
-def test_release_line_says_where_the_installed_vllm_is_another(release: vllm_releases.VllmRelease,
-                                                               installed: str | None, says: str) -> None:
-    assert doctor.release_line(release, installed).startswith(says)
+RELEASE_LINES = [
+    *((f.minor, None, f"models vLLM {f.version}") for f in ALL.values()),
+    *((f.minor, f.version, f"models vLLM {f.version} (installed here)") for f in ALL.values()),
+    *((f.minor, o.version, f"models vLLM {f.version}; vLLM {o.version} is installed here (--vllm picks")
+      for f in ALL.values() for o in ALL.values() if o is not f),
+]  # fmt: skip
 
 
-def test_cli_text_and_quoted_line() -> None:
-    out = cli("doctor", "--builtin-parser", "--vllm", "0.26", "vllm serve " + " ".join(E2E_LINE[3:])).stdout
-    assert "verdict     stock: OOM at the first 32,768-token step" in out
-    assert "the step holds (measured on the test model under vLLM 0.26, TP 1)" in out
+@pytest.mark.parametrize("minor, installed, says", RELEASE_LINES)
+def test_release_line_says_where_the_installed_vllm_is_another(minor: str, installed: str | None, says: str) -> None:
+    assert doctor.release_line(modelled(ALL[minor]), installed).startswith(says)
+
+
+@pytest.mark.parametrize("minor", list(ALL))
+def test_cli_text_and_quoted_line(minor: str) -> None:
+    out = cli("doctor", "--builtin-parser", "--vllm", minor, "vllm serve " + " ".join(E2E_LINE[3:])).stdout
+    assert all(text in out for text in ALL[minor].text_at_095), out
+    assert f"verdict     {ALL[minor].verdict_at_095}" in out
+    assert f"the step holds (measured on the test model under vLLM {STEP_RESERVE_RELEASE.minor}, TP 1)" in out
 
 
 def test_cli_text_says_which_figures_stand_in_from_the_test_model() -> None:
     out = cli("doctor", "--builtin-parser", "--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2", "-tp", "8").stdout
     assert f"fixed {format_bytes(MODELLED.fixed_bytes)} (assumed)" in out
     assert f"cuda graphs {format_bytes(MODELLED.cuda_graph_bytes)} (assumed)" in out
-    assert "the step holds (assumed: the test model's under vLLM 0.26 at TP 2)" in out
+    assert f"the step holds (assumed: the test model's under vLLM {STEP_RESERVE_RELEASE.minor} at TP 2)" in out
 
 
-def test_cli_plugin_budget_from_env_word() -> None:
-    doc = doctor_json("--builtin-parser", "--vllm", "0.26", "--", "MLA_PLANNER_SCRATCH_MB=2048", *E2E_LINE[1:])
+@pytest.mark.parametrize("minor", list(ALL))
+def test_cli_plugin_budget_from_env_word(minor: str) -> None:
+    doc = doctor_json("--builtin-parser", "--vllm", minor, "--", "MLA_PLANNER_SCRATCH_MB=2048", *E2E_LINE[1:])
     assert doc["deployment"]["budget_bytes"] == 2048 << 20
-    launches = doc["plugin"]["reserved_bytes"] - 32_768 * 16 * 512 * 2  # less the step's output (0.26 reserves it)
+    output = 32_768 * 16 * 512 * 2 if ALL[minor].reservation_holds_step_output else 0
+    launches = doc["plugin"]["reserved_bytes"] - output  # less the step's output where the reservation holds it
     assert 1024 << 20 < launches <= 2048 << 20, "the largest launch grows with the budget and stays within it"
     assert doc["stock"]["kv_bytes"] - doc["plugin"]["kv_bytes"] == doc["plugin"]["reserved_bytes"]
 
@@ -243,7 +283,7 @@ def test_cli_cost_profile_of_the_serving_machine_is_not_read_here() -> None:
 
 def test_cli_json_alone_on_stdout_where_vllm_is_installed() -> None:
     """`doctor --json ... | jq`: whatever vLLM prints while it is imported to read the line (vLLM
-    0.26 logs Triton's INFO lines to stdout) goes to stderr."""
+    logs Triton's INFO lines to stdout in some releases) goes to stderr."""
     pytest.importorskip("vllm")
     r = cli("doctor", "--json", *E2E_LINE)
     doc = json.loads(r.stdout)
@@ -278,7 +318,7 @@ def test_cli_json_alone_on_stdout_with_vllms_parser() -> None:
     assert doc["deployment"]["plugin_selected"] is True and doc["deployment"]["max_num_batched_tokens"] == 32_768
 
 
-@pytest.mark.parametrize("minor", ["0.26", "0.33"])
+@pytest.mark.parametrize("minor", list(ALL))
 @pytest.mark.parametrize("gpu", ["H200", "B200"])
 def test_cli_deepseek_v32_tp8(gpu: str, minor: str) -> None:
     doc = doctor_json("--gpu", gpu, "--builtin-parser", "--vllm", minor, "--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2",
@@ -392,11 +432,12 @@ def test_cli_names_the_cost_profile_the_engine_will_use(gpu: str, env: list[str]
     doc = doctor_json("--builtin-parser", "--gpu", gpu, "--", *env, *E2E_LINE[1:])
     profile = doc["cost_profile"]
     assert (profile["source"], profile["file"]) == (source, file and file.format(v=version))
-    # On 0.26 vLLM's rule's one route reserves less than both; on 0.33 at 16 heads both reserve 676 MiB.
-    reserved = {minor: [doctor_json("--builtin-parser", "--vllm", minor, "--gpu", gpu, "--", *e, *E2E_LINE[1:])["plugin"]
-                        ["reserved_bytes"] for e in (env, [])] for minor in vllm_releases.RELEASES}
-    assert (reserved["0.26"][0] < reserved["0.26"][1]) == (source == "none")
-    assert reserved["0.33"][0] <= reserved["0.33"][1]
+    # vLLM's rule's one route reserves less than both where a profile's second route is larger at 16
+    # heads, and the same where both lie within the workspace's padded views.
+    for minor, facts in ALL.items():
+        ours, packaged = [doctor_json("--builtin-parser", "--vllm", minor, "--gpu", gpu, "--", *e, *E2E_LINE[1:])["plugin"]
+                          ["reserved_bytes"] for e in (env, [])]
+        assert ours <= packaged and (ours < packaged) == (source == "none" and facts.profile_widens_reservation), minor
     out = cli("doctor", "--builtin-parser", "--gpu", gpu, "--", *env, *E2E_LINE[1:]).stdout
     assert f"profile     {profile['text']}\n" in out
 
@@ -442,26 +483,28 @@ def test_cli_refuses_a_step_below_max_model_len_without_chunked_prefill() -> Non
     assert r.returncode == 2 and "vLLM refuses --max-num-batched-tokens 32,768 below max_model_len 70,000" in r.stderr
 
 
-def test_stock_decode_kernel_call_is_whole_on_both_releases() -> None:
+@pytest.mark.parametrize("minor", list(ALL))
+def test_stock_decode_kernel_call_is_whole_on_every_release(minor: str) -> None:
     """vLLM's FP8 decode-kernel call pads q into a fresh tensor and lets the kernel allocate its
-    output on 0.33 as on 0.26 (its workspace's padded views are the prefill kernel's), so stock's
-    mixed-batch call of 32,768 tokens at 16 heads is counted whole on both: 12.27 GiB, whose last
-    ask, the 8 GiB of accumulators, came with 2.02 GiB free of the 6.15 beside the in-process engine
-    at 0.95 (docs/results-vllm-0.33.md, 33.21): 6.15 less the padded q and output."""
+    output on every release (a workspace's padded views are the prefill kernel's), so stock's
+    mixed-batch call of 32,768 tokens at 16 heads is counted whole: 12.27 GiB, whose last ask, the
+    8 GiB of accumulators, came with the free memory the release's run measured beside the
+    in-process engine at 0.95: 6.15 GiB less what its workspace holds (the padded q and output)."""
     from mla_planner import decode_scratch
 
-    util, (mnbt, step) = 0.95, CASES[1]
-    call = decode_scratch(1, mnbt, 16)
-    old, new = dep.stock_step(tiny(util, mnbt), step), dep.stock_step(tiny(util, mnbt, vllm_releases.V0_33), step)
-    assert old.peak_bytes == new.peak_bytes == call.total_bytes and 12.2 * GIB < call.total_bytes < 12.3 * GIB
-    held = call.buffers["q_padded"] + call.buffers["out"]
-    assert abs((tiny(util, mnbt, vllm_releases.V0_33).headroom() - held) / GIB - 2.02) < 0.2
-    assert not old.fits and not new.fits  # 0.95 leaves 6.15 GiB beside the engine: neither fits
+    facts, (util, (mnbt, step)) = ALL[minor], (0.95, CASES[1])
+    d = tiny(util, mnbt, modelled(facts))
+    call, stock = decode_scratch(1, mnbt, 16), dep.stock_step(d, step)
+    assert stock.peak_bytes == call.total_bytes and 12.2 * GIB < call.total_bytes < 12.3 * GIB
+    held = call.buffers["q_padded"] + call.buffers["out"] if modelled(facts).workspace_holds_padded_views else 0
+    if facts.decode_call_free_gib is not None:
+        assert abs((d.headroom() - held) / GIB - facts.decode_call_free_gib) < 0.2
+    assert not stock.fits  # 0.95 leaves 6.15 GiB beside the engine
 
 
-def test_stock_prefill_call_on_0_33_is_counted_beyond_the_workspace() -> None:
-    """0.33's workspace holds the sparse prefill kernel's padded q and output (counted with the
-    non-KV memory): a stock prefill call allocates only the rest there, the whole call on 0.26."""
+def test_stock_prefill_call_is_counted_beyond_the_workspace() -> None:
+    """A workspace that holds the sparse prefill kernel's padded q and output (counted with the
+    non-KV memory) leaves a stock prefill call only the rest to allocate; a decode call, all of it."""
     from mla_planner import decode_scratch, prefill_scratch
     from mla_planner.cli import policies
 
@@ -474,57 +517,55 @@ def test_stock_prefill_call_on_0_33_is_counted_beyond_the_workspace() -> None:
 
 
 # --- vLLM's start-up warm-up ------------------------------------------------------------------
-# Both releases run FlashInfer's autotune once the KV cache is allocated, with a dummy step of
-# max_num_batched_tokens; model runner V2 (0.33's for these models) runs its attention, V1 (0.26's)
-# does not. docs/results-vllm-0.33.md, 33.4: every fresh 0.33 server at 0.95 died in it; at 0.90 it
-# served. docs/results-vllm-0.26.md: 0.26 at 0.95 started and died at the first 32K prompt.
+# Every release runs FlashInfer's autotune once the KV cache is allocated, with a dummy step of
+# max_num_batched_tokens; model runner V2 runs its attention, V1 does not. Which runner a release
+# picks, and what its servers did at 0.95 and 0.90, are its facts (tests/releases).
+WARM_UP_ATTENDS = [f for f in ALL.values() if f.warm_up_attends]
 
 
-def test_0_33_at_095_stock_fails_at_start_up() -> None:
-    doc = doctor_json("--builtin-parser", "--vllm", "0.33", *E2E_LINE)
+@pytest.mark.parametrize("minor", list(ALL))
+def test_at_095_stock_fails_where_the_release_failed(minor: str) -> None:
+    facts = ALL[minor]
+    doc = doctor_json("--builtin-parser", "--vllm", minor, *E2E_LINE)
     w = doc["warmup"]
-    assert (w["attends"], w["num_tokens"], w["num_requests"], w["query_lens"], w["num_decodes"]) == (True, 32_768, 1024, [32], 1024)
-    assert w["stock"]["fits"] is False and w["stock"]["peak_bytes"] == doc["stock"]["peak_bytes"]  # the same one call
-    assert doc["stock"]["fails_at"] == "start-up" and doc["stock"]["fits"] is False
-    assert doc["verdict"].startswith("stock: fails at start-up: vLLM 0.33.0's warm-up runs a 32,768-token step "
-                                     "(1,024 requests of 32 tokens, decode-only)")  # fmt: skip
-    out = cli("doctor", "--builtin-parser", "--vllm", "0.33", *E2E_LINE).stdout
-    assert "start-up    vLLM 0.33.0's warm-up, once the KV cache is allocated: a 32,768-token step" in out
-    assert "through the sparse-MLA kernels; stock 12.27 GiB: FAILS\n" in out
+    assert {k: w[k] for k in facts.warm_up_at_095} == facts.warm_up_at_095
+    assert w["attends"] is facts.warm_up_attends
+    assert facts.warm_up_why in w["why"]
+    if facts.warm_up_attends:
+        assert w["stock"]["fits"] is False and w["stock"]["peak_bytes"] == doc["stock"]["peak_bytes"]  # the same one call
+    else:
+        assert w["stock"] is None
+    assert doc["stock"]["fails_at"] == facts.fails_at_095 and doc["stock"]["fits"] is False
+    assert doc["verdict"].startswith(facts.verdict_at_095)
 
 
-def test_0_33_at_090_stock_starts_and_fits() -> None:
-    doc = doctor_json("--builtin-parser", "--vllm", "0.33", *[w if w != "0.95" else "0.90" for w in E2E_LINE])
-    assert doc["warmup"]["attends"] is True and doc["warmup"]["stock"]["fits"] is True
+@pytest.mark.parametrize("minor", list(ALL))
+def test_at_090_stock_starts_and_fits(minor: str) -> None:
+    doc = doctor_json("--builtin-parser", "--vllm", minor, *[w if w != "0.95" else "0.90" for w in E2E_LINE])
+    assert doc["warmup"]["attends"] is ALL[minor].warm_up_attends
+    assert doc["warmup"]["stock"] is None if not ALL[minor].warm_up_attends else doc["warmup"]["stock"]["fits"] is True
     assert doc["stock"]["fails_at"] is None and doc["stock"]["fits"] is True
     assert doc["verdict"].startswith("stock: fits")
 
 
-def test_0_26_at_095_stock_fails_at_its_first_long_step_not_start_up() -> None:
-    doc = doctor_json("--builtin-parser", "--vllm", "0.26", *E2E_LINE)
-    assert doc["warmup"]["attends"] is False and doc["warmup"]["stock"] is None
-    assert "model runner V1" in doc["warmup"]["why"]
-    assert doc["stock"]["fails_at"] == "worst step" and doc["stock"]["fits"] is False
-    assert doc["verdict"].startswith("stock: OOM at the first 32,768-token step")
-
-
-@pytest.mark.parametrize(("minor", "fails_at"), [("0.33", "start-up"), ("0.26", "worst step")])
-def test_enforce_eager_keeps_the_warm_up(minor: str, fails_at: str) -> None:
-    """--enforce-eager turns off compilation and CUDA graphs, not FlashInfer's autotune (0.33: it
-    leaves the optimization level, whose default turns the autotune on), so the warm-up step runs
+@pytest.mark.parametrize("minor", list(ALL))
+def test_enforce_eager_keeps_the_warm_up(minor: str) -> None:
+    """--enforce-eager turns off compilation and CUDA graphs, not FlashInfer's autotune (nor does it
+    change the optimization level, whose default turns the autotune on), so the warm-up step runs
     as with CUDA graphs."""
     doc = doctor_json("--builtin-parser", "--vllm", minor, *E2E_LINE, "--enforce-eager")
     assert doc["deployment"]["enforce_eager"] is True
-    assert doc["warmup"]["attends"] is (minor == "0.33")
-    assert doc["stock"]["fails_at"] == fails_at
+    assert doc["warmup"]["attends"] is ALL[minor].warm_up_attends
+    assert doc["stock"]["fails_at"] == ALL[minor].fails_at_095
 
 
-def test_0_33_s6_stock_twin_dies_in_its_warm_up_past_the_int32_limit() -> None:
-    """docs/results-vllm-0.33.md, "KV cache against stock's": the s6 stock twin (tiny GLM-5, 8 heads,
+@pytest.mark.parametrize("facts", WARM_UP_ATTENDS, ids=[f.minor for f in WARM_UP_ATTENDS])
+def test_s6_stock_twin_dies_in_its_warm_up_past_the_int32_limit(facts: ReleaseFacts) -> None:
+    """docs/results-vllm-*.md, "KV cache against stock's": the s6 stock twin (tiny GLM-5, 8 heads,
     eager, chunked prefill off, 70,000 tokens a step, 16 sequences) sized its KV cache, then died in
     its warm-up with FlashMLA's int64_stride_to_int: one decode-kernel call over 70,000 tokens."""
     glm5 = str(TINY.parent / "tiny-glm5")
-    doc = doctor_json("--builtin-parser", "--vllm", "0.33", "--", "vllm", "serve", glm5, "--enforce-eager",
+    doc = doctor_json("--builtin-parser", "--vllm", facts.minor, "--", "vllm", "serve", glm5, "--enforce-eager",
                       "--no-enable-chunked-prefill", "--max-num-batched-tokens", "70000", "--max-num-seqs", "16",
                       "--max-model-len", "70000", "--kv-cache-dtype", "fp8_ds_mla", "--block-size", "64")  # fmt: skip
     assert (doc["warmup"]["num_requests"], doc["warmup"]["query_lens"]) == (16, [4375])
@@ -533,43 +574,55 @@ def test_0_33_s6_stock_twin_dies_in_its_warm_up_past_the_int32_limit() -> None:
     assert "past FlashMLA's int32 stride limit" in doc["verdict"]
 
 
-@pytest.mark.parametrize(("minor", "env", "flag", "attends"), [
-    ("0.33", [], "--no-enable-flashinfer-autotune", False),
-    ("0.33", [], "--enable-flashinfer-autotune", True),
-    ("0.33", ["VLLM_USE_V2_MODEL_RUNNER=0"], None, False),
-    ("0.26", ["VLLM_USE_V2_MODEL_RUNNER=1"], None, True),
-])  # fmt: skip
-def test_warm_up_follows_the_autotune_flag_and_the_runner(minor: str, env: list[str], flag: str | None, attends: bool) -> None:
+# (the serve line's environment, a flag, whether the warm-up attends: None where the release's default)
+WARM_UP_SWITCHES: list[tuple[list[str], str | None, bool | None]] = [
+    ([], "--no-enable-flashinfer-autotune", False),
+    ([], "--enable-flashinfer-autotune", None),
+    (["VLLM_USE_V2_MODEL_RUNNER=0"], None, False),
+    (["VLLM_USE_V2_MODEL_RUNNER=1"], None, True),
+]
+
+
+@pytest.mark.parametrize("minor", list(ALL))
+@pytest.mark.parametrize(("env", "flag", "attends"), WARM_UP_SWITCHES)
+def test_warm_up_follows_the_autotune_flag_and_the_runner(minor: str, env: list[str], flag: str | None,
+                                                          attends: bool | None) -> None:
     line = [E2E_LINE[0], *env, *E2E_LINE[1:], *([flag] if flag else [])]
     doc = doctor_json("--builtin-parser", "--vllm", minor, *line)
-    assert doc["warmup"]["attends"] is attends
-    assert doc["stock"]["fails_at"] == ("start-up" if attends else "worst step")
+    expected = ALL[minor].warm_up_attends if attends is None else attends
+    assert doc["warmup"]["attends"] is expected
+    assert doc["stock"]["fails_at"] == ("start-up" if expected else "worst step")
 
 
-@pytest.mark.parametrize(("release", "spec", "v2"), [
-    (vllm_releases.V0_33, {}, True),
-    (vllm_releases.V0_33, {"parallel_drafting": True, "speculative_method": "mtp"}, False),
-    (vllm_releases.V0_33, {"parallel_drafting": True, "speculative_method": "dflash"}, True),
-    (vllm_releases.V0_26, {}, False),
-])  # fmt: skip
-def test_the_model_runner_each_release_picks(release: vllm_releases.VllmRelease, spec: dict[str, Any], v2: bool) -> None:
-    d = dep.Deployment(**{**tiny(0.95, 32_768, release).__dict__, "num_speculative_tokens": 1, **spec})
-    assert dep.runs_v2(d) is v2
+# (the speculative settings, whether V2 runs: None where the release's default)
+RUNNER_CASES: list[tuple[dict[str, Any], bool | None]] = [
+    ({}, None),
+    ({"parallel_drafting": True, "speculative_method": "mtp"}, False),
+    ({"parallel_drafting": True, "speculative_method": "dflash"}, None),
+]
 
 
-def test_dummy_step_remainder_as_each_release_spreads_it() -> None:
-    assert vllm_releases.V0_33.dummy_query_lens(10, 4) == [2, 2, 3, 3]
-    assert vllm_releases.V0_26.dummy_query_lens(10, 4) == [2, 2, 2, 4]
+@pytest.mark.parametrize("minor", list(ALL))
+@pytest.mark.parametrize(("spec", "v2"), RUNNER_CASES)
+def test_the_model_runner_each_release_picks(minor: str, spec: dict[str, Any], v2: bool | None) -> None:
+    d = dep.Deployment(**{**tiny(0.95, 32_768, modelled(ALL[minor])).__dict__, "num_speculative_tokens": 1, **spec})
+    assert dep.runs_v2(d) is (ALL[minor].warm_up_attends if v2 is None else v2)
 
 
-def test_a_warm_up_larger_than_the_worst_step_sets_the_highest_utilization() -> None:
+@pytest.mark.parametrize("minor", list(ALL))
+def test_dummy_step_remainder_as_each_release_spreads_it(minor: str) -> None:
+    assert modelled(ALL[minor]).dummy_query_lens(10, 4) == list(ALL[minor].dummy_query_lens_10_over_4)
+
+
+@pytest.mark.parametrize("facts", WARM_UP_ATTENDS, ids=[f.minor for f in WARM_UP_ATTENDS])
+def test_a_warm_up_larger_than_the_worst_step_sets_the_highest_utilization(facts: ReleaseFacts) -> None:
     """At 32 heads per rank stock sends decodes to the decode kernel apart from the prefill, so the
     warm-up's 1,024 decodes of 32 tokens are one decode call of all the tokens while the worst
     step's prefill goes through the prefill kernel: here the warm-up's call is the larger."""
     model = dep.model_from_config(TINY / "config.json")
     model = dep.Model(**{**model.__dict__, "num_heads": 32})
     d = dep.Deployment(model, dep.GPUS["H200"], 1, 32_768, 0.95, 163_840, True, False, 1 << 30, 1024,
-                       release=vllm_releases.V0_33)  # fmt: skip
+                       release=modelled(facts))  # fmt: skip
     diag = dep.diagnose(d)
     w = diag.warmup.stock
     assert w is not None and w.launches == 1 and w.peak_bytes > diag.stock.peak_bytes

@@ -147,8 +147,9 @@ def test_without_out_one_launch_returns_the_kernels_output(gen: torch.Generator,
 
 
 def test_caller_buffers_hold_the_padded_q_and_kernel_output(gen: torch.Generator) -> None:
-    """vLLM 0.33's workspace views: the padded q and the kernel's padded output go in the caller's
-    buffers (their old contents overwritten; padded heads zeroed), with the same result."""
+    """vLLM's workspace views (in the releases that have them): the padded q and the kernel's
+    padded output go in the caller's buffers (their old contents overwritten; padded heads zeroed),
+    with the same result."""
     t, heads = 200, 16
     case = mixed_case(t, heads, 128, 256, gen)
     expected, _ = _run(case, ReferenceProvider(True), _budget_for(80, heads, in_place=False))

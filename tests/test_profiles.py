@@ -13,9 +13,11 @@ import pytest
 from mla_planner import COST_PROFILE_FORMAT, CostModel, StepConfig, profiles
 from mla_planner.calibration.grid import FIRST_START_RUNS, first_start_grid, launch_limit
 from mla_planner.calibration.measure import CalibrationError
+from releases import ALL, NEWEST
 
+KERNELS = f"vllm {NEWEST.version}"
 HERE = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.1", "cuda": "13.0", "torch": "2.11.0",
-        "kernels": "vllm 0.33.0", "gather": "vllm 0.33.0 cp_gather_and_upconvert_fp8_kv_cache"}
+        "kernels": KERNELS, "gather": f"{KERNELS} cp_gather_and_upconvert_fp8_kv_cache"}
 CONFIG = StepConfig(16, arch="sm90", num_sms=132, topk=2048, kv_dtype="fp8", max_model_len=70_000)
 MAX_STEP = 8192
 
@@ -58,7 +60,7 @@ def test_the_first_start_measures_caches_and_the_next_start_reads_the_cache(tmp_
     first = find(tmp_path, measure)
     assert (first.source, measure.calls) == ("measured", 1)
     cached = Path(first.where)
-    assert cached.parent == tmp_path / "cache" / "profiles" and cached.name.startswith("sm90-vllm-0.33.0-h100-80gb-hbm3-")
+    assert cached.parent == tmp_path / "cache" / "profiles" and cached.name.startswith(f"sm90-vllm-{NEWEST.version}-h100-80gb-hbm3-")
     assert json.loads(cached.read_text()) == measure.profile
     assert "measured one in" in first.describe() and str(cached) in first.describe()
     assert "MLA_PLANNER_COST_PROFILE" in first.describe()  # how to skip it
@@ -68,7 +70,7 @@ def test_the_first_start_measures_caches_and_the_next_start_reads_the_cache(tmp_
 
 
 def test_the_packaged_profile_of_this_machine_comes_first(tmp_path: Path) -> None:
-    packaged = profiles.packaged_for_gpu("sm90", profiles.REFERENCE_GPU, "vllm 0.33.0")
+    packaged = profiles.packaged_for_gpu("sm90", profiles.REFERENCE_GPU, KERNELS)
     assert packaged is not None
     measure = Measure()
     found = find(tmp_path, measure, environment=profiles.environment_of(packaged))
@@ -157,9 +159,15 @@ def test_no_gpu_visible_prices_by_the_reference_gpus_packaged_profile(tmp_path: 
 def test_gpu_names_and_packaged_names() -> None:
     assert profiles.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
     assert profiles.gpu_slug("NVIDIA H200") == "h200"
-    assert profiles.packaged_name("sm90", "vllm 0.33.0", "NVIDIA H200") == "sm90-vllm-0.33.0-h200.json"
-    assert profiles.packaged_for_gpu("sm90", "H200", "vllm 0.26.0") is not None
-    assert profiles.packaged_for_gpu("sm90", "B200", "vllm 0.26.0") is None
+
+
+@pytest.mark.parametrize("minor", list(ALL))
+def test_each_release_has_its_packaged_profiles(minor: str) -> None:
+    version = ALL[minor].version
+    assert profiles.packaged_name("sm90", f"vllm {version}", "NVIDIA H200") == f"sm90-vllm-{version}-h200.json"
+    for gpu in ALL[minor].packaged_profile_gpus:
+        assert profiles.packaged_for_gpu("sm90", gpu, f"vllm {version}") is not None, gpu
+    assert profiles.packaged_for_gpu("sm90", "B200", f"vllm {version}") is None
 
 
 def test_the_first_start_grid_covers_the_engines_launches_only() -> None:

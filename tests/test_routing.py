@@ -29,6 +29,7 @@ from mla_planner.cli.calibrate import native_grids
 from mla_planner.executor.providers import ReferenceProvider, ReferenceSchedule
 from mla_planner import routing
 from mla_planner.routing import load_profile, stale_keys
+from releases import ALL, NEWEST
 
 GIB = 1 << 30
 
@@ -44,8 +45,8 @@ ENV = {
     "driver": "1.0",
     "cuda": "12.9",
     "torch": "2.11.0",
-    "kernels": "vllm 0.26.0",
-    "gather": "vllm 0.26.0 cp_gather_and_upconvert_fp8_kv_cache",
+    "kernels": f"vllm {NEWEST.version}",
+    "gather": f"vllm {NEWEST.version} cp_gather_and_upconvert_fp8_kv_cache",
 }
 # Exactly linear kernels (as the Rust tests): decode 10 + T us; prefill 200 + T/2 us at 64 heads and
 # 200 + 4T at 128; gather 5 + R/1000 us.
@@ -407,8 +408,8 @@ def test_packaged_profiles_are_valid_and_named_by_their_kernels_and_gpu() -> Non
         assert entry.name == profiles.packaged_name(model.arch, env["kernels"], env["gpu"])
         assert profiles.packaged_for(model.arch, env, env["kernels"]) is not None
         assert profiles.packaged_for_gpu(model.arch, env["gpu"], env["kernels"]) is not None
-    for kernels in ("vllm 0.26.0", "vllm 0.33.0"):  # the offline default of each release
-        assert profiles.packaged_for_gpu("sm90", profiles.REFERENCE_GPU, kernels) is not None
+    for facts in ALL.values():  # the offline default of each release
+        assert profiles.packaged_for_gpu("sm90", profiles.REFERENCE_GPU, f"vllm {facts.version}") is not None
 
 
 # --- calibrate's arithmetic -------------------------------------------------------------

@@ -22,15 +22,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("vllm", reason="the backend tests need vLLM 0.26.0 (pip install '.[test]')")
+from releases import ALL, NEEDS_VLLM, installed, only_where
+
+pytest.importorskip("vllm", reason=NEEDS_VLLM)
 
 import mla_planner  # noqa: E402
 from mla_planner.executor.quant import quantize_fp8_ds_mla  # noqa: E402
 from mla_planner.calibration.synthetic import random_kv_rows  # noqa: E402
 from mla_planner.vllm_backend import fallback, vllm_api  # noqa: E402
-from mla_planner.vllm_backend.releases import release, v0_26  # noqa: E402
-
-V033 = release.version == "0.33"
+from mla_planner.vllm_backend.releases import release  # noqa: E402
 from mla_planner.vllm_backend.reservation import Reservation  # noqa: E402
 from mla_planner.vllm_backend.backend import PlannedFlashMLASparseMetadataBuilder  # noqa: E402
 from mla_planner.engine_model.settings import DEFAULT_SCRATCH_MB, SettingsError, read_settings  # noqa: E402
@@ -53,11 +53,7 @@ from vllm_cpu import (  # noqa: E402
 )
 
 
-def needs_033(reason: str) -> pytest.MarkDecorator:
-    """Skips a test of what only vLLM 0.33 has, saying what."""
-    return pytest.mark.skipif(not V033, reason=reason)
-
-
+FACTS = installed()
 BACKEND = "mla_planner.vllm_backend.backend.PlannedFlashMLASparseBackend"
 TOPK = 128
 SCRATCH_MB = 64
@@ -378,21 +374,24 @@ def test_the_release_follows_the_installed_vllm(tmp_path: pathlib.Path, monkeypa
 
     from mla_planner.vllm_backend import releases
 
-    installed = importlib.metadata.version("vllm")
-    assert vllm_api.installed_version() == installed and installed.startswith(release.version + ".")
-    assert releases.installed() is release and set(releases.MODULES) == {"0.26", "0.33"}
+    version = importlib.metadata.version("vllm")
+    assert vllm_api.installed_version() == version and version.startswith(release.version + ".")
+    assert releases.installed() is release and list(releases.MODULES) == list(ALL)
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.40.1")
-    with pytest.raises(ImportError, match=r"supports vLLM 0\.26\.x and 0\.33\.x; vLLM 0\.40\.1 is installed"):
+    supported = " and ".join(re.escape(minor) + r"\.x" for minor in ALL)
+    with pytest.raises(ImportError, match=f"supports vLLM {supported}; vLLM 0\\.40\\.1 is installed"):
         releases.installed()
-    assert V033 == installed.startswith("0.33.")
-    assert release.forward_returns_lse == release.stock_workspace == (release.masked_mha is not None) == V033
-    # vLLM's own gather-workspace rows: 5 x max_model_len by default in both versions.
+    assert FACTS.minor == release.version
+    assert (release.forward_returns_lse, release.stock_workspace, release.masked_mha is not None,
+            release.native_prefill_kernels) == (FACTS.forward_returns_lse, FACTS.stock_workspace, FACTS.masked_mha,
+                                                FACTS.native_prefill_kernels)
+    # vLLM's own gather-workspace rows: 5 x max_model_len by default in every release.
     config = vllm_config(model_dir(tmp_path, num_heads=16, topk=TOPK), max_model_len=4096)
     assert release.prefill_workspace_rows(config) == 5 * 4096
     assert vllm_api.indexer_workspace_rows(config) == 40 * 4096  # 132-byte rows in the same memory
     out = torch.ones(2, 3)
     result = release.forward_result(out)
-    if V033:
+    if FACTS.forward_returns_lse:
         assert isinstance(result, tuple) and result[0] is out and result[1] is None
     else:
         assert result is out
@@ -481,7 +480,7 @@ def sleep_mode_allocator(monkeypatch: pytest.MonkeyPatch, pools: dict[str, Any],
     return unmapped
 
 
-@pytest.mark.parametrize("per_tag", ["one pool (0.26)", "a list of pools (0.33)"])
+@pytest.mark.parametrize("per_tag", ["one pool", "a list of pools"])  # as releases keep them
 def test_under_sleep_mode_the_freed_reservation_is_unmapped_from_vllms_pool(
         monkeypatch: pytest.MonkeyPatch, per_tag: str) -> None:
     """Under vLLM's CuMem allocator the reservation is made in the model's pool, which keeps a freed
@@ -708,19 +707,19 @@ def test_the_impl_names_its_backend_for_the_mtp_draft_at_construction(tmp_path: 
 def as_vllms_own_test_shapes_it(config: Any) -> None:
     """The model config as vLLM's own sparse-MLA tests shape it: a namespace of MLA dims for
     ``hf_text_config``, and the top-k only where the release's sparse-MLA layer reads it
-    (``hf_config`` on 0.26; ``hf_text_config`` on 0.33, which deletes it from ``hf_config``)."""
+    (``hf_config``, or ``hf_text_config`` and deleted from ``hf_config``: the release's facts)."""
     model = config.model_config
     topk = model.hf_config.index_topk
     model.hf_text_config = SimpleNamespace(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
                                            qk_rope_head_dim=64, v_head_dim=128, model_type="deepseek_v2")
-    if V033:
+    if FACTS.topk_in_hf_text_config:
         model.hf_text_config.index_topk = topk
         del model.hf_config.index_topk
 
 
 def test_the_top_k_is_read_where_this_releases_layer_reads_it(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
                                                                gen: torch.Generator) -> None:
-    """An engine whose top-k is where vLLM's own tests put it builds and plans (vLLM 0.26's file
+    """An engine whose top-k is where vLLM's own tests put it builds and plans (a release's file
     failed 84 tests on the H200 with an AttributeError while the setup read ``hf_text_config``)."""
     backend = Backend(tmp_path, monkeypatch, num_heads=16, reshape_config=as_vllms_own_test_shapes_it)
     try:
@@ -764,7 +763,7 @@ def debug_lines() -> Iterator[list[str]]:
     handler = logging.Handler(logging.DEBUG)
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
     logger = logging.getLogger("vllm.mla_planner")
-    # vLLM 0.26's suppress_logging() leaves logging.disable(INFO) on when its body raises, as when
+    # vLLM's suppress_logging() (some releases') leaves logging.disable(INFO) on when its body raises, as when
     # test_doctor probes vLLM's serve parser on a machine without a GPU: undone for this block.
     disabled, level = logging.root.manager.disable, logger.level
     logging.disable(logging.NOTSET)
@@ -820,7 +819,7 @@ def test_the_builder_counts_every_step_and_says_the_summary_at_vllms_interval(mi
     assert (stats.planned, stats.split, stats.launches, stats.stock_calls) == (1, int(len(plan) > 1), len(plan), 2)
     assert stats.largest_launch_bytes == md.planned.reserved_peak <= mixed.impl.engine.stock_call_allowance
     assert md.planned.reserved_peak == plan.peak_beyond_workspace(64, mixed.impl.engine.workspace_heads)
-    assert (md.planned.reserved_peak < plan.peak_bytes) == release.stock_workspace, "0.33's workspace holds q and out"
+    assert (md.planned.reserved_peak < plan.peak_bytes) == release.stock_workspace, "a workspace holds q and out"
     summaries = [line for line in lines if "since start-up" in line]
     assert len(summaries) == 1 and f"1 steps planned ({stats.split} split, {len(plan)} launches), 2 on vLLM's call" \
         in summaries[0], lines
@@ -907,10 +906,10 @@ def test_each_engine_in_a_process_reserves_hands_over_and_warms_up_its_own(
 
 
 def test_decode_only_steps_of_several_tokens_each_are_planned(mixed: Backend, gen: torch.Generator) -> None:
-    """vLLM 0.33 counts a request of up to 128 query tokens as a decode at 16 heads, and its start-up
+    """vLLM (its newer releases) counts a request of up to 128 query tokens as a decode at 16 heads, and its start-up
     warm-up sends 32K such tokens through the decode kernel at once: a decode-only step that does not
     fit one launch of the budget runs in the plan's launches, as a step with prefills does."""
-    mixed.builder.reorder_batch_threshold = 128  # 0.33's at 16 heads (0.26: 1)
+    mixed.builder.reorder_batch_threshold = 128  # whatever the release's own at 16 heads
     lens, contexts = [100] * 9, [0, 5, 300, 40, 0, 1000, 7, 64, 129]
     case = mixed.step(lens, contexts, gen)
     md, q = case["metadata"], case["q"]
@@ -927,7 +926,7 @@ def test_decode_only_steps_of_several_tokens_each_are_planned_on_the_separate_ro
                                                                                    gen: torch.Generator) -> None:
     """The same at 32 heads, where vLLM's rule takes the separate route: the decodes run in the
     plan's decode launches, never stock's one call."""
-    separate.builder.reorder_batch_threshold = 128  # 0.33's at 32 heads
+    separate.builder.reorder_batch_threshold = 128  # a release's own at 32 heads
     lens, contexts = [40] * 12, [0, 5, 300, 40, 0, 1000, 7, 64, 129, 3, 900, 50]
     case = separate.step(lens, contexts, gen)
     md, q = case["metadata"], case["q"]
@@ -940,25 +939,25 @@ def test_decode_only_steps_of_several_tokens_each_are_planned_on_the_separate_ro
     assert separate.kernels.decode_calls == [], "stock's single call must not run"
 
 
-@needs_033("vLLM 0.26 has no index groups")
+@only_where(lambda f: f.index_groups, "no index groups")
 @pytest.mark.parametrize("route", ["mixed", "separate"])
 def test_a_planned_first_layer_fills_its_index_groups_topk_for_the_later_layers(
         route: str, request: pytest.FixtureRequest, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
-    """In a model whose layers share one indexer's result (0.33's index groups), vLLM's decode path
+    """In a model whose layers share one indexer's result (vLLM's index groups), vLLM's decode path
     of a later layer reads the slots the group's first layer converted into the group's buffer.
     The first layer running a decode-only step's plan fills that buffer as stock's does; a later
     layer whose planned launches fail runs the bounded path, translating its own slots."""
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
     backend: Backend = request.getfixturevalue(route)
-    impl: Any = backend.impl  # 0.33's attributes, which 0.26's type does not have
+    impl: Any = backend.impl  # index-group attributes, which not every release's type has
     groups = SparseMLAIndexGroupBuilder(backend.topk_buffer, max_decode_rows=512)
     impl.index_group, impl.index_group_index = groups.register_layer(True)  # the first layer: the indexer's
     groups.register_layer(False)
     group = impl.index_group
     group.physical_topk_indices.zero_()  # an earlier step's slots
     group.valid_topk_counts.fill_(TOPK)
-    backend.builder.reorder_batch_threshold = 128  # 0.33's at 16 and 32 heads
+    backend.builder.reorder_batch_threshold = 128  # a release's own at 16 and 32 heads
     lens, contexts = [40] * 12, [0, 5, 300, 40, 0, 1000, 7, 64, 129, 3, 900, 50]
     case = backend.step(lens, contexts, gen)
     md, q = case["metadata"], case["q"]
@@ -1123,8 +1122,8 @@ def test_a_plan_of_one_launch_runs_as_stocks_call(mixed: Backend, gen: torch.Gen
 
 
 def test_a_launch_over_the_stock_allowance_runs_the_planned_launches(mixed: Backend, gen: torch.Generator) -> None:
-    """Where stock's call would allocate more than the reservation holds for it (vLLM 0.33: the
-    reservation holds what this backend allocates beyond vLLM's workspace, not the padded q and
+    """Where stock's call would allocate more than the reservation holds for it (with a vLLM
+    workspace the reservation holds what this backend allocates beyond it, not the padded q and
     output stock allocates itself), the executor runs the plan's one launch."""
     case = mixed.step([1, 1, 100], [70, 9, 0], gen)
     md, q = case["metadata"], case["q"]
@@ -1197,7 +1196,7 @@ def test_separate_impl_runs_the_planned_launches(separate: Backend, gen: torch.G
     assert separate.provider.gathers == len(plan.gather_chunks)
 
 
-@needs_033("vLLM 0.26's FlashMLA sparse backend takes 64-row blocks only; 0.33 any multiple of 64 off SM100")
+@only_where(lambda f: f.multi_page_blocks, "its FlashMLA sparse backend takes 64-row blocks only")
 @pytest.mark.parametrize("block_size", [128, 256])
 @pytest.mark.parametrize("num_heads", [16, 32])  # the mixed route and the separate one
 @pytest.mark.parametrize("gap_rows", [0, 64])
@@ -1501,11 +1500,11 @@ def prefill_rows(plan: mla_planner.StepPlan) -> list[list[int]]:
 
 
 def test_a_native_plan_runs_the_prefill_kernel_at_16_heads(native_routed: Backend, gen: torch.Generator) -> None:
-    """A profile that prices 16 native heads cheaper: on vLLM 0.33 the plan runs the prefill kernel
-    on the rank's 16 heads, q unpadded and the kernel writing the step's output rows in place; on
-    0.26, whose FlashMLA has no such kernel, the profile is not used."""
-    if not release.native_prefill_kernels:
-        assert native_routed.builder.engine.cost_model is None, "0.26 cannot run what this profile may choose"
+    """A profile that prices 16 native heads cheaper: where vLLM's FlashMLA has the unpadded
+    kernels the plan runs the prefill kernel on the rank's 16 heads, q unpadded and the kernel
+    writing the step's output rows in place; elsewhere the profile is not used."""
+    if not FACTS.native_prefill_kernels:
+        assert native_routed.builder.engine.cost_model is None, "this release cannot run what this profile may choose"
         assert native_routed.step(QUERY_LENS, CONTEXT_LENS, gen)["metadata"].planned.plan.mode == "mixed_batch"
         return
     assert native_routed.builder.engine.cost_model is not None
@@ -1527,10 +1526,9 @@ def test_a_native_plan_runs_the_prefill_kernel_at_16_heads(native_routed: Backen
     assert all(torch.equal(kq, q[r[0]:r[1]]) for kq, r in zip(kernels.prefill_q, rows))
 
 
+@only_where(lambda f: f.native_prefill_kernels, "no native plan runs (the test above checks the profile is dropped)")
 def test_a_one_launch_native_plan_is_not_stocks_call(native_routed: Backend, gen: torch.Generator) -> None:
     """Stock's own call pads q to 64 heads: a native plan of one launch runs through the backend."""
-    if not release.native_prefill_kernels:
-        pytest.skip("vLLM 0.26 runs no native plan (the test above checks the profile is dropped)")
     case = native_routed.step([520], [130], gen)
     md, q = case["metadata"], case["q"]
     assert len(md.planned.plan) == 1 and md.planned.plan.prefill_heads == 16
@@ -1545,7 +1543,7 @@ def test_a_one_launch_native_plan_is_not_stocks_call(native_routed: Backend, gen
 @pytest.mark.parametrize("family", [90, 100])
 def test_prefill_padding_is_the_impls(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, family: int) -> None:
     """The plan pads the prefill kernel's q as this vLLM's impl does: 64 heads on Hopper; on
-    Blackwell 128 under 0.26 and 64 under 0.33 (its FlashMLA has the 64-head kernel there)."""
+    Blackwell 128 or 64 as the release's FlashMLA has the 64-head kernel there or not."""
     from vllm.platforms import current_platform
 
     monkeypatch.setattr(current_platform, "is_device_capability_family", lambda f, device_id=0: f == family)
@@ -1554,7 +1552,7 @@ def test_prefill_padding_is_the_impls(tmp_path: pathlib.Path, monkeypatch: pytes
         config = backend.builder.engine.config
         assert config.arch == ("sm100" if family == 100 else "sm90")
         assert config.prefill_padding == backend.impl.prefill_padding
-        assert config.prefill_padded_heads == (128 if family == 100 and not V033 else 64)
+        assert config.prefill_padded_heads == dict(FACTS.prefill_padded_heads)[config.arch]
         plan = mla_planner.plan_step([40_000], [0], 0, config.replace(mode="separate_prefill_decode"))
         assert plan.prefill_heads == config.prefill_padded_heads
     finally:
@@ -1564,15 +1562,16 @@ def test_prefill_padding_is_the_impls(tmp_path: pathlib.Path, monkeypatch: pytes
 @pytest.mark.parametrize("num_heads", [32, 64])
 def test_asking_for_native_prefill_heads(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator,
                                          num_heads: int) -> None:
-    """MLA_PLANNER_NATIVE_PREFILL_HEADS=1: every separate step at the rank's own heads on vLLM 0.33
-    where the heads are 16 or 32; refused at start-up, in one line, anywhere else."""
+    """MLA_PLANNER_NATIVE_PREFILL_HEADS=1: every separate step at the rank's own heads where vLLM's
+    FlashMLA has the unpadded kernels and the heads are 16 or 32; refused at start-up, in one line,
+    anywhere else."""
     monkeypatch.setenv("MLA_PLANNER_NATIVE_PREFILL_HEADS", "1")
-    if not release.native_prefill_kernels or num_heads == 64:
+    if not FACTS.native_prefill_kernels or num_heads == 64:
         with pytest.raises(SettingsError) as err:
             Backend(tmp_path, monkeypatch, num_heads=num_heads).close()
         message = str(err.value)
         assert message.startswith("MLA_PLANNER_NATIVE_PREFILL_HEADS=1: ") and "\n" not in message, message
-        assert ("also at 16 and 32" in message) if not release.native_prefill_kernels else "16 or 32" in message, message
+        assert ("also at 16 and 32" in message) if not FACTS.native_prefill_kernels else "16 or 32" in message, message
         assert "unset MLA_PLANNER_NATIVE_PREFILL_HEADS" in message
         return
     backend = Backend(tmp_path, monkeypatch, num_heads=num_heads)
@@ -1719,9 +1718,9 @@ def test_tensor_parallel_ranks_route_by_the_first_ranks_profile(
         assert len(modes) == 1, (query_lens, modes)
 
 
-# -- vLLM 0.33: the workspace manager's views; the reservation on either vLLM --------------------
+# -- vLLM's workspace manager's views (where a release has one); the reservation on any release ----
 
-needs_033_workspace = needs_033("vLLM 0.33's workspace; 0.26 has none")
+needs_workspace = only_where(lambda f: f.stock_workspace, "no workspace manager")
 
 
 def bf16_case(backend: Backend, gen: torch.Generator, query_lens: list[int] = QUERY_LENS,
@@ -1741,7 +1740,7 @@ def view_ptr(view: torch.Tensor | None) -> int:
     return view.data_ptr()
 
 
-@needs_033_workspace
+@needs_workspace
 def test_mixed_batch_pads_in_stocks_unused_prefill_views(mixed: Backend, gen: torch.Generator) -> None:
     case = bf16_case(mixed, gen)
     md, q = case["metadata"], case["q"]
@@ -1753,7 +1752,7 @@ def test_mixed_batch_pads_in_stocks_unused_prefill_views(mixed: Backend, gen: to
     assert out.data_ptr() == view_ptr(views.compact_out()), "several launches write the step's output view"
 
 
-@needs_033_workspace
+@needs_workspace
 def test_a_step_of_one_planned_launch_returns_the_kernels_output_as_stock_does(
         mixed: Backend, gen: torch.Generator) -> None:
     """A step the plan runs in one launch (stock's call is over the allowance, the launch beyond
@@ -1771,7 +1770,7 @@ def test_a_step_of_one_planned_launch_returns_the_kernels_output_as_stock_does(
     assert out.stride() == (64 * 512, 512, 1), "the real heads of the 64 the kernel ran"
 
 
-@needs_033_workspace
+@needs_workspace
 def test_once_vllm_locks_its_workspace_a_steps_layers_share_their_views(
         mixed: Backend, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     """Views are made anew per call while the manager may still grow its buffer; once it is
@@ -1804,7 +1803,7 @@ def test_once_vllm_locks_its_workspace_a_steps_layers_share_their_views(
     assert {ptrs for ptrs in mixed.provider.launch_ptrs} == {(view_ptr(kept.q_padded()), view_ptr(kept.padded_out()))}
 
 
-@needs_033_workspace
+@needs_workspace
 def test_a_workspace_placed_elsewhere_than_the_layout_reads_is_a_start_up_error(
         mixed: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     from mla_planner.vllm_backend.releases import v0_33
@@ -1822,7 +1821,7 @@ def test_a_workspace_placed_elsewhere_than_the_layout_reads_is_a_start_up_error(
         release.workspace_layout(mixed.impl)
 
 
-@needs_033_workspace
+@needs_workspace
 def test_a_workspace_view_is_never_longer_than_its_spec(mixed: Backend) -> None:
     layout = mixed.impl.workspace_layout
     assert layout is not None and layout.q_padded is not None
@@ -1833,7 +1832,7 @@ def test_a_workspace_view_is_never_longer_than_its_spec(mixed: Backend) -> None:
         views.q_padded(rows + 1)  # past it lies the next spec's memory
 
 
-@needs_033_workspace
+@needs_workspace
 def test_separate_route_runs_in_stocks_workspace_views(separate: Backend, gen: torch.Generator) -> None:
     case = bf16_case(separate, gen)
     md, q = case["metadata"], case["q"]
@@ -1860,11 +1859,10 @@ class FakeWorkspaceManager:
         return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
 
 
+@only_where(lambda f: not f.stock_workspace, "its impl reserves a workspace: the next test")
 def test_construction_reserves_the_budget_and_the_output_where_vllm_has_no_workspace(mixed: Backend) -> None:
-    """vLLM 0.26 has no workspace: the reservation holds the largest launch (the budget bounds it)
-    and the step's output, which the executors allocate."""
-    if release.stock_workspace:
-        pytest.skip("vLLM 0.33's impl reserves a workspace: the next test")
+    """Without vLLM's workspace the reservation holds the largest launch (the budget bounds it) and
+    the step's output, which the executors allocate."""
     setup = mixed.impl.engine
     assert setup is not None and setup.stock_call_allowance <= SCRATCH_MB << 20
     assert setup.stock_call_allowance == setup.config.largest_launch_bytes(2048, 128, None)
@@ -1872,15 +1870,15 @@ def test_construction_reserves_the_budget_and_the_output_where_vllm_has_no_works
     assert mixed.reserved == [setup.stock_call_allowance + output]
 
 
-@needs_033_workspace
+@needs_workspace
 @pytest.mark.parametrize("num_heads", [16, 32])
 def test_construction_reserves_the_largest_launch_beyond_stocks_workspace(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, num_heads: int) -> None:
-    """At construction (vLLM counts it as model memory; 0.33's DeepSeek-V3.2 layer calls no impl
+    """At construction (vLLM counts it as model memory; its DeepSeek-V3.2 layer calls no impl
     hook in the profile run) stock's impl requests its workspace, whose padded q and output views
     hold every launch's, and the backend reserves the rest of the largest launch any plan of the
-    engine's limits runs, on every route a step may take (with a cost profile either, and on 0.33
-    native prefill heads: the next test)."""
+    engine's limits runs, on every route a step may take (with a cost profile either, and where the
+    release has them native prefill heads: the next test)."""
     manager = FakeWorkspaceManager()
     import vllm.v1.attention.backends.mla.flashmla_sparse as stock_module
 
@@ -1905,7 +1903,7 @@ def test_construction_reserves_the_largest_launch_beyond_stocks_workspace(
                 assert launch.bytes - served <= max(largest)
     assert backend.reserved == [max(largest)] == [setup.stock_call_allowance]
 
-    specs: Any = getattr(backend.impl, "workspace_specs")  # 0.33's; mypy reads 0.26's class
+    specs: Any = getattr(backend.impl, "workspace_specs")  # the workspace's; mypy may read a release without it
     assert manager.requests == [tuple(specs)], "stock's impl reserves its whole workspace at construction"
     (q_rows, q_heads, q_width), q_dtype = specs[-3]
     (o_rows, o_heads, o_width), o_dtype = specs[-2]
@@ -1950,7 +1948,9 @@ def test_warm_up_translates_once_per_variant_stock_does_not_compile(
         calls.append((prefill, req_id.data_ptr() % 16 == 0, tuple(block_table.shape), kwargs["NUM_TOPK_TOKENS"]))
         return convert_req_index_to_global_index(req_id, block_table, token_indices, **kwargs)
 
-    monkeypatch.setattr(v0_26.utils, "triton_convert_req_index_to_global_index", recording)
+    import vllm.v1.attention.backends.mla.sparse_utils as sparse_utils  # the release module calls it there
+
+    monkeypatch.setattr(sparse_utils, "triton_convert_req_index_to_global_index", recording)
     block_table = torch.zeros((5, 320), dtype=torch.int32)
     warmup.warm_up(warmup.variants(routes), block_table, 64, None, TOPK)
     assert calls == [(prefill, aligned, (1, 320), TOPK) for prefill, aligned in expected]
@@ -2036,7 +2036,7 @@ def run_step(backend: Backend, query_lens: list[int], context_lens: list[int], g
     q, expected = case["q"][:n], case["expected"][:n]
     backend.topk_buffer[:n] = case["positions"][:n]
     out = forward_out(backend.fp8_forward(md)(q, case["kv_cache"], backend.topk_buffer[:n], md))
-    if out.dtype == torch.bfloat16:  # vLLM 0.33's own separate route: q, KV and output in BF16
+    if out.dtype == torch.bfloat16:  # vLLM's own separate route where it runs in BF16 (q, KV and output)
         error = float((out.float() - expected).norm() / expected.norm())
         assert error <= 1e-2, f"relative error {error:.2e} of BF16 output"  # about 3e-3 here
     else:
@@ -2151,7 +2151,7 @@ def test_speculative_decodes_run(routes: Backend, gen: torch.Generator, k: int, 
 
 def test_the_mtp_drafts_step_after_a_padded_step_is_planned(routes: Backend, gen: torch.Generator) -> None:
     """The MTP draft's metadata after a target step vLLM padded for a CUDA graph goes through
-    ``unpadded``, which on vLLM 0.26 drops the CPU sequence lengths that planning and vLLM's own
+    ``unpadded``, which on a release that keeps them drops the CPU sequence lengths that planning and vLLM's own
     separate-route build read: the step is planned all the same, none runs vLLM's own code, and
     the output is the reference's."""
     before = fallbacks(routes)
@@ -2163,7 +2163,7 @@ def test_the_mtp_drafts_step_after_a_padded_step_is_planned(routes: Backend, gen
 
 def test_the_mtp_drafts_decode_step_without_cpu_sequence_lengths_is_planned(routes: Backend,
                                                                            gen: torch.Generator) -> None:
-    """Under async scheduling vLLM 0.26's runner keeps no exact CPU sequence lengths, so the MTP
+    """Under async scheduling vLLM's runner (a release that keeps them) keeps no exact CPU sequence lengths, so the MTP
     draft's step after a padded decode step has none at all: its decodes are planned with contexts
     of 0 (a decode's context shapes no plan; the planner's proptest
     ``decode_context_lens_shape_no_plan``), none runs vLLM's own code, and the output is the
@@ -2468,9 +2468,9 @@ def test_a_cost_profile_reserves_for_every_route_it_may_take(routed: Backend) ->
 @pytest.mark.parametrize("setting", ["hisparse", "dcp"])
 def test_where_vllm_fixes_the_route_nothing_is_checked_or_reserved(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
-    """vLLM 0.33 keeps its own route under HiSparse and decode context parallelism: every step runs
-    its code, so a budget below the plan's minimum is no reason to stop the engine, and nothing is
-    reserved."""
+    """Where vLLM keeps its own route (HiSparse and decode context parallelism, in the releases whose
+    builder has them) every step runs its code, so a budget below the plan's minimum is no reason
+    to stop the engine, and nothing is reserved."""
     from mla_planner.vllm_backend import engine, vllm_api
 
     config = vllm_config(model_dir(tmp_path, num_heads=64, topk=TOPK))
@@ -2478,8 +2478,8 @@ def test_where_vllm_fixes_the_route_nothing_is_checked_or_reserved(
         monkeypatch.setattr(config.attention_config, "hisparse_config", SimpleNamespace(), raising=False)
     else:
         monkeypatch.setattr(config.parallel_config, "decode_context_parallel_size", 2, raising=False)
-    if not V033:
-        assert release.stock_route_reason(config) is None, "vLLM 0.26's builder fixes no route"
+    if setting not in FACTS.fixes_route_under:
+        assert release.stock_route_reason(config) is None, "this release's builder fixes no route here"
         return
     assert release.stock_route_reason(config) == {"hisparse": "HiSparse", "dcp": "DCP"}[setting]
     monkeypatch.setenv("MLA_PLANNER_SCRATCH_MB", "64")  # below 64 heads' minimum on the separate route

@@ -1,11 +1,11 @@
-"""vLLM 0.33's masked-MHA prefill through the backend, on the CPU: the real ``MLAAttention`` layer
-(its ``forward_impl`` and its ``_use_sparse_mha`` decision), the real builders and impls (the
-backend's and stock's), the real dense prefill backend for the CPU, with fakes for what needs an
-SM100 GPU: FA4's masked attention (``flash_attn_varlen_func`` with a top-k mask, a float32
-reference that records each call), FlashMLA's sparse kernel (the float32 reference of
-tests/vllm_cpu.py, recording each call), and the Triton and CUDA helpers around them (mask
-building, q concatenation, the context gather, the merge), each a torch version of what vLLM's
-code says it does. No GPU here runs FA4: what these tests show is which calls the layer makes,
+"""vLLM's masked-MHA prefill (in the releases that have it) through the backend, on the CPU: the real
+``MLAAttention`` layer (its ``forward_impl`` and its ``_use_sparse_mha`` decision), the real
+builders and impls (the backend's and stock's), the real dense prefill backend for the CPU, with
+fakes for what needs an SM100 GPU: FA4's masked attention (``flash_attn_varlen_func`` with a top-k
+mask, a float32 reference that records each call), FlashMLA's sparse kernel (the float32 reference
+of tests/vllm_cpu.py, recording each call), and the Triton and CUDA helpers around them (mask
+building, q concatenation, the context gather, the merge), each a torch version of what vLLM's code
+says it does. No GPU here runs FA4: what these tests show is which calls the layer makes,
 on which rows, with which masks, and that the rows hold the attention the top-k indices define.
 """
 
@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="the backend tests need vLLM (pip install '.[test-vllm033]')")
+from releases import NEEDS_VLLM, only_where
+
+pytest.importorskip("vllm", reason=NEEDS_VLLM)
 
 import mla_planner  # noqa: E402
 from mla_planner.executor.reference import sparse_attention  # noqa: E402
@@ -41,13 +43,12 @@ from vllm_cpu import (  # noqa: E402
     vllm_config,
 )
 
-# Any-typed: their masked-MHA members are 0.33's (mypy also reads 0.26).
+# Any-typed: their masked-MHA members are the releases' that have it (mypy may read one without).
 mla: Any = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
 sparse_mla: Any = importlib.import_module("vllm.model_executor.layers.attention.sparse_mla_attention")
 merge: Any = importlib.import_module("vllm.v1.attention.ops.merge_attn_states")
 
-pytestmark = pytest.mark.skipif(release.masked_mha is None,
-                                reason="masked-MHA prefill is vLLM 0.33's (SM100, FA4); vLLM 0.26 has none")
+pytestmark = only_where(lambda f: f.masked_mha, "no masked-MHA prefill (SM100, FA4)")
 
 HEADS, TOPK = 16, 128
 NOPE, ROPE, V, LATENT = 128, 64, 128, 512
@@ -75,7 +76,7 @@ OFFSET_MASK_MOD = object()
 
 
 class FakeFA4:
-    """``flash_attn_varlen_func`` with FA4's top-k ``mask_mod`` as vLLM 0.33 calls it
+    """``flash_attn_varlen_func`` with FA4's top-k ``mask_mod`` as vLLM calls it
     (sparse_mla_attention.py:1029-1057): per batch entry, query row ``i`` may attend key ``j``
     where bit ``j`` (``j + key_start`` with the offset variant, the key start in the last word of
     the entry's row 0) of mask row ``i`` is set, and, causal, ``j <= i`` (bottom-right aligned).
@@ -119,7 +120,7 @@ class FakeFA4:
 
 def build_topk_mask(topk_indices_per_req: list[torch.Tensor], q_lens: list[int], max_q_len: int, max_seq_len: int,
                     out: torch.Tensor) -> torch.Tensor:
-    """vLLM 0.33's ``_build_topk_mask`` (two Triton kernels): every row of ``out[b, :max_q_len]``
+    """vLLM's ``_build_topk_mask`` (two Triton kernels): every row of ``out[b, :max_q_len]``
     has its first ``ceil(max_seq_len / 32)`` words cleared, and row ``i < q_lens[b]`` gets bit
     ``p`` set for each of its top-k positions ``p >= 0`` (the entries' rows packed in order)."""
     num_words = -(-max_seq_len // 32)

@@ -1,6 +1,6 @@
 """The backend's classes under vLLM's own sparse-MLA tests.
 
-vLLM 0.26.0's tests/v1/attention/test_sparse_mla_backends.py calls builder and impl methods on
+vLLM's tests/v1/attention/test_sparse_mla_backends.py calls builder and impl methods on
 the class with a stand-in ``self`` (a ``SimpleNamespace`` of the attributes stock reads). An
 override that reaches stock through zero-argument ``super()`` fails there with "super(type,
 obj): obj must be an instance or subtype of type", and one that reads the backend's own state
@@ -32,7 +32,9 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="the backend tests need vLLM 0.26.0 or 0.33.0 (pip install '.[test]')")
+from releases import NEEDS_VLLM, installed, only_where
+
+pytest.importorskip("vllm", reason=NEEDS_VLLM)
 
 from vllm.v1.attention.backends.mla import flashmla_sparse as stock  # noqa: E402
 from vllm.v1.attention.backends.mla import sparse_utils  # noqa: E402
@@ -43,9 +45,6 @@ from vllm.v1.attention.backends.mla.flashmla_sparse import (  # noqa: E402
 )
 
 from mla_planner.vllm_backend import backend, vllm_api  # noqa: E402
-from mla_planner.vllm_backend.releases import release  # noqa: E402
-
-V033 = release.version == "0.33"
 from mla_planner.vllm_backend.reservation import Reservation  # noqa: E402
 from mla_planner.vllm_backend.backend import (  # noqa: E402
     PlannedFlashMLASparseImpl,
@@ -63,24 +62,11 @@ SPARSE_TESTS = "tests/v1/attention/test_sparse_mla_backends.py"
 NEEDED = ("tests/__init__.py", "tests/v1/__init__.py", SPARSE_TESTS,
           "tests/v1/attention/test_mla_backends.py", "tests/v1/attention/utils.py")
 
-NOT_ON_CPU_033 = ("vLLM 0.33.0's sparse-MLA file cannot be collected on a CPU (it needs vLLM's compiled ops): it "
-                  "runs on the GPU, tests/gpu/test_gpu_vllm_own_tests.py")
-
-# Every test of vLLM 0.26.0's file that runs without a GPU (the rest need Triton, FlashMLA or
-# FA4: tests/vllm_own_tests_plugin.py skips them by name). 0.33.0's file cannot be collected on a CPU
-# (see test_vllm_sparse_mla_tests_pass_with_planned_classes).
-CPU_TESTS_026 = {
-    *(f"test_split_prefill_chunks[seq_lens{i}-{buf}-expected{i}]" for i, buf in enumerate([5, 5, 10, 100])),
-    *(f"test_split_indexer_prefill_chunks[seq_lens{i}-query_lens{i}-{ws}-{lb}-expected{i}]"
-      for i, (ws, lb) in enumerate([(100, 1000), (1000, 5000), (100, 10000), (50, 1000000), (100, 1000)])),
-    "test_split_indexer_prefill_chunks_single_request_overflow",
-    "test_flashmla_cache_dtype_aliases_use_ds_layout",
-    "test_flashmla_fp8_metadata_reuses_common_batch_split",
-    "test_flashmla_common_metadata_requires_uniform_decodes",
-    "test_flashmla_fp8_metadata_excludes_zero_token_decode_padding",
-    "test_flashmla_fp8_paths_accept_decode_subset[False]",
-    "test_flashmla_fp8_paths_accept_decode_subset[True]",
-}
+FACTS = installed()
+# Which tests of the release's file run without a GPU (the rest need Triton, FlashMLA or FA4:
+# tests/vllm_own_tests_plugin.py skips them by name), or why the file does not run on a CPU.
+CPU_TESTS = FACTS.own_tests_on_cpu
+on_cpu = only_where(lambda f: f.own_tests_off_cpu is None, FACTS.own_tests_off_cpu or "")
 
 
 # -- vLLM's own file ----------------------------------------------------------------------------
@@ -261,10 +247,9 @@ def test_the_sdist_is_fetched_checked_and_kept(tmp_path: pathlib.Path, monkeypat
     assert fetch.main([]) == 2
 
 
+@on_cpu
 @pytest.mark.parametrize("classes", ["stock", "planned"])
 def test_vllm_sparse_mla_tests_pass_with_planned_classes(classes: str, tmp_path: pathlib.Path) -> None:
-    if V033:
-        pytest.skip(NOT_ON_CPU_033)
     tree = vllm_test_tree_or_skip(tmp_path)
     work = tmp_path / "run"
     work.mkdir()
@@ -272,14 +257,13 @@ def test_vllm_sparse_mla_tests_pass_with_planned_classes(classes: str, tmp_path:
     broken = {name: o for name, o in outcomes.items() if o in ("failed", "error")}
     assert not broken, f"vLLM's tests with the {classes} classes: {broken}"
     passed = {name for name, o in outcomes.items() if o == "passed"}
-    assert passed == CPU_TESTS_026, \
-        f"expected vLLM's CPU tests to pass: missing {CPU_TESTS_026 - passed}, extra {passed - CPU_TESTS_026}"
+    assert passed == CPU_TESTS, \
+        f"expected vLLM's CPU tests to pass: missing {CPU_TESTS - passed}, extra {passed - CPU_TESTS}"
 
 
+@on_cpu
 def test_a_run_stopped_midway_still_says_what_it_ran(tmp_path: pathlib.Path) -> None:
     """The GPU runs are stopped at a deadline: the tests finished by then are in the outcome log."""
-    if V033:
-        pytest.skip(NOT_ON_CPU_033)
     tree = vllm_test_tree_or_skip(tmp_path / "tree")
     proc, report = start_vllm_tests(tree, "stock", tmp_path / "run")
     log = report.with_suffix(".jsonl")
@@ -353,7 +337,7 @@ def test_builder_fp8_separate_metadata_with_a_stand_in_self(no_pinned_memory: No
     monkeypatch.setattr(stock, "get_mla_metadata", lambda: (object(), None))
     # vLLM's tests: a prefill-only step, and decodes whose last request is zero-token padding.
     prefill = (
-        # 0.33 reads the workspace factor and the PCP+DCP flag too; 0.26 ignores them.
+        # Some releases read the workspace factor and the PCP+DCP flag too; the others ignore them.
         SimpleNamespace(device=torch.device("cpu"), pcp_dcp_kv_gather=False, vllm_config=SimpleNamespace(
             model_config=SimpleNamespace(max_model_len=8),
             attention_config=SimpleNamespace(sparse_mla_prefill_workspace_factor=5))),
@@ -384,8 +368,8 @@ def test_builder_fp8_mixed_metadata_with_a_stand_in_self(monkeypatch: pytest.Mon
     monkeypatch.setattr(stock, "get_mla_metadata", lambda **kwargs: (schedule, None))
     builder = SimpleNamespace(fp8_decode_padded_heads=64, topk_tokens=128, topk_tokens_tensor=torch.full((4,), 128),
                               max_model_len_tensor=torch.full((4,), 4096), dummy_block_table=torch.zeros(4, 1))
-    # 0.33's takes no step metadata (release.build_fp8_mixed).
-    common = () if V033 else (SimpleNamespace(num_actual_tokens=5),)
+    # Whether stock's takes the step's metadata is the release's (release.build_fp8_mixed).
+    common = (SimpleNamespace(num_actual_tokens=5),) if FACTS.fp8_mixed_build_takes_common else ()
     ours = PlannedFlashMLASparseMetadataBuilder._build_fp8_mixed_decode_prefill(builder, *common)  # type: ignore[arg-type]
     theirs = FlashMLASparseMetadataBuilder._build_fp8_mixed_decode_prefill(builder, *common)  # type: ignore[arg-type]
     assert fields(ours) == fields(theirs)
@@ -467,7 +451,7 @@ def fp8_decode_subset_case(use_mixed_batch: bool, monkeypatch: pytest.MonkeyPatc
                                req_id_per_token=torch.zeros(num_batch_tokens, dtype=torch.int32),
                                block_table=torch.zeros(1, 1, dtype=torch.int32), block_size=64,
                                num_decode_tokens=num_decode_tokens)
-    # 0.33's stock also reads the query width, context parallelism and the index group.
+    # Some releases' stock also reads the query width, context parallelism and the index group.
     impl = SimpleNamespace(kv_cache_dtype="fp8_ds_mla", topk_indices_buffer=topk_indices, num_heads=2, kv_lora_rank=1,
                            _fp8_flash_mla_kernel=run_kernel, q_head_size=3, dcp_world_size=1,
                            need_to_return_lse_for_decode=False, pcp_dcp_kv_gather=False, index_group=None,

@@ -1,4 +1,4 @@
-"""Running vLLM's (0.26 or 0.33) sparse-MLA builder and impl on the CPU, for the backend's tests.
+"""Running the installed vLLM's sparse-MLA builder and impl on the CPU, for the backend's tests.
 
 vLLM needs a GPU for three things these tests do not: the SM count, the Triton index
 translation and the CUDA gather op. Each is replaced here by a torch version of what its
@@ -82,8 +82,8 @@ def vllm_config(model: pathlib.Path, *, kv_cache_dtype: str = "fp8_ds_mla", max_
 
 def common_metadata(query_lens: list[int], context_lens: list[int], block_table: torch.Tensor, *,
                     exact_seq_lens: bool = True) -> Any:
-    """vLLM's metadata of a step. ``exact_seq_lens=False``: without the exact CPU sequence lengths
-    0.26 keeps beside the upper bound, as its runner under async speculative decoding builds it."""
+    """vLLM's metadata of a step. ``exact_seq_lens=False``: without the exact CPU sequence lengths a
+    release may keep beside the upper bound, as its runner under async speculative decoding builds it."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     q = torch.tensor(query_lens, dtype=torch.int32)
@@ -92,7 +92,7 @@ def common_metadata(query_lens: list[int], context_lens: list[int], block_table:
     starts[1:] = torch.cumsum(q, 0)
     import dataclasses
 
-    # 0.26 also keeps the exact CPU sequence lengths; 0.33 has the upper bound only.
+    # A release's metadata keeps the exact CPU sequence lengths beside the upper bound, or the bound only.
     keeps_exact = exact_seq_lens and "_seq_lens_cpu" in {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
     exact: dict[str, Any] = {"_seq_lens_cpu": seq} if keeps_exact else {}
     return CommonAttentionMetadata(
@@ -126,9 +126,9 @@ def convert_req_index_to_global_index(
     valid_counts_out: torch.Tensor | None = None,
     **context_parallel: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``triton_convert_req_index_to_global_index`` as its docstring defines it, with
-    0.33's ``BLOCK_STRIDE_ROWS`` (physical rows per block) and preallocated outputs. 0.33's
-    context-parallel arguments are not modelled: one away from its default fails the test."""
+    """vLLM's ``triton_convert_req_index_to_global_index`` as its docstring defines it, with the
+    ``BLOCK_STRIDE_ROWS`` (physical rows per block) and preallocated outputs of the releases that
+    pass them. Context-parallel arguments are not modelled: one away from its default fails the test."""
     defaults = dict(prefill_workspace_rank_stride=None, dcp_size=1, dcp_rank=0, cp_kv_cache_interleave_size=1,
                     idx_mapping=None)
     assert all(defaults[k] == v for k, v in context_parallel.items()), context_parallel
@@ -136,7 +136,7 @@ def convert_req_index_to_global_index(
     pos = token_indices.long()
     valid = pos >= 0
     page = block_table[req_id.long()].long().gather(1, page_of(pos, BLOCK_SIZE).clamp(max=block_table.shape[1] - 1))
-    # 0.33 strides blocks by BLOCK_STRIDE_ROWS physical rows; 0.26's (None) is the page formula.
+    # Blocks BLOCK_STRIDE_ROWS physical rows apart where the release passes it; else (None) the page formula.
     out_slots = slot_of(page, pos, BLOCK_SIZE) if BLOCK_STRIDE_ROWS is None else page * BLOCK_STRIDE_ROWS + pos % BLOCK_SIZE
     if HAS_PREFILL_WORKSPACE:
         assert prefill_workspace_request_ids is not None and prefill_workspace_starts is not None
@@ -172,7 +172,7 @@ class NullStream:
 
 def compute_token_to_req_indices(query_start_loc: torch.Tensor, out: torch.Tensor, num_mapped_tokens: int,
                                  num_tokens: int) -> torch.Tensor:
-    """vLLM 0.33's ``compute_token_to_req_indices`` (a Triton kernel) as its docstring defines it:
+    """vLLM's ``compute_token_to_req_indices`` (a Triton kernel, in the releases that have it) as its docstring defines it:
     each of the first ``num_tokens`` tokens' request index, 0 at or past ``num_mapped_tokens``."""
     token = torch.arange(num_tokens)
     req = torch.searchsorted(query_start_loc[1:].long(), token, right=True).clamp(max=query_start_loc.shape[0] - 2)
@@ -206,7 +206,7 @@ class KernelRecorder:
     def flash_mla_sparse_fwd(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                              d_v: int = 512, topk_length: torch.Tensor | None = None,
                              out: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # As the real kernels: 64 and 128 heads, and 16 and 32 in vLLM 0.33's build.
+        # As the real kernels: 64 and 128 heads, and 16 and 32 in a build with native prefill kernels.
         if q.shape[1] not in self.prefill_heads:
             raise RuntimeError(f"flash_mla_sparse_fwd: no kernel for {q.shape[1]} heads (this build runs {self.prefill_heads})")
         self.prefill_calls.append(tuple(q.shape))
@@ -296,19 +296,19 @@ def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kerne
     monkeypatch.setattr(stock, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
     monkeypatch.setattr(stock, "get_mla_metadata", lambda *a, **k: (object(), None))
     monkeypatch.setattr(backend, "kernel_provider", lambda: provider)
-    # 0.33's index group translates on a side stream, ordered by events: one stream here.
+    # An index group (where the release has them) translates on a side stream, ordered by events: one stream here.
     index_group = "vllm.v1.attention.backends.mla.index_group"
     patch_if_present(monkeypatch, index_group, "current_stream", NullStream)
     patch_if_present(monkeypatch, index_group, "_create_side_stream", lambda device: NullStream())
     patch_if_present(monkeypatch, index_group, "_create_event", NullStream)
-    # 0.33 maps tokens to requests on the device.
+    # Where the release maps tokens to requests on the device.
     patch_if_present(monkeypatch, "vllm.v1.attention.ops.metadata", "compute_token_to_req_indices",
                      compute_token_to_req_indices)
     sparse_mla = "vllm.model_executor.layers.attention.sparse_mla_attention"
-    # One rank, with no process groups: 0.33's sparse-MLA impl asks the TP group's size.
+    # One rank, with no process groups: a release's sparse-MLA impl may ask the TP group's size.
     patch_if_present(monkeypatch, sparse_mla, "get_tensor_model_parallel_world_size", lambda: 1)
-    # No pinned host memory without a GPU: 0.33's MLA builders import the flag, 0.26's ask for
-    # it outright (the chunked-context metadata of a dense prefill with context).
+    # No pinned host memory without a GPU: a release's MLA builders import the flag or ask for it
+    # outright (the chunked-context metadata of a dense prefill with context).
     for name in ("vllm.utils.torch_utils", sparse_mla, "vllm.model_executor.layers.attention.mla_attention"):
         patch_if_present(monkeypatch, name, "PIN_MEMORY", False)
     zeros, empty = torch.zeros, torch.empty
@@ -318,8 +318,8 @@ def cpu_vllm(monkeypatch: pytest.MonkeyPatch, provider: RecordingProvider, kerne
 
 
 def forward_out(result: Any) -> torch.Tensor:
-    """An FP8 forward's output: 0.33's return ``(out, lse)``, with no LSE outside context
-    parallelism; 0.26's return ``out``."""
+    """An FP8 forward's output: ``(out, lse)`` where the release returns the LSE (its facts'
+    ``forward_returns_lse``), with no LSE outside context parallelism; else ``out``."""
     if isinstance(result, tuple):
         out, lse = result
         assert lse is None

@@ -1,7 +1,7 @@
 """A pytest plugin (``-p vllm_own_tests_plugin``) for running vLLM's own
-``tests/v1/attention/test_sparse_mla_backends.py`` in a pytest of its own: on the CPU (vLLM 0.26.0,
-started by tests/test_vllm_own_tests.py), or on a GPU with ``MLA_PLANNER_OWN_TESTS_ON=gpu``
-(either release, started by tests/gpu/test_gpu_vllm_own_tests.py), where nothing is faked or
+``tests/v1/attention/test_sparse_mla_backends.py`` in a pytest of its own: on the CPU (a release
+whose file collects there, started by tests/test_vllm_own_tests.py), or on a GPU with
+``MLA_PLANNER_OWN_TESTS_ON=gpu`` (any release, started by tests/gpu/test_gpu_vllm_own_tests.py), where nothing is faked or
 skipped and the plugin provides the three fixtures of vLLM's conftest the file uses (vLLM's
 conftest needs its whole test tree: ``--noconftest``).
 

@@ -33,7 +33,8 @@ def test_small_calibration_writes_a_valid_profile(tmp_path: Path) -> None:
     model = CostModel.from_json(out.read_text())
     assert model.decode_heads == [64]
     # On sm90 the prefill kernel is also timed at 16 and 32 native heads where the build runs them
-    # (vLLM 0.33's FlashMLA); a build that refuses them (0.26's, sgl-flash-mla's legacy) has none.
+    # (the FlashMLA of a release with native_prefill_kernels, tests/releases); a build that refuses
+    # them (another release's, sgl-flash-mla's legacy one) has none.
     native = [16, 32] if model.arch == "sm90" and "16" in profile["sparse_prefill"] else []
     assert model.prefill_heads == [*native, 64]
     tables = [("sparse_decode", "64"), ("sparse_prefill", "64"), *(("sparse_prefill", str(h)) for h in native)]
