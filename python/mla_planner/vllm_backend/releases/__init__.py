@@ -7,7 +7,8 @@ tests a version. :mod:`..vllm_api` holds what every supported release has in com
 
 Adding a release: a module here (usually a subclass of the newest one, overriding what changed),
 its line in :data:`MODULES`, its cost profiles under ``data/profiles``, its byte-model variant in
-the Rust planner, and its build and test lines (docs/vllm.md, "Adding a vLLM release").
+the Rust planner, its test facts (``tests/releases``), and its build and test lines (docs/vllm.md,
+"Adding a vLLM release").
 """
 
 from __future__ import annotations
