@@ -157,7 +157,6 @@ def test_tp2_reserve_matches_the_tp2_runs(facts: ReleaseFacts) -> None:
 E2E_LINE = ["--", "vllm", "serve", str(TINY), "--gpu-memory-utilization", "0.95", "--max-num-batched-tokens", "32768",
             "--kv-cache-dtype", "fp8_ds_mla", "--block-size", "64"]  # fmt: skip
 MODELLED = vllm_releases.release_for(dep.installed_vllm())
-STEP_RESERVE_RELEASE = next(f for f in ALL.values() if f.step_reserve_measured_here)
 
 
 def doctor_json(*args: str) -> dict[str, Any]:
@@ -231,14 +230,14 @@ def test_cli_text_and_quoted_line(minor: str) -> None:
     out = cli("doctor", "--builtin-parser", "--vllm", minor, "vllm serve " + " ".join(E2E_LINE[3:])).stdout
     assert all(text in out for text in ALL[minor].text_at_095), out
     assert f"verdict     {ALL[minor].verdict_at_095}" in out
-    assert f"the step holds (measured on the test model under vLLM {STEP_RESERVE_RELEASE.minor}, TP 1)" in out
+    assert f"the step holds (measured on the test model under vLLM {ALL[minor].step_reserve_measured_under[0]}, TP 1)" in out
 
 
 def test_cli_text_says_which_figures_stand_in_from_the_test_model() -> None:
     out = cli("doctor", "--builtin-parser", "--", "vllm", "serve", "deepseek-ai/DeepSeek-V3.2", "-tp", "8").stdout
     assert f"fixed {format_bytes(MODELLED.fixed_bytes)} (assumed)" in out
     assert f"cuda graphs {format_bytes(MODELLED.cuda_graph_bytes)} (assumed)" in out
-    assert f"the step holds (assumed: the test model's under vLLM {STEP_RESERVE_RELEASE.minor} at TP 2)" in out
+    assert f"the step holds (assumed: the test model's under vLLM {ALL[MODELLED.minor].step_reserve_measured_under[1]} at TP 2)" in out
 
 
 @pytest.mark.parametrize("minor", list(ALL))

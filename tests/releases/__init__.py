@@ -54,9 +54,9 @@ class ReleaseFacts:
     one route alone (``MLA_PLANNER_COST_PROFILE=none``)."""
     dummy_query_lens_10_over_4: tuple[int, ...]
     """The query lengths of the warm-up's dummy step of 10 tokens over 4 requests."""
-    step_reserve_measured_here: bool = False
-    """The doctor's step reserve (what a step holds outside the attention scratch) was measured
-    under this release; the doctor uses it for every release."""
+    step_reserve_measured_under: tuple[str, str] = ("", "")
+    """The releases (major.minor) the doctor's step reserve for this release (what a step holds
+    outside the attention scratch) was measured under: at TP 1, and at TP 2."""
     tp2_stock_32k_fits: tuple[tuple[float, bool], ...] = ()
     """Stock's 32K step at TP 2 (16 heads a rank) on the tiny model, measured: (utilization, ran)."""
     mtp_draft_loading_gib: tuple[str, float] | None = None

@@ -26,6 +26,8 @@ FACTS = ReleaseFacts(
     dummy_query_lens_10_over_4=(2, 2, 3, 3),
     # 33.21: the accumulators' 8 GiB ask came with 2.02 GiB free of the 6.15 beside the engine at 0.95.
     decode_call_free_gib=2.02,
+    # TP 1 measured under 0.33 (33.35); no TP 2 engine has run under it.
+    step_reserve_measured_under=("0.33", "0.26"),
     packaged_profile_gpus=("H100", "H200"),
     forward_returns_lse=True,
     stock_workspace=True,

@@ -27,7 +27,7 @@ from typing import NamedTuple
 from mla_planner import decode_scratch
 from mla_planner.engine_model import sizing
 
-from .gpus import H200_TOTAL_BYTES
+from .gpus import H100_TOTAL_BYTES, H200_TOTAL_BYTES
 from .units import GIB
 
 MIB = 1 << 20
@@ -181,6 +181,17 @@ STEP_RESERVE_0_26 = StepReserves(
     provenance="measured on the H200 under vLLM 0.26 (tiny e2e model): TP 1 at 0.90 and 0.95; TP 2 at 0.95 and"
                " 0.90; assumed the same for other models, TP > 2 and other releases",
 )  # fmt: skip
+# step_reserve's TP 1 figure under 0.33, measured on the H100 (docs/results-vllm-0.33.md, 33.35): stock's
+# 32K step of the same model ran at 0.80 with 2,959,278,080 B left free, at 0.82 with 1,258,487,808 B
+# (the two give the same reserve within 0.5 MiB). No TP 2 engine has run under 0.33: 0.26's figure.
+STEP_RESERVE_0_33 = StepReserves(
+    tp1=StepReserve(H100_TOTAL_BYTES - int(0.80 * H100_TOTAL_BYTES) - 2_959_278_080 - _STOCK_32K.total_bytes,
+                    "measured on the test model under vLLM 0.33, TP 1"),
+    tp2=STEP_RESERVE_0_26.tp2,
+    beyond_tp2=STEP_RESERVE_0_26.beyond_tp2,
+    provenance="TP 1 measured on an H100 under vLLM 0.33 (tiny e2e model) at 0.80 and 0.82; TP 2 measured on the"
+               " H200 under vLLM 0.26 at 0.95 and 0.90; assumed the same for other models, GPUs and TP > 2",
+)  # fmt: skip
 SAMPLER_EXCESS_0_26 = "the tiny GLM-5 at 1,024 sequences with MTP, vLLM 0.26: 2.1 GiB more than this model"
 
 # The constants: tests/test_doctor.py's fit (exact: three lines, three unknowns per release) of
@@ -234,8 +245,7 @@ V0_33 = VllmRelease(
     parallel_drafting_needs_v1=True,
     dummy_remainder_spread=True,
     per_rank_autotune_files=True,
-    # Not measured under 0.33: 0.26's figures, whose sources name the release they were measured on.
-    step_reserve=STEP_RESERVE_0_26,
+    step_reserve=STEP_RESERVE_0_33,
     sampler_excess=SAMPLER_EXCESS_0_26,
 )
 
