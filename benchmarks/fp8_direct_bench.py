@@ -32,6 +32,24 @@ timed only: ``widen`` loads the bytes as the exact modes do and only shifts them
 converted element. It needs torch and triton only (no vLLM).
 ``--compile-report`` prints, per config and dequantisation, the PTX and SASS instruction counts
 that tell the modes apart.
+
+``--gather-probe`` asks how fast the gather alone can go: on the probe's inputs (16 heads, 2,048
+and 32,768 tokens, top-k 2,048), interleaved as above, the gather-only kernel of
+benchmarks/gather_probe.py (the attention kernel's launch and row loads, each loaded word only
+added into a small integer accumulator: a few dozen registers a thread) under each of
+``--gather-configs`` (default: block_n 32/64/128 x 4/8 warps x 1/2/3 stages, a program per
+token; then block_n 32/64/128 at 4 warps with two programs an SM looping over the tokens, the
+attention kernel's residency: ``c2``), once on the real
+top-k slots and once on sequential ones (each token's valid entries a contiguous run of rows,
+same count: address randomness against volume), beside the attention kernel at ``--configs``
+(default the probe's two). Per run: the median, the gathered rate (valid rows x 656 B / time,
+valid rows counted from the indices), the ratio to the faster attention config, the registers
+and a hash of the gather kernel's binary (Triton may compile different ``num_stages`` to the same
+code). Every gather output is checked against torch's sums of the same rows. Torch and triton
+only. With ``--compile-report`` it compiles the gather configs for sm90 instead (no GPU).
+
+    python benchmarks/fp8_direct_bench.py --gather-probe --repeats 10 --out gather.md
+    python benchmarks/fp8_direct_bench.py --gather-probe --compile-report   # no GPU
 """
 
 from __future__ import annotations
@@ -45,6 +63,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +84,9 @@ from mla_planner.kernels.fp8_direct import (
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path[:0] = [str(TESTS), str(TESTS / "gpu")]  # tests/harness and gpu_helpers: not in the wheel
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gather_probe, beside this file
+
+from gather_probe import GATHER_SWEEP, GatherConfig, compile_for_sm90, gather_rows, reference_sums, sequential_slots, valid_mask  # noqa: E402
 
 SWEEP = ("n64 w8 s2 hm", "n32 w4 s2 hm", "n32 w8 s2 hm", "n64 w8 s2 km", "n32 w4 s2 km", "n32 w8 s2 km", "n32 w8 s3 km")
 """heads-as-M (mma.sync at 16/32 heads) and keys-as-M (wgmma) at 32 and 64 keys a block: the
@@ -375,6 +397,213 @@ def run_probe(args: argparse.Namespace) -> str:
     return probe_markdown(shapes, configs, args.modes, header, args.topk)
 
 
+GATHER_PATTERNS = ("random", "sequential")
+"""The probe's two index sets: the case's top-k slots, and :func:`gather_probe.sequential_slots`."""
+
+
+@dataclass
+class GatherShape(Shape):
+    """A :class:`Shape` of the gather probe: what its table needs besides the times."""
+
+    valid_rows: int = 0
+    """Valid top-k entries over all tokens (each one row of 656 bytes gathered), both index sets."""
+    top_k_entries: int = 0
+    cache_rows: int = 0
+    regs: dict[str, str] = field(default_factory=dict)
+    binary: dict[str, str] = field(default_factory=dict)
+    """A short hash of each gather run's compiled kernel (equal hashes: the same code)."""
+
+
+def gather_label(config: GatherConfig, pattern: str) -> str:
+    return f"gather {config.label()} {pattern}"
+
+
+def full_label(config: KernelConfig) -> str:
+    return f"attention {config.label()}"
+
+
+def compiled_facts(compiled: Any) -> tuple[str, str]:
+    """(registers, a short hash of the kernel's code) of what a Triton launch returned, or n/a."""
+    import hashlib
+
+    asm = getattr(compiled, "asm", None) or {}
+    code = asm.get("cubin") or asm.get("ptx")
+    regs = getattr(compiled, "n_regs", None)
+    if isinstance(code, str):
+        code = code.encode()
+    digest = hashlib.sha1(code).hexdigest()[:8] if isinstance(code, bytes) else "n/a"
+    return (str(regs) if regs is not None else "n/a"), digest
+
+
+def gather_probe_shape(shape: GatherShape, gather_configs: list[GatherConfig], full_configs: list[KernelConfig],
+                       args: argparse.Namespace, gen: torch.Generator, timer: Callable[[Callable[[], object]], float]) -> None:
+    """Times every gather config on both index sets and the attention kernel at each full
+    config, interleaved; then checks every gather output against torch's sums of the same rows."""
+    from mla_planner.calibration.kernel_timing import case_context
+    from mla_planner.calibration.synthetic import prefill_case
+
+    t, h, topk = shape.tokens, shape.heads, args.topk
+    inputs = prefill_case([t], [case_context(t, topk)], h, topk, gen, dtype=torch.bfloat16)
+    positions = inputs.indices
+    slots = slot_of(inputs.block_table[0][page_of(positions, PAGE_SIZE)], positions, PAGE_SIZE).to(torch.int32)
+    num_rows = inputs.kv_cache.shape[0] * inputs.kv_cache.shape[1]
+    indices = {"random": slots, "sequential": sequential_slots(slots, num_rows, gen)}
+    counts = {p: int(valid_mask(i, num_rows).sum()) for p, i in indices.items()}
+    assert counts["random"] == counts["sequential"], counts
+    shape.valid_rows, shape.top_k_entries, shape.cache_rows = counts["random"], slots.numel(), num_rows
+
+    runs: dict[str, Callable[[], object]] = {}
+    gather_outs: dict[str, tuple[str, torch.Tensor]] = {}
+    for config in gather_configs:
+        for pattern in GATHER_PATTERNS:
+            label = gather_label(config, pattern)
+            out = torch.empty((t, 164), dtype=torch.int32, device=slots.device)
+            gather_outs[label] = (pattern, out)
+            runs[label] = functools.partial(gather_rows, inputs.kv_cache, indices[pattern], out, config)
+    full_outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for full in full_configs:
+        out_full = torch.empty((t, h, D_V), dtype=torch.bfloat16, device=slots.device)
+        lse = torch.empty((t, h), dtype=torch.float32, device=slots.device)
+        full_outs[full_label(full)] = (out_full, lse)
+        runs[full_label(full)] = functools.partial(sparse_attention_fp8, inputs.q, inputs.kv_cache, slots, D_QK**-0.5,
+                                                   out=out_full, lse=lse, config=full)
+    for name, run in list(runs.items()):  # warm-up and compile; a failure is noted, not fatal
+        try:
+            result = run()
+            if slots.is_cuda:
+                torch.cuda.synchronize()  # an asynchronous launch failure surfaces here
+        except Exception as exc:
+            shape.notes[name] = failure_note(exc)
+            del runs[name]
+            continue
+        if name in gather_outs:
+            shape.regs[name], shape.binary[name] = compiled_facts(result[1] if isinstance(result, tuple) else None)
+    time_interleaved(shape, runs, args.repeats, args.seed, timer)
+
+    for pattern in GATHER_PATTERNS:
+        ref = reference_sums(inputs.kv_cache, indices[pattern])
+        ran = [n for n, (p, _) in gather_outs.items() if p == pattern and n in runs]
+        wrong = [n for n in ran if not torch.equal(gather_outs[n][1], ref)]
+        shape.checks.append(f"T={t} {pattern}: {len(ran) - len(wrong)} of {len(ran)} gather runs' sums equal torch's"
+                            + (f"; DIFFER: {', '.join(wrong)}" if wrong else ""))
+    if t == CHECK_TOKENS:
+        from mla_planner.executor.reference import sparse_attention
+
+        ref_out, _ = sparse_attention(inputs.q, as_slots(inputs.kv_cache), slots, D_QK**-0.5)
+        for name, (o, _lse) in full_outs.items():
+            if name in runs:
+                shape.checks.append(accuracy(f"T={t} H={h} {name}", o.float(), ref_out))
+    del inputs, indices, runs, gather_outs, full_outs
+    torch.cuda.empty_cache()
+
+
+def gather_markdown(shapes: list[GatherShape], gather_configs: list[GatherConfig], full_configs: list[KernelConfig],
+                    header: str) -> str:
+    """Per shape: the attention runs, then each gather config on random and on sequential slots;
+    median, gathered GB/s (valid rows x 656 B / median), ratio to the faster attention config."""
+    lines = [header]
+    for s in shapes:
+        gb = s.valid_rows * 656 / 1e9
+        lines += ["", f"### {s.tokens} tokens, {s.heads} heads: {s.valid_rows:,} valid rows of {s.top_k_entries:,} top-k "
+                      f"entries ({s.valid_rows / max(1, s.top_k_entries):.1%}), {gb:.2f} GB gathered a call from a "
+                      f"cache of {s.cache_rows:,} rows ({s.cache_rows * 656 / 1e6:.1f} MB)", "",
+                  "| run | median us | gathered GB/s | / attention | registers | binary |", "|---|---:|---:|---:|---:|---|"]
+        fulls = {n: m for c in full_configs if (m := s.median(n := full_label(c))) is not None}
+        best_full = min(fulls.values()) if fulls else None
+        best_full_name = min(fulls, key=lambda n: fulls[n]) if fulls else None
+        best_gather = {p: min((m for c in gather_configs if (m := s.median(gather_label(c, p))) is not None), default=None)
+                       for p in GATHER_PATTERNS}
+        names = [full_label(c) for c in full_configs] + [gather_label(c, p) for p in GATHER_PATTERNS for c in gather_configs]
+        for name in names:
+            m = s.median(name)
+            if m is None:
+                lines.append(f"| {name} | {s.notes.get(name, 'n/a')} | | | | |")
+                continue
+            pattern = name.rsplit(" ", 1)[-1]
+            mark = " **best**" if (name == best_full_name or m == best_gather.get(pattern)) else ""
+            ratio = f"{m / best_full:.2f}x" if best_full else "n/a"
+            lines.append(f"| {name}{mark} | {m:.1f} | {s.valid_rows * 656 / m / 1e3:,.0f} | {ratio} "
+                         f"| {s.regs.get(name, '')} | {s.binary.get(name, '')} |")
+    lines += ["", "GB/s: valid rows x 656 B / median; a row that several tokens name counts once for each (the "
+              "whole cache, its size in each heading, fits in an H100's or H200's 50 MB L2, which is flushed before "
+              "each call, so most of these bytes come from L2). / attention: the run's median over the faster "
+              "attention config's. registers and binary: of the gather kernel as launched (binary: a hash of its "
+              "code; equal hashes mean one kernel). sequential: each token's valid entries a contiguous run of rows "
+              "from a random start, same count as random. c2: two programs an SM, each looping over tokens (at 4 "
+              "warps the attention kernel's residency); without it, one program a token."]
+    checks = [c for s in shapes for c in s.checks]
+    if checks:
+        lines += ["", "### Checks", ""] + [f"- {c}" for c in checks]
+    return "\n".join(lines) + "\n"
+
+
+def run_gather_probe(args: argparse.Namespace) -> str:
+    """The --gather-probe run: PROBE_SHAPES x (gather configs x index sets + attention configs)."""
+    import triton
+
+    from mla_planner.calibration.kernel_timing import Timer
+
+    began = time.perf_counter()
+    full_configs = [KernelConfig.parse(label) for label in (args.configs or ",".join(PROBE_CONFIGS)).split(",")]
+    gather_configs = gather_configs_of(args)
+    shapes = [GatherShape(t, h) for t, h in PROBE_SHAPES]
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    timer = Timer(gen.device)
+    for shape in shapes:
+        print(f"gather probe T={shape.tokens} H={shape.heads} ...", file=sys.stderr, flush=True)
+        gather_probe_shape(shape, gather_configs, full_configs, args, gen, timer)
+    header = (f"Gather-bound probe on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+              f"{triton.__version__}: top-k {args.topk}, calibration's synthetic inputs, L2 flushed before each call, "
+              f"median of {args.repeats} interleaved repeats; {time.perf_counter() - began:.0f} s in all.\n\nCommand: "
+              f"`python benchmarks/fp8_direct_bench.py {' '.join(sys.argv[1:])}`")
+    return gather_markdown(shapes, gather_configs, full_configs, header)
+
+
+def gather_configs_of(args: argparse.Namespace) -> list[GatherConfig]:
+    return [GatherConfig.parse(label) for label in args.gather_configs.split(",")] if args.gather_configs else list(GATHER_SWEEP)
+
+
+def in_inner_loop(ttgir: str, op: str) -> int:
+    """How often ``op`` occurs in the kernel's innermost loops (``scf.for`` bodies with no loop
+    inside) in Triton GPU IR: for the gather kernel, the loop over a token's top-k blocks."""
+    total = 0
+    frames: list[list[int]] = []  # per open loop: [ops counted, loops nested in it]
+    for line in ttgir.splitlines():
+        if "scf.for" in line:
+            if frames:
+                frames[-1][1] += 1
+            frames.append([0, 0])
+        elif frames and "scf.yield" in line:
+            count, nested = frames.pop()
+            total += count if not nested else 0
+        elif frames and op in line:
+            frames[-1][0] += 1
+    return total
+
+
+def gather_compile_report(configs: list[GatherConfig]) -> None:
+    """Compile each gather config for sm90 (no GPU: Triton's bundled ptxas); print registers,
+    spills, shared memory, the global loads in the code by width, the layout conversions left in
+    the loop over a token's top-k blocks (each a trip through shared memory with barriers; none
+    means the loop only loads and adds) and a hash of the PTX (equal: the same code)."""
+    import hashlib
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    print(f"triton {triton.__version__}, sm_90a: gather-only kernel (benchmarks/gather_probe.py)")
+    for config in configs:
+        compiled = compile_for_sm90(config)
+        ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+        regs, spill = ptxas_usage(ptx, ptxas)
+        loads = {w: len(re.findall(rf"ld\.global(?:\.\w+)*{w}\.b32", ptx)) for w in (".v4", ".v2", "")}
+        loads[""] -= loads[".v4"] + loads[".v2"]  # the plain pattern counts the vector loads too
+        print(f"{config.label():<15s} registers {regs:>4s}  spill stores {spill:>4s} B  shared {compiled.metadata.shared:>5d} B  "
+              f"global loads (static) v4 {loads['.v4']:>3d} v2 {loads['.v2']:>2d} b32 {loads['']:>3d}  "
+              f"layout conversions in the top-k loop {in_inner_loop(ttgir, 'ttg.convert_layout')}  "
+              f"ptx {hashlib.sha1(ptx.encode()).hexdigest()[:8]}")
+
+
 PTX_OPS = ("cvt", "prmt", "lop3", "mma", "wgmma")
 """PTX mnemonics counted per kernel (by prefix: ``cvt`` counts every ``cvt.*``; ``mma`` the
 ``mma.sync`` only)."""
@@ -517,12 +746,21 @@ def main() -> None:
                         help="no GPU: compile the configs for sm90 under each dequantisation; registers and instruction counts")
     parser.add_argument("--probe", action="store_true",
                         help=f"time each dequantisation and the no-dequant bound probes: {PROBE_SHAPES}, configs {PROBE_CONFIGS}")
+    parser.add_argument("--gather-probe", action="store_true",
+                        help=f"time the gather-only kernel (random and sequential slots) beside the attention kernel: "
+                        f"{PROBE_SHAPES}; with --compile-report, compile the gather configs for sm90 instead")
+    parser.add_argument("--gather-configs", help="with --gather-probe: comma-separated gather configs, e.g. 'n64 w8 s1' "
+                        "(default: block_n 32/64/128 x num_warps 4/8 x num_stages 1/2/3, then 'n32 w4 s1 c2', 'n64 w4 s1 c2', "
+                        "'n128 w4 s1 c2': c2 = two programs an SM)")
     parser.add_argument("--out", type=Path, help="also write the Markdown tables here")
     args = parser.parse_args()
     args.modes = args.modes.split(",")
     if unknown := [m for m in args.modes if m not in PROBE_MODES]:
         parser.error(f"unknown --modes {unknown}: choose from {', '.join(PROBE_MODES)}")
     configs = [KernelConfig.parse(label) for label in (args.configs or ",".join(SWEEP)).split(",")]
+    if args.compile_report and args.gather_probe:
+        gather_compile_report(gather_configs_of(args))
+        return
     if args.compile_report:
         compile_report(configs, args.modes, [int(h) for h in args.heads.split(",")])
         return
@@ -530,6 +768,9 @@ def main() -> None:
         sys.exit("fp8_direct_bench.py needs a CUDA GPU (--compile-report runs without one)")
     if args.probe:
         write(run_probe(args), args.out)
+        return
+    if args.gather_probe:
+        write(run_gather_probe(args), args.out)
         return
     if args.quick:
         shapes = [Shape(t, h) for t, h in QUICK_SHAPES]
