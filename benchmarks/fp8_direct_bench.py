@@ -86,7 +86,16 @@ TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path[:0] = [str(TESTS), str(TESTS / "gpu")]  # tests/harness and gpu_helpers: not in the wheel
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gather_probe, beside this file
 
-from gather_probe import GATHER_SWEEP, GatherConfig, compile_for_sm90, gather_rows, reference_sums, sequential_slots, valid_mask  # noqa: E402
+from gather_probe import (  # noqa: E402
+    GATHER_SWEEP,
+    GatherConfig,
+    fold_rows,
+    gather_rows,
+    gather_rows_kernel,
+    reference_sums,
+    sequential_slots,
+    valid_mask,
+)
 
 SWEEP = ("n64 w8 s2 hm", "n32 w4 s2 hm", "n32 w8 s2 hm", "n64 w8 s2 km", "n32 w4 s2 km", "n32 w8 s2 km", "n32 w8 s3 km")
 """heads-as-M (mma.sync at 16/32 heads) and keys-as-M (wgmma) at 32 and 64 keys a block: the
@@ -139,16 +148,24 @@ def accuracy(name: str, out: torch.Tensor, ref: torch.Tensor) -> str:
             f"1 - cos {cosine_difference(a, r):.3g}")
 
 
-def bench_shape(shape: Shape, configs: list[KernelConfig], args: argparse.Namespace, gen: torch.Generator,
-                provider: Any, gather: Any, timer: Callable[[Callable[[], object]], float]) -> None:
+def case_inputs(shape: Shape, topk: int, gen: torch.Generator) -> tuple[int, Any, torch.Tensor]:
+    """The shape's case as calibration draws it (``prefill_case``: one request after its context
+    rows): (context rows, the case's inputs, its top-k positions as int32 cache slots)."""
     from mla_planner.calibration.kernel_timing import case_context
     from mla_planner.calibration.synthetic import prefill_case
 
-    t, h, topk, dev = shape.tokens, shape.heads, args.topk, gen.device
-    context = case_context(t, topk)
-    inputs = prefill_case([t], [context], h, topk, gen, dtype=torch.bfloat16)
-    q, positions = inputs.q, inputs.indices
+    context = case_context(shape.tokens, topk)
+    inputs = prefill_case([shape.tokens], [context], shape.heads, topk, gen, dtype=torch.bfloat16)
+    positions = inputs.indices
     slots = slot_of(inputs.block_table[0][page_of(positions, PAGE_SIZE)], positions, PAGE_SIZE).to(torch.int32)
+    return context, inputs, slots
+
+
+def bench_shape(shape: Shape, configs: list[KernelConfig], args: argparse.Namespace, gen: torch.Generator,
+                provider: Any, gather: Any, timer: Callable[[Callable[[], object]], float]) -> None:
+    t, h, dev = shape.tokens, shape.heads, gen.device
+    context, inputs, slots = case_inputs(shape, args.topk, gen)
+    q, positions = inputs.q, inputs.indices
     scale = D_QK**-0.5
     out = torch.empty((t, h, D_V), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((t, h), dtype=torch.float32, device=dev)
@@ -322,13 +339,8 @@ def probe_shape(shape: Shape, configs: list[KernelConfig], args: argparse.Namesp
                 timer: Callable[[Callable[[], object]], float]) -> None:
     """Times every (config, mode) on one shape, interleaved in a fresh random order each repeat;
     at CHECK_TOKENS checks the exact modes."""
-    from mla_planner.calibration.kernel_timing import case_context
-    from mla_planner.calibration.synthetic import prefill_case
-
-    t, h, topk = shape.tokens, shape.heads, args.topk
-    inputs = prefill_case([t], [case_context(t, topk)], h, topk, gen, dtype=torch.bfloat16)
-    positions = inputs.indices
-    slots = slot_of(inputs.block_table[0][page_of(positions, PAGE_SIZE)], positions, PAGE_SIZE).to(torch.int32)
+    t = shape.tokens
+    _, inputs, slots = case_inputs(shape, args.topk, gen)
     outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     runs = probe_runs(configs, args.modes, inputs.q, inputs.kv_cache, slots, outs)
     for name, run in list(runs.items()):  # warm-up and compile; a failure is noted, not fatal
@@ -439,13 +451,8 @@ def gather_probe_shape(shape: GatherShape, gather_configs: list[GatherConfig], f
                        args: argparse.Namespace, gen: torch.Generator, timer: Callable[[Callable[[], object]], float]) -> None:
     """Times every gather config on both index sets and the attention kernel at each full
     config, interleaved; then checks every gather output against torch's sums of the same rows."""
-    from mla_planner.calibration.kernel_timing import case_context
-    from mla_planner.calibration.synthetic import prefill_case
-
-    t, h, topk = shape.tokens, shape.heads, args.topk
-    inputs = prefill_case([t], [case_context(t, topk)], h, topk, gen, dtype=torch.bfloat16)
-    positions = inputs.indices
-    slots = slot_of(inputs.block_table[0][page_of(positions, PAGE_SIZE)], positions, PAGE_SIZE).to(torch.int32)
+    t, h = shape.tokens, shape.heads
+    _, inputs, slots = case_inputs(shape, args.topk, gen)
     num_rows = inputs.kv_cache.shape[0] * inputs.kv_cache.shape[1]
     indices = {"random": slots, "sequential": sequential_slots(slots, num_rows, gen)}
     counts = {p: int(valid_mask(i, num_rows).sum()) for p, i in indices.items()}
@@ -593,7 +600,7 @@ def gather_compile_report(configs: list[GatherConfig]) -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     print(f"triton {triton.__version__}, sm_90a: gather-only kernel (benchmarks/gather_probe.py)")
     for config in configs:
-        compiled = compile_for_sm90(config)
+        compiled = compile_gather(config)
         ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
         regs, spill = ptxas_usage(ptx, ptxas)
         loads = {w: len(re.findall(rf"ld\.global(?:\.\w+)*{w}\.b32", ptx)) for w in (".v4", ".v2", "")}
@@ -646,27 +653,46 @@ def sass_counts(cubin: bytes, bin_dir: Path) -> dict[str, int] | None:
     return counts
 
 
-def compile_kernel(config: KernelConfig, heads: int, dequant: int) -> Any:
-    """The kernel compiled for sm90 (no GPU needed) with Triton's internal API (may need updating
-    with Triton), for what the launcher passes: 16-byte divisible pointers and strides except
-    lse's head stride (1)."""
+def compile_sm90(kernel: Any, types: list[str], consts: dict[str, Any], not_divisible: set[str],
+                 options: dict[str, Any]) -> Any:
+    """``kernel`` compiled for sm90 (no GPU needed) with Triton's internal API (may need updating
+    with Triton): its first ``len(types)`` arguments of those types, each marked divisible by 16
+    as the launches pass them except those named in ``not_divisible``, and ``consts`` its
+    constexprs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = kernel.arg_names
+    signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names[: len(types)]) if n not in not_divisible}
+    src = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_kernel(config: KernelConfig, heads: int, dequant: int) -> Any:
+    """The attention kernel compiled for sm90, for what the launcher passes: 16-byte divisible
+    pointers and strides except lse's head stride (1); the softmax scale a float."""
     from mla_planner.kernels.fp8_direct import _sparse_fp8_kernel as kernel
 
     types = ["*bf16", "*u8", "*fp32", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32"] + ["i32"] * 10 + ["i64"] * 3 + ["fp32"]
-    names = kernel.arg_names
     consts = {"PAGE": PAGE_SIZE, "BLOCK_H": config.heads_per_program(heads), "BLOCK_N": config.block_n,
               "HAS_LENGTH": False, "HAS_SINK": False, "KEYS_AS_M": config.keys_as_m, "DEQUANT": dequant,
               "SCALES_V4": config.scales == "v4", "DV_SPLIT": config.dv_split}
-    signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names[: len(types) - 1]) if n != "stride_lh"}
-    src = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": config.num_warps, "num_stages": config.num_stages,
-                                   **({} if config.max_regs is None else {"maxnreg": config.max_regs})})
+    return compile_sm90(kernel, types, consts, {"stride_lh", "scale_log2"},
+                        {"num_warps": config.num_warps, "num_stages": config.num_stages,
+                         **({} if config.max_regs is None else {"maxnreg": config.max_regs})})
+
+
+def compile_gather(config: GatherConfig) -> Any:
+    """The gather-only kernel compiled for sm90, specialised as the bench's launches are:
+    pointers, the token count, ``topk``, ``num_rows``, the index stride and the page stride
+    divisible by 16 (2,048 or 32,768 tokens, top-k 2,048, a whole number of 64-row pages of 656
+    bytes), the output stride (164) not."""
+    consts = {"PAGE": PAGE_SIZE, "BLOCK_N": config.block_n, **fold_rows(config),
+              "PERSISTENT": config.programs_per_sm is not None}
+    return compile_sm90(gather_rows_kernel, ["*i32"] * 3 + ["i32"] * 6, consts, {"stride_ot"},
+                        {"num_warps": config.num_warps, "num_stages": config.num_stages})
 
 
 def ptxas_usage(ptx: str, ptxas: Path) -> tuple[str, str]:

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_planner.kernels.fp8_direct import check_launch, paged_cache
+
 WORDS = 164
 """int32 words in a 656-byte ``fp8_ds_mla`` row: 128 NoPE, 4 scales, 32 RoPE (the kernel's
 offsets 128 and 132)."""
@@ -59,12 +61,7 @@ class GatherConfig:
     programs_per_sm: int | None = None
 
     def __post_init__(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        check_launch(self.block_n, self.num_warps, self.num_stages)
         if self.programs_per_sm is not None and self.programs_per_sm < 1:
             raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
 
@@ -147,7 +144,7 @@ def _gather_token(t, kv_i32, idx_ptr, out_ptr, topk, num_rows, stride_it, stride
 
 
 @triton.jit
-def _gather_rows_kernel(kv_i32, idx_ptr, out_ptr, num_tokens, topk, num_rows, stride_it, stride_ot, page_stride_i32,
+def gather_rows_kernel(kv_i32, idx_ptr, out_ptr, num_tokens, topk, num_rows, stride_it, stride_ot, page_stride_i32,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                         G_NOPE: tl.constexpr, G_SCALE: tl.constexpr, G_ROPE: tl.constexpr, PERSISTENT: tl.constexpr):
     """Program ``pid`` gathers token ``pid`` (:func:`_gather_token`), or with ``PERSISTENT``
@@ -174,17 +171,8 @@ def fold_rows(config: GatherConfig) -> dict[str, int]:
 
 def cache_words(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``(pages, page_size, [1,] 656)`` uint8 -> its int32 view ``(pages, page_size, 164)`` and
-    the page stride in words (checked: rows contiguous, base and page stride 16-byte aligned, as
-    the attention kernel's launcher checks)."""
-    cache3 = kv_cache.select(2, 0) if kv_cache.dim() == 4 else kv_cache
-    if kv_cache.dtype != torch.uint8 or cache3.dim() != 3 or cache3.shape[2] != WORDS * 4:
-        raise ValueError(f"kv_cache must be (pages, page_size, [1,] 656) uint8, got {tuple(kv_cache.shape)} {kv_cache.dtype}")
-    if cache3.stride(2) != 1 or cache3.stride(1) != WORDS * 4:
-        raise ValueError("kv_cache's rows must be contiguous within a page")
-    num_pages, page_size, _ = cache3.shape
-    page_stride = cache3.stride(0) if num_pages > 1 else page_size * WORDS * 4
-    if page_stride % 16 or cache3.data_ptr() % 16:
-        raise ValueError(f"kv_cache must be 16-byte aligned (base and page stride), page stride {page_stride}")
+    the page stride in words, under the attention kernel's launcher checks (:func:`paged_cache`)."""
+    cache3, page_stride = paged_cache(kv_cache)
     return cache3.view(torch.int32), page_stride // 4
 
 
@@ -199,8 +187,6 @@ def gather_rows(kv_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor
     config = GatherConfig() if config is None else config
     words, page_stride_i32 = cache_words(kv_cache)
     num_pages, page_size, _ = words.shape
-    if page_size & (page_size - 1):
-        raise ValueError(f"page size must be a power of two, got {page_size}")
     if indices.dim() != 2 or indices.dtype != torch.int32 or indices.stride(1) != 1:
         raise ValueError(f"indices must be (tokens, topk) int32 with a contiguous last dim, got {tuple(indices.shape)} {indices.dtype}")
     num_tokens, topk = indices.shape
@@ -216,32 +202,11 @@ def gather_rows(kv_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor
             on_gpu = indices.is_cuda
             num_sms = torch.cuda.get_device_properties(indices.device).multi_processor_count if on_gpu else 1
         grid = min(num_tokens, config.programs_per_sm * num_sms)
-    compiled = _gather_rows_kernel[(grid,)](
+    compiled = gather_rows_kernel[(grid,)](
         words, indices, out, num_tokens, topk, num_pages * page_size, indices.stride(0), out.stride(0), page_stride_i32,
         PAGE=page_size, BLOCK_N=config.block_n, **fold_rows(config), PERSISTENT=config.programs_per_sm is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out, compiled
-
-
-def compile_for_sm90(config: GatherConfig, page_size: int = 64) -> Any:
-    """The kernel compiled for sm90 with no GPU (Triton's internal API, as
-    ``fp8_direct_bench.compile_kernel``), specialised as the bench's launches are: pointers,
-    the token count, ``topk``, ``num_rows``, the index stride and the page stride divisible by 16
-    (2,048 or 32,768 tokens, top-k 2,048, a whole number of 64-row pages of 656 bytes), the
-    output stride (164) not."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kernel = _gather_rows_kernel
-    names = kernel.arg_names
-    types = ["*i32", "*i32", "*i32", "i32", "i32", "i32", "i32", "i32", "i32"]
-    consts = {"PAGE": page_size, "BLOCK_N": config.block_n, **fold_rows(config),
-              "PERSISTENT": config.programs_per_sm is not None}
-    signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names[: len(types)]) if n != "stride_ot"}
-    src = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
 
 
 def valid_mask(indices: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -71,6 +71,19 @@ BOUND_PROBES = {"none": 2, "widen": 3}
 design): not :class:`KernelConfig` modes, so nothing that takes a config can select them."""
 
 
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def check_launch(block_n: int, num_warps: int, num_stages: int) -> None:
+    """``ValueError`` unless the launch knobs are ones the kernel's loop and Triton take: a
+    power-of-two block of at least 16 entries, 1 to 16 warps, at least one stage."""
+    _check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}")
+    _check(num_warps in (1, 2, 4, 8, 16), f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
+    _check(num_stages >= 1, f"num_stages must be >= 1, got {num_stages}")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """The kernel's tuning knobs (all compile-time), so a benchmark can sweep them in one run.
@@ -114,12 +127,7 @@ class KernelConfig:
     max_regs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        check_launch(self.block_n, self.num_warps, self.num_stages)
         if self.head_block is not None and (self.head_block < 16 or self.head_block & (self.head_block - 1)):
             raise ValueError(f"head_block must be a power of two >= 16, got {self.head_block}")
         if self.dequant not in DEQUANT_MODES:
@@ -462,9 +470,26 @@ def _sparse_fp8_kernel(
         tl.store(out_row + heads[:, None] * stride_oh + d_nope[None, :], o, mask=head_ok[:, None])
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
+def paged_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The ``fp8_ds_mla`` cache as the kernel addresses it: ``(pages, page_size, 656)`` uint8 and
+    its page stride in bytes; ``ValueError`` unless the rows are contiguous within a page, the page
+    size a power of two, and base and page stride 16-byte aligned (the 16-byte row loads)."""
+    if kv_cache.dim() == 4:
+        _check(kv_cache.shape[2] == 1, f"kv_cache must have one KV head, got shape {tuple(kv_cache.shape)}")
+        cache3 = kv_cache.select(2, 0)
+    else:
+        cache3 = kv_cache
+    _check(cache3.dim() == 3 and cache3.shape[2] == FP8_BYTES_PER_TOKEN,
+           f"kv_cache must be (pages, page_size, 1, {FP8_BYTES_PER_TOKEN}) fp8_ds_mla rows, got {tuple(kv_cache.shape)}")
+    _check(kv_cache.dtype == torch.uint8, f"kv_cache must be uint8 (fp8_ds_mla bytes), got {kv_cache.dtype}")
+    num_pages, page_size, _ = cache3.shape
+    _check(page_size > 0 and page_size & (page_size - 1) == 0, f"page size must be a power of two, got {page_size}")
+    _check(cache3.stride(2) == 1 and cache3.stride(1) == FP8_BYTES_PER_TOKEN,
+           "kv_cache's rows must be contiguous within a page (656-byte row stride)")
+    page_stride = cache3.stride(0) if num_pages > 1 else page_size * FP8_BYTES_PER_TOKEN
+    _check(page_stride % 16 == 0 and cache3.data_ptr() % 16 == 0,
+           f"kv_cache must be 16-byte aligned (base and page stride), page stride {page_stride}")
+    return cache3, page_stride
 
 
 def sparse_attention_fp8(
@@ -538,21 +563,8 @@ def _attend(
     num_tokens, num_heads, _ = q.shape
     _check(num_heads > 0, "q has no heads")
 
-    if kv_cache.dim() == 4:
-        _check(kv_cache.shape[2] == 1, f"kv_cache must have one KV head, got shape {tuple(kv_cache.shape)}")
-        cache3 = kv_cache.select(2, 0)
-    else:
-        cache3 = kv_cache
-    _check(cache3.dim() == 3 and cache3.shape[2] == FP8_BYTES_PER_TOKEN,
-           f"kv_cache must be (pages, page_size, 1, {FP8_BYTES_PER_TOKEN}) fp8_ds_mla rows, got {tuple(kv_cache.shape)}")
-    _check(kv_cache.dtype == torch.uint8, f"kv_cache must be uint8 (fp8_ds_mla bytes), got {kv_cache.dtype}")
+    cache3, page_stride = paged_cache(kv_cache)
     num_pages, page_size, _ = cache3.shape
-    _check(page_size > 0 and page_size & (page_size - 1) == 0, f"page size must be a power of two, got {page_size}")
-    _check(cache3.stride(2) == 1 and cache3.stride(1) == FP8_BYTES_PER_TOKEN,
-           "kv_cache's rows must be contiguous within a page (656-byte row stride)")
-    page_stride = cache3.stride(0) if num_pages > 1 else page_size * FP8_BYTES_PER_TOKEN
-    _check(page_stride % 16 == 0 and cache3.data_ptr() % 16 == 0,
-           f"kv_cache must be 16-byte aligned (base and page stride), page stride {page_stride}")
 
     if indices.dim() == 3:
         _check(indices.shape[1] == 1, f"indices (tokens, 1, topk) must have one KV head, got {tuple(indices.shape)}")
