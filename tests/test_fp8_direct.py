@@ -12,8 +12,6 @@ over fewer keys than the 2,048 FlashMLA's tolerances were set for). The argument
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,13 +23,13 @@ from mla_planner.executor.layout import FP8_BYTES_PER_TOKEN, PAGE_SIZE, ROPE_STA
 from mla_planner.executor.reference import dequantize_fp8_ds_mla
 from mla_planner.kernels.fp8_direct import DEQUANT_MODES, KernelConfig, no_dequant_bound_probe, sparse_attention_fp8
 
+from harness.interpreter import run_interpreted
 from harness.fp8_direct import SCALE, Fp8Case, check_output, lse_max_error, make_case, probability_rounding_bound, reference
 
 # FlashMLA's criteria and tolerances live in tests/gpu/gpu_helpers.py (pure torch).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 from gpu_helpers import PREFILL_OUT  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 LSE_LIMIT = 1e-3  # natural log: a weight off by 0.1 % (tests/gpu/gpu_helpers.lse_error's limit)
 
 
@@ -201,14 +199,7 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Fp8
     # range), which the bit-exact criterion must reject.
     dequant = [{"nope": nope, "scales": s, "dequant": mode} for s in (scales, scales / 2) for mode in DEQUANT_MODES]
     payload = {"attention": attention, "dequant": dequant}
-    tmp = tmp_path_factory.mktemp("fp8_direct")
-    torch.save(payload, tmp / "cases.pt")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    worker = HERE / "harness" / "fp8_direct_interpret.py"
-    done = subprocess.run([sys.executable, str(worker), str(tmp / "cases.pt"), str(tmp / "results.pt")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"interpreter run failed:\n{done.stdout}\n{done.stderr}"
-    results = torch.load(tmp / "results.pt")
+    results = run_interpreted("fp8_direct_interpret.py", payload, tmp_path_factory.mktemp("fp8_direct"))
     by_name: dict[str, tuple[Any, dict[str, Any]]] = {
         name: (case, result) for (name, case), result in zip(cases.items(), results["attention"])}
     for entry, values in zip(dequant, results["dequant"]):

@@ -6,8 +6,6 @@ entries, not slots past the cache, not the bytes between padded pages, not a row
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,8 @@ from mla_planner.executor.layout import FP8_BYTES_PER_TOKEN, PAGE_SIZE
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "benchmarks"))
 from gather_probe import GATHER_SWEEP, GatherConfig, reference_sums, sequential_slots, valid_mask  # noqa: E402
+
+from harness.interpreter import run_interpreted  # noqa: E402
 
 PAGES = 5
 NUM_ROWS = PAGES * PAGE_SIZE
@@ -65,14 +65,7 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[dict[str
     index_sets = {"random": random_idx, "sequential": sequential_slots(random_idx, NUM_ROWS, gen)}
     cases = [{"name": f"{c} {i} {config}", "kv_cache": kv, "indices": idx, "config": config}
              for c, kv in caches.items() for i, idx in index_sets.items() for config in CONFIGS]
-    tmp = tmp_path_factory.mktemp("gather_probe")
-    torch.save(cases, tmp / "cases.pt")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    worker = HERE / "harness" / "gather_probe_interpret.py"
-    done = subprocess.run([sys.executable, str(worker), str(tmp / "cases.pt"), str(tmp / "results.pt")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"interpreter run failed:\n{done.stdout}\n{done.stderr}"
-    results: list[torch.Tensor] = torch.load(tmp / "results.pt")
+    results: list[torch.Tensor] = run_interpreted("gather_probe_interpret.py", cases, tmp_path_factory.mktemp("gather_probe"))
     assert len(results) == len(cases)
     return list(zip(cases, results))
 
