@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from mla_planner.cli.vllm_releases import minor_of
+
 
 @dataclass(frozen=True)
 class ReleaseFacts:
@@ -98,7 +100,7 @@ class ReleaseFacts:
 
     @property
     def minor(self) -> str:
-        return ".".join(self.version.split(".")[:2])
+        return minor_of(self.version)
 
     @property
     def version_key(self) -> tuple[int, ...]:
@@ -122,7 +124,7 @@ def _installed() -> ReleaseFacts | None:
         version = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         return None
-    return ALL.get(".".join(version.split(".")[:2]))
+    return ALL.get(minor_of(version))
 
 
 INSTALLED: ReleaseFacts | None = _installed()
