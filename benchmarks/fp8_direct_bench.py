@@ -532,7 +532,7 @@ def gather_markdown(shapes: list[GatherShape], gather_configs: list[GatherConfig
             lines.append(f"| {name}{mark} | {m:.1f} | {s.valid_rows * 656 / m / 1e3:,.0f} | {ratio} "
                          f"| {s.regs.get(name, '')} | {s.binary.get(name, '')} |")
     lines += ["", "GB/s: valid rows x 656 B / median; a row that several tokens name counts once for each (the "
-              "whole cache, its size in each heading, fits in an H100's or H200's 50 MB L2, which is flushed before "
+              "whole cache, its size in each heading, fits in an H100's or H200's L2, 50 MB or more, which is flushed before "
               "each call, so most of these bytes come from L2). / attention: the run's median over the faster "
               "attention config's. registers and binary: of the gather kernel as launched (binary: a hash of its "
               "code; equal hashes mean one kernel). sequential: each token's valid entries a contiguous run of rows "
