@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from mla_planner.cli.vllm_releases import minor_of
+from mla_planner.engine_model import minor_of
 
 
 @dataclass(frozen=True)

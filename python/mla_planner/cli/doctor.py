@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from mla_planner import profiles
+from mla_planner.engine_model import minor_of
 from mla_planner.engine_model.settings import NO_PROFILE, PROFILE_VAR, Settings, SettingsError, read_settings
 
 from . import deployment, serve_line, vllm_releases
@@ -255,7 +256,7 @@ def release_line(release: vllm_releases.VllmRelease, installed: str | None) -> s
     line = f"models vLLM {release.version}"
     if installed is None:
         return line
-    if vllm_releases.minor_of(installed) == release.minor:
+    if minor_of(installed) == release.minor:
         return f"{line} (installed here)"
     return f"{line}; vLLM {installed} is installed here (--vllm picks the release modelled)"
 

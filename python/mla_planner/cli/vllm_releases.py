@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mla_planner import decode_scratch
-from mla_planner.engine_model import sizing
+from mla_planner.engine_model import minor_of, sizing
 
 from .gpus import H100_TOTAL_BYTES, H200_TOTAL_BYTES
 from .units import GIB
@@ -57,11 +57,6 @@ class StepReserves:
         if tp == 1:
             return self.tp1
         return self.tp2 if tp == 2 else StepReserve(self.tp2.bytes, self.beyond_tp2)
-
-
-def minor_of(version: str) -> str:
-    """``0.33`` of ``0.33.0`` (or of ``0.33.1rc1``)."""
-    return ".".join(version.split(".")[:2])
 
 
 @dataclass(frozen=True)

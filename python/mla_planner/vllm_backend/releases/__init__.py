@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mla_planner.engine_model import minor_of
 from mla_planner.vllm_backend.workspace import WorkspaceLayout, WorkspaceViews
 
 MODULES = {"0.26": "v0_26", "0.33": "v0_33"}
@@ -72,11 +73,6 @@ class Release(Protocol):
     def workspace_padded_heads(self, vllm_config: Any, num_heads: int) -> int | None: ...
     def workspace_layout(self, impl: Any) -> WorkspaceLayout | None: ...
     def workspace_views(self, impl: Any, memo: dict[Any, WorkspaceViews] | None = None) -> WorkspaceViews: ...
-
-
-def minor_of(version: str) -> str:
-    """``major.minor`` of a version string."""
-    return ".".join(version.split(".")[:2])
 
 
 def installed() -> Release:
