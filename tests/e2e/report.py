@@ -1,5 +1,5 @@
 """The drivers' reports, from the JSON they leave in a results folder: ``e2e.md`` over the in-process
-runs (``<run>.json`` of run_cases.py, any group, and run_e2e.py's ``driver.json``), ``serve.md`` over
+runs (``<run>.json`` of run_cases.py, any group, and run_serve.py's ``driver.json``), ``serve.md`` over
 the served phases (``ab.json``, ``boundary-<engine>.json``, ``failrate-<engine>.json``,
 ``soak-<engine>.json``) and ``matrix.md`` from ``matrix.json``, one row per server.
 
@@ -46,7 +46,7 @@ def load(folder: Path) -> dict[str, dict[str, Any]]:
 
 
 def load_driver(folder: Path) -> dict[str, Any]:
-    """run_e2e.py's record of its runs (how each process ended)."""
+    """run_serve.py's record of its in-process runs (how each process ended)."""
     path = folder / DRIVER_JSON
     return dict(json.loads(path.read_text())) if path.is_file() else {"runs": {}}
 

@@ -28,7 +28,7 @@ import e2e_bundle as eb
 import report
 import faults
 import run_cases
-import run_e2e
+import run_serve
 import serve_proc
 
 HERE = Path(__file__).resolve().parent
@@ -58,7 +58,7 @@ def test_planned_finishes_every_case_at_095(tmp_path: Path) -> None:
     saved = os.environ.get("MLA_E2E_RESULTS")
     out = Path(saved) if saved else tmp_path
     if not saved:
-        subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--runs", ",".join(PLANNED_095), "--out", str(out)],
+        subprocess.run([sys.executable, str(HERE / "run_serve.py"), "--runs", ",".join(PLANNED_095), "--out", str(out)],
                        check=True, timeout=900)
     runs = report.in_process_runs(report.load(out))
     seen = set()
@@ -395,10 +395,10 @@ def test_run_cases_arguments() -> None:
 
 
 def test_tensor_parallel_runs_scale_the_model_to_16_heads_per_rank(tmp_path: Path) -> None:
-    tp_runs = [r for r in run_e2e.RUNS if r.tp != 1]
+    tp_runs = [r for r in run_serve.RUNS if r.tp != 1]
     assert {r.group for r in tp_runs} == {"T"} and all(r.heads == 16 * r.tp for r in tp_runs)
-    args = run_e2e.parse_args(["--group", "T", "--out", str(tmp_path)])
-    cmd = run_e2e.command(run_e2e.RUNS_BY_NAME["planned-tp2-0.95-32k"], tmp_path, args)
+    args = run_serve.parse_args(["--group", "T", "--out", str(tmp_path)])
+    cmd = run_serve.run_command(run_serve.RUNS_BY_NAME["planned-tp2-0.95-32k"], tmp_path, args)
     assert cmd[cmd.index("--tp") + 1] == "2" and cmd[cmd.index("--heads") + 1] == "32"
     scaled = run_cases.model_variant(run_cases.MODEL_DIR, tmp_path, heads=32)
     config = json.loads((scaled / "config.json").read_text())
@@ -564,8 +564,8 @@ def test_run_cases_runs_the_cases_once_per_fault_mode(tmp_path: Path) -> None:
 
 def test_driver_and_report_on_stand_ins(tmp_path: Path) -> None:
     out = tmp_path / "e2e"
-    single_gpu = [r.name for r in run_e2e.RUNS if r.tp == 1]
-    r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--runs", ",".join(single_gpu), "--out", str(out),
+    single_gpu = [r.name for r in run_serve.RUNS if r.tp == 1]
+    r = subprocess.run([sys.executable, str(HERE / "run_serve.py"), "--runs", ",".join(single_gpu), "--out", str(out),
                         "--fake-engine", "--repeats", "2"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "MLA_PLANNER_SCRATCH_MB": "1024"})
     assert r.returncode == 0, r.stdout + r.stderr
@@ -579,19 +579,19 @@ def test_driver_and_report_on_stand_ins(tmp_path: Path) -> None:
     assert "attention implementation**" not in md  # each run ran the implementation its backend names
     assert "same function at 0.9: same first tokens" in md
     assert "planned/stock" in md and "## Throughput" in md
-    for run in (r for r in run_e2e.RUNS if r.tp == 1):
+    for run in (r for r in run_serve.RUNS if r.tp == 1):
         data = json.loads((out / f"{run.name}.json").read_text())
         assert data["finished"] and list(data["cases"]) == list(run.cases)
-    r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--report-only", str(out)], capture_output=True,
+    r = subprocess.run([sys.executable, str(HERE / "run_serve.py"), "--report-only", str(out)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and (out / report.E2E_MD).read_text() == md
 
 
 def test_driver_deadline_and_timeout(tmp_path: Path) -> None:
-    assert run_e2e.main(["--group", "B", "--out", str(tmp_path), "--deadline-s", "10", "--fake-engine"]) == 0
+    assert run_serve.main(["--group", "B", "--out", str(tmp_path), "--deadline-s", "10", "--fake-engine"]) == 0
     md = (tmp_path / report.E2E_MD).read_text()
     assert "not run (deadline): stock-0.90-32k, planned-0.90-32k" in md
-    result = run_e2e.run_one([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "sleep.log", 1)
+    result = run_serve.run_one([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "sleep.log", 1)
     assert result["timed_out"] and result["rc"] != 0 and result["wall_s"] < 30
 
 
@@ -602,8 +602,8 @@ def test_no_run_outlives_a_killed_driver(tmp_path: Path) -> None:
     pid_file = tmp_path / "run.pid"
     sleeper = [sys.executable, "-c",
                f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(300)"]
-    driver = subprocess.Popen([sys.executable, "-c", f"import pathlib, sys; sys.path.insert(0, {str(HERE)!r}); import run_e2e; "
-                               f"run_e2e.run_one({sleeper!r}, pathlib.Path({str(tmp_path / 'run.log')!r}), 300)"])
+    driver = subprocess.Popen([sys.executable, "-c", f"import pathlib, sys; sys.path.insert(0, {str(HERE)!r}); import run_serve; "
+                               f"run_serve.run_one({sleeper!r}, pathlib.Path({str(tmp_path / 'run.log')!r}), 300)"])
     try:
         deadline = time.monotonic() + 60
         while not pid_file.exists() or not pid_file.read_text():
@@ -654,7 +654,7 @@ def test_report_from_hand_made_results(tmp_path: Path) -> None:
     (tmp_path / report.DRIVER_JSON).write_text(json.dumps({"runs": {
         "planned-0.95-32k": {"status": "ran", "rc": -15, "timed_out": True, "wall_s": 300.0, "log": "p.log"},
         "planned-0.95-64k": {"status": "not run", "reason": "deadline: 40 s left"}}}))
-    assert run_e2e.main(["--report-only", str(tmp_path)]) == 0
+    assert run_serve.main(["--report-only", str(tmp_path)]) == 0
     md = (tmp_path / report.E2E_MD).read_text()
     assert "planned at 0.95: cases 1, 2, 5 not all finished (case 2, 5)" in md
     assert "| ok | 110.00 | 8.00 | 1.00 | 16,384 | yes 1/1: [5, 6, 7, 8] | 100.00 |" in md

@@ -27,12 +27,10 @@ import pytest
 
 import matrix_design as md
 import run_serve
-import serve_bench as sb
 import serve_proc as proc
 import report
 from run_cases import CASE_PROMPTS, MODEL_DIR, REPLACE_VAR, model_variant
-from serve_run import chat_prompts
-from serve_tokenizer import check_tokenizer, served_model_dir
+from run_serve import chat_prompts
 from test_e2e import e2e_unavailable
 
 HERE = Path(__file__).resolve().parent
@@ -42,7 +40,7 @@ GLM5 = HERE / "tiny-glm5" / "config.json"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return served_model_dir(tmp_path_factory.mktemp("model"))
+    return proc.served_model_dir(tmp_path_factory.mktemp("model"))
 
 
 def driver(out: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240,
@@ -75,18 +73,18 @@ def results(out: Path, name: str) -> Any:
 
 
 def test_tokenizer_has_the_models_vocab_and_round_trips(model_dir: Path, tmp_path: Path) -> None:
-    facts = check_tokenizer(model_dir)
+    facts = proc.check_tokenizer(model_dir)
     assert facts["len"] == facts["vocab_size"] == VOCAB == 129280
     assert facts["round_trip"] and facts["adds_special_tokens"] == 0
     assert facts["all_special_ids"] == [0, 1, 2] and (facts["bos_token_id"], facts["eos_token_id"]) == (0, 1)
     assert json.loads((model_dir / "config.json").read_text()) == json.loads((MODEL_DIR / "config.json").read_text())
     assert sorted(p.name for p in model_dir.iterdir()) == ["config.json", "special_tokens_map.json", "tokenizer.json",
                                                            "tokenizer_config.json"]
-    made = served_model_dir(tmp_path)  # a later call reuses a whole folder, rebuilds a broken one
+    made = proc.served_model_dir(tmp_path)  # a later call reuses a whole folder, rebuilds a broken one
     stamp = (made / "tokenizer.json").stat().st_mtime_ns
-    assert served_model_dir(tmp_path) == made and (made / "tokenizer.json").stat().st_mtime_ns == stamp
+    assert proc.served_model_dir(tmp_path) == made and (made / "tokenizer.json").stat().st_mtime_ns == stamp
     (made / "tokenizer.json").unlink()
-    assert (served_model_dir(tmp_path) / "tokenizer.json").is_file()
+    assert (proc.served_model_dir(tmp_path) / "tokenizer.json").is_file()
 
 
 def test_vllms_random_dataset_gets_exactly_the_lengths_it_samples(model_dir: Path) -> None:
@@ -101,7 +99,7 @@ def test_vllms_random_dataset_gets_exactly_the_lengths_it_samples(model_dir: Pat
         assert tokenizer.vocab_size == VOCAB and tokenizer.num_special_tokens_to_add() == 0
         exact = RandomDataset(random_seed=1).sample(tokenizer, 3, input_len=4096, output_len=16)
         assert [r.prompt_len for r in exact] == [4096] * 3
-        doc = sb.WORKLOADS["mix"][1]
+        doc = proc.WORKLOADS["mix"][1]
         ranged = RandomDataset(random_seed=2).sample(tokenizer, 4, range_ratio=json.loads(doc.range_ratio or ""),
                                                      input_len=doc.input_len, output_len=doc.output_len)
         for r in exact + ranged:
@@ -200,7 +198,7 @@ import json, sys
 from pathlib import Path
 from types import SimpleNamespace
 sys.path.insert(0, sys.argv[1])
-import matrix_design as md, serve_bench, serve_proc
+import matrix_design as md, serve_proc
 from vllm.platforms import current_platform
 # vLLM 0.26 infers a device type while it builds the serve parser and fails where there is none;
 # one is stood in here, in this process alone, so that the parser can be built on a CPU.
@@ -233,8 +231,8 @@ ns, ea = engine_args(serve_proc.ServerSpec("plugin", 0.95, 8201, log_iterations=
 out["iterations"] = ea.enable_logging_iteration_details
 parser = FlexibleArgumentParser()
 add_cli_args(parser)
-for client in sum(serve_bench.WORKLOADS.values(), ()):
-    cmd = serve_bench.bench_command(client, python="python3", base_url="http://127.0.0.1:8200", tokenizer=M,
+for client in sum(serve_proc.WORKLOADS.values(), ()):
+    cmd = serve_proc.bench_command(client, python="python3", base_url="http://127.0.0.1:8200", tokenizer=M,
                                     seed=7, result=Path("/r/x.json"), metadata={"engine": "plugin"})
     b = parser.parse_args(cmd[cmd.index("serve") + 1:])
     out[client.label] = {k: getattr(b, k) for k in ("backend", "base_url", "model", "tokenizer", "dataset_name",
@@ -546,7 +544,7 @@ def test_ab_phase_interleaves_and_keeps_other_workloads(tmp_path: Path) -> None:
                      for e in (("plugin", "stock") if rep == 2 else ("stock", "plugin"))]
     assert [run["warmup"] for run in data["runs"]] == [True] * 6 + [False] * 12
     assert data["runs"][0]["tag"] == "ab0-w1-long-stock" and data["runs"][6]["tag"] == "ab0-r1-long-stock"
-    # the seeds the recorded runs drew: 1000 + 100 x repeat + 10 x the workload's place in serve_bench
+    # the seeds the recorded runs drew: 1000 + 100 x repeat + 10 x the workload's place in serve_proc.WORKLOADS
     assert [run["seed"] for run in data["runs"][::2]] == [900, 910, 920, 1000, 1010, 1020, 1100, 1110, 1120]
     assert all(run["status"] == "ok" and run["healthy_after"] for run in data["runs"])
     mix = data["runs"][10]
@@ -889,7 +887,7 @@ def test_serve_report_from_hand_made_results(tmp_path: Path) -> None:
     runs.append({"workload": "chat", "engine": "plugin", "repeat": 4, "seed": 1400, "call": 0,
                  "tag": "ab0-r4-chat-plugin", "status": "not run", "error": "deadline: 12 s left"})
     server = {"startup": {"status": "ok", "elapsed_s": 80.0}, "kv_cache_memory_gib": 50.0, "planner_lines": []}
-    ab = {"schema": 1, "phase": "ab", "finished": False, "runs": runs, "workload_titles": sb.WORKLOAD_TITLES,
+    ab = {"schema": 1, "phase": "ab", "finished": False, "runs": runs, "workload_titles": proc.WORKLOAD_TITLES,
           "calls": [{"id": 0, "util": 0.45, "servers": {
               "stock": {**server, "label": "ab0-stock", "engine": "stock"},
               "plugin": {**server, "label": "ab0-plugin", "engine": "plugin", "kv_cache_memory_gib": 49.0}}}]}
