@@ -426,41 +426,6 @@ def test_a_tensor_parallel_bench_never_touches_the_gpu_here() -> None:
     assert result["status"] == "ok" and "peak_allocated_bytes" not in result
 
 
-def test_rank_log_compares_the_ranks(tmp_path: Path) -> None:
-    import rank_log
-
-    def log(steps1: list[str], reserve1: bool = True, reserved: str = "reserved") -> Path:
-        lines = ["INFO engine line without a rank"]
-        for rank, steps in ((0, ["32768 tokens, separate_prefill_decode, 5 launches"]), (1, steps1)):
-            p = f"\x1b[36m(Worker_TP{rank} pid={100 + rank})\x1b[0m "
-            if rank == 0:  # vLLM logs this on rank 0 only; the line below on every rank
-                lines += [p + "INFO 12-01 [gpu_worker.py:561] Available KV cache memory: 60.5 GiB"]
-            lines += [p + "INFO 12-01 [gpu_worker.py:857] Free memory on device ... Current kv cache memory in use is 60.5 GiB."]
-            if rank == 0 or reserve1:
-                sep = "; " if reserved.startswith("676") else ", "
-                lines += [p + f"INFO [backend.py:178] mla-planner: sparse MLA scratch budget 1024 MiB (default){sep}{reserved}"]
-            lines += [p + f"DEBUG [backend.py:120] mla-planner step: {s}" for s in steps]
-        path = tmp_path / "run.log"
-        path.write_text("\n".join(lines) + "\n")
-        return path
-
-    same = log(["32768 tokens, separate_prefill_decode, 5 launches"])
-    lines, found = rank_log.report(same)
-    assert found == [] and "every rank logged the same 1 step plans" in lines[-1]
-    assert "  rank 1: KV cache 60.50 GiB, reserved 1024 MiB, 1 step plans logged" in lines
-    assert rank_log.main([str(same)]) == 0
-    _, found = rank_log.report(log(["32768 tokens, mixed_batch, 14 launches"]))
-    assert found == ["rank 1: 1 step plans differ from rank 0's 1"]
-    _, found = rank_log.report(log(["32768 tokens, separate_prefill_decode, 5 launches"], reserve1=False))
-    assert found == ["rank 1: no scratch reservation"]
-    lines, _ = rank_log.report(log(["32768 tokens, separate_prefill_decode, 5 launches"],
-                                   reserved="648 MiB of it reserved from the KV cache"))  # vLLM 0.33's line
-    assert "  rank 1: KV cache 60.50 GiB, reserved 648 MiB, 1 step plans logged" in lines
-    lines, _ = rank_log.report(log(["32768 tokens, separate_prefill_decode, 5 launches"],
-                                   reserved="676 MiB reserved from the KV cache"))  # the line the plugin logs now
-    assert "  rank 1: KV cache 60.50 GiB, reserved 676 MiB, 1 step plans logged" in lines
-
-
 def test_engine_arguments_are_known_to_the_installed_vllm() -> None:
     pytest.importorskip("vllm")
     r = subprocess.run([sys.executable, str(HERE / "run_cases.py"), "--backend", "planned", "--util", "0.95",
