@@ -340,57 +340,38 @@ def verdict(a: Summary, b: Summary) -> list[str]:
     return lines
 
 
-def timed_runs(data: dict[str, Any], call: dict[str, Any], workload: str) -> list[dict[str, Any]]:
-    """An ab call's runs of ``workload`` that bench timed (warm-up rounds left out) with a window."""
-    return [r for r in data.get("runs", []) if r.get("call") == call.get("id") and r.get("workload") == workload
-            and not r.get("warmup") and r.get("window")]
-
-
-def server_logs(out: Path, call: dict[str, Any]) -> dict[str, str]:
-    """An ab call's server logs, by engine ("" for one not found)."""
-    return {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
-            for e, rec in call.get("servers", {}).items() if rec.get("log")}
-
-
-def ab_steps(texts: dict[str, str], data: dict[str, Any], call: dict[str, Any]) -> dict[str, dict[str, Summary]]:
-    """Per workload of one ab call, per engine: the summary of the iteration lines inside that
-    workload's timed runs in the engine's server log (``texts``: ``server_logs``)."""
-    found: dict[str, dict[str, Summary]] = {}
-    for workload in call.get("workloads", []):
-        runs = timed_runs(data, call, workload)
-        found[workload] = {e: summarize(parse_iterations(text, [(r["window"][0], r["window"][1]) for r in runs
-                                                                 if r["engine"] == e]))
-                           for e, text in texts.items()}
-    return found
+def timed_runs(data: dict[str, Any], call: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """An ab call's runs that bench timed (warm-up rounds left out), with a window, by workload."""
+    return {w: [r for r in data.get("runs", []) if r.get("call") == call.get("id") and r.get("workload") == w
+                and not r.get("warmup") and r.get("window")] for w in call.get("workloads", [])}
 
 
 def step_figures(out: Path, data: dict[str, Any], call: dict[str, Any]) -> dict[str, Any]:
-    """An ab call's step figures, counted from its server logs in ``out``: per workload and engine
-    (``steps``: ``ab_steps``) and per repeat (``step_pairs``: ``decode_pairs``)."""
-    texts = server_logs(out, call)
-    return {"steps": ab_steps(texts, data, call), "step_pairs": decode_pairs(texts, data, call)}
+    """An ab call's step figures, from its server logs in ``out``, per workload: ``steps``, per engine
+    the summary of the iteration lines inside the workload's timed runs, and ``step_pairs``,
+    plugin/stock mean decode-only gap of each repeat both engines ran (the runs of one seed), in repeat
+    order: their spread says whether the pooled figure is told apart from the machine's own swings."""
+    texts = {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
+             for e, rec in call.get("servers", {}).items() if rec.get("log")}
+    steps: dict[str, dict[str, Summary]] = {}
+    pairs: dict[str, list[float]] = {}
+    for workload, runs in timed_runs(data, call).items():
+        steps[workload] = {e: summarize(parse_iterations(text, [(r["window"][0], r["window"][1]) for r in runs
+                                                                if r["engine"] == e])) for e, text in texts.items()}
+        gap: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
+        for r in runs:
+            if r["engine"] in gap and r["engine"] in texts:
+                mean = summarize(parse_iterations(texts[r["engine"]], [(r["window"][0], r["window"][1])]))["decode_gap_ms"]
+                if mean:
+                    gap[r["engine"]][r.get("seed")] = mean
+        pairs[workload] = plugin_over_stock(gap)
+    return {"steps": steps, "step_pairs": pairs}
 
 
 def plugin_over_stock(values: dict[str, dict[Any, float]]) -> list[float]:
     """Plugin/stock of each key (a repeat's seed) both engines have a value for, in stock's order."""
     stock, plugin = values.get("stock", {}), values.get("plugin", {})
     return [plugin[k] / stock[k] for k in stock if k in plugin and stock[k]]
-
-
-def decode_pairs(texts: dict[str, str], data: dict[str, Any], call: dict[str, Any]) -> dict[str, list[float]]:
-    """Per workload of one ab call: plugin/stock mean decode-only gap of each repeat both engines
-    ran (the runs of one seed), in repeat order. The spread of these says whether the pooled
-    figure of ``ab_steps`` is told apart from the machine's own swings."""
-    pairs: dict[str, list[float]] = {}
-    for workload in call.get("workloads", []):
-        gap: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
-        for r in timed_runs(data, call, workload):
-            if r["engine"] in gap and r["engine"] in texts:
-                mean = summarize(parse_iterations(texts[r["engine"]], [(r["window"][0], r["window"][1])]))["decode_gap_ms"]
-                if mean:
-                    gap[r["engine"]][r.get("seed")] = mean
-        pairs[workload] = plugin_over_stock(gap)
-    return pairs
 
 
 def pairs_line(ratios: list[float]) -> str:
@@ -407,13 +388,11 @@ def compare_ab(out: Path) -> list[str]:
     data = json.loads((out / "ab.json").read_text())
     lines: list[str] = []
     for call in data.get("calls", []):
-        if set(call.get("servers", {})) != {"stock", "plugin"}:
-            continue
-        texts = server_logs(out, call)
-        pairs = decode_pairs(texts, data, call)
-        for workload, engines in ab_steps(texts, data, call).items():
-            lines += [f"### call {call['id']}, {workload} ({len(timed_runs(data, call, workload))} timed runs)", ""]
-            lines += compare(engines["stock"], engines["plugin"]) + [pairs_line(pairs[workload]), ""]
+        if set(call.get("servers", {})) == {"stock", "plugin"}:
+            figures = step_figures(out, data, call)
+            for workload, engines in figures["steps"].items():
+                lines += [f"### call {call['id']}, {workload} ({len(timed_runs(data, call)[workload])} timed runs)", "",
+                          *compare(engines["stock"], engines["plugin"]), pairs_line(figures["step_pairs"][workload]), ""]
     return lines or [f"{out / 'ab.json'}: no call with both servers"]
 
 

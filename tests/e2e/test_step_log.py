@@ -219,7 +219,7 @@ def test_step_log_compares_each_workloads_timed_runs(tmp_path: Path) -> None:
 
 
 def test_step_log_pairs_each_repeats_runs(tmp_path: Path) -> None:
-    """decode_pairs: plugin/stock decode-only gap per repeat (the runs of one seed), in repeat order;
+    """step_figures' pairs: plugin/stock decode-only gap per repeat (the runs of one seed), in repeat order;
     a repeat one engine did not run makes no pair."""
     gaps = {(1000, "stock"): 4, (1000, "plugin"): 5, (1100, "stock"): 5, (1100, "plugin"): 4, (1200, "stock"): 3}
     runs: list[dict[str, Any]] = []
@@ -232,7 +232,7 @@ def test_step_log_pairs_each_repeats_runs(tmp_path: Path) -> None:
     call = {"id": 0, "workloads": ["chat"], "servers": {e: {"log": f"{e}.log"} for e in lines}}
     for engine, text in lines.items():
         (tmp_path / f"{engine}.log").write_text("\n".join(text))
-    pairs = step_log.decode_pairs(step_log.server_logs(tmp_path, call), {"runs": runs}, call)
+    pairs = step_log.step_figures(tmp_path, {"runs": runs}, call)["step_pairs"]
     assert pairs == {"chat": [pytest.approx(1.25), pytest.approx(0.8)]}
     assert step_log.pairs_line(pairs["chat"]) == (
         "decode-only steps per repeat, plugin/stock: 1.250 0.800; median 1.025 (2 pairs, 0.800-1.250)")
