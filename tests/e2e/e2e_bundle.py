@@ -307,10 +307,11 @@ def missing_in_site(site: Path) -> list[str]:
 def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, options, text in (("status", ("stash",), "which parts a stash holds and which it lacks"),
-                                ("join", ("stash", "dest"), "reassemble and verify the bundle, then extract it into --dest"),
-                                ("install-vllm", ("src", "site"), "extract the vLLM tars from --src into --site"),
-                                ("check", ("site",), "exit 1 unless vLLM's required files are in --site")):
+    for name, options, text in (
+            ("status", ("stash",), "which parts a stash holds and which it lacks"),
+            ("join", ("stash", "dest"), "reassemble and verify the bundle, then extract it into --dest"),
+            ("install-vllm", ("src", "site"), "extract the vLLM tars from --src into --site"),
+            ("check", ("site",), "exit 1 unless vLLM's required files are in --site")):
         command = sub.add_parser(name, help=text)
         for option in options:
             command.add_argument(f"--{option}", type=Path, required=True)

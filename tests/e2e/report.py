@@ -136,7 +136,8 @@ def server_rows(records: list[dict[str, Any]]) -> list[str]:
 def engine_checks(records: list[dict[str, Any]]) -> list[str]:
     """A plugin server must log the planner's lines, a stock server none."""
     return [f"**{r.get('label')}: {r.get('engine')} server logged {planner_lines(r)[1]} mla-planner lines**"
-            for r in records if "planner_lines" in r and up(r) and (r.get("engine") == "plugin") != bool(planner_lines(r)[1])]
+            for r in records
+            if "planner_lines" in r and up(r) and (r.get("engine") == "plugin") != bool(planner_lines(r)[1])]
 
 
 # --- serve.md -----------------------------------------------------------------------------------------
@@ -176,8 +177,8 @@ def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tu
                 failed = sum(int(r.get("failed") or 0) for r in rows)
                 lines.append(row(label, engine, *(num(meds[engine][key], d) for _, key, d in METRICS),
                                  failed if rows else "–"))
-            lines.append(row(label, "plugin/stock", *(ratio(meds["plugin"][k], meds["stock"][k]) for _, k, _ in METRICS))
-                         + " |")
+            ratios = (ratio(meds["plugin"][k], meds["stock"][k]) for _, k, _ in METRICS)
+            lines.append(row(label, "plugin/stock", *ratios) + " |")
         # the workload as a whole (the last label: its one client, or all combined)
         for name, key in (("total tokens/s", "total_token_throughput"), ("output tokens/s", "output_throughput")):
             summary.append(f"{workload}: plugin/stock {name} {ratio(meds['plugin'][key], meds['stock'][key])} "
@@ -186,8 +187,8 @@ def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tu
                   f"plugin {totals(by_engine['plugin'], labels[-1])}."]
         warm = {e: [r for r in every if r.get("warmup") and r["engine"] == e] for e in ENGINES}
         if any(warm.values()):
-            lines.append(f"Warm-up rounds, not in the medians ({labels[-1]}): stock {totals(warm['stock'], labels[-1])}; "
-                         f"plugin {totals(warm['plugin'], labels[-1])}.")
+            lines.append(f"Warm-up rounds, not in the medians ({labels[-1]}): stock "
+                         f"{totals(warm['stock'], labels[-1])}; plugin {totals(warm['plugin'], labels[-1])}.")
         how = "at the same time" if any(r.get("at_once") for r in wruns) else "back to back"
         for name, key, label in (("total tokens/s", "total_token_throughput", labels[-1]),
                                  ("TPOT p50", "p50_tpot_ms", labels[0])):  # combined has no TPOT: the first client's
@@ -267,8 +268,8 @@ def boundary_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
                 text = r.get("status", "–") + (f": {cell(r.get('error'), 90)}" if r.get("error") else "")
             if r.get("status") != "ok":
                 not_ok.append(f"{case} ({s.get('mnbt')})")
-            lines.append(row(s.get("label"), f"{case}: {titles.get(case, '')}", text,
-                             f"{r.get('requests_ok', '–')}/{len(r.get('requests', [])) or '–'}", r.get("health_after", "–")))
+            lines.append(row(s.get("label"), f"{case}: {titles.get(case, '')}", text, f"{r.get('requests_ok', '–')}/"
+                             f"{len(r.get('requests', [])) or '–'}", r.get("health_after", "–")))
     run = data.get("run", {})
     return lines, [*engine_checks(servers), f"boundary ({run.get('engine')}, util {run.get('util')}): "
                    + ("every case finished" if not not_ok else f"not finished: case {', '.join(not_ok)}")]
@@ -375,7 +376,8 @@ def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
     return lines, summary
 
 
-SECTIONS = {"ab": ("Throughput A/B (`vllm bench serve`)", ab_section), "boundary": ("Boundary requests", boundary_section),
+SECTIONS = {"ab": ("Throughput A/B (`vllm bench serve`)", ab_section),
+            "boundary": ("Boundary requests", boundary_section),
             "failrate": ("Stock failure rate on a 32K prompt", failrate_section), "soak": ("Soak", soak_section)}
 
 
@@ -598,14 +600,16 @@ def case_table(case: str, runs: list[tuple[str, dict[str, Any]]], driver: dict[s
     return lines if len(lines) > 2 else []
 
 
-def pairs_of(runs: list[tuple[str, dict[str, Any]]], case: str | None = None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def pairs_of(runs: list[tuple[str, dict[str, Any]]],
+             case: str | None = None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(stock, planned) runs at the same util and mnbt; with ``case``, both must have it ``ok``."""
     def ok(d: dict[str, Any]) -> bool:
         return up(d) if case is None else bool(d.get("cases", {}).get(case, {}).get("status") == "ok")
 
     return [(stock, planned) for _, stock in runs for _, planned in runs
             if (stock["run"]["util"], stock["run"]["mnbt"]) == (planned["run"]["util"], planned["run"]["mnbt"])
-            and stock["run"]["backend"] == "stock" and planned["run"]["backend"] == "planned" and ok(stock) and ok(planned)]
+            and (stock["run"]["backend"], planned["run"]["backend"]) == ("stock", "planned")
+            and ok(stock) and ok(planned)]
 
 
 def throughput_section(runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[str]]:

@@ -331,8 +331,8 @@ def run_prompts_case(bench: Bench, case: str) -> dict[str, Any]:
     max_tokens = CASE_MAX_TOKENS.get(case, MAX_TOKENS)
 
     def body() -> dict[str, Any]:
-        outputs = [{"prompt_len": len(out.prompt_token_ids or []), "token_ids": [int(t) for t in out.outputs[0].token_ids],
-                    "finish_reason": out.outputs[0].finish_reason}
+        outputs = [{"prompt_len": len(out.prompt_token_ids or []), "finish_reason": out.outputs[0].finish_reason,
+                    "token_ids": [int(t) for t in out.outputs[0].token_ids]}
                    for out in bench.generate(prompts, bench.params(max_tokens))]
         return {"outputs": outputs, "requests_with_all_tokens": sum(len(o["token_ids"]) == max_tokens for o in outputs)}
 

@@ -1,21 +1,13 @@
 """The end-to-end driver (docs/e2e.md): stock FLASHMLA_SPARSE against the plugin, in-process (``--group``
 or ``--runs``: one run_cases.py process per engine) or through ``vllm serve`` (``--phase``: ab, boundary,
-failrate, soak, and the flag matrix, with servers, requests and bench clients of serve_proc.py).
-
-    export PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath)
-    python3 tests/e2e/run_serve.py --group A --out /tmp/e2e             # in-process; --list names the runs
-    python3 tests/e2e/run_serve.py --phase ab --out /tmp/serve          # or boundary, failrate, soak, matrix
-    python3 tests/e2e/run_serve.py --phase soak --detach --out /tmp/serve
-    python3 tests/e2e/run_serve.py --phase soak --follow --out /tmp/serve   # the next call
-    python3 tests/e2e/run_serve.py --report-only /tmp/serve
+failrate, soak, and the flag matrix), with the servers, requests and bench clients of serve_proc.py.
 
 A call ends by ``--deadline-s``; what the deadline leaves no time for is recorded as not run. Every
 record is rewritten as it changes, so a crash or the device's time limit keeps what came before: an
-in-process run writes ``DIR/<run>.json`` and ``.log`` (``DIR/driver.json`` says how each process ended),
-a phase ``DIR/<phase>[-<engine>].json``, server logs under ``DIR/logs`` and bench results under
-``DIR/bench``. The reports (report.py) follow: ``e2e.md``, ``serve.md``, ``matrix.md``. A phase longer
-than a device call runs ``--detach``ed in a session of its own, which the machine keeps while it stays
-warm; ``--follow`` in the next call picks it up.
+in-process run's ``DIR/<run>.json`` and ``.log`` (``DIR/driver.json``: how each process ended), a
+phase's ``DIR/<phase>[-<engine>].json``, with server logs in ``DIR/logs`` and bench results in
+``DIR/bench``; then the reports (report.py). A phase longer than a device call runs ``--detach``ed in
+a session of its own, which the machine keeps while it stays warm; ``--follow`` picks it up.
 """
 
 from __future__ import annotations
@@ -105,7 +97,8 @@ def say(message: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="docs/e2e.md says what each phase and option does.")
     add = ap.add_argument
     add("--phase", choices=PHASES, help="a served phase (one a call)")
     add("--group", choices=("A", "B", "T"),
@@ -114,46 +107,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--list", action="store_true", help="print the in-process runs and exit")
     add("--out", type=Path, help="results folder (kept: later calls add to it)")
     add("--deadline-s", type=float, help="the call ends by then (default 540; in-process 570)")
-    add("--detach", action="store_true", help="run the phase in a session of its own (its own deadline), "
-                                              "follow it until --deadline-s")
+    add("--detach", action="store_true", help="run the phase in a session of its own; follow it until --deadline-s")
     add("--follow", action="store_true", help="follow the phase detached in DIR until it ends or --deadline-s")
-    add("--report-only", type=Path, metavar="DIR", help="only write DIR's reports from its JSON (the ab step "
-                                                        "figures as the run stored them: step_log.py compare "
-                                                        "--ab DIR counts them again)")
+    add("--report-only", type=Path, metavar="DIR", help="only write DIR's reports from its JSON")
     add("--engine", choices=ENGINES, help="boundary, soak: default plugin; failrate: default stock")
     add("--util", type=float, help="--gpu-memory-utilization (ab: 0.40 each; boundary, soak: 0.95; matrix: 0.09, "
                                    "0.04 with --stock-twins --start together, plus each server's budget share)")
-    add("--log-iterations", action="store_true", help="every server logs each engine step (vLLM's "
-                                                      "--enable-logging-iteration-details), for step_log.py compare")
-    add("--layers", type=int, help="the model's hidden layers (default: its config's, 2; more put more of each step "
-                                   "in attention, as in the real model's 61)")
+    add("--log-iterations", action="store_true", help="servers log each engine step, for step_log.py compare")
+    add("--layers", type=int, help="the model's hidden layers (default: its config's, 2)")
     add("--workloads", default="long,chat,mix", help=f"ab: of {', '.join(sp.WORKLOADS)}")
     add("--repeats", type=int, help="ab: interleaved repeats per engine and workload (default 3); in-process: "
                                     "throughput repeats per workload (default 5)")
-    add("--warmup-rounds", type=int, default=1, help="ab: rounds of every workload on both servers before the "
-        "repeats, left out of the medians (default 1: a server's first run of a workload pays first-use costs)")
+    add("--warmup-rounds", type=int, default=1, help="ab: rounds of every workload left out of the medians")
     add("--at-once", nargs="?", const="*", default="", metavar="WORKLOADS",
-        help="ab: these workloads (none given: all of the call's) run both engines' runs of a repeat at the same "
-             "time, so the machine's swings of seconds hit both alike (for chat's per-step comparison); the others "
-             "one after the other")
+        help="ab: these workloads (none given: all) run both engines' runs of a repeat at the same time")
     add("--prompt-scale", type=float, default=1.0, help="ab, soak: scales every client's prompt count")
     add("--failrate-utils", default="0.90,0.95", help="failrate: utilizations, in turn")
     add("--failrate-n", type=int, default=2, help="failrate: servers per utilization")
     add("--soak-s", type=float, default=600, help="soak: how long to repeat the mix (default 600)")
     add("--sample-s", type=float, default=5, help="soak: seconds between memory samples")
-    add("--servers", help=f"matrix: of {','.join(c.name for c in md.DESIGN)} (default: all; a subset's coverage "
-                          "gaps are reported)")
-    add("--stock-twins", nargs="?", const="all", default="", help="matrix: beside each server (or each of the "
-        "comma-separated NAMES given) its stock twin (FLASHMLA_SPARSE, same flags), for its KV cache lines")
+    add("--servers", help=f"matrix: of {','.join(c.name for c in md.DESIGN)} (default: all)")
+    add("--stock-twins", nargs="?", const="all", default="", help="matrix: a stock twin beside each server (or NAMES)")
     add("--start", choices=("staggered", "together", "chained"), default="staggered",
-        help="matrix: staggered (default): each once the one before has sized its KV cache, so that no two servers' "
-             "memory profiling overlaps; together: every server at once (their KV figures carry each other's "
-             "start-ups, and a start may fail of it); chained: each once the one before it is up")
-    add("--gpus", type=int, default=1, help="matrix: GPUs to spread the servers over (CUDA_VISIBLE_DEVICES; a server "
-        "and its twin share one); each GPU's starts are staggered or chained on their own, side by side (default 1)")
+        help="matrix: each start once the one before has sized its KV cache, all at once, or once it is up")
+    add("--gpus", type=int, default=1, help="matrix: GPUs to spread the servers over, round robin (default 1)")
     add("--retries", type=int, default=1, help="matrix: retries, alone, of a start other servers disturbed")
-    add("--min-fallback-mb", type=int, help="matrix: budget for a 'min' server whose 64 MiB start gave no minimum "
-                                            "(default: not started)")
+    add("--min-fallback-mb", type=int, help="matrix: budget of a 'min' server whose 64 MiB start gave no minimum")
     add("--chat-n", type=int, default=100, help="matrix: requests in the chat burst (default 100)")
     add("--port-base", type=int, default=8100, help="servers listen on this port and above (0: any free)")
     add("--start-timeout-s", type=float, help="a server's start-up limit (default 240; matrix: 360)")
@@ -308,15 +287,18 @@ def in_process(args: argparse.Namespace) -> int:
     run = Run(args, out / report.DRIVER_JSON, report.load_driver(out), time.monotonic())
     for r in args.selected:
         if run.left() < MIN_RUN_S:
-            run.update(run.data["runs"], **{r.name: {"status": "not run", "reason": f"deadline: {run.left():.0f} s left"}})
+            why = {"status": "not run", "reason": f"deadline: {run.left():.0f} s left"}
+            run.update(run.data["runs"], **{r.name: why})
             say(f"{r.name}: not run ({run.left():.0f} s left of the deadline)")
             continue
         timeout = min(r.timeout_s, run.left() - 5)
         say(f"{r.name}: running (timeout {timeout:.0f} s) ...")
         log = out / f"{r.name}.log"
-        result = run_one(run_command(r, out, args), log, timeout, {"VLLM_LOGGING_LEVEL": "DEBUG"} if r.debug_log else None)
+        debug = {"VLLM_LOGGING_LEVEL": "DEBUG"} if r.debug_log else {}  # every rank logs each step's plan
+        result = run_one(run_command(r, out, args), log, timeout, debug)
         run.update(run.data["runs"], **{r.name: {"status": "ran", **result}})
-        say(f"{r.name}: {'TIMED OUT' if result['timed_out'] else 'rc ' + str(result['rc'])} after {result['wall_s']:.0f} s")
+        state = "TIMED OUT" if result["timed_out"] else f"rc {result['rc']}"
+        say(f"{r.name}: {state} after {result['wall_s']:.0f} s")
         for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
             if re.match(r"(engine up|engine start-up failed|case \S+: )", line):  # run_cases.py's own reports
                 say(f"    {line}")

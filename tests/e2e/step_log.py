@@ -392,7 +392,8 @@ def compare_ab(out: Path) -> list[str]:
             figures = step_figures(out, data, call)
             for workload, engines in figures["steps"].items():
                 lines += [f"### call {call['id']}, {workload} ({len(timed_runs(data, call)[workload])} timed runs)", "",
-                          *compare(engines["stock"], engines["plugin"]), pairs_line(figures["step_pairs"][workload]), ""]
+                          *compare(engines["stock"], engines["plugin"]), pairs_line(figures["step_pairs"][workload]),
+                          ""]
     return lines or [f"{out / 'ab.json'}: no call with both servers"]
 
 

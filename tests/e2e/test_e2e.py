@@ -540,8 +540,9 @@ def test_no_run_outlives_a_killed_driver(tmp_path: Path) -> None:
     pid_file = tmp_path / "run.pid"
     sleeper = [sys.executable, "-c",
                f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(300)"]
-    driver = subprocess.Popen([sys.executable, "-c", f"import pathlib, sys; sys.path.insert(0, {str(HERE)!r}); import run_serve; "
-                               f"run_serve.run_one({sleeper!r}, pathlib.Path({str(tmp_path / 'run.log')!r}), 300)"])
+    driver = subprocess.Popen([sys.executable, "-c", f"import pathlib, sys; sys.path.insert(0, {str(HERE)!r}); "
+                               f"import run_serve; run_serve.run_one({sleeper!r}, "
+                               f"pathlib.Path({str(tmp_path / 'run.log')!r}), 300)"])
     try:
         deadline = time.monotonic() + 60
         while not pid_file.exists() or not pid_file.read_text():

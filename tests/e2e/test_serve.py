@@ -493,7 +493,8 @@ def test_failrate_phase(tmp_path: Path) -> None:
     assert "failrate (stock) at 0.95: 2 of 2 failed (0 at start-up, 2 on the 32K prompt), engine died in 2" in md_text
     assert "| 0.95 | 2 | 0 | 0 | 2 | 2 | 2 | HTTP 500:" in md_text
     # adds to it; this server fails its start-up (stock vLLM 0.33 at 0.95 on the H200 did, every time)
-    driver(tmp_path, "--phase", "failrate", "--failrate-n", "1", "--failrate-utils", "0.95", FAKE_SERVE_EXIT_AT_START="1")
+    driver(tmp_path, "--phase", "failrate", "--failrate-n", "1", "--failrate-utils", "0.95",
+           FAKE_SERVE_EXIT_AT_START="1")
     data = results(tmp_path, "failrate-stock.json")
     assert [t["label"] for t in data["trials"]][-2:] == ["failrate-stock-0.95-c1-2", "failrate-stock-0.95-c2-1"]
     assert (data["trials"][-1]["status"], data["trials"][-1]["engine_died"], data["trials"][-1]["oom_in_log"]) == (
@@ -543,7 +544,8 @@ def test_ab_phase_interleaves_and_a_later_call_replaces_its_workloads(tmp_path: 
     assert steps["stock"]["steps"] == steps["plugin"]["steps"] == 0  # the stand-in bench sends no request
     assert "- long, vLLM's iteration lines of the timed runs (call 1): too few steps to compare" in serve_md(tmp_path)
     before = (tmp_path / "ab.json").read_text()  # but not runs of another model: one report, one model
-    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1", "--layers", "8", rc=2)
+    r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "long", "--repeats", "1", "--layers", "8",
+               rc=2)
     assert "holds runs of another model (--layers None); give another --out" in r.stderr, r.stdout + r.stderr
     assert (tmp_path / "ab.json").read_text() == before
 
