@@ -148,15 +148,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.detach and args.follow or (args.detach or args.follow) and not args.phase:
         ap.error("--detach follows the phase itself: give one of --detach and --follow, with --phase")
     if not args.phase:
-        args.deadline_s = args.deadline_s or 570
-        args.repeats = args.repeats or 5
+        args.deadline_s = 570 if args.deadline_s is None else args.deadline_s
+        args.repeats = 5 if args.repeats is None else args.repeats
         wanted = [n for n in (args.runs or "").split(",") if n]
         unknown = [n for n in wanted if n not in RUNS_BY_NAME]
         if unknown:
             ap.error(f"unknown run(s) {unknown}; known: {', '.join(RUNS_BY_NAME)}")
         args.selected = [RUNS_BY_NAME[n] for n in wanted] or [r for r in RUNS if r.group == args.group]
         return args
-    args.deadline_s = args.deadline_s or 540
+    args.deadline_s = 540 if args.deadline_s is None else args.deadline_s
     args.repeats = 3 if args.repeats is None else args.repeats
     args.workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in args.workloads if w not in sp.WORKLOADS]
