@@ -200,14 +200,6 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-@dataclass(frozen=True)
-class Chunk:
-    part: int
-    file: str
-    bytes: int
-    sha256: str
-
-
 def split_into_parts(bundle: Path, parts_dir: Path, chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
     """Cuts ``bundle`` into ``parts_dir/partK/bundle.tar.KKK`` (K from 1), each part with the manifest.
 
@@ -218,23 +210,16 @@ def split_into_parts(bundle: Path, parts_dir: Path, chunk_bytes: int = CHUNK_BYT
     if parts_dir.exists():
         for old in parts_dir.glob("part*"):
             shutil.rmtree(old)
-    chunks: list[Chunk] = []
+    chunks: list[dict[str, Any]] = []
     with bundle.open("rb") as src:
         while block := src.read(chunk_bytes):
-            k = len(chunks) + 1
-            name = f"{bundle.name}.{k:03d}"
-            folder = parts_dir / f"part{k}"
-            folder.mkdir(parents=True)
-            (folder / name).write_bytes(block)
-            chunks.append(Chunk(k, name, len(block), hashlib.sha256(block).hexdigest()))
-    manifest = {
-        "bundle": bundle.name,
-        "bytes": bundle.stat().st_size,
-        "sha256": sha256_of(bundle),
-        "chunks": [c.__dict__ for c in chunks],
-    }
+            k, name = len(chunks) + 1, f"{bundle.name}.{len(chunks) + 1:03d}"
+            (parts_dir / f"part{k}").mkdir(parents=True)
+            (parts_dir / f"part{k}" / name).write_bytes(block)
+            chunks.append({"part": k, "file": name, "bytes": len(block), "sha256": hashlib.sha256(block).hexdigest()})
+    manifest = {"bundle": bundle.name, "bytes": bundle.stat().st_size, "sha256": sha256_of(bundle), "chunks": chunks}
     for c in chunks:
-        (parts_dir / f"part{c.part}" / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        (parts_dir / f"part{c['part']}" / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
@@ -242,17 +227,13 @@ def load_manifest(stash: Path) -> dict[str, Any]:
     path = stash / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing: stash a part first (device_install.sh stash K)")
-    manifest: dict[str, Any] = json.loads(path.read_text())
-    return manifest
+    return dict(json.loads(path.read_text()))
 
 
 def missing_chunks(stash: Path) -> list[int]:
     """Part numbers whose chunk is absent from ``stash`` or differs in size (a cheap check)."""
-    manifest = load_manifest(stash)
-    return [
-        c["part"] for c in manifest["chunks"]
-        if not (stash / c["file"]).is_file() or (stash / c["file"]).stat().st_size != c["bytes"]
-    ]
+    return [c["part"] for c in load_manifest(stash)["chunks"]
+            if not (stash / c["file"]).is_file() or (stash / c["file"]).stat().st_size != c["bytes"]]
 
 
 def join_parts(stash: Path, out: Path) -> Path:
@@ -294,14 +275,9 @@ def unpack_bundle(bundle: Path, dest: Path) -> Path:
     return dest
 
 
-def bundle_target(unpacked: Path) -> Target:
-    """The target an extracted bundle carries (its ``target.json``)."""
-    return target_for(json.loads((unpacked / TARGET_FILE).read_text())["vllm"])
-
-
 def install_vllm_tree(unpacked: Path, site: Path) -> Target:
     """Puts the bundle's vLLM tree and dist-info into ``site``, replacing any earlier vLLM."""
-    target = bundle_target(unpacked)
+    target = target_for(json.loads((unpacked / TARGET_FILE).read_text())["vllm"])  # the target the bundle carries
     site.mkdir(parents=True, exist_ok=True)
     for old in [site / "vllm", *site.glob("vllm-*.dist-info")]:
         if old.exists():
@@ -331,24 +307,20 @@ def missing_in_site(site: Path) -> list[str]:
 def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    st = sub.add_parser("status", help="which parts a stash holds and which it lacks")
-    st.add_argument("--stash", type=Path, required=True)
-    jn = sub.add_parser("join", help="reassemble and verify the bundle, then extract it into --dest")
-    jn.add_argument("--stash", type=Path, required=True)
-    jn.add_argument("--dest", type=Path, required=True)
-    iv = sub.add_parser("install-vllm", help="extract the vLLM tars from --src into --site")
-    iv.add_argument("--src", type=Path, required=True)
-    iv.add_argument("--site", type=Path, required=True)
-    ck = sub.add_parser("check", help="exit 1 unless vLLM's required files are in --site")
-    ck.add_argument("--site", type=Path, required=True)
+    for name, options, text in (
+            ("status", ("stash",), "which parts a stash holds and which it lacks"),
+            ("join", ("stash", "dest"), "reassemble and verify the bundle, then extract it into --dest"),
+            ("install-vllm", ("src", "site"), "extract the vLLM tars from --src into --site"),
+            ("check", ("site",), "exit 1 unless vLLM's required files are in --site")):
+        command = sub.add_parser(name, help=text)
+        for option in options:
+            command.add_argument(f"--{option}", type=Path, required=True)
     args = ap.parse_args(argv)
     try:
         if args.cmd == "status":
-            manifest = load_manifest(args.stash)
-            missing = missing_chunks(args.stash)
-            n = len(manifest["chunks"])
-            have = [c["part"] for c in manifest["chunks"] if c["part"] not in missing]
-            print(f"stash {args.stash}: parts {have} of {n} present; missing {missing or 'none'}")
+            chunks, missing = load_manifest(args.stash)["chunks"], missing_chunks(args.stash)
+            have = [c["part"] for c in chunks if c["part"] not in missing]
+            print(f"stash {args.stash}: parts {have} of {len(chunks)} present; missing {missing or 'none'}")
         elif args.cmd == "join":
             bundle = join_parts(args.stash, args.stash / BUNDLE)
             unpack_bundle(bundle, args.dest)

@@ -80,8 +80,7 @@ class _Request:
 
 class FakeCuda:
     def __init__(self) -> None:
-        self.allocated = 0
-        self.peak = 0
+        self.allocated = self.peak = 0
 
     def alloc(self, nbytes: int) -> None:
         self.allocated += nbytes
@@ -99,14 +98,10 @@ class FakeCuda:
     def max_memory_allocated(self) -> int:
         return self.peak
 
-    def max_memory_reserved(self) -> int:
-        return self.peak
-
     def memory_allocated(self) -> int:
         return self.allocated
 
-    def memory_reserved(self) -> int:
-        return self.allocated
+    max_memory_reserved, memory_reserved = max_memory_allocated, memory_allocated
 
     def mem_get_info(self) -> tuple[int, int]:
         return TOTAL - self.allocated, TOTAL

@@ -20,16 +20,12 @@ MODES = ("none", "plan", "tokens", "oom2", "launch")
 @dataclasses.dataclass
 class Faults:
     mode: str = "none"
-    launches: int = 0
-    """Kernel launches of the plugin's provider since the step's metadata was built."""
-    kernel_launches: int = 0
-    """Kernel launches of the plugin's provider since :func:`arm` (vLLM's own calls not counted)."""
+    launches: int = 0  # kernel launches of the plugin's provider since the step's metadata was built
+    kernel_launches: int = 0  # the same since ``arm`` (vLLM's own calls not counted)
     counts_at_arm: dict[str, int] = dataclasses.field(default_factory=dict)
-    fired: int = 0
-    """Faults injected since :func:`arm`."""
+    fired: int = 0  # faults injected since ``arm``
     layer_calls: int = 0
-    peak_bytes: int = 0
-    """The largest layer call's peak since :func:`arm`."""
+    peak_bytes: int = 0  # the largest layer call's peak since ``arm``
     depth: int = 0
 
 
@@ -37,10 +33,10 @@ STATE = Faults()
 
 
 def arm(mode: str) -> None:
+    global STATE
     if mode not in MODES:
         raise ValueError(f"unknown fault mode {mode!r}; one of {', '.join(MODES)}")
-    STATE.mode, STATE.launches, STATE.fired, STATE.layer_calls, STATE.peak_bytes = mode, 0, 0, 0, 0
-    STATE.kernel_launches, STATE.counts_at_arm = 0, step_counts()
+    STATE = Faults(mode, counts_at_arm=step_counts())
 
 
 def read() -> dict[str, Any]:

@@ -1,7 +1,6 @@
-"""The drivers' reports, from the JSON they leave in a results folder: ``e2e.md`` over the in-process
-runs (``<run>.json`` of run_cases.py, any group, and run_e2e.py's ``driver.json``), ``serve.md`` over
-the served phases (``ab.json``, ``boundary-<engine>.json``, ``failrate-<engine>.json``,
-``soak-<engine>.json``) and ``matrix.md`` from ``matrix.json``, one row per server.
+"""The reports, from the JSON a results folder holds (docs/e2e.md): ``e2e.md`` over the in-process runs
+(run_cases.py's ``<run>.json``, any group, and run_serve.py's ``driver.json``), ``serve.md`` over the
+served phases (``ab.json``, ``<phase>-<engine>.json``) and ``matrix.md`` from ``matrix.json``.
 
 They work from the saved files alone, report what they say, missing results included (a run cut by
 the deadline, a case a crash or timeout interrupted), and compute only medians, ratios and
@@ -14,22 +13,21 @@ import json
 import re
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from step_log import pairs_line, plugin_over_stock, verdict
 
 DRIVER_JSON, E2E_MD, SERVE_MD, MATRIX_MD = "driver.json", "e2e.md", "serve.md", "matrix.md"
-GIB = 1 << 30
-MIB = 1 << 20
+GIB, MIB = 1 << 30, 1 << 20
 PROMPT_CASES = ("1", "2", "3", "4", "5")
 THROUGHPUT_GOAL = 0.97
-
 PHASES = ("ab", "boundary", "failrate", "soak")
 # (title, bench key, digits): the per-workload columns, medians over repeats.
 METRICS = (("TTFT p50 ms", "p50_ttft_ms", 1), ("TTFT p99 ms", "p99_ttft_ms", 1), ("TPOT p50 ms", "p50_tpot_ms", 2),
            ("TPOT p99 ms", "p99_tpot_ms", 2), ("output tok/s", "output_throughput", 0),
            ("total tok/s", "total_token_throughput", 0))
 ERROR_KINDS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error", "illegal memory access", "EngineDeadError")
+ENGINES = ("stock", "plugin")
 
 
 def load(folder: Path) -> dict[str, dict[str, Any]]:
@@ -46,7 +44,7 @@ def load(folder: Path) -> dict[str, dict[str, Any]]:
 
 
 def load_driver(folder: Path) -> dict[str, Any]:
-    """run_e2e.py's record of its runs (how each process ended)."""
+    """run_serve.py's record of its in-process runs (how each process ended)."""
     path = folder / DRIVER_JSON
     return dict(json.loads(path.read_text())) if path.is_file() else {"runs": {}}
 
@@ -61,21 +59,33 @@ def write(folder: Path) -> str:
     results = load(folder)
     runs = in_process_runs(results)
     phases = {stem: data for stem, data in results.items() if data.get("phase") in PHASES}
-    matrix = folder / "matrix.json"
     reports = []
     if runs or (folder / DRIVER_JSON).is_file():
         reports.append((E2E_MD, render_e2e(runs, load_driver(folder))))
     if phases:
         reports.append((SERVE_MD, render_serve(phases)))
-    if matrix.is_file():
-        reports.append((MATRIX_MD, render_matrix(json.loads(matrix.read_text()))))
+    if (folder / "matrix.json").is_file():
+        reports.append((MATRIX_MD, render_matrix(json.loads((folder / "matrix.json").read_text()))))
     for name, text in reports:
         (folder / name).write_text(text)
     return "\n".join(text for _, text in reports) or f"no results in {folder}"
 
 
+def table(*titles: str) -> list[str]:
+    """A markdown table's header and separator rows."""
+    return ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
+
+
+def row(*cells: Any) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def isnum(value: Any) -> TypeGuard[float]:
+    return isinstance(value, (int, float))
+
+
 def gib(value: Any) -> str:
-    return f"{value / GIB:.2f}" if isinstance(value, (int, float)) else "–"
+    return f"{value / GIB:.2f}" if isnum(value) else "–"
 
 
 def cell(value: Any, limit: int = 100) -> str:
@@ -84,16 +94,16 @@ def cell(value: Any, limit: int = 100) -> str:
 
 
 def num(value: Any, digits: int = 0) -> str:
-    return f"{value:,.{digits}f}" if isinstance(value, (int, float)) else "–"
+    return f"{value:,.{digits}f}" if isnum(value) else "–"
 
 
 def median(values: list[Any]) -> float | None:
-    nums = [v for v in values if isinstance(v, (int, float))]
+    nums = [v for v in values if isnum(v)]
     return statistics.median(nums) if nums else None
 
 
 def ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "–"
+    return f"{a / b:.3f}" if isnum(a) and isnum(b) and b else "–"
 
 
 def up(record: dict[str, Any]) -> bool:
@@ -107,13 +117,9 @@ def planner_lines(record: dict[str, Any]) -> tuple[list[str], int]:
     return lines, int(record.get("planner_line_count", record.get("mla_planner_line_count", len(lines))))
 
 
-def planner_count(record: dict[str, Any]) -> int:
-    return planner_lines(record)[1]
-
-
 def server_rows(records: list[dict[str, Any]]) -> list[str]:
-    lines = ["| server | engine | util | mnbt | start-up | KV cache GiB | KV tokens | mla-planner log lines "
-             "| alive at end | errors in log |", "|" + "---|" * 10]
+    lines = table("server", "engine", "util", "mnbt", "start-up", "KV cache GiB", "KV tokens", "mla-planner log lines",
+                  "alive at end", "errors in log")
     for r in records:
         s = r.get("startup", {})
         started = f"{s.get('status')}, {s['elapsed_s']:.0f} s" if "elapsed_s" in s else s.get("status", "–")
@@ -121,23 +127,23 @@ def server_rows(records: list[dict[str, Any]]) -> list[str]:
             last_line = next(iter((s.get("log_tail") or "").splitlines()[-1:]), "")
             started += f": {cell(s.get('error') or last_line, 80)}"
         errors = ", ".join(f"{k} ×{v}" for k, v in (r.get("error_count") or {}).items()) or "none"
-        alive = {True: "yes", False: "**no**", None: "–"}[r.get("alive_at_end")]
-        lines.append(f"| {r.get('label')} | {r.get('engine')} | {r.get('util')} | {r.get('mnbt')} | {started} | "
-                     f"{num(r.get('kv_cache_memory_gib'), 2)} | {num(r.get('kv_cache_tokens'))} | "
-                     f"{planner_count(r)} | {alive} | {cell(errors, 80)} |")
+        lines.append(row(r.get("label"), r.get("engine"), r.get("util"), r.get("mnbt"), started,
+                         num(r.get("kv_cache_memory_gib"), 2), num(r.get("kv_cache_tokens")), planner_lines(r)[1],
+                         {True: "yes", False: "**no**", None: "–"}[r.get("alive_at_end")], cell(errors, 80)))
     return lines
 
 
 def engine_checks(records: list[dict[str, Any]]) -> list[str]:
     """A plugin server must log the planner's lines, a stock server none."""
-    return [f"**{r.get('label')}: {r.get('engine')} server logged {planner_count(r)} mla-planner lines**"
-            for r in records if "planner_lines" in r and up(r) and (r.get("engine") == "plugin") != bool(planner_count(r))]
+    return [f"**{r.get('label')}: {r.get('engine')} server logged {planner_lines(r)[1]} mla-planner lines**"
+            for r in records
+            if "planner_lines" in r and up(r) and (r.get("engine") == "plugin") != bool(planner_lines(r)[1])]
 
 
 # --- serve.md -----------------------------------------------------------------------------------------
 
 
-def _client_rows(runs: list[dict[str, Any]], label: str) -> list[dict[str, Any]]:
+def client_rows(runs: list[dict[str, Any]], label: str) -> list[dict[str, Any]]:
     """The summaries of one client (or ``combined``) over the ok runs."""
     if label == "combined":
         return [r["combined"] for r in runs if r.get("status") == "ok" and r.get("combined")]
@@ -145,63 +151,57 @@ def _client_rows(runs: list[dict[str, Any]], label: str) -> list[dict[str, Any]]
             if r.get("status") == "ok" and (r["clients"].get(label) or {}).get("result")]
 
 
+def totals(runs: list[dict[str, Any]], label: str) -> str:
+    """The runs' total tokens/s of one client (or ``combined``), in run order."""
+    return " ".join(num(r.get("total_token_throughput")) for r in client_rows(runs, label)) or "–"
+
+
 def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     """One workload's table: per client (and all clients combined), each engine's medians over its
     finished repeats, then plugin/stock. Warm-up rounds are listed, not counted."""
     wruns = [r for r in every if not r.get("warmup")]
-    warmups = [r for r in every if r.get("warmup")]
     labels = list(dict.fromkeys(label for r in wruns for label in r.get("clients", {})))
-    if len(labels) > 1:
-        labels.append("combined")
-    by_engine = {e: [r for r in wruns if r["engine"] == e] for e in ("stock", "plugin")}
+    labels += ["combined"] if len(labels) > 1 else []
+    by_engine = {e: [r for r in wruns if r["engine"] == e] for e in ENGINES}
     done = {e: sum(r.get("status") == "ok" for r in rs) for e, rs in by_engine.items()}
-    lines = [f"### {workload}: {title}", "",
-             f"Median over repeats ({done['stock']} stock, {done['plugin']} plugin finished; seeds "
-             f"{sorted({r['seed'] for r in wruns})}, the same for both engines).", ""]
+    lines = [f"### {workload}: {title}", "", f"Median over repeats ({done['stock']} stock, {done['plugin']} plugin "
+             f"finished; seeds {sorted({r['seed'] for r in wruns})}, the same for both engines).", ""]
     summary = []
     if labels:
-        lines += ["| client | engine | " + " | ".join(m[0] for m in METRICS) + " | failed requests |",
-                  "|" + "---|" * (len(METRICS) + 3)]
+        lines += table("client", "engine", *(m[0] for m in METRICS), "failed requests")
         meds: dict[str, dict[str, float | None]] = {}
         for label in labels:
-            for engine in ("stock", "plugin"):
-                rows = _client_rows(by_engine[engine], label)
-                meds[engine] = {key: median([row.get(key) for row in rows]) for _, key, _ in METRICS}
-                failed = sum(int(row.get("failed") or 0) for row in rows)
-                lines.append(f"| {label} | {engine} | " + " | ".join(num(meds[engine][key], d) for _, key, d in METRICS)
-                             + f" | {failed if rows else '–'} |")
-            lines.append(f"| {label} | plugin/stock | "
-                         + " | ".join(ratio(meds["plugin"][key], meds["stock"][key]) for _, key, _ in METRICS) + " | |")
+            for engine in ENGINES:
+                rows = client_rows(by_engine[engine], label)
+                meds[engine] = {key: median([r.get(key) for r in rows]) for _, key, _ in METRICS}
+                failed = sum(int(r.get("failed") or 0) for r in rows)
+                lines.append(row(label, engine, *(num(meds[engine][key], d) for _, key, d in METRICS),
+                                 failed if rows else "–"))
+            ratios = (ratio(meds["plugin"][k], meds["stock"][k]) for _, k, _ in METRICS)
+            lines.append(row(label, "plugin/stock", *ratios) + " |")
         # the workload as a whole (the last label: its one client, or all combined)
         for name, key in (("total tokens/s", "total_token_throughput"), ("output tokens/s", "output_throughput")):
             summary.append(f"{workload}: plugin/stock {name} {ratio(meds['plugin'][key], meds['stock'][key])} "
                            f"(medians of {done['plugin']} and {done['stock']} repeats)")
-        samples = {e: _totals(rs, labels[-1]) for e, rs in by_engine.items()}
-        lines += ["", f"Total tokens/s per repeat ({labels[-1]}): stock {samples['stock']}; plugin {samples['plugin']}."]
-        if warmups:
-            warm = {e: _totals([r for r in warmups if r["engine"] == e], labels[-1]) for e in by_engine}
-            lines.append(f"Warm-up rounds, not in the medians ({labels[-1]}): stock {warm['stock']}; "
-                         f"plugin {warm['plugin']}.")
+        lines += ["", f"Total tokens/s per repeat ({labels[-1]}): stock {totals(by_engine['stock'], labels[-1])}; "
+                  f"plugin {totals(by_engine['plugin'], labels[-1])}."]
+        warm = {e: [r for r in every if r.get("warmup") and r["engine"] == e] for e in ENGINES}
+        if any(warm.values()):
+            lines.append(f"Warm-up rounds, not in the medians ({labels[-1]}): stock "
+                         f"{totals(warm['stock'], labels[-1])}; plugin {totals(warm['plugin'], labels[-1])}.")
         how = "at the same time" if any(r.get("at_once") for r in wruns) else "back to back"
         for name, key, label in (("total tokens/s", "total_token_throughput", labels[-1]),
                                  ("TPOT p50", "p50_tpot_ms", labels[0])):  # combined has no TPOT: the first client's
             paired = paired_ratios(wruns, label, key)
-            if not paired:
-                continue
-            mid = statistics.median(paired)
-            spread = f", {min(paired):.3f}–{max(paired):.3f}" if len(paired) > 1 else ""
-            of = "" if label == labels[-1] else f" ({label})"
-            lines.append(f"Plugin/stock {name}{of} per repeat (same seed, {how}): "
-                         f"{' '.join(f'{r:.3f}' for r in paired)}; median {mid:.3f}.")
-            summary.append(f"{workload}: plugin/stock {name}{of} per repeat, median {mid:.3f} "
-                           f"({len(paired)} pairs{spread}, {how})")
+            if paired:
+                mid, of = statistics.median(paired), "" if label == labels[-1] else f" ({label})"
+                spread = f", {min(paired):.3f}–{max(paired):.3f}" if len(paired) > 1 else ""
+                lines.append(f"Plugin/stock {name}{of} per repeat (same seed, {how}): "
+                             f"{' '.join(f'{r:.3f}' for r in paired)}; median {mid:.3f}.")
+                summary.append(f"{workload}: plugin/stock {name}{of} per repeat, median {mid:.3f} "
+                               f"({len(paired)} pairs{spread}, {how})")
     lines += [f"- {r['tag']}: {r.get('status')}: {cell(r.get('error'), 160)}" for r in every if r.get("status") != "ok"]
     return [*lines, ""], summary
-
-
-def _totals(runs: list[dict[str, Any]], label: str) -> str:
-    """The runs' total tokens/s of one client (or ``combined``), in run order."""
-    return " ".join(num(row.get("total_token_throughput")) for row in _client_rows(runs, label)) or "–"
 
 
 def paired_ratios(wruns: list[dict[str, Any]], label: str, key: str = "total_token_throughput") -> list[float]:
@@ -211,23 +211,22 @@ def paired_ratios(wruns: list[dict[str, Any]], label: str, key: str = "total_tok
     prompts, the machine), which the ratio of the medians keeps."""
     got: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
     for r in wruns:
-        rows = _client_rows([r], label)
+        rows = client_rows([r], label)
         value = rows[0].get(key) if rows else None
-        if r.get("engine") in got and isinstance(value, (int, float)):
+        if r.get("engine") in got and isnum(value):
             got[r["engine"]][(r.get("call"), r.get("seed"))] = value
     return plugin_over_stock(got)
 
 
 def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
-    runs = data.get("runs", [])
-    calls = data.get("calls", [])
+    runs, calls = data.get("runs", []), data.get("calls", [])
     records = [rec for call in calls for rec in call.get("servers", {}).values()]
     lines = ["Servers (started one after the other, then both up together):", "", *server_rows(records), ""]
     summary = engine_checks(records)
     for call in calls:
         if call.get("error"):
             summary.append(f"**ab call {call.get('id')}: {call['error']}** (no bench run)")
-        kv = {e: (call.get("servers", {}).get(e) or {}).get("kv_cache_memory_gib") for e in ("stock", "plugin")}
+        kv = {e: (call.get("servers", {}).get(e) or {}).get("kv_cache_memory_gib") for e in ENGINES}
         if kv["stock"] is not None and kv["plugin"] is not None:
             summary.append(f"ab servers at util {call.get('util')}: KV cache stock {kv['stock']:.2f} GiB, plugin "
                            f"{kv['plugin']:.2f} GiB (stock − plugin {1024 * (kv['stock'] - kv['plugin']):,.0f} MiB)")
@@ -245,8 +244,7 @@ def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
                     "too few steps to compare (millisecond stamps need VLLM_LOGGING_CONFIG_PATH from step_log.py "
                     "config)"]
                 pairs = (call.get("step_pairs") or {}).get(workload)
-                if pairs is not None:
-                    said.append(pairs_line(pairs))
+                said += [pairs_line(pairs)] if pairs is not None else []
                 summary.append(f"{workload}, vLLM's iteration lines of the timed runs (call {call.get('id')}): "
                                + "; ".join(said))
     failures = sum(int((r.get("combined") or {}).get("failed") or 0) for r in runs)
@@ -256,54 +254,49 @@ def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
 
 
 def boundary_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
-    servers = data.get("servers", [])
-    lines = [*server_rows(servers), "", "| server | case | result | requests ok | health after |", "|---|---|---|---|---|"]
-    summary = engine_checks(servers)
-    titles = data.get("case_titles", {})
+    servers, titles = data.get("servers", []), data.get("case_titles", {})
+    lines = [*server_rows(servers), "", *table("server", "case", "result", "requests ok", "health after")]
     not_ok = []
     for s in servers:
         for case in s.get("case_order", []):
             r = s.get("cases", {}).get(case)
             if r is None:
-                text = "not run: the server did not start" if not up(s) else "no result: the driver ended"
-                r = {}
+                text, r = "not run: the server did not start" if not up(s) else "no result: the driver ended", {}
             elif r.get("status") == "started":
                 text = "no result: the driver ended during this case"
             else:
                 text = r.get("status", "–") + (f": {cell(r.get('error'), 90)}" if r.get("error") else "")
             if r.get("status") != "ok":
                 not_ok.append(f"{case} ({s.get('mnbt')})")
-            n = len(r.get("requests", []))
-            lines.append(f"| {s.get('label')} | {case}: {titles.get(case, '')} | {text} | "
-                         f"{r.get('requests_ok', '–')}/{n or '–'} | {r.get('health_after', '–')} |")
+            lines.append(row(s.get("label"), f"{case}: {titles.get(case, '')}", text, f"{r.get('requests_ok', '–')}/"
+                             f"{len(r.get('requests', [])) or '–'}", r.get("health_after", "–")))
     run = data.get("run", {})
-    summary.append(f"boundary ({run.get('engine')}, util {run.get('util')}): "
-                   + ("every case finished" if not not_ok else f"not finished: case {', '.join(not_ok)}"))
-    return lines, summary
+    return lines, [*engine_checks(servers), f"boundary ({run.get('engine')}, util {run.get('util')}): "
+                   + ("every case finished" if not not_ok else f"not finished: case {', '.join(not_ok)}")]
 
 
 def failrate_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
-    trials = data.get("trials", [])
-    engine = data.get("run", {}).get("engine")
-    lines = ["| util | trials run | 32K prompt finished | failed at start-up | failed on the 32K prompt "
-             "| engine died | CUDA OOM in log | first error |", "|---|---|---|---|---|---|---|---|"]
+    trials, engine = data.get("trials", []), data.get("run", {}).get("engine")
+    lines = table("util", "trials run", "32K prompt finished", "failed at start-up", "failed on the 32K prompt",
+                  "engine died", "CUDA OOM in log", "first error")
     summary = []
     for util in sorted({t["util"] for t in trials}):
         ts = [t for t in trials if t["util"] == util and t.get("status") not in ("not run", None)]
         ok = sum(t["status"] == "ok" for t in ts)
         at_start = sum(t["status"] == "startup failed" for t in ts)
-        on_prompt = len(ts) - ok - at_start
         died = sum(bool(t.get("engine_died")) for t in ts)
-        oom = sum(bool(t.get("oom_in_log")) for t in ts)
         error = next((t.get("case", {}).get("error") or t.get("status") for t in ts if t["status"] != "ok"), "")
-        lines.append(f"| {util} | {len(ts)} | {ok} | {at_start} | {on_prompt} | {died} | {oom} | {cell(error, 100)} |")
+        lines.append(row(util, len(ts), ok, at_start, len(ts) - ok - at_start, died,
+                         sum(bool(t.get("oom_in_log")) for t in ts), cell(error, 100)))
         summary.append(f"failrate ({engine}) at {util}: {len(ts) - ok} of {len(ts)} failed ({at_start} at start-up, "
-                       f"{on_prompt} on the 32K prompt), engine died in {died}")
+                       f"{len(ts) - ok - at_start} on the 32K prompt), engine died in {died}")
     skipped = [t["label"] for t in trials if t.get("status") == "not run"]
-    if skipped:
-        lines += ["", f"Not run (deadline): {', '.join(skipped)}."]
+    lines += ["", f"Not run (deadline): {', '.join(skipped)}."] if skipped else []
     servers = [t["server"] for t in trials if "server" in t]
     return ["Fresh server per trial; one 32,768-token prompt each.", "", *lines, "", *server_rows(servers)], summary
+
+
+STEP_MIB = 16  # a change between two samples at least this large is a step, not sampling noise
 
 
 def memory_flatness(samples: list[dict[str, Any]], after_s: float) -> dict[str, Any]:
@@ -312,9 +305,6 @@ def memory_flatness(samples: list[dict[str, Any]], after_s: float) -> dict[str, 
     if not used:
         return {"samples": 0}
     return {"samples": len(used), "min_mib": min(used), "max_mib": max(used), "spread_mib": max(used) - min(used)}
-
-
-STEP_MIB = 16  # a change between two samples at least this large is a step, not sampling noise
 
 
 def memory_steps(samples: list[dict[str, Any]], after_s: float) -> list[tuple[float, int]]:
@@ -349,18 +339,15 @@ def steps_row(after: dict[str, Any] | None) -> str:
 
 
 def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
-    its = data.get("iterations", [])
-    samples = data.get("samples", [])
+    its, samples = data.get("iterations", []), data.get("samples", [])
     warm = its[0]["t_end_s"] if its else 0.0  # after the first iteration: kernels compiled, pools grown
     flat, after, every = memory_flatness(samples, warm), settled(samples, warm), memory_flatness(samples, 0.0)
     done = sum(int((i.get("combined") or {}).get("completed") or 0) for i in its)
     failed = sum(int((i.get("combined") or {}).get("failed") or 0) for i in its)
-    unhealthy = sum(s.get("health") != 200 for s in samples)
     record = data.get("server", {})
     errors = {k: v for k, v in (record.get("error_count") or {}).items() if k in ERROR_KINDS}
     tps = [(i.get("combined") or {}).get("total_token_throughput") for i in its]
     seen = [s["processes"] for s in samples if s.get("processes") is not None]
-    pids = {p[0] for procs in seen for p in procs}
     most = max((len(procs) for procs in seen), default=None)
     lines = [*server_rows([record]), "", "| | |", "|---|---|",
              f"| soak | {num(data.get('soak_elapsed_s'))} s of {num(data.get('soak_s'))} s asked"
@@ -375,8 +362,8 @@ def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
              f"{num(flat.get('min_mib'))}–{num(flat.get('max_mib'))} MiB, **max − min {num(flat.get('spread_mib'))} MiB** |",
              steps_row(after),
              f"| processes holding GPU memory (nvidia-smi) | at most {num(most)} in a sample, "
-             f"{num(len(pids) if seen else None)} distinct pids |",
-             f"| /health not 200 | {unhealthy} of {len(samples)} samples |",
+             f"{num(len({p[0] for procs in seen for p in procs}) if seen else None)} distinct pids |",
+             f"| /health not 200 | {sum(s.get('health') != 200 for s in samples)} of {len(samples)} samples |",
              f"| server processes | {data.get('pids_at_start')} at the start, {data.get('pids_at_end')} at the end: "
              f"{'the same' if data.get('same_processes') else '**not the same**'} |",
              f"| CUDA errors in the server log | {', '.join(f'{k} ×{v}' for k, v in errors.items()) or 'none'} |", ""]
@@ -391,21 +378,17 @@ def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
 
 SECTIONS = {"ab": ("Throughput A/B (`vllm bench serve`)", ab_section),
             "boundary": ("Boundary requests", boundary_section),
-            "failrate": ("Stock failure rate on a 32K prompt", failrate_section),
-            "soak": ("Soak", soak_section)}
+            "failrate": ("Stock failure rate on a 32K prompt", failrate_section), "soak": ("Soak", soak_section)}
 
 
 def render_serve(phases: dict[str, dict[str, Any]]) -> str:
     out = ["# Serving (`vllm serve`): stock FLASHMLA_SPARSE vs the plugin", ""]
-    first = next(iter(phases.values()), None)
-    if first:
-        v = first.get("versions", {})
-        run = first.get("run", {})
-        scaled = f", {run['layers']} hidden layers" if run.get("layers") is not None else ""
-        out += [f"vLLM {v.get('vllm')}, torch {v.get('torch')}, mla-planner {v.get('mla-planner')}, transformers "
-                f"{v.get('transformers')}. Model: tests/e2e/tiny-deepseek-v32 (dummy weights{scaled}) with a generated "
-                "word-level tokenizer; `vllm serve` with vLLM's defaults (CUDA graphs, engine process) and "
-                "`--kv-cache-dtype fp8_ds_mla --block-size 64 --max-model-len 70000 --no-enable-prefix-caching`.", ""]
+    v, run = next(iter(phases.values())).get("versions", {}), next(iter(phases.values())).get("run", {})
+    scaled = f", {run['layers']} hidden layers" if run.get("layers") is not None else ""
+    out += [f"vLLM {v.get('vllm')}, torch {v.get('torch')}, mla-planner {v.get('mla-planner')}, transformers "
+            f"{v.get('transformers')}. Model: tests/e2e/tiny-deepseek-v32 (dummy weights{scaled}) with a generated "
+            "word-level tokenizer; `vllm serve` with vLLM's defaults (CUDA graphs, engine process) and "
+            "`--kv-cache-dtype fp8_ds_mla --block-size 64 --max-model-len 70000 --no-enable-prefix-caching`.", ""]
     summary: list[str] = []
     body: list[str] = []
     for stem, data in sorted(phases.items(), key=lambda kv: (PHASES.index(kv[1]["phase"]), kv[0])):
@@ -414,8 +397,7 @@ def render_serve(phases: dict[str, dict[str, Any]]) -> str:
         summary += said
         unfinished = "" if data.get("finished") else " (the driver did not finish this phase)"
         body += [f"## {title}: `{stem}.json`{unfinished}", "", *lines, ""]
-    out += ["## Summary", "", *(f"- {s}" for s in summary or ["no results yet"]), "", *body]
-    return "\n".join(out)
+    return "\n".join([*out, "## Summary", "", *(f"- {s}" for s in summary or ["no results yet"]), "", *body])
 
 
 # --- matrix.md ----------------------------------------------------------------------------------------
@@ -428,19 +410,18 @@ KV_NOTES = {
                 "figures carry each other's start-ups and are not a measure of the reservation.",
     "chained": "Each server (and twin) started once the one before it was up: every KV cache sized alone.",
 }
-MATRIX_HEADER = ("| server | model | MTP | max-num-seqs | budget MiB | CUDA graphs | chunked prefill | prefix caching "
-                 "| start-up | KV GiB plugin | KV GiB stock | Δ GiB | reserved GiB | min found MiB | chat burst | 32K "
-                 "| 8 prompts | 64K | fallback lines | alive at end |")
+MATRIX_COLUMNS = ("server", "model", "MTP", "max-num-seqs", "budget MiB", "CUDA graphs", "chunked prefill",
+                  "prefix caching", "start-up", "KV GiB plugin", "KV GiB stock", "Δ GiB", "reserved GiB",
+                  "min found MiB", *(title for _, title in LOAD_COLUMNS), "fallback lines", "alive at end")
 
 
 def load_cell(result: dict[str, Any] | None) -> str:
     """``ok/asked``, failures in bold; why a step did not run."""
     if not result:
         return "–"
-    status = result.get("status")
+    status, n, ok = result.get("status"), result.get("n_requests"), result.get("requests_ok")
     if status in ("not run", "started"):
         return "not run" if status == "not run" else "**cut** (driver ended)"
-    n, ok = result.get("n_requests"), result.get("requests_ok")
     if not isinstance(n, int) or not isinstance(ok, int):
         return cell(status)
     return f"{ok}/{n}" if ok == n else f"{ok}/{n}, **{n - ok} failed**"
@@ -453,41 +434,30 @@ def alive(plugin: dict[str, Any]) -> bool | None:
     return bool(plugin.get("alive_at_end")) and plugin.get("health_at_end") == 200
 
 
-def died_in(rec: dict[str, Any]) -> str | None:
-    """The first load step after which the server was not healthy."""
-    for key, title in LOAD_COLUMNS:
-        result = (rec.get("phases") or {}).get(key) or {}
-        if "health_after" in result and result["health_after"] != 200:
-            return title
-    return None
-
-
 def matrix_row(rec: dict[str, Any]) -> str:
-    c, plugin, probe = rec.get("config", {}), rec.get("plugin") or {}, rec.get("probe")
+    c, plugin, probe, phases = rec.get("config", {}), rec.get("plugin") or {}, rec.get("probe"), rec.get("phases") or {}
     s = plugin.get("startup") or {}
     started = f"{s['elapsed_s']:.0f} s" if up(plugin) and "elapsed_s" in s else cell(s.get("status", "–"))
     started += f" (retry {len(rec['attempts'])})" if rec.get("attempts") else ""
-    kv, twin_kv = plugin.get("kv_cache_memory_gib"), (rec.get("twin") or {}).get("kv_cache_memory_gib")
-    diff = kv - twin_kv if isinstance(kv, (int, float)) and isinstance(twin_kv, (int, float)) else None
-    reserved = plugin.get("reserved_mib")
+    kv, twin_kv, reserved = plugin.get("kv_cache_memory_gib"), (rec.get("twin") or {}).get("kv_cache_memory_gib"), \
+        plugin.get("reserved_mib")
     if not probe:
         found = "–"
     elif probe.get("min_mb") is not None:
         found = f"{probe['min_mb']}" + (" (64 started)" if probe.get("outcome") == "started" else "")
     else:
         found = f"**none** ({cell(probe.get('outcome') or probe.get('error'), 40)})"
-    state = alive(plugin)
-    where = died_in(rec)
+    # the first load step after which the server was not healthy
+    died = next((title for key, title in LOAD_COLUMNS if phases.get(key, {}).get("health_after", 200) != 200), None)
     budget = c.get("budget")
-    cells = [rec.get("name"), c.get("model"), c.get("mtp") or "–", c.get("max_num_seqs"),
-             f"min → {rec['scratch_mb']}" if budget == "min" and rec.get("scratch_mb") is not None else budget,
-             "yes" if c.get("cuda_graphs") else "eager", "on" if c.get("chunked_prefill") else "**off**",
-             "**on**" if c.get("prefix_caching") else "off", started, num(kv, 2), num(twin_kv, 2),
-             "–" if diff is None else f"{diff:+.2f}", num(reserved / 1024 if isinstance(reserved, int) else None, 2),
-             found, *(load_cell((rec.get("phases") or {}).get(k)) for k, _ in LOAD_COLUMNS),
-             plugin.get("fallback_lines", "–"),
-             {True: "yes", None: "–"}.get(state, "**no**" + (f" (after {where})" if where else ""))]
-    return "| " + " | ".join(str(x) for x in cells) + " |"
+    return row(rec.get("name"), c.get("model"), c.get("mtp") or "–", c.get("max_num_seqs"),
+               f"min → {rec['scratch_mb']}" if budget == "min" and rec.get("scratch_mb") is not None else budget,
+               "yes" if c.get("cuda_graphs") else "eager", "on" if c.get("chunked_prefill") else "**off**",
+               "**on**" if c.get("prefix_caching") else "off", started, num(kv, 2), num(twin_kv, 2),
+               f"{kv - twin_kv:+.2f}" if isnum(kv) and isnum(twin_kv) else "–",
+               num(reserved / 1024 if isinstance(reserved, int) else None, 2), found,
+               *(load_cell(phases.get(k)) for k, _ in LOAD_COLUMNS), plugin.get("fallback_lines", "–"),
+               {True: "yes", None: "–"}.get(alive(plugin), "**no**" + (f" (after {died})" if died else "")))
 
 
 def matrix_notes(rec: dict[str, Any]) -> list[str]:
@@ -513,8 +483,8 @@ def matrix_notes(rec: dict[str, Any]) -> list[str]:
     if s.get("status") not in (None, "ok"):
         out.append(f"  - start-up {s.get('status')}: {cell(s.get('error') or '', 200)}")
     tokens = {"plugin": plugin.get("kv_cache_tokens"), "stock": (twin or {}).get("kv_cache_tokens")}
-    if any(isinstance(t, (int, float)) for t in tokens.values()):
-        out.append("  - KV cache tokens: " + ", ".join(f"{k} {t:,.0f}" if isinstance(t, (int, float)) else f"{k} –"
+    if any(isnum(t) for t in tokens.values()):
+        out.append("  - KV cache tokens: " + ", ".join(f"{k} {t:,.0f}" if isnum(t) else f"{k} –"
                                                         for k, t in tokens.items() if k == "plugin" or twin))
     if twin and not up(twin):
         out.append(f"  - stock twin: {(twin.get('startup') or {}).get('status')}")
@@ -522,8 +492,7 @@ def matrix_notes(rec: dict[str, Any]) -> list[str]:
     shown = [line for line in lines if "budget" in line or "reservation" in line][:3]
     out += [f"  - `{cell(line[line.find('mla-planner'):], 300)}`" for line in shown]
     out += [f"  - fallback: `{cell(line[line.find('mla-planner'):], 300)}`" for line in plugin.get("fallback_examples") or []]
-    if count > len(shown):
-        out.append(f"  - {count} mla-planner lines in all")
+    out += [f"  - {count} mla-planner lines in all"] if count > len(shown) else []
     out += [f"  - error: `{cell(line, 300)}`" for line in plugin.get("first_errors") or []]
     for key, title in LOAD_COLUMNS:
         result = (rec.get("phases") or {}).get(key) or {}
@@ -551,7 +520,7 @@ def render_matrix(data: dict[str, Any]) -> str:
         + (", stock twins" if run.get("stock_twins") else ", no stock twins") + ".", "",
         "Coverage: " + ("every value of every axis, and both required pairs with CUDA graphs."
                         if not gaps else "**missing " + ", ".join(gaps) + "**."), "",
-        MATRIX_HEADER, "|" + "---|" * MATRIX_HEADER.count(" | ") + "---|", *(matrix_row(rec) for rec in records), "",
+        *table(*MATRIX_COLUMNS), *(matrix_row(rec) for rec in records), "",
         f"Phases with failed requests: {failed}; engines dead at the end: {', '.join(dead) or 'none'}; "
         f"servers not up: {', '.join(never) or 'none'}.", "",
         "Δ GiB is plugin − stock (negative: the plugin's KV cache is smaller); reserved GiB is the reservation the "
@@ -565,20 +534,13 @@ def render_matrix(data: dict[str, Any]) -> str:
 # --- e2e.md ------------------------------------------------------------------------------------------
 
 
-
-def _order(item: tuple[str, dict[str, Any]]) -> tuple[float, int, int, str]:
-    run = item[1]["run"]
-    return (-run["util"], 0 if run["backend"] == "stock" else 1, run["mnbt"], item[0])
-
-
 def case_result(name: str, data: dict[str, Any], case: str, driver: dict[str, Any]) -> str:
     """One table cell: ok / OOM / error / why there is no result."""
     startup = data.get("startup", {})
     if startup.get("status") == "error":
         return cell(f"engine failed to start: {startup.get('error', '')}", 90)
     result = data.get("cases", {}).get(case)
-    timed_out = driver.get("runs", {}).get(name, {}).get("timed_out")
-    end = "timeout" if timed_out else "crash or kill"
+    end = "timeout" if driver.get("runs", {}).get(name, {}).get("timed_out") else "crash or kill"
     if startup.get("status") != "ok":
         return f"no result: process ended during start-up ({end})"
     if result is None:
@@ -609,126 +571,94 @@ def tokens_cell(result: dict[str, Any] | None) -> str:
 
 
 def engines_table(runs: list[tuple[str, dict[str, Any]]], driver: dict[str, Any]) -> list[str]:
-    lines = ["| run | backend | util | mnbt | start-up | KV blocks | KV tokens | KV cache GiB | KV granted GiB "
-             "| allocated after start GiB | attention impl |", "|" + "---|" * 11]
+    lines = table("run", "backend", "util", "mnbt", "start-up", "KV blocks", "KV tokens", "KV cache GiB",
+                  "KV granted GiB", "allocated after start GiB", "attention impl")
     for name, data in runs:
         run, s = data["run"], data.get("startup", {})
-        if s.get("status") == "ok":
-            started = f"ok, {s.get('elapsed_s', 0):.0f} s"
-        else:
-            started = cell(s.get("error") or case_result(name, data, "-", driver), 60)
+        started = f"ok, {s.get('elapsed_s', 0):.0f} s" if s.get("status") == "ok" else \
+            cell(s.get("error") or case_result(name, data, "-", driver), 60)
         blocks, size = s.get("num_gpu_blocks"), s.get("block_size")
         tokens = s.get("kv_cache_size_tokens") or (blocks * size if blocks and size else None)
-        attn = impl_names(s)
-        lines.append(f"| {name} | {run['backend']} | {run['util']} | {run['mnbt']} | {started} | {blocks or '–'} | "
-                     f"{tokens or '–'} | {gib(s.get('kv_cache_bytes'))} | {gib(s.get('kv_available_bytes'))} | "
-                     f"{gib((s.get('memory') or {}).get('allocated'))} | {cell(attn, 120)} |")
+        # attention implementation classes, each with its top-level package (mla_planner for ours)
+        impls = ", ".join(f"{p.rsplit('.', 1)[-1]} ({p.split('.', 1)[0]})" for p in s.get("attention_impls") or [])
+        lines.append(row(name, run["backend"], run["util"], run["mnbt"], started, blocks or "–", tokens or "–",
+                         gib(s.get("kv_cache_bytes")), gib(s.get("kv_available_bytes")),
+                         gib((s.get("memory") or {}).get("allocated")), cell(impls or "–", 120)))
     return lines
 
 
 def case_table(case: str, runs: list[tuple[str, dict[str, Any]]], driver: dict[str, Any]) -> list[str]:
-    lines = ["| run | backend | util | mnbt | result | peak GiB | peak over start GiB | free after GiB "
-             "| prompt tok/s (wall) | tokens back | KV cache GiB |", "|" + "---|" * 11]
+    lines = table("run", "backend", "util", "mnbt", "result", "peak GiB", "peak over start GiB", "free after GiB",
+                  "prompt tok/s (wall)", "tokens back", "KV cache GiB")
     for name, data in runs:
-        if case not in data["run"]["cases"]:
-            continue
-        run, r = data["run"], data.get("cases", {}).get(case) or {}
-        tok_s = f"{r['prompt_tok_s']:,.0f}" if isinstance(r.get("prompt_tok_s"), (int, float)) else "–"
-        lines.append(f"| {name} | {run['backend']} | {run['util']} | {run['mnbt']} | "
-                     f"{case_result(name, data, case, driver)} | {gib(r.get('peak_allocated_bytes'))} | "
-                     f"{gib(r.get('peak_over_before_bytes'))} | {gib((r.get('memory_after') or {}).get('free'))} | "
-                     f"{tok_s} | {cell(tokens_cell(r), 60)} | {gib(data.get('startup', {}).get('kv_cache_bytes'))} |")
+        if case in data["run"]["cases"]:
+            run, r = data["run"], data.get("cases", {}).get(case) or {}
+            lines.append(row(name, run["backend"], run["util"], run["mnbt"], case_result(name, data, case, driver),
+                             gib(r.get("peak_allocated_bytes")), gib(r.get("peak_over_before_bytes")),
+                             gib((r.get("memory_after") or {}).get("free")), num(r.get("prompt_tok_s")),
+                             cell(tokens_cell(r), 60), gib(data.get("startup", {}).get("kv_cache_bytes"))))
     return lines if len(lines) > 2 else []
 
 
-def _pairs(runs: list[tuple[str, dict[str, Any]]], case: str | None = None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def pairs_of(runs: list[tuple[str, dict[str, Any]]],
+             case: str | None = None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(stock, planned) runs at the same util and mnbt; with ``case``, both must have it ``ok``."""
     def ok(d: dict[str, Any]) -> bool:
-        if case is None:
-            return bool(d.get("startup", {}).get("status") == "ok")
-        return bool(d.get("cases", {}).get(case, {}).get("status") == "ok")
+        return up(d) if case is None else bool(d.get("cases", {}).get(case, {}).get("status") == "ok")
 
-    pairs = []
-    for _, stock in runs:
-        for _, planned in runs:
-            same = (stock["run"]["util"], stock["run"]["mnbt"]) == (planned["run"]["util"], planned["run"]["mnbt"])
-            if same and stock["run"]["backend"] == "stock" and planned["run"]["backend"] == "planned":
-                if ok(stock) and ok(planned):
-                    pairs.append((stock, planned))
-    return pairs
+    return [(stock, planned) for _, stock in runs for _, planned in runs
+            if (stock["run"]["util"], stock["run"]["mnbt"]) == (planned["run"]["util"], planned["run"]["mnbt"])
+            and (stock["run"]["backend"], planned["run"]["backend"]) == ("stock", "planned")
+            and ok(stock) and ok(planned)]
 
 
 def throughput_section(runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[str]]:
     lines, goals = [], []
-    for stock, planned in _pairs(runs, "throughput"):
+    for stock, planned in pairs_of(runs, "throughput"):
         s, p = stock["cases"]["throughput"], planned["cases"]["throughput"]
         lines += [f"util {stock['run']['util']}, mnbt {stock['run']['mnbt']}; median of {s.get('repeats')} "
                   f"repeats after a warm-up, prompt tokens/s:", "",
-                  "| workload | stock | planned | planned/stock | samples stock | samples planned |", "|---|---|---|---|---|---|"]
+                  *table("workload", "stock", "planned", "planned/stock", "samples stock", "samples planned")]
         for workload, s_med in s["median_tok_s"].items():
             p_med = p["median_tok_s"].get(workload)
-            if p_med is None:
-                continue
-            ratio = p_med / s_med
-            samples = [" ".join(f"{v:,.0f}" for v in d["tok_s"][workload]) for d in (s, p)]
-            lines.append(f"| {workload} | {s_med:,.0f} | {p_med:,.0f} | {ratio:.3f} | {samples[0]} | {samples[1]} |")
-            goals.append(f"{workload} at {stock['run']['util']}: planned/stock {ratio:.3f} "
-                         f"({'meets' if ratio >= THROUGHPUT_GOAL else 'below'} {THROUGHPUT_GOAL})")
+            if p_med is not None:
+                samples = [" ".join(f"{v:,.0f}" for v in d["tok_s"][workload]) for d in (s, p)]
+                lines.append(row(workload, f"{s_med:,.0f}", f"{p_med:,.0f}", f"{p_med / s_med:.3f}", *samples))
+                goals.append(f"{workload} at {stock['run']['util']}: planned/stock {p_med / s_med:.3f} "
+                             f"({'meets' if p_med / s_med >= THROUGHPUT_GOAL else 'below'} {THROUGHPUT_GOAL})")
         lines += ["", *(f"- {w}: {t}" for w, t in s.get("workloads", {}).items()), ""]
     return lines, goals
 
 
-def scratch_budget(planned: dict[str, Any]) -> str:
-    """The budget the planned run's backend read (``planner_settings``)."""
-    settings = planned.get("planner_settings") or {}
-    if "scratch_mb" in settings:
-        return f"{settings['scratch_mb']} ({settings.get('source')})"
-    return f"not recorded{': ' + settings['error'] if 'error' in settings else ''}"
-
-
-def impl_names(startup: dict[str, Any]) -> str:
-    """Attention implementation classes, each with its top-level package (mla_planner for ours)."""
-    names = [f"{path.rsplit('.', 1)[-1]} ({path.split('.', 1)[0]})" for path in startup.get("attention_impls") or []]
-    return ", ".join(names) or "–"
-
-
-def _mib_diff(stock: dict[str, Any], planned: dict[str, Any], key: str) -> str:
-    a, b = stock.get(key), planned.get(key)
-    return f"{(a - b) / MIB:,.0f}" if isinstance(a, int) and isinstance(b, int) else "–"
-
-
 def kv_section(runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[str]]:
-    lines = ["| util | mnbt | stock KV GiB | planned KV GiB | stock − planned MiB | granted: stock − planned MiB "
-             "| scratch budget MiB |", "|---|---|---|---|---|---|---|"]
+    lines = table("util", "mnbt", "stock KV GiB", "planned KV GiB", "stock − planned MiB",
+                  "granted: stock − planned MiB", "scratch budget MiB")
     goals = []
-    for stock, planned in _pairs(runs):
+    for stock, planned in pairs_of(runs):
         s, p = stock["startup"], planned["startup"]
-        budget_text = scratch_budget(planned)
-        diff, granted = _mib_diff(s, p, "kv_cache_bytes"), _mib_diff(s, p, "kv_available_bytes")
-        lines.append(f"| {stock['run']['util']} | {stock['run']['mnbt']} | {gib(s.get('kv_cache_bytes'))} | "
-                     f"{gib(p.get('kv_cache_bytes'))} | {diff} | {granted} | {budget_text} |")
+        diff, granted = (f"{(s[k] - p[k]) / MIB:,.0f}" if isinstance(s.get(k), int) and isinstance(p.get(k), int)
+                         else "–" for k in ("kv_cache_bytes", "kv_available_bytes"))
+        settings = planned.get("planner_settings") or {}  # the budget the planned run's backend read
+        budget = f"{settings['scratch_mb']} ({settings.get('source')})" if "scratch_mb" in settings else \
+            f"not recorded{': ' + settings['error'] if 'error' in settings else ''}"
+        lines.append(row(stock["run"]["util"], stock["run"]["mnbt"], gib(s.get("kv_cache_bytes")),
+                         gib(p.get("kv_cache_bytes")), diff, granted, budget))
         if diff != "–":
             goals.append(f"KV cache at {stock['run']['util']}/{stock['run']['mnbt']}: stock − planned = {diff} MiB "
-                         f"(scratch budget: {budget_text})")
+                         f"(scratch budget: {budget})")
     return (lines if len(lines) > 2 else []), goals
 
 
-def _margins(run: dict[str, Any]) -> str:
-    out = []
-    for pos in run.get("top_logprobs", []):
-        out.append(f"{pos[0][1] - pos[1][1]:.3g}" if len(pos) >= 2 else "–")
-    return ", ".join(out) or "–"
-
-
 def same_function_section(runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[str]]:
-    lines = ["| run | first tokens | same on a repeat | top-1 − top-2 logprob per position |", "|---|---|---|---|"]
-    goals = []
+    lines = table("run", "first tokens", "same on a repeat", "top-1 − top-2 logprob per position")
     for name, data in runs:
         r = data.get("cases", {}).get("same_function")
         if r and r.get("status") == "ok":
-            lines.append(f"| {name} | {r['token_ids']} | {'yes' if r.get('repeat_identical') else 'no'} | "
-                         f"{_margins(r['runs'][0])} |")
-    for stock, planned in _pairs(runs, "same_function"):
+            margins = ", ".join(f"{pos[0][1] - pos[1][1]:.3g}" if len(pos) >= 2 else "–"
+                                for pos in r["runs"][0].get("top_logprobs", [])) or "–"
+            lines.append(row(name, r["token_ids"], "yes" if r.get("repeat_identical") else "no", margins))
+    goals = []
+    for stock, planned in pairs_of(runs, "same_function"):
         s, p = stock["cases"]["same_function"]["token_ids"], planned["cases"]["same_function"]["token_ids"]
         where = next((i for i, (a, b) in enumerate(zip(s, p)) if a != b), None)
         goals.append(f"same function at {stock['run']['util']}: " + (
@@ -736,54 +666,45 @@ def same_function_section(runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[
     return (lines if len(lines) > 2 else []), goals
 
 
-def runs_table(driver: dict[str, Any]) -> list[str]:
-    lines = ["| run | status | rc | wall s | timed out | log |", "|---|---|---|---|---|---|"]
-    for name, d in driver.get("runs", {}).items():
-        wall = f"{d['wall_s']:.0f}" if "wall_s" in d else "–"
-        status = f"{d.get('status')}: {d['reason']}" if d.get("reason") else d.get("status")
-        lines.append(f"| {name} | {status} | {d.get('rc', '–')} | {wall} | "
-                     f"{'yes' if d.get('timed_out') else 'no'} | {d.get('log', '–')} |")
-    return lines if len(lines) > 2 else []
-
-
 def render_e2e(runs_by_name: dict[str, dict[str, Any]], driver: dict[str, Any]) -> str:
-    runs = sorted(runs_by_name.items(), key=_order)
-    first_ok = next((d for _, d in runs if d.get("startup", {}).get("status") == "ok"), None)
+    runs = sorted(runs_by_name.items(), key=lambda item: (-item[1]["run"]["util"], item[1]["run"]["backend"] != "stock",
+                                                          item[1]["run"]["mnbt"], item[0]))
+    first_ok = next((d for _, d in runs if up(d)), None)
     out = ["# End to end: stock FLASHMLA_SPARSE vs the planned backend", ""]
     if first_ok:
         v = first_ok.get("versions", {})
         out += [f"Device: {first_ok['startup'].get('device', '?')}; vLLM {v.get('vllm')}, torch {v.get('torch')}, "
                 f"mla-planner {v.get('mla-planner')}. Model: tests/e2e/tiny-deepseek-v32 (dummy weights), FP8 KV "
                 "(fp8_ds_mla), block size 64, prefix caching off, greedy, max_tokens 4 (case 5: 16).", ""]
-    not_run = [n for n, d in driver.get("runs", {}).items() if d.get("status") == "not run" and n not in runs_by_name]
-    planned_95 = [(n, d) for n, d in runs if d["run"]["backend"] == "planned" and d["run"]["util"] == 0.95]
     goals = []
+    planned_95 = [(n, d) for n, d in runs if d["run"]["backend"] == "planned" and d["run"]["util"] == 0.95]
     if planned_95:
         cases = {c: case_result(n, d, c, driver) for n, d in planned_95 for c in d["run"]["cases"] if c in PROMPT_CASES}
         failed = sorted(c for c, text in cases.items() if not text.startswith("ok"))
-        seen = sorted(cases)
-        goals.append(f"planned at 0.95: cases {', '.join(seen)} " + ("all finished" if not failed else
-                                                                       f"not all finished (case {', '.join(failed)})"))
+        goals.append(f"planned at 0.95: cases {', '.join(sorted(cases))} " + (
+            "all finished" if not failed else f"not all finished (case {', '.join(failed)})"))
     for name, d in runs:
         impls = d.get("startup", {}).get("attention_impls")
         ours = impls is not None and any(i.startswith("mla_planner.") for i in impls)
         if impls is not None and ours != (d["run"]["backend"] == "planned"):
             goals.append(f"**{name} ran {'our' if ours else 'no planned'} attention implementation**: {impls}")
-    thr_lines, thr_goals = throughput_section(runs)
-    kv_lines, kv_goals = kv_section(runs)
-    sf_lines, sf_goals = same_function_section(runs)
-    goals += thr_goals + kv_goals + sf_goals
+    sections = [("Throughput", throughput_section(runs)), ("KV cache: stock − planned vs the scratch budget",
+                kv_section(runs)), ("Same function: a fixed 16K prompt, greedy", same_function_section(runs))]
+    goals += [g for _, (_, said) in sections for g in said]
     out += ["## Summary", "", *(f"- {g}" for g in goals or ["no results yet"])]
-    if not_run:
-        out.append(f"- not run (deadline): {', '.join(not_run)}")
+    not_run = [n for n, d in driver.get("runs", {}).items() if d.get("status") == "not run" and n not in runs_by_name]
+    out += [f"- not run (deadline): {', '.join(not_run)}"] if not_run else []
     out += ["", "## Engines", "", *engines_table(runs, driver), ""]
     for case in PROMPT_CASES:
-        table = case_table(case, runs, driver)
-        if table:
+        lines = case_table(case, runs, driver)
+        if lines:
             title = next(d["case_titles"].get(case) for _, d in runs if case in d.get("case_titles", {}))
-            out += [f"## Case {case}: {title}", "", *table, ""]
-    for title, lines in (("Throughput", thr_lines), ("KV cache: stock − planned vs the scratch budget", kv_lines),
-                         ("Same function: a fixed 16K prompt, greedy", sf_lines), ("Runs", runs_table(driver))):
+            out += [f"## Case {case}: {title}", "", *lines, ""]
+    finished = [row(name, f"{d.get('status')}: {d['reason']}" if d.get("reason") else d.get("status"), d.get("rc", "–"),
+                    f"{d['wall_s']:.0f}" if "wall_s" in d else "–", "yes" if d.get("timed_out") else "no",
+                    d.get("log", "–")) for name, d in driver.get("runs", {}).items()]
+    runs_lines = [*table("run", "status", "rc", "wall s", "timed out", "log"), *finished] if finished else []
+    for title, lines in [*((t, lines) for t, (lines, _) in sections), ("Runs", runs_lines)]:
         if lines:
             out += [f"## {title}", "", *lines, ""]
     out += ["Peak GiB: torch.cuda.max_memory_allocated over the case (KV cache and weights included); peak over "

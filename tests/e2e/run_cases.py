@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 import traceback
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
@@ -65,6 +66,8 @@ SAME_FUNCTION_SEED = 16384
 MIXED_DECODERS, MIXED_DECODER_LEN, MIXED_DECODE_TOKENS = 8, 1024, 48
 MIXED_PREFILLS = (16384, 16384)
 TOP_LOGPROBS = 5
+# what model_variant may change, and the suffix each gives the copy's folder
+VARIANT_KEYS = {"num_attention_heads": "h", "num_hidden_layers": "l", "num_nextn_predict_layers": "mtp"}
 
 
 def token_prompt(length: int, rng: random.Random) -> dict[str, list[int]]:
@@ -72,40 +75,19 @@ def token_prompt(length: int, rng: random.Random) -> dict[str, list[int]]:
 
 
 def case_prompts(case: str) -> list[list[int]]:
-    """A case's prompts as token ids: the same for both backends, in-process and served."""
-    rng = random.Random(case_seed(case))
+    """A case's prompts as token ids: the same for both backends, in-process and served, and distinct
+    per case (prefix caching is off anyway)."""
+    rng = random.Random(1000 + CASES.index(case))
     return [token_prompt(n, rng)["prompt_token_ids"] for n in CASE_PROMPTS[case]]
-
-
-def case_seed(case: str) -> int:
-    """Distinct prompts per case (prefix caching is off anyway), the same for both backends."""
-    return 1000 + CASES.index(case)
 
 
 def engine_kwargs(backend: str, util: float, mnbt: int, *, model: Path = MODEL_DIR, max_model_len: int = 70000,
                   max_num_seqs: int = 16, seed: int = 0, tp: int = 1, block_size: int = 64) -> dict[str, Any]:
-    return {
-        "model": str(model),
-        "tensor_parallel_size": tp,
-        "load_format": "dummy",
-        "skip_tokenizer_init": True,
-        "kv_cache_dtype": "fp8_ds_mla",
-        "block_size": block_size,
-        "max_model_len": max_model_len,
-        "max_num_batched_tokens": mnbt,
-        "max_num_seqs": max_num_seqs,
-        "gpu_memory_utilization": util,
-        "enforce_eager": True,
-        "generation_config": "vllm",
-        "attention_backend": BACKENDS[backend],
-        "attention_config": {"sparse_mla_force_mqa": True},
-        "enable_prefix_caching": False,
-        "seed": seed,
-    }
-
-
-# what model_variant may change, and the suffix each gives the copy's folder
-VARIANT_KEYS = {"num_attention_heads": "h", "num_hidden_layers": "l", "num_nextn_predict_layers": "mtp"}
+    return {"model": str(model), "tensor_parallel_size": tp, "load_format": "dummy", "skip_tokenizer_init": True,
+            "kv_cache_dtype": "fp8_ds_mla", "block_size": block_size, "max_model_len": max_model_len,
+            "max_num_batched_tokens": mnbt, "max_num_seqs": max_num_seqs, "gpu_memory_utilization": util,
+            "enforce_eager": True, "generation_config": "vllm", "attention_backend": BACKENDS[backend],
+            "attention_config": {"sparse_mla_force_mqa": True}, "enable_prefix_caching": False, "seed": seed}
 
 
 def model_variant(model: Path, where: Path, heads: int | None = None, layers: int | None = None,
@@ -120,10 +102,9 @@ def model_variant(model: Path, where: Path, heads: int | None = None, layers: in
     changes = {k: v for k, v in asked.items() if v is not None and v != config.get(k)}
     if not changes:
         return model
-    config.update(changes)
     scaled = where / (model.name + "".join(f"-{v}{VARIANT_KEYS[k]}" for k, v in changes.items()))
     scaled.mkdir(parents=True, exist_ok=True)
-    (scaled / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (scaled / "config.json").write_text(json.dumps({**config, **changes}, indent=2) + "\n")
     return scaled
 
 
@@ -139,12 +120,9 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> list[str]:
         SamplingParams(**sampling_kwargs(logprobs=TOP_LOGPROBS))
     except Exception as exc:
         return [f"SamplingParams refuses {sampling_kwargs(logprobs=TOP_LOGPROBS)}: {exc}"]
-
-    fields = {f.name for f in dataclasses.fields(EngineArgs)}
-    problems = [f"EngineArgs has no field {k!r}" for k in kwargs if k not in fields]
-    attn_fields = {f.name for f in dataclasses.fields(AttentionConfig)}
-    problems += [f"AttentionConfig has no field {k!r}" for k in kwargs["attention_config"] if k not in attn_fields]
-    return problems
+    fields, attn_fields = ({f.name for f in dataclasses.fields(c)} for c in (EngineArgs, AttentionConfig))
+    return [f"EngineArgs has no field {k!r}" for k in kwargs if k not in fields] + [
+        f"AttentionConfig has no field {k!r}" for k in kwargs["attention_config"] if k not in attn_fields]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -171,17 +149,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
     if not 0 < args.util <= 1:
         ap.error("--util must be in (0, 1]")
-    if args.repeats < 1:
-        ap.error("--repeats must be at least 1")
-    if args.tp < 1 or (args.heads is not None and args.heads < 1):
-        ap.error("--tp and --heads must be at least 1")
+    if args.repeats < 1 or args.tp < 1 or (args.heads is not None and args.heads < 1):
+        ap.error("--repeats, --tp and --heads must be at least 1")
     if args.block_size < 64 or args.block_size % 64:
         ap.error("--block-size must be a multiple of 64")
     args.faults = args.faults.split(",") if args.faults else None
-    if args.faults is not None:
-        unknown_modes = [m for m in args.faults if m not in faults.MODES]
-        if unknown_modes or args.backend != "planned" or args.tp != 1:
-            ap.error(f"--faults takes {', '.join(faults.MODES)}, with --backend planned and --tp 1")
+    if args.faults is not None and (set(args.faults) - set(faults.MODES) or args.backend != "planned" or args.tp != 1):
+        ap.error(f"--faults takes {', '.join(faults.MODES)}, with --backend planned and --tp 1")
     if "4" in args.cases and args.mnbt < max(CASE_PROMPTS["4"]):
         print(f"note: case 4 with --mnbt {args.mnbt} < 65536 is prefilled in chunks", file=sys.stderr)
     return args
@@ -197,8 +171,10 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:4000]
 
 
-def is_oom(exc: BaseException) -> bool:
-    return "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
+def failure(exc: BaseException) -> dict[str, Any]:
+    """A step's failure as recorded (a CUDA OOM is ``oom``)."""
+    return {"status": "error", "error": error_text(exc), "traceback": traceback.format_exc()[-3000:],
+            "oom": "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"}
 
 
 def external_id(request_id: str) -> str:
@@ -240,14 +216,21 @@ class Bench:
         self.llm.enqueue(prompts, params, use_tqdm=False)
         return self.run_until_done()
 
-    def run_until_done(self) -> list[Any]:
+    def run_until_done(self, pending: set[str] | None = None) -> list[Any]:
+        """Steps until no request is unfinished (or, given ``pending``, until those have finished)."""
         engine = self.llm.llm_engine
         deadline = time.monotonic() + self.case_timeout_s
         outputs = []
-        while engine.has_unfinished_requests():
+        while engine.has_unfinished_requests() if pending is None else pending:
+            if pending is not None and not engine.has_unfinished_requests():
+                raise RuntimeError(f"the engine finished without requests {sorted(pending)}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"requests unfinished after {self.case_timeout_s:.0f} s")
-            outputs += [out for out in engine.step() if out.finished]
+                what = "requests" if pending is None else f"requests {sorted(pending)}"
+                raise TimeoutError(f"{what} unfinished after {self.case_timeout_s:.0f} s")
+            for out in engine.step():
+                if out.finished:
+                    outputs.append(out)
+                    (pending or set()).discard(external_id(out.request_id))
         return sorted(outputs, key=lambda out: int(external_id(out.request_id)))
 
     def abort_all(self) -> int:
@@ -307,21 +290,6 @@ def kv_tensor_bytes(tensors: list[Any]) -> int:
     return sum(int(t.size) for t in tensors if not getattr(t, "block_stride", 0)) + max(packed, default=0)
 
 
-def summarize_outputs(outputs: list[Any]) -> list[dict[str, Any]]:
-    rows = []
-    for out in outputs:
-        completion = out.outputs[0]
-        rows.append({"prompt_len": len(out.prompt_token_ids or []), "token_ids": [int(t) for t in completion.token_ids],
-                     "finish_reason": completion.finish_reason})
-    return rows
-
-
-def top_logprobs(completion: Any) -> list[list[list[float]]]:
-    """Per generated position, ``[token, logprob]`` pairs, best first."""
-    positions = completion.logprobs or []
-    return [sorted(([int(t), float(lp.logprob)] for t, lp in pos.items()), key=lambda p: -p[1]) for pos in positions]
-
-
 def measured(bench: Bench, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Runs ``body`` between peak-memory resets (with tensor parallelism without them: the workers hold
     the memory); an exception becomes the result."""
@@ -339,8 +307,7 @@ def measured(bench: Bench, body: Callable[[], dict[str, Any]]) -> dict[str, Any]
     try:
         result.update(body())
     except Exception as exc:  # the result of a case, e.g. stock's CUDA OOM
-        result.update(status="error", error=error_text(exc), oom=is_oom(exc),
-                      traceback=traceback.format_exc()[-3000:])
+        result.update(failure(exc))
     result["elapsed_s"] = time.perf_counter() - t0
     if cuda is None:
         return result
@@ -348,9 +315,8 @@ def measured(bench: Bench, body: Callable[[], dict[str, Any]]) -> dict[str, Any]
         cuda.synchronize()
     except Exception as exc:  # a sticky CUDA error shows here
         result.setdefault("sync_error", error_text(exc))
-    result["memory_before"] = before
-    result["peak_allocated_bytes"] = cuda.max_memory_allocated()
-    result["peak_reserved_bytes"] = cuda.max_memory_reserved()
+    result.update(memory_before=before, peak_allocated_bytes=cuda.max_memory_allocated(),
+                  peak_reserved_bytes=cuda.max_memory_reserved())
     result["peak_over_before_bytes"] = result["peak_allocated_bytes"] - before["allocated"]
     try:
         result["memory_after"] = bench.memory()
@@ -365,9 +331,10 @@ def run_prompts_case(bench: Bench, case: str) -> dict[str, Any]:
     max_tokens = CASE_MAX_TOKENS.get(case, MAX_TOKENS)
 
     def body() -> dict[str, Any]:
-        outputs = summarize_outputs(bench.generate(prompts, bench.params(max_tokens)))
-        back = sum(len(o["token_ids"]) == max_tokens for o in outputs)
-        return {"outputs": outputs, "requests_with_all_tokens": back}
+        outputs = [{"prompt_len": len(out.prompt_token_ids or []), "finish_reason": out.outputs[0].finish_reason,
+                    "token_ids": [int(t) for t in out.outputs[0].token_ids]}
+                   for out in bench.generate(prompts, bench.params(max_tokens))]
+        return {"outputs": outputs, "requests_with_all_tokens": sum(len(o["token_ids"]) == max_tokens for o in outputs)}
 
     result = measured(bench, body)
     result.update(prompt_lens=CASE_PROMPTS[case], prompt_tokens=sum(CASE_PROMPTS[case]), max_tokens=max_tokens)
@@ -391,23 +358,14 @@ def time_single(bench: Bench, length: int, seed: int) -> float:
 def time_mixed(bench: Bench, seed: int) -> float:
     """Prefill tokens/s of two 16K prompts arriving while eight requests decode (mixed steps)."""
     rng = random.Random(seed)
-    llm, engine = bench.llm, bench.llm.llm_engine
     decoders = [token_prompt(MIXED_DECODER_LEN, rng) for _ in range(MIXED_DECODERS)]
-    llm.enqueue(decoders, bench.params(max_tokens=MIXED_DECODE_TOKENS), use_tqdm=False)
+    bench.llm.enqueue(decoders, bench.params(max_tokens=MIXED_DECODE_TOKENS), use_tqdm=False)
     for _ in range(2):  # their prefill step, then a decode step
-        engine.step()
+        bench.llm.llm_engine.step()
     prefills = [token_prompt(n, rng) for n in MIXED_PREFILLS]
     t0 = time.perf_counter()
-    pending = {external_id(i) for i in llm.enqueue(prefills, bench.params(max_tokens=1), use_tqdm=False)}
-    deadline = time.monotonic() + bench.case_timeout_s
-    while pending:
-        if not engine.has_unfinished_requests():
-            raise RuntimeError(f"the engine finished without requests {sorted(pending)}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"requests {sorted(pending)} unfinished after {bench.case_timeout_s:.0f} s")
-        for out in engine.step():
-            if out.finished:
-                pending.discard(external_id(out.request_id))
+    bench.run_until_done({external_id(i) for i in bench.llm.enqueue(prefills, bench.params(max_tokens=1),
+                                                                    use_tqdm=False)})
     dt = time.perf_counter() - t0
     bench.run_until_done()  # the decoders finish outside the timing
     return sum(MIXED_PREFILLS) / dt
@@ -448,7 +406,10 @@ def run_same_function(bench: Bench) -> dict[str, Any]:
         for _ in range(2):  # twice: is the backend deterministic on its own?
             (out,) = bench.generate([prompt], bench.params(MAX_TOKENS, logprobs=TOP_LOGPROBS))
             completion = out.outputs[0]
-            runs.append({"token_ids": [int(t) for t in completion.token_ids], "top_logprobs": top_logprobs(completion)})
+            # per generated position, [token, logprob] pairs, best first
+            top = [sorted(([int(t), float(lp.logprob)] for t, lp in pos.items()), key=lambda p: -p[1])
+                   for pos in completion.logprobs or []]
+            runs.append({"token_ids": [int(t) for t in completion.token_ids], "top_logprobs": top})
         return {"runs": runs, "token_ids": runs[0]["token_ids"],
                 "repeat_identical": runs[0]["token_ids"] == runs[1]["token_ids"]}
 
@@ -461,15 +422,7 @@ def run_same_function(bench: Bench) -> dict[str, Any]:
 def run_case(bench: Bench, case: str, repeats: int) -> dict[str, Any]:
     if case == "throughput":
         return run_throughput(bench, repeats)
-    if case == "same_function":
-        return run_same_function(bench)
-    return run_prompts_case(bench, case)
-
-
-def fake_modules() -> tuple[Any, Any, Any]:
-    import fakes
-
-    return fakes.modules()
+    return run_same_function(bench) if case == "same_function" else run_prompts_case(bench, case)
 
 
 def planner_settings() -> dict[str, Any]:
@@ -485,8 +438,6 @@ def planner_settings() -> dict[str, Any]:
 
 
 def versions() -> dict[str, str]:
-    from importlib import metadata
-
     found = {}
     for dist in ("vllm", "torch", "mla-planner", "transformers", "tokenizers"):
         try:
@@ -505,23 +456,17 @@ def main(argv: list[str] | None = None) -> int:
     model = model_variant(MODEL_DIR, args.out.parent, heads=args.heads)
     kwargs = engine_kwargs(args.backend, args.util, args.mnbt, model=model, tp=args.tp, block_size=args.block_size)
     data: dict[str, Any] = {
-        "schema": 1,
-        "run": {"backend": args.backend, "util": args.util, "mnbt": args.mnbt, "cases": args.cases,
-                "repeats": args.repeats},
-        "engine_kwargs": kwargs,
-        "env": {k: os.environ.get(k) for k in [*ENV_DEFAULTS, *PLANNER_VARS]},
-        "case_titles": {c: CASE_TITLES[c] for c in args.cases},
-        "startup": {"status": "started"},
-        "cases": {},
+        "schema": 1, "run": {"backend": args.backend, "util": args.util, "mnbt": args.mnbt, "cases": args.cases,
+                             "repeats": args.repeats},
+        "engine_kwargs": kwargs, "env": {k: os.environ.get(k) for k in [*ENV_DEFAULTS, *PLANNER_VARS]},
+        "case_titles": {c: CASE_TITLES[c] for c in args.cases}, "startup": {"status": "started"}, "cases": {},
         "finished": False,
     }
     if args.dry_run:
-        problems = check_engine_kwargs(kwargs)
-        data["problems"] = problems
-        data["prompt_lens"] = {c: CASE_PROMPTS[c] for c in args.cases if c in CASE_PROMPTS}
+        data.update(problems=check_engine_kwargs(kwargs),
+                    prompt_lens={c: CASE_PROMPTS[c] for c in args.cases if c in CASE_PROMPTS})
         print(json.dumps(data, indent=1))
-        return 1 if problems else 0
-
+        return 1 if data["problems"] else 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     data["versions"] = versions()
     if args.backend == "planned":
@@ -531,14 +476,14 @@ def main(argv: list[str] | None = None) -> int:
         faults.install()
     t0 = time.perf_counter()
     try:
-        bench = Bench(kwargs, fake_modules() if args.fake_engine else None, args.case_timeout_s)
+        if args.fake_engine:
+            import fakes
+        bench = Bench(kwargs, fakes.modules() if args.fake_engine else None, args.case_timeout_s)
         data["startup"] = {"status": "ok", "elapsed_s": time.perf_counter() - t0, **bench.engine_info(),
                            "memory": bench.memory(),
                            "device": bench.torch.cuda.get_device_name() if bench.local_gpu else f"{args.tp} GPUs"}
     except Exception as exc:
-        data["startup"] = {"status": "error", "elapsed_s": time.perf_counter() - t0, "error": error_text(exc),
-                           "oom": is_oom(exc), "traceback": traceback.format_exc()[-3000:]}
-        data["finished"] = True
+        data.update(startup={**failure(exc), "elapsed_s": time.perf_counter() - t0}, finished=True)
         write_json(args.out, data)
         print(f"engine start-up failed: {data['startup']['error']}", file=sys.stderr)
         return 2
@@ -549,8 +494,7 @@ def main(argv: list[str] | None = None) -> int:
 
     failures: list[str] = []
     dead: str | None = None
-    runs = [(None, c) for c in args.cases] if args.faults is None else [(m, c) for m in args.faults for c in args.cases]
-    for mode, case_name in runs:
+    for mode, case_name in [(m, c) for m in args.faults or [None] for c in args.cases]:
         case = case_name if mode is None else f"{mode}/{case_name}"
         if dead is not None:
             data["cases"][case] = {"status": "skipped", "error": dead}

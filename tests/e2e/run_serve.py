@@ -1,17 +1,13 @@
-"""The serving driver (docs/e2e.md, "The serve driver" and "The flag matrix"): stock FLASHMLA_SPARSE
-against the plugin through ``vllm serve``, and the plugin under the flag matrix's configurations.
+"""The end-to-end driver (docs/e2e.md): stock FLASHMLA_SPARSE against the plugin, in-process (``--group``
+or ``--runs``: one run_cases.py process per engine) or through ``vllm serve`` (``--phase``: ab, boundary,
+failrate, soak, and the flag matrix), with the servers, requests and bench clients of serve_proc.py.
 
-    export PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath)
-    python3 tests/e2e/run_serve.py --phase ab --out /tmp/serve          # or boundary, failrate, soak, matrix
-    python3 tests/e2e/run_serve.py --phase soak --detach --out /tmp/serve
-    python3 tests/e2e/run_serve.py --phase soak --follow --out /tmp/serve   # the next call
-    python3 tests/e2e/run_serve.py --report-only /tmp/serve
-
-A phase (serve_phases.py) ends by ``--deadline-s`` and writes ``DIR/<phase>[-<engine>].json``,
-rewritten after every step, server logs under ``DIR/logs``, bench results under ``DIR/bench``, and
-its report (report.py): ``DIR/serve.md``, or ``DIR/matrix.md`` for the matrix. A phase longer
-than a device call runs ``--detach``ed in a session of its own, which the machine keeps while it
-stays warm; ``--follow`` in the next call picks it up.
+A call ends by ``--deadline-s``; what the deadline leaves no time for is recorded as not run. Every
+record is rewritten as it changes, so a crash or the device's time limit keeps what came before: an
+in-process run's ``DIR/<run>.json`` and ``.log`` (``DIR/driver.json``: how each process ended), a
+phase's ``DIR/<phase>[-<engine>].json``, with server logs in ``DIR/logs`` and bench results in
+``DIR/bench``; then the reports (report.py). A phase longer than a device call runs ``--detach``ed in
+a session of its own, which the machine keeps while it stays warm; ``--follow`` picks it up.
 """
 
 from __future__ import annotations
@@ -19,27 +15,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import re
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import asdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import matrix_design as md
 import report
-import serve_bench
-import serve_phases
+import serve_proc as sp
 import step_log
-from run_cases import CASE_TITLES, ENV_DEFAULTS, MODEL_DIR, PLANNER_VARS, model_variant, versions
-from serve_proc import client_env, install_cleanup
-from serve_run import Run, say
-from serve_tokenizer import check_tokenizer, served_model_dir
+from report import up
+from run_cases import (CASE_MAX_TOKENS, CASE_PROMPTS, CASE_TITLES, ENV_DEFAULTS, MAX_TOKENS, MODEL_DIR, PLANNER_VARS,
+                       TOKEN_RANGE, case_prompts, model_variant, versions, write_json)
+from serve_proc import Server, ServerSpec, check_stop
 
-PHASES: dict[str, Callable[[Run], None]] = {"ab": serve_phases.ab, "boundary": serve_phases.boundary,
-                                            "failrate": serve_phases.failrate, "soak": serve_phases.soak,
-                                            "matrix": serve_phases.matrix}
+HERE = Path(__file__).resolve().parent
+PHASES = ("ab", "boundary", "failrate", "soak", "matrix")
 # ab's two servers share the GPU. 0.40 each, not 0.45: stock's step of 32K FP8 tokens allocates
 # ~14 GiB nobody reserved, beyond its share; at 0.45 each (14 GiB left over) the H200 measured stock's
 # process at 76.4 GiB of its 62.9 GiB share, and the plugin's server, within its own, died of it.
@@ -53,70 +51,117 @@ MAX_UTIL_SUM = 0.92  # the matrix's servers (and twins alive at once) on one GPU
 DETACHED_MARGIN_S = 600  # a detached soak's own deadline: --soak-s plus this (start-up, last iteration)
 DETACHED_DEADLINE_S = 1500  # any other detached phase's: within the 30 minutes a device machine is held
 LOGGING_VAR = "VLLM_LOGGING_CONFIG_PATH"
+MIN_RUN_S = 75  # an in-process engine start-up alone takes about a minute: start no run with less left
+MIN_SERVER_S = 120  # a server start (~65-95 s with CUDA graph capture) and one request
+MIN_BENCH_S = 30  # a bench client takes some seconds to start (prompt sampling): start none with less left
+MIN_STEP_S = 15  # a request step starts with at least this much left
+ENGINES = ("stock", "plugin")
+SEED_BASE = 1000  # the recorded runs' seeds: SEED_BASE + 100 x repeat + 10 x the workload's place in WORKLOADS
+
+
+@dataclass(frozen=True)
+class InProcess:
+    """An in-process run: one run_cases.py process (docs/e2e.md, "The in-process runner")."""
+
+    name: str
+    backend: str
+    util: float
+    mnbt: int
+    cases: tuple[str, ...]
+    group: str
+    timeout_s: int = 300
+    tp: int = 1
+    heads: int | None = None  # the model's attention heads (TP runs keep 16 per rank)
+    debug_log: bool = False  # VLLM_LOGGING_LEVEL=DEBUG: every rank logs each step's plan
+
+
+RUNS = (  # planned first in group A: finishing every case at 0.95 is the goal
+    InProcess("planned-0.95-32k", "planned", 0.95, 32768, ("1", "2", "3", "5"), "A"),
+    InProcess("planned-0.95-64k", "planned", 0.95, 65536, ("4", "5"), "A"),
+    InProcess("stock-0.95-32k", "stock", 0.95, 32768, ("1", "2", "3", "5"), "A"),
+    InProcess("stock-0.95-64k", "stock", 0.95, 65536, ("4", "5"), "A"),
+    InProcess("stock-0.90-32k", "stock", 0.90, 32768, ("1", "same_function", "throughput"), "B"),
+    InProcess("planned-0.90-32k", "planned", 0.90, 32768, ("1", "same_function", "throughput"), "B"),
+    # Tensor parallel 2 (two GPUs), the model scaled to 32 heads: 16 per rank, as DeepSeek-V3.2 at TP 8.
+    InProcess("planned-tp2-0.95-32k", "planned", 0.95, 32768, ("1", "2", "3", "5"), "T", tp=2, heads=32,
+              debug_log=True),
+    InProcess("planned-tp2-0.95-64k", "planned", 0.95, 65536, ("4", "5"), "T", tp=2, heads=32, debug_log=True),
+    InProcess("stock-tp2-0.95-32k", "stock", 0.95, 32768, ("1", "2", "3", "5"), "T", tp=2, heads=32),
+    InProcess("stock-tp2-0.95-64k", "stock", 0.95, 65536, ("4", "5"), "T", tp=2, heads=32),
+)
+RUNS_BY_NAME = {r.name: r for r in RUNS}
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="docs/e2e.md says what each phase and option does.")
     add = ap.add_argument
-    add("--phase", choices=list(PHASES), help="what to run (one phase a call)")
+    add("--phase", choices=PHASES, help="a served phase (one a call)")
+    add("--group", choices=("A", "B", "T"),
+        help="in-process: A: 0.95, cases 1-5; B: 0.90, throughput + same function; T: A at tensor parallel 2")
+    add("--runs", help="in-process: comma-separated run names instead of a group (see --list)")
+    add("--list", action="store_true", help="print the in-process runs and exit")
     add("--out", type=Path, help="results folder (kept: later calls add to it)")
-    add("--deadline-s", type=float, default=540, help="the phase ends by then (default 540)")
-    add("--detach", action="store_true", help="run the phase in a session of its own (its own deadline), "
-                                              "follow it until --deadline-s")
+    add("--deadline-s", type=float, help="the call ends by then (default 540; in-process 570)")
+    add("--detach", action="store_true", help="run the phase in a session of its own; follow it until --deadline-s")
     add("--follow", action="store_true", help="follow the phase detached in DIR until it ends or --deadline-s")
-    add("--report-only", type=Path, metavar="DIR", help="only write DIR's reports from its JSON (the ab step "
-                                                        "figures as the run stored them: step_log.py compare "
-                                                        "--ab DIR counts them again)")
-    add("--engine", choices=("stock", "plugin"), help="boundary, soak: default plugin; failrate: default stock")
+    add("--report-only", type=Path, metavar="DIR", help="only write DIR's reports from its JSON")
+    add("--engine", choices=ENGINES, help="boundary, soak: default plugin; failrate: default stock")
     add("--util", type=float, help="--gpu-memory-utilization (ab: 0.40 each; boundary, soak: 0.95; matrix: 0.09, "
                                    "0.04 with --stock-twins --start together, plus each server's budget share)")
-    add("--log-iterations", action="store_true", help="every server logs each engine step (vLLM's "
-                                                      "--enable-logging-iteration-details), for step_log.py compare")
-    add("--layers", type=int, help="the model's hidden layers (default: its config's, 2; more put more of each step "
-                                   "in attention, as in the real model's 61)")
-    add("--workloads", default="long,chat,mix", help=f"ab: of {', '.join(serve_bench.WORKLOADS)}")
-    add("--repeats", type=int, default=3, help="ab: interleaved repeats per engine and workload")
-    add("--warmup-rounds", type=int, default=1, help="ab: rounds of every workload on both servers before the "
-        "repeats, left out of the medians (default 1: a server's first run of a workload pays first-use costs)")
+    add("--log-iterations", action="store_true", help="servers log each engine step, for step_log.py compare")
+    add("--layers", type=int, help="the model's hidden layers (default: its config's, 2)")
+    add("--workloads", default="long,chat,mix", help=f"ab: of {', '.join(sp.WORKLOADS)}")
+    add("--repeats", type=int, help="ab: interleaved repeats per engine and workload (default 3); in-process: "
+                                    "throughput repeats per workload (default 5)")
+    add("--warmup-rounds", type=int, default=1, help="ab: rounds of every workload left out of the medians")
     add("--at-once", nargs="?", const="*", default="", metavar="WORKLOADS",
-        help="ab: these workloads (none given: all of the call's) run both engines' runs of a repeat at the same "
-             "time, so the machine's swings of seconds hit both alike (for chat's per-step comparison); the others "
-             "one after the other")
+        help="ab: these workloads (none given: all) run both engines' runs of a repeat at the same time")
     add("--prompt-scale", type=float, default=1.0, help="ab, soak: scales every client's prompt count")
     add("--failrate-utils", default="0.90,0.95", help="failrate: utilizations, in turn")
     add("--failrate-n", type=int, default=2, help="failrate: servers per utilization")
     add("--soak-s", type=float, default=600, help="soak: how long to repeat the mix (default 600)")
     add("--sample-s", type=float, default=5, help="soak: seconds between memory samples")
-    add("--servers", help=f"matrix: of {','.join(c.name for c in md.DESIGN)} (default: all; a subset's coverage "
-                          "gaps are reported)")
-    add("--stock-twins", nargs="?", const="all", default="", help="matrix: beside each server (or each of the "
-        "comma-separated NAMES given) its stock twin (FLASHMLA_SPARSE, same flags), for its KV cache lines")
+    add("--servers", help=f"matrix: of {','.join(c.name for c in md.DESIGN)} (default: all)")
+    add("--stock-twins", nargs="?", const="all", default="", help="matrix: a stock twin beside each server (or NAMES)")
     add("--start", choices=("staggered", "together", "chained"), default="staggered",
-        help="matrix: staggered (default): each once the one before has sized its KV cache, so that no two servers' "
-             "memory profiling overlaps; together: every server at once (their KV figures carry each other's "
-             "start-ups, and a start may fail of it); chained: each once the one before it is up")
-    add("--gpus", type=int, default=1, help="matrix: GPUs to spread the servers over (CUDA_VISIBLE_DEVICES; a server "
-        "and its twin share one); each GPU's starts are staggered or chained on their own, side by side (default 1)")
+        help="matrix: each start once the one before has sized its KV cache, all at once, or once it is up")
+    add("--gpus", type=int, default=1, help="matrix: GPUs to spread the servers over, round robin (default 1)")
     add("--retries", type=int, default=1, help="matrix: retries, alone, of a start other servers disturbed")
-    add("--min-fallback-mb", type=int, help="matrix: budget for a 'min' server whose 64 MiB start gave no minimum "
-                                            "(default: not started)")
+    add("--min-fallback-mb", type=int, help="matrix: budget of a 'min' server whose 64 MiB start gave no minimum")
     add("--chat-n", type=int, default=100, help="matrix: requests in the chat burst (default 100)")
     add("--port-base", type=int, default=8100, help="servers listen on this port and above (0: any free)")
     add("--start-timeout-s", type=float, help="a server's start-up limit (default 240; matrix: 360)")
     add("--request-timeout-s", type=float, help="one request's limit (default 120; matrix: 180)")
-    add("--fake-server", action="store_true", help=argparse.SUPPRESS)  # CPU tests: fakes.py
+    add("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # CPU tests: fakes.py
+    add("--fake-server", action="store_true", help=argparse.SUPPRESS)
     add("--fake-bench", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.report_only:
+    if args.list or args.report_only:
         return args
-    if not (args.phase and args.out):
-        ap.error("give --phase and --out (or --report-only DIR)")
-    if args.detach and args.follow:
-        ap.error("--detach follows the phase itself: give one of --detach and --follow")
+    if not args.out or bool(args.phase) == bool(args.group or args.runs):
+        ap.error("give --phase, or --group or --runs, and --out (or --report-only DIR, or --list)")
+    if args.detach and args.follow or (args.detach or args.follow) and not args.phase:
+        ap.error("--detach follows the phase itself: give one of --detach and --follow, with --phase")
+    if not args.phase:
+        args.deadline_s = 570 if args.deadline_s is None else args.deadline_s
+        args.repeats = 5 if args.repeats is None else args.repeats
+        wanted = [n for n in (args.runs or "").split(",") if n]
+        unknown = [n for n in wanted if n not in RUNS_BY_NAME]
+        if unknown:
+            ap.error(f"unknown run(s) {unknown}; known: {', '.join(RUNS_BY_NAME)}")
+        args.selected = [RUNS_BY_NAME[n] for n in wanted] or [r for r in RUNS if r.group == args.group]
+        return args
+    args.deadline_s = 540 if args.deadline_s is None else args.deadline_s
+    args.repeats = 3 if args.repeats is None else args.repeats
     args.workloads = [w for w in args.workloads.split(",") if w]
-    unknown = [w for w in args.workloads if w not in serve_bench.WORKLOADS]
+    unknown = [w for w in args.workloads if w not in sp.WORKLOADS]
     if unknown:
-        ap.error(f"unknown workload(s) {unknown}; known: {', '.join(serve_bench.WORKLOADS)}")
+        ap.error(f"unknown workload(s) {unknown}; known: {', '.join(sp.WORKLOADS)}")
     args.at_once = args.workloads if args.at_once == "*" else [w for w in args.at_once.split(",") if w]
     if set(args.at_once) - set(args.workloads):
         ap.error(f"--at-once {','.join(args.at_once)}: not all of them are in --workloads {','.join(args.workloads)}")
@@ -168,6 +213,803 @@ def matrix_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                      f"{MAX_UTIL_SUM}): lower --util")
 
 
+class Run:
+    """One call of the driver: its arguments, deadline and results (``data``, in ``path``, rewritten
+    after every change; the matrix's threads change it under the lock)."""
+
+    def __init__(self, args: argparse.Namespace, path: Path, data: dict[str, Any], t0: float) -> None:
+        self.args, self.path, self.data, self.t0 = args, path, data, t0
+        self.out: Path = args.out
+        self.deadline: float = t0 + args.deadline_s
+        self.lock = threading.RLock()
+        self.clients: sp.Clients | None = None  # None: no step of this phase runs a bench client
+        self.model_dir = Path()  # the served model folder (the bench clients' tokenizer too)
+        self.model_dirs: dict[str, Path] = {}  # the matrix's, by server
+
+    def save(self) -> None:
+        with self.lock:
+            write_json(self.path, self.data)
+
+    def update(self, target: dict[str, Any], **values: Any) -> None:
+        with self.lock:
+            target.update(values)
+            write_json(self.path, self.data)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def now(self) -> float:
+        return round(time.monotonic() - self.t0, 1)
+
+    def port(self, k: int) -> int:
+        base: int = self.args.port_base
+        return sp.free_port() if base == 0 else base + k
+
+    def spec(self, engine: str, util: float, k: int, mnbt: int = 32768) -> ServerSpec:
+        """A phase's server, with vLLM's iteration lines where the run asks for them."""
+        return ServerSpec(engine, util, self.port(k), mnbt, log_iterations=self.args.log_iterations)
+
+
+# --- in-process runs ---------------------------------------------------------------------------------
+
+
+def run_command(r: InProcess, out: Path, args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, str(HERE / "run_cases.py"), "--backend", r.backend, "--util", str(r.util),
+           "--mnbt", str(r.mnbt), "--cases", *r.cases, "--out", str(out / f"{r.name}.json"),
+           "--repeats", str(args.repeats)]
+    cmd += ["--tp", str(r.tp)] if r.tp != 1 else []
+    cmd += ["--heads", str(r.heads)] if r.heads is not None else []
+    return cmd + (["--fake-engine"] if args.fake_engine else [])
+
+
+def run_one(cmd: list[str], log: Path, timeout_s: float, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Runs ``cmd`` in its own process group (``serve_proc.spawn``: SIGTERM to it if this driver
+    dies, so no engine outlives it on the GPU), output to ``log``; kills the group at the timeout."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
+    for key, value in ENV_DEFAULTS.items():
+        env.setdefault(key, value)
+    t0, timed_out = time.monotonic(), False
+    with log.open("w") as f:
+        proc = sp.spawn(cmd, f, env)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            rc = sp.kill_group(proc, grace_s=15)["rc"]
+    return {"rc": rc, "timed_out": timed_out, "timeout_s": round(timeout_s), "wall_s": time.monotonic() - t0,
+            "log": log.name}
+
+
+def in_process(args: argparse.Namespace) -> int:
+    """The selected runs one after the other, each in run_cases.py, all within the deadline."""
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    run = Run(args, out / report.DRIVER_JSON, report.load_driver(out), time.monotonic())
+    for r in args.selected:
+        if run.left() < MIN_RUN_S:
+            why = {"status": "not run", "reason": f"deadline: {run.left():.0f} s left"}
+            run.update(run.data["runs"], **{r.name: why})
+            say(f"{r.name}: not run ({run.left():.0f} s left of the deadline)")
+            continue
+        timeout = min(r.timeout_s, run.left() - 5)
+        say(f"{r.name}: running (timeout {timeout:.0f} s) ...")
+        log = out / f"{r.name}.log"
+        debug = {"VLLM_LOGGING_LEVEL": "DEBUG"} if r.debug_log else {}  # every rank logs each step's plan
+        result = run_one(run_command(r, out, args), log, timeout, debug)
+        run.update(run.data["runs"], **{r.name: {"status": "ran", **result}})
+        state = "TIMED OUT" if result["timed_out"] else f"rc {result['rc']}"
+        say(f"{r.name}: {state} after {result['wall_s']:.0f} s")
+        for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
+            if re.match(r"(engine up|engine start-up failed|case \S+: )", line):  # run_cases.py's own reports
+                say(f"    {line}")
+        time.sleep(3 if result["timed_out"] else 1)  # the next engine measures free memory at start-up
+    run.save()
+    return 0
+
+
+# --- starting servers ----------------------------------------------------------------------------------
+
+Done = Callable[[Server | None, dict[str, Any]], None]
+
+
+@dataclass
+class Job:
+    """A server to start, and what to do with it once it is up, failed, or not started (server None)."""
+
+    spec: ServerSpec
+    label: str  # its log: DIR/logs/LABEL.log
+    model_dir: Path
+    done: Done | None = None
+    kv_only: bool = False  # a stock twin: its KV cache lines are all it is started for
+    compared: bool = False  # its KV figure is set against another's (a twin, or a server that has one)
+
+
+@dataclass
+class Starting:
+    job: Job
+    server: Server
+    record: dict[str, Any]
+    limit_s: float  # its start-up limit
+    state: dict[str, Any] | None = None  # Server.start_state, once settled
+
+
+def spawn(run: Run, job: Job) -> Starting:
+    """Starts a job's server process. Call it from the main thread: the server's process gets SIGTERM
+    when the thread that started it ends (``PR_SET_PDEATHSIG``)."""
+    spec = job.spec
+    server = Server(spec, sp.server_command(spec, job.model_dir, sys.executable, run.args.fake_server),
+                    sp.server_env(spec), run.out / "logs" / f"{job.label}.log")
+    record: dict[str, Any] = {"label": job.label, "engine": spec.engine, "util": spec.util, "mnbt": spec.mnbt,
+                              "port": spec.port, "scratch_mb": spec.scratch_mb, "cmd": server.cmd,
+                              "log": f"logs/{job.label}.log", "window_s": [run.now(), None]}
+    say(f"{job.label}: starting {spec.engine} server (util {spec.util}, mnbt {spec.mnbt}, port {spec.port}) ...")
+    # the start-up limit: --start-timeout-s, or 5 s before the deadline
+    item = Starting(job, server, record, max(1.0, min(run.args.start_timeout_s, run.left() - 5)))
+    try:
+        server.start()
+    except Exception as exc:
+        item.state = {"status": "error", "error": f"{type(exc).__name__}: {exc}", "elapsed_s": 0.0}
+    record["pid"] = server.pid
+    return item
+
+
+def settle(run: Run, job: Job, server: Server | None, record: dict[str, Any]) -> None:
+    """The start is over: its record gets the log's facts, and the job's ``done`` the server."""
+    if server is not None:
+        record.update(sp.log_facts(server.log_text()))
+        s, kv = record["startup"], record.get("kv_cache_memory_gib")
+        say(f"{job.label}: {s['status']} after {s['elapsed_s']:.0f} s" + (f", KV cache {kv} GiB" if kv is not None else "")
+            + (f", {record['planner_line_count']} mla-planner log lines" if job.spec.engine == "plugin" else ""))
+    if job.done is not None:
+        job.done(server, record)
+
+
+def gate(item: Starting, mode: str, following: Job | None) -> bool:
+    """Whether the next start of ``item``'s chain, ``following``, may go: ``chained``, once a server is
+    up (a twin: once its KV cache is sized); ``staggered``, once either has sized its KV cache (vLLM's
+    memory profiling is over, the cache is allocated right after), except that a start whose KV
+    figure is compared (a twin, or a server that has one) waits until the server before it is up: on
+    vLLM 0.33 that server captures its CUDA graphs after its KV line, and whatever it allocates
+    during the next one's profiling counts as the next one's; ``together``, each start is a chain
+    of its own."""
+    if mode == "together" or item.state is not None:
+        return True
+    sized = sp.KV_SIZED in item.server.log_text()
+    if item.job.kv_only:
+        return sized
+    return sized and mode == "staggered" and not (following is not None and following.compared)
+
+
+def start_jobs(run: Run, jobs: list[Job], mode: str = "chained", min_left_s: float = MIN_SERVER_S) -> list[dict[str, Any]]:
+    """Starts ``jobs``' servers: one chain per GPU (a spec's ``gpu``), each start of a chain once the
+    one before it passes its ``gate``, the chains side by side (``together``: every job a chain of
+    its own); no start with less than ``min_left_s`` left. Every server is spawned and polled on this
+    (the main) thread. Returns the jobs' start records, in order: each with its window in the run's
+    seconds (spawn to gate, or to settled) and its ``startup``, also handed to the job's ``done``."""
+    if mode == "together":
+        chains = [[job] for job in jobs]
+    else:
+        gpus = sorted({job.spec.gpu for job in jobs}, key=lambda g: -1 if g is None else g)
+        chains = [[job for job in jobs if job.spec.gpu == g] for g in gpus]
+    records: dict[int, dict[str, Any]] = {}
+    current: list[Starting | None] = [None] * len(chains)
+    released: list[Starting] = []  # past their gate, awaiting /health
+    while True:
+        check_stop()
+        for ready in list(released):  # first, so a twin sized is stopped before its chain's next start
+            ready.state = ready.state or ready.server.start_state(ready.limit_s)
+            if ready.state is not None:
+                released.remove(ready)
+                ready.record["startup"] = ready.state
+                if ready.record["window_s"][1] is None:
+                    ready.record["window_s"][1] = run.now()
+                settle(run, ready.job, ready.server, ready.record)
+        for k, chain in enumerate(chains):
+            if current[k] is None and chain:
+                job = chain.pop(0)
+                if run.left() < min_left_s:  # nothing started that could not be up and used in time
+                    records[id(job)] = {"label": job.label, "engine": job.spec.engine, "util": job.spec.util,
+                                        "startup": {"status": "not run", "error": f"deadline: {run.left():.0f} s left"}}
+                    settle(run, job, None, records[id(job)])
+                    continue
+                current[k] = spawn(run, job)
+            item = current[k]
+            if item is None:
+                continue
+            records[id(item.job)] = item.record
+            item.state = item.state or item.server.start_state(item.limit_s)
+            if gate(item, mode, chain[0] if chain else None):
+                current[k] = None
+                if mode != "together":
+                    item.record["window_s"][1] = run.now()
+                if item.job.kv_only and item.state is None:  # sized: all a twin is for
+                    alive = item.server.alive()
+                    item.state = {"status": "ok" if alive else "exited", "until": "KV cache sized",
+                                  "elapsed_s": time.monotonic() - item.server.t0,
+                                  **({} if alive else {"log_tail": item.server.log_tail()})}
+                released.append(item)
+        if not released and not any(current) and not any(chains):
+            return [records[id(job)] for job in jobs if id(job) in records]
+        time.sleep(0.5)
+
+
+def start_one(run: Run, job: Job, min_left_s: float = MIN_SERVER_S) -> tuple[Server | None, dict[str, Any]]:
+    """One server, started and awaited; None if it was not started."""
+    got: list[Server | None] = [None]
+
+    def keep(server: Server | None, record: dict[str, Any]) -> None:
+        got[0] = server
+        if job.done is not None:
+            job.done(server, record)
+
+    (record,) = start_jobs(run, [Job(job.spec, job.label, job.model_dir, keep)], min_left_s=min_left_s)
+    return got[0], record
+
+
+def finish(server: Server, record: dict[str, Any]) -> None:
+    """A server's end: alive and /health, the plugin's metrics, the stop, then its whole log's facts."""
+    record["alive_at_end"] = server.alive()
+    record["health_at_end"] = server.health() if server.alive() else None
+    if server.alive():  # the plugin's metrics, where vLLM serves a worker's (PROMETHEUS_MULTIPROC_DIR set)
+        text = sp.http(server.url + "/metrics", timeout_s=10)[1] or ""
+        record["plugin_metrics"] = [line for line in text.splitlines() if line.startswith("mla_planner_")]
+    record["stop"] = server.stop()
+    record.update(sp.log_facts(server.log_text()))
+    if record["stop"].get("left_running"):
+        say(f"{server.log_path.stem}: WARNING: processes of the server's group still running after SIGKILL")
+
+
+# --- requests ---------------------------------------------------------------------------------------
+# Plain HTTP POSTs: run_cases' cases (token-id prompts, as the in-process runs draw them) and the
+# matrix's chat burst. A case's prompts go at once, each on its own thread, a few milliseconds apart
+# in the case's order, so the server receives them as one submission (case 3's 32K blocker first).
+# Throughput is not measured here: that is ``vllm bench serve``'s job (serve_proc.Clients).
+
+STAGGER_S = 0.02
+CHAT_PREFIX, CHAT_LEN, CHAT_MAX_TOKENS, CHAT_SEED = 256, (300, 1100), (16, 256), 2900
+
+
+def chat_prompts(n: int, seed: int = CHAT_SEED) -> list[tuple[list[int], int]]:
+    """``n`` (token ids, max_tokens): a shared 256-token prefix (a system prompt: prefix caching's
+    hits), then each its own tokens to 300-1,100 in all; 16-256 tokens out. The same for every server."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(*TOKEN_RANGE) for _ in range(CHAT_PREFIX)]
+    prompts = []
+    for _ in range(n):
+        length = rng.randint(*CHAT_LEN)
+        ids = prefix + [rng.randrange(*TOKEN_RANGE) for _ in range(length - CHAT_PREFIX)]
+        prompts.append((ids, rng.randint(*CHAT_MAX_TOKENS)))
+    return prompts
+
+
+def one_request(url: str, ids: list[int], max_tokens: int, delay_s: float, timeout_s: float) -> dict[str, Any]:
+    """Greedy, exactly ``max_tokens`` tokens back (ignore_eos is vLLM's extension of the API)."""
+    time.sleep(delay_s)
+    t0 = time.perf_counter()
+    body = {"model": sp.SERVED_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    status, answer, error = sp.http(url + "/v1/completions", body, timeout_s)
+    usage = (answer or {}).get("usage") or {}
+    tokens = usage.get("completion_tokens")
+    ok = status == 200 and tokens == max_tokens
+    if status == 200 and not ok:
+        error = f"{tokens} tokens back, {max_tokens} asked"
+    return {"prompt_len": len(ids), "status": status, "ok": ok, "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": tokens, "elapsed_s": time.perf_counter() - t0, "error": error}
+
+
+def send_all(url: str, prompts: list[tuple[list[int], int]], stagger_s: float, timeout_s: float) -> dict[str, Any]:
+    """Every prompt at once, each on its own thread (``stagger_s`` apart), every answer awaited (or
+    its error recorded): counts, and the first few errors."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        futures = [pool.submit(one_request, url, ids, max_tokens, i * stagger_s, timeout_s)
+                   for i, (ids, max_tokens) in enumerate(prompts)]
+        requests = [f.result() for f in futures]
+    errors: list[str] = []
+    for r in requests:
+        if not r["ok"] and str(r["error"]) not in errors and len(errors) < 5:
+            errors.append(str(r["error"]))
+    ok = sum(r["ok"] for r in requests)
+    return {"status": "ok" if ok == len(requests) else "error", "error": errors[0] if errors else None,
+            "errors": errors, "n_requests": len(requests), "requests_ok": ok, "elapsed_s": time.perf_counter() - t0,
+            "prompt_tokens": sum(len(ids) for ids, _ in prompts), "max_tokens": sum(m for _, m in prompts),
+            "requests": requests}
+
+
+def send_step(url: str, case: str | None, chat_n: int, timeout_s: float) -> dict[str, Any]:
+    """One of run_cases' cases, its prompts as one submission; or (case None) ``chat_n`` chat
+    completions at once (``chat_prompts``), whose requests are not kept."""
+    if case is None:
+        result = send_all(url, chat_prompts(chat_n), 0.0, timeout_s)
+        del result["requests"]
+        return result
+    max_tokens = CASE_MAX_TOKENS.get(case, MAX_TOKENS)
+    result = send_all(url, [(ids, max_tokens) for ids in case_prompts(case)], STAGGER_S, timeout_s)
+    return {**result, "prompt_lens": CASE_PROMPTS[case], "max_tokens": max_tokens}
+
+
+def probe(run: Run, name: str, server: Server, steps: list[tuple[str, str | None]], results: dict[str, Any]) -> None:
+    """Each step of ``steps`` on ``server`` in turn, into ``results[key]``: a case of run_cases' sent
+    over HTTP, or (case None) the chat burst; /health after each. A step the deadline, a dead
+    server or one not healthy leaves no chance is not run."""
+    for key, case in steps:
+        check_stop()
+        if run.left() < MIN_STEP_S:
+            result: dict[str, Any] = {"status": "not run", "error": f"deadline: {run.left():.0f} s left"}
+        elif not server.alive():
+            result = {"status": "not run", "error": "server process exited"}
+        elif server.health() != 200:
+            result = {"status": "not run", "error": "server not healthy"}
+        else:
+            run.update(results, **{key: {"status": "started", "at_s": run.now()}})
+            result = send_step(server.url, case, run.args.chat_n, max(5.0, min(run.args.request_timeout_s,
+                                                                               run.left() - 5)))
+            if result["status"] != "ok":
+                time.sleep(2)  # a dying engine takes a moment to take the server down
+            result.update(alive_after=server.alive(), health_after=server.health() if server.alive() else None)
+        run.update(results, **{key: result})
+        say(f"{name} {key}: {result['status']}" + (f", {result['requests_ok']}/{result['n_requests']} requests ok"
+                                                   if "n_requests" in result else "")
+            + (f" ({str(result.get('error'))[:160]})" if result.get("error") else "")
+            + (f"; health after: {result['health_after']}" if "health_after" in result else ""))
+
+
+# --- bench clients ----------------------------------------------------------------------------------
+
+
+def bench(run: Run, servers: dict[str, Server], workload: str, seed: int, tags: dict[str, str], scale: float,
+          timeout_s: float, tick: Callable[[], None] | None = None) -> dict[str, dict[str, Any]]:
+    """One workload's clients against every server of ``servers`` (by engine) at the same time: per
+    engine, per client its summary, and the workload combined."""
+    assert run.clients is not None, "a phase that runs bench clients gets a Clients"
+    clients = sp.WORKLOADS[workload]
+    cmds, results = [], []
+    for engine, server in servers.items():
+        meta = {"engine": engine, "workload": workload, "tag": tags[engine]}
+        for c in clients:
+            results.append(run.out / "bench" / f"{tags[engine]}-{c.label}.json")
+            cmds.append(sp.bench_command(c, python=sys.executable, base_url=server.url, tokenizer=run.model_dir,
+                                         seed=seed, result=results[-1], scale=scale, metadata=meta,
+                                         fake=run.clients.fake))
+    outcomes = sp.run_clients(run.clients, cmds, results, [r.with_suffix(".log") for r in results], timeout_s, tick)
+    records = {}
+    for k, engine in enumerate(servers):
+        mine = outcomes[k * len(clients):(k + 1) * len(clients)]
+        summaries = [o["result"] for o in mine if o["result"] is not None]
+        ok = len(summaries) == len(mine)
+        whole = summaries[0] if len(mine) == 1 and ok else sp.combined(summaries) if ok else {}
+        records[engine] = {"status": "ok" if ok else "error", "seed": seed, "combined": whole,
+                           "clients": {c.label: o for c, o in zip(clients, mine)},
+                           "error": next((o["error"] for o in mine if o["error"]), None)}
+    return records
+
+
+def run_line(tag: str, run: dict[str, Any]) -> str:
+    c = run.get("combined") or {}
+    if run["status"] != "ok":
+        return f"{tag}: {run['status']}: {run.get('error')}"
+    first = next(iter(run["clients"].values()))["result"]
+    return (f"{tag}: {c.get('completed')} done, {c.get('failed')} failed, out {c.get('output_throughput', 0):,.0f} "
+            f"tok/s, total {c.get('total_token_throughput', 0):,.0f} tok/s, TTFT p50 {first.get('p50_ttft_ms') or 0:.0f} "
+            f"ms, TPOT p50 {first.get('p50_tpot_ms') or 0:.1f} ms ({c.get('duration', 0):.0f} s)")
+
+
+# --- the phases (docs/e2e.md, "Phases"): each stops its servers on the way out ------------------------
+
+
+def ab(run: Run) -> None:
+    a, data = run.args, run.data
+    records: dict[str, dict[str, Any]] = {}
+    call = {"id": len(data.setdefault("calls", [])), "workloads": a.workloads, "repeats": a.repeats,
+            "scale": a.prompt_scale, "warmup_rounds": a.warmup_rounds, "util": a.util, "at_once": a.at_once,
+            "servers": records}
+    data["calls"].append(call)
+    # An earlier call's runs of these workloads are replaced (their step figures with them); its
+    # other workloads stay.
+    data["runs"] = [r for r in data.get("runs", []) if r["workload"] not in a.workloads]
+    for earlier in data["calls"][:-1]:
+        for w in a.workloads:
+            for figures in ("steps", "step_pairs"):
+                (earlier.get(figures) or {}).pop(w, None)
+    servers: dict[str, Server] = {}
+    try:
+        # one after the other: vLLM's start-up measures the GPU's free memory, which a second server
+        # starting beside it would disturb
+        for k, engine in enumerate(ENGINES):
+            server, records[engine] = start_one(run, Job(run.spec(engine, a.util, 100 * k), f"ab{call['id']}-{engine}",
+                                                         run.model_dir), min_left_s=0)
+            if server is not None:
+                servers[engine] = server
+            run.save()
+            if not up(records[engine]):
+                call["error"] = f"{engine} server did not start: {records[engine]['startup'].get('status')}"
+                return
+        # Warm-up rounds first, left out of the medians: a server's first run of a workload pays
+        # first-use costs (on the H200, chat's TTFT p99 was 1.5-1.9 s in the first repeat and
+        # 0.24-0.30 s after, in both engines), and kernels JIT-compiled to disk are compiled by the
+        # first engine and loaded by the second.
+        for r in range(-a.warmup_rounds, a.repeats):
+            name = f"w{-r}" if r < 0 else f"r{r + 1}"
+            # Which engine goes first alternates by repeat, so that a drift over the call (the
+            # machine warming, stock's runs rose 150K -> 210K tokens/s over one on the H200)
+            # favours neither engine's side of the per-repeat ratio. Warm-ups: stock first.
+            order = ENGINES[::-1] if r > 0 and r % 2 else ENGINES
+            for w in a.workloads:
+                seed = SEED_BASE + 100 * r + 10 * list(sp.WORKLOADS).index(w)  # warm-ups: below SEED_BASE
+                runs = {e: {"workload": w, "engine": e, "repeat": r + 1 if r >= 0 else None, "seed": seed,
+                            "call": call["id"], "tag": f"ab{call['id']}-{name}-{w}-{e}", "warmup": r < 0}
+                        for e in order}
+                # at once, the machine's swings hit both runs alike
+                for together in [runs] if w in a.at_once else [{e: runs[e]} for e in order]:
+                    bench_runs(run, servers, together, w, seed)
+                    for one in together.values():
+                        data["runs"].append(one)
+                        run.save()
+                        say(run_line(one["tag"], one))
+                        check_stop()
+    finally:
+        for engine, server in servers.items():
+            finish(server, records[engine])
+        run.save()
+        if a.log_iterations:  # the logs are whole once the servers have stopped
+            try:
+                call.update(step_log.step_figures(run.out, data, call))
+            except Exception as exc:  # a figure short, never the phase's own outcome hidden
+                call["steps_error"] = f"{type(exc).__name__}: {exc}"
+            run.save()
+
+
+def bench_runs(run: Run, servers: dict[str, Server], runs: dict[str, dict[str, Any]], workload: str,
+               seed: int) -> None:
+    """The workload against the server of each engine in ``runs``, all at the same time (one run:
+    alone), the runs filled in with their results and their window in the server logs (for
+    step_log.py compare --ab); none runs if one cannot (a run alone is not a pair)."""
+    def why_not(server: Server) -> dict[str, Any] | None:
+        if run.left() < MIN_BENCH_S:
+            return {"status": "not run", "error": f"deadline: {run.left():.0f} s left"}
+        return None if server.healthy() else {"status": "not run", "error": "server not healthy", "alive": server.alive()}
+
+    why = {e: why_not(servers[e]) for e in runs}
+    if any(why.values()):
+        for e, one in runs.items():
+            one.update(why[e] or {"status": "not run", "error": "the other engine's run could not start"})
+        return
+    began = step_log.stamp()
+    done = bench(run, {e: servers[e] for e in runs}, workload, seed, {e: one["tag"] for e, one in runs.items()},
+                 run.args.prompt_scale, run.left() - 10)
+    ended = step_log.stamp()
+    for e, one in runs.items():
+        one.update(done[e], window=[began, ended], healthy_after=servers[e].healthy(), at_once=len(runs) > 1)
+
+
+BOUNDARY = ((32768, ("1", "2", "5")), (65536, ("4", "5")))  # (max_num_batched_tokens, cases)
+
+
+def boundary(run: Run) -> None:
+    a = run.args
+    run.data["servers"] = []
+    for k, (mnbt, cases) in enumerate(BOUNDARY):
+        label = f"boundary-{a.engine}-{mnbt // 1024}k"
+        server, record = start_one(run, Job(run.spec(a.engine, a.util, k, mnbt), label, run.model_dir))
+        record.update(mnbt=mnbt, cases={}, case_order=list(cases))
+        run.data["servers"].append(record)
+        run.save()
+        if server is None:
+            continue
+        try:
+            if up(record):
+                probe(run, label, server, [(case, case) for case in cases], record["cases"])
+        finally:
+            finish(server, record)
+            run.save()
+        sp.wait_gpu_idle()
+
+
+def failrate(run: Run) -> None:
+    """Trials add to an earlier call's (its ``not run`` ones dropped): a rate wants more servers than
+    one call starts."""
+    a, data = run.args, run.data
+    data["trials"] = [t for t in data.get("trials", []) if t.get("status") != "not run"]
+    call = 1 + max((t.get("call", 0) for t in data["trials"]), default=0)
+    for i in range(a.failrate_n):
+        for util in a.failrate_utils:  # interleaved, so drift over the call hits each utilization alike
+            label = f"failrate-{a.engine}-{util:.2f}-c{call}-{i + 1}"
+            trial: dict[str, Any] = {"label": label, "util": util, "call": call, "index": i + 1}
+            data["trials"].append(trial)
+            server, record = start_one(run, Job(run.spec(a.engine, util, len(data["trials"])), label, run.model_dir))
+            if server is None:
+                run.update(trial, status="not run", error=record["startup"]["error"])
+                continue
+            trial["server"] = record
+            try:
+                if up(record):
+                    probe(run, label, server, [("case", "1")], trial)
+                    case = trial["case"]
+                    trial.update(status=case["status"],
+                                 engine_died=case["health_after"] != 200 if "health_after" in case else None)
+                else:
+                    trial.update(status="startup failed", engine_died=None)
+            finally:
+                finish(server, record)
+                trial["oom_in_log"] = any("out of memory" in k.lower() or "OutOfMemory" in k for k in record["error_count"])
+                run.save()
+            say(f"{label}: {trial['status']}, engine died: {trial.get('engine_died')}, OOM in log: {trial['oom_in_log']}")
+            sp.wait_gpu_idle()
+
+
+def soak(run: Run) -> None:
+    a, data = run.args, run.data
+    data.update(samples=[], iterations=[], soak_s=a.soak_s, sample_s=a.sample_s)
+    server, record = start_one(run, Job(run.spec(a.engine, a.util, 0), f"soak-{a.engine}", run.model_dir),
+                               min_left_s=0)
+    data["server"] = record
+    assert server is not None  # started whatever the deadline
+    t0 = time.monotonic()
+    due = [t0]
+
+    def sample(force: bool = False) -> None:
+        """Every ``--sample-s``: the GPU's used memory (the server is alone on the GPU: its API and
+        engine processes'), the server process, /health."""
+        now = time.monotonic()
+        if now < due[0] and not force:
+            return
+        due[0] = now + a.sample_s
+        data["samples"].append({"t_s": round(now - t0, 1), "used_mib": sp.gpu_memory_used_mib(),
+                                "processes": sp.gpu_processes(), "alive": server.alive(),
+                                "health": server.health(timeout_s=3)})
+
+    # From here on a stop (a signal, raised wherever the driver is) still stops the server and
+    # records it: the results file names the server as soon as it is saved.
+    try:
+        run.save()
+        if not up(record):
+            return
+        data["pids_at_start"] = sp.group_pids(server.pid or 0)  # the API server and its engine process
+        sample()
+        i = 0
+        while time.monotonic() - t0 < a.soak_s:
+            if run.left() < MIN_BENCH_S:
+                data["cut"] = f"deadline after {time.monotonic() - t0:.0f} s of {a.soak_s:.0f}"
+                break
+            if not server.alive():
+                data["cut"] = f"server process exited after {time.monotonic() - t0:.0f} s"
+                break
+            one = bench(run, {a.engine: server}, "mix", SEED_BASE + 10 * i, {a.engine: f"soak-i{i + 1}"},
+                        a.prompt_scale, run.left() - 10, sample)[a.engine]
+            one.update(iteration=i + 1, t_end_s=round(time.monotonic() - t0, 1))
+            data["iterations"].append(one)
+            run.save()
+            say(run_line(f"soak iteration {i + 1} ({one['t_end_s']:.0f} s)", one))
+            check_stop()
+            i += 1
+        sample(force=True)
+    finally:
+        if "pids_at_start" in data:
+            data["soak_elapsed_s"] = time.monotonic() - t0
+            # vLLM restarts nothing itself: a dead engine takes its server down. Same processes at the
+            # end as at the start (and /health 200 in every sample) means none died and none replaced it.
+            data["pids_at_end"] = sp.group_pids(server.pid or 0) if server.alive() else []
+            data["same_processes"] = data["pids_at_end"] == data["pids_at_start"]
+        finish(server, record)
+        run.save()
+
+
+# --- the flag matrix (docs/e2e.md, "The flag matrix") ------------------------------------------------
+
+LOAD = (("chat", None), ("32k", "1"), ("eight", "2"), ("64k", "4"))  # (key, case; None: the chat burst)
+# offsets from --port-base, plus the server's index in the design
+PORTS = {"plugin": 0, "stock": 20, "probe": 40, "retry": 60, "stock-retry": 80}
+T = TypeVar("T")
+
+
+def each(items: list[T], work: Callable[[T], None]) -> None:
+    """``work`` for every item, all at once on threads. Nothing that starts a server runs on these
+    threads: its process gets SIGTERM when the thread that started it ends (``PR_SET_PDEATHSIG``)."""
+    pool = ThreadPoolExecutor(max_workers=max(1, len(items)))
+    try:
+        for future in [pool.submit(work, item) for item in items]:
+            future.result()
+    except BaseException:  # a stop asked for (or a failure): on to stopping the servers, not waiting for the rest
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+
+
+class Matrix:
+    """The matrix's servers, by name: their records (``data["servers"]``), and the plugin server and
+    stock twin of each once started. In order: the minimum budgets (``min`` servers started at
+    PROBE_MB: refused with the minimum in the line, or up, and 64 is it), the servers and their
+    twins (``--start``: ``gate``; a start other servers' memory disturbed is retried alone), the
+    load on all at once, and the end (alive, then stopped, the log read).
+    """
+
+    def __init__(self, run: Run) -> None:
+        self.run, self.args = run, run.args
+        self.configs = {c.name: c for c in md.DESIGN if c.name in run.args.servers}
+        self.index = {c.name: i for i, c in enumerate(md.DESIGN)}
+        self.records: dict[str, dict[str, Any]] = run.data["servers"]
+        self.servers: dict[str, Server] = {}
+        self.twins: dict[str, Server] = {}
+
+    def job(self, name: str, role: str, label: str, scratch_mb: int | None,
+            done: Callable[[Server | None, dict[str, Any]], None], kv_only: bool = False, compared: bool = False) -> Job:
+        config = self.configs[name]
+        engine = "stock" if role.startswith("stock") else "plugin"
+        spec = md.spec(config, engine, md.util_for(config, self.args.util), self.run.port(PORTS[role] + self.index[name]),
+                       scratch_mb, self.args.gpu_of[name])
+        return Job(spec, label, self.run.model_dirs[name], done, kv_only, compared)
+
+    # 1. the minimum budget
+
+    def probe_job(self, name: str) -> Job:
+        """A start at 64 MiB: refused (the minimum is in the line) or up (64 is the minimum)."""
+        return self.job(name, "probe", f"{name}-min{md.PROBE_MB}", md.PROBE_MB,
+                        lambda server, start: self.probed(name, server, start))
+
+    def probed(self, name: str, server: Server | None, start: dict[str, Any]) -> None:
+        rec = self.records[name]
+        result: dict[str, Any] = {"scratch_mb": md.PROBE_MB, "startup": start["startup"], "min_mb": None}
+        if server is None:
+            result.update(outcome="not run", error=start["startup"]["error"])
+        elif up(start):
+            result.update(outcome="started", min_mb=md.PROBE_MB, log=start["log"], window_s=start["window_s"])
+            self.servers[name] = server
+            self.run.update(rec, plugin=start, scratch_mb=md.PROBE_MB)
+        else:
+            finish(server, start)
+            text = server.log_text()
+            line, minimum = sp.refusal(text)
+            result.update(log=start["log"], window_s=start["window_s"], refusal_line=line, rc=start["stop"]["rc"],
+                          first_errors=start["first_errors"])
+            if minimum is not None:
+                result.update(outcome="refused", min_mb=minimum)
+            elif sp.disturbed(text):
+                result.update(outcome="disturbed", disturbed_line=sp.disturbed(text))
+            else:
+                result.update(outcome="failed")
+        earlier = [*rec.get("probe_attempts", []), *([rec["probe"]] if rec.get("probe") else [])]
+        self.run.update(rec, probe=result, probe_attempts=earlier)
+        say(f"{name}: {md.PROBE_MB} MiB start {result['outcome']}"
+            + (f": minimum {result['min_mb']} MiB" if result["min_mb"] is not None else "")
+            + (f" ({result['refusal_line']})" if result.get("refusal_line") else ""))
+
+    def find_minimums(self) -> None:
+        names = [n for n, c in self.configs.items() if c.budget == "min"]
+        if names:
+            say(f"minimum budget: {len(names)} start(s) at {md.PROBE_MB} MiB ({', '.join(names)})")
+        # together unless chained: a refused start ends before vLLM profiles memory; one disturbed is retried
+        start_jobs(self.run, [self.probe_job(n) for n in names], "chained" if self.args.start == "chained" else "together")
+        for _ in range(self.args.retries):
+            again = [n for n in names if self.records[n]["probe"].get("outcome") == "disturbed"]
+            if not again or self.run.left() < MIN_SERVER_S:
+                break
+            say(f"retrying alone: {', '.join(again)} (a start disturbed by the others)")
+            start_jobs(self.run, [self.probe_job(n) for n in again])
+
+    def budget(self, name: str) -> int | None:
+        """The server's MLA_PLANNER_SCRATCH_MB: its own, the minimum found, the fallback, or None."""
+        budget = self.configs[name].budget
+        if isinstance(budget, int):
+            return budget
+        found = (self.records[name].get("probe") or {}).get("min_mb")
+        fallback: int | None = self.args.min_fallback_mb
+        return int(found) if found is not None else fallback
+
+    # 2. the servers and their stock twins
+
+    def plugin_job(self, name: str, retry: bool = False) -> Job:
+        rec, scratch = self.records[name], self.budget(name)
+
+        def done(server: Server | None, start: dict[str, Any]) -> None:
+            if server is not None:
+                self.servers[name] = server
+            self.run.update(rec, plugin=start, scratch_mb=scratch)
+
+        label = f"{name}-retry{len(rec.get('attempts', []))}" if retry else name
+        return self.job(name, "retry" if retry else "plugin", label, scratch, done,
+                        compared=name in self.args.stock_twins)
+
+    def twin_job(self, name: str, retry: bool = False) -> Job:
+        """The stock twin: the same flags, FLASHMLA_SPARSE, no budget; stopped once its KV lines are in."""
+        rec = self.records[name]
+
+        def done(server: Server | None, start: dict[str, Any]) -> None:
+            self.run.update(rec, twin=start)
+            if server is not None:
+                self.twins[name] = server
+                if retry or self.args.start != "together":  # stopped before the next start: none is profiling
+                    self.stop_twin(name)
+
+        label = f"{name}-stock" + (f"-retry{len(rec.get('twin_attempts', []))}" if retry else "")
+        return self.job(name, "stock-retry" if retry else "stock", label, None, done, kv_only=True, compared=True)
+
+    def stop_twin(self, name: str) -> None:
+        server = self.twins.pop(name, None)
+        if server is not None:
+            finish(server, self.records[name]["twin"])
+            self.run.save()
+
+    def start_servers(self) -> None:
+        names = []
+        for name, rec in self.records.items():
+            if name in self.servers:  # up at 64 MiB: that was the minimum
+                continue
+            if self.budget(name) is None:
+                probe_rec = rec.get("probe") or {}
+                why = probe_rec.get("error") or (f"no minimum: the {md.PROBE_MB} MiB start {probe_rec.get('outcome')} "
+                                                 "without the plugin's refusal line")
+                self.run.update(rec, plugin={"startup": {"status": "not run", "error": why}})
+                continue
+            names.append(name)
+        twins = [n for n in self.records if n in self.args.stock_twins and (n in names or n in self.servers)]
+        if names:
+            say(f"starting {len(names)} server(s){f' and {len(twins)} stock twin(s)' if twins else ''} "
+                f"({self.args.start}): {', '.join(names)}")
+        # each server, then its twin (the order staggered and chained starts take)
+        start_jobs(self.run, [job for n in self.records for job in ([self.plugin_job(n)] if n in names else [])
+                              + ([self.twin_job(n)] if n in twins else [])], self.args.start)
+        # Together, the twins' KV lines are in once every start is over; stopped now, before any retry and the load.
+        for n in list(self.twins):
+            self.stop_twin(n)
+        for _ in range(self.args.retries):
+            again = [(n, "plugin") for n in names if self.disturbed_start(n, "plugin")]
+            again += [(n, "twin") for n in twins if self.disturbed_start(n, "twin")]
+            if not again or self.run.left() < MIN_SERVER_S:
+                break
+            say(f"retrying alone: {', '.join(f'{n} ({role})' for n, role in again)} (a start disturbed by the others)")
+            for n, role in again:
+                rec = self.records[n]
+                if role == "plugin":
+                    finish(self.servers.pop(n), rec["plugin"])
+                    self.run.update(rec, attempts=[*rec.get("attempts", []), rec["plugin"]])
+                    start_jobs(self.run, [self.plugin_job(n, retry=True)])
+                else:
+                    self.run.update(rec, twin_attempts=[*rec.get("twin_attempts", []), rec["twin"]])
+                    start_jobs(self.run, [self.twin_job(n, retry=True)])
+
+    def disturbed_start(self, name: str, key: str) -> bool:
+        """The start failed, and its log says other servers' memory is why."""
+        rec = self.records[name].get(key) or {}
+        if rec.get("startup", {}).get("status") in ("ok", "not run", None):
+            return False
+        log = self.run.out / rec["log"]
+        return log.is_file() and sp.disturbed(log.read_text(errors="replace")) is not None
+
+    # 3. the load, and 4. the end
+
+    def load(self) -> None:
+        names = [n for n in self.records if n in self.servers and self.servers[n].alive()]
+        for n, rec in self.records.items():
+            phases = {k: {"status": "not run", "error": "server not up"} for k, _ in LOAD} if n not in names else {}
+            self.run.update(rec, phases=phases)
+        if names:
+            say(f"load on {len(names)} server(s) at once: chat burst of {self.args.chat_n}, then cases 1, 2, 4")
+            each(names, lambda n: probe(self.run, n, self.servers[n], list(LOAD), self.records[n]["phases"]))
+
+    def finish_all(self) -> None:
+        for name in list(self.twins):
+            self.stop_twin(name)
+        each(list(self.servers), lambda n: finish(self.servers[n], self.records[n]["plugin"]))
+        self.run.save()
+
+
+def matrix(run: Run) -> None:
+    m = Matrix(run)
+    try:
+        m.find_minimums()
+        m.start_servers()
+        m.load()
+    finally:
+        m.finish_all()
+
+
+PLANS: dict[str, Callable[[Run], None]] = {"ab": ab, "boundary": boundary, "failrate": failrate, "soak": soak,
+                                           "matrix": matrix}
+
+
+# --- a phase's call ----------------------------------------------------------------------------------
+
+
 def result_path(args: argparse.Namespace) -> Path:
     out: Path = args.out
     return out / (f"{args.phase}.json" if args.phase in ("ab", "matrix") else f"{args.phase}-{args.engine}.json")
@@ -179,16 +1021,16 @@ def prepare_models(run: Run) -> bool:
     tokenizer would fail the servers."""
     a, out = run.args, run.out
     if a.phase == "matrix":
-        run.model_dirs = {c.name: served_model_dir(out / "model", md.model_source(c, out / "variants"))
+        run.model_dirs = {c.name: sp.served_model_dir(out / "model", md.model_source(c, out / "variants"))
                           for c in md.DESIGN if c.name in a.servers}
         folders = sorted(set(run.model_dirs.values()))
     else:
-        run.model_dir = served_model_dir(out / "model", model_variant(MODEL_DIR, out / "variants", layers=a.layers))
+        run.model_dir = sp.served_model_dir(out / "model", model_variant(MODEL_DIR, out / "variants", layers=a.layers))
         folders = [run.model_dir]
     run.data["tokenizers"] = {}
     for folder in folders:
         try:
-            run.data["tokenizers"][folder.name] = facts = check_tokenizer(folder)
+            run.data["tokenizers"][folder.name] = facts = sp.check_tokenizer(folder)
         except Exception as exc:  # no server is started on a tokenizer that would fail them
             run.update(run.data["tokenizers"], **{folder.name: {"error": f"{type(exc).__name__}: {exc}"}})
             print(f"tokenizer check failed: {exc}", file=sys.stderr)
@@ -215,10 +1057,10 @@ def run_phase(args: argparse.Namespace) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     path = result_path(args)
-    # ab and failrate add to an earlier call's file (serve_phases.py says how); the others start afresh.
+    # ab and failrate add to an earlier call's file (ab, failrate say how); the others start afresh.
     data: dict[str, Any] = json.loads(path.read_text()) if args.phase in ("ab", "failrate") and path.is_file() else {}
     run_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                if k not in ("out", "report_only", "gpu_of") and not k.startswith("fake")}
+                if k not in ("out", "report_only", "gpu_of", "group", "runs", "list") and not k.startswith("fake")}
     earlier = data.get("run", {}).get("layers")
     if data and earlier != args.layers:  # one file, one report: of one model
         print(f"{path} holds runs of another model (--layers {earlier}); give another --out", file=sys.stderr)
@@ -226,7 +1068,7 @@ def run_phase(args: argparse.Namespace) -> int:
     data.update(schema=1, phase=args.phase, run=run_args, finished=False, versions=versions(),
                 started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 env={k: os.environ.get(k) for k in ("PYTHONPATH", *ENV_DEFAULTS, *PLANNER_VARS)},
-                workload_titles=serve_bench.WORKLOAD_TITLES, case_titles=CASE_TITLES,
+                workload_titles=sp.WORKLOAD_TITLES, case_titles=CASE_TITLES,
                 **(matrix_header(args) if args.phase == "matrix" else {}))
     run = Run(args, path, data, start)
     run.save()
@@ -239,13 +1081,14 @@ def run_phase(args: argparse.Namespace) -> int:
     if args.phase in ("ab", "soak"):
         # The clients' imports happen meanwhile, and the forkserver's spawn (a fork of this process)
         # is over before any port is probed: a child holding a probe socket would make it look taken.
-        run.clients = serve_bench.Clients(args.fake_bench, client_env())
+        # A client's environment is a stock server's (run_cases' defaults, no plugin settings).
+        run.clients = sp.Clients(args.fake_bench, sp.server_env(ServerSpec("stock", 0.0, 0)))
         run.clients.warm()
     if not prepare_models(run):
         run.update(data, finished=True)
         return 2
     say(f"{args.phase}: results in {path}")
-    PHASES[args.phase](run)
+    PLANS[args.phase](run)
     run.update(data, finished=True, elapsed_s=time.monotonic() - start)
     return 0
 
@@ -313,6 +1156,11 @@ def pid_alive(pid: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.list:
+        for r in RUNS:
+            tp = f"  tp {r.tp}, {r.heads} heads" if r.tp != 1 else ""
+            print(f"{r.group}  {r.name:20} {r.backend:8} util {r.util}  mnbt {r.mnbt:5}  cases {' '.join(r.cases)}{tp}")
+        return 0
     if args.report_only:
         print(report.write(args.report_only))
         return 0
@@ -322,9 +1170,10 @@ def main(argv: list[str] | None = None) -> int:
         rc = follow(args)
         print(report.write(args.out))
         return rc
-    install_cleanup()
+    if args.phase:
+        sp.install_cleanup()
     try:
-        rc = run_phase(args)
+        rc = run_phase(args) if args.phase else in_process(args)
     finally:
         text = report.write(args.out)
     print(text)

@@ -1,35 +1,40 @@
-"""One ``vllm serve`` process: its command line and environment, start, /health, stop, and what its
-log says; the GPU's memory as nvidia-smi sees it.
+"""What the served driver (run_serve.py) runs beside itself: ``vllm serve`` processes (command line,
+environment, start, /health, stop, what the log says), the GPU's memory as nvidia-smi sees it, the
+generated tokenizer the servers load, and ``vllm bench serve`` clients (docs/e2e.md, "The serve driver").
 
-Each server and each bench client runs in its own process group, so one ``killpg`` ends it with
-every process it started (the API server's engine-core process too). The group stays in the
-driver's session: should the driver itself be killed, whoever ends that session's leftovers (the
-device tool, a terminal) ends the servers too; the group leader also gets SIGTERM when the thread
-that started it ends (Linux ``PR_SET_PDEATHSIG``). Live servers are stopped at exit, on
-SIGTERM/SIGHUP and on Ctrl-C (``install_cleanup``).
+Each server runs in a process group of its own, so one ``killpg`` ends it with every process it started
+(the API server's engine-core process too). The group stays in the driver's session: should the driver
+itself be killed, whoever ends that session's leftovers (the device tool, a terminal) ends the servers
+too; the group leader also gets SIGTERM when the thread that started it ends (Linux ``PR_SET_PDEATHSIG``).
+Live servers are stopped at exit, on SIGTERM/SIGHUP and on Ctrl-C (``install_cleanup``).
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib
 import json
 import math
+import multiprocessing
 import os
+import random
 import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
-from run_cases import ENV_DEFAULTS, PLANNER_VARS, REPLACE_VAR
+from run_cases import ENV_DEFAULTS, MODEL_DIR, PLANNER_VARS, REPLACE_VAR
 
 HERE = Path(__file__).resolve().parent
 ENGINES = {"stock": "FLASHMLA_SPARSE", "plugin": "CUSTOM"}
@@ -106,11 +111,6 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     return env
 
 
-def client_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """A bench client's environment: a stock server's (run_cases' defaults, no plugin settings)."""
-    return server_env(ServerSpec("stock", 0.0, 0), base)
-
-
 def _own_group() -> None:
     """In the child before exec: a process group of its own; SIGTERM when the driver dies."""
     os.setpgid(0, 0)
@@ -138,8 +138,7 @@ def group_alive(pgid: int) -> bool:
 
 def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 20) -> dict[str, Any]:
     """SIGTERM to the group, SIGKILL after ``grace_s``; waits until no process of it is left."""
-    pgid = proc.pid
-    forced = False
+    pgid, forced = proc.pid, False
     if group_alive(pgid):
         os.killpg(pgid, signal.SIGTERM)
     try:
@@ -172,27 +171,17 @@ def group_pids(pgid: int) -> list[int]:
     return sorted(pids)
 
 
-def http_status(url: str, timeout_s: float = 5) -> int | None:
-    """The status of a GET, or None when nothing answers."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-    except (OSError, ValueError):
-        return None
-
-
-def post_json(url: str, body: dict[str, Any], timeout_s: float) -> tuple[int | None, Any, str | None]:
-    """(status, parsed body, error text) of a POST; status None when the connection failed."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+def http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 5) -> tuple[int | None, Any, str | None]:
+    """(status, answer, error text) of a GET (the answer its text) or, with ``body``, a JSON POST (the
+    answer parsed); status None when the connection failed."""
+    request = urllib.request.Request(url) if body is None else urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return int(response.status), json.loads(response.read()), None
+            text = response.read().decode(errors="replace")
+            return int(response.status), text if body is None else json.loads(text), None
     except urllib.error.HTTPError as exc:
-        text = exc.read().decode(errors="replace")[:2000]
-        return int(exc.code), None, f"HTTP {exc.code}: {text}"
+        return int(exc.code), None, f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:2000]}"
     except (OSError, ValueError) as exc:
         return None, None, f"{type(exc).__name__}: {exc}"[:2000]
 
@@ -247,7 +236,7 @@ class Server:
         return self.proc is not None and self.proc.poll() is None
 
     def health(self, timeout_s: float = 5) -> int | None:
-        return http_status(self.url + "/health", timeout_s)
+        return http(self.url + "/health", timeout_s=timeout_s)[0]
 
     def healthy(self) -> bool:
         return self.alive() and self.health() == 200
@@ -267,8 +256,7 @@ class Server:
         if self.proc is None:
             return {"rc": None, "forced": False, "left_running": False}
         if self.stopped is None:
-            was_alive = self.alive()
-            self.stopped = {"alive_at_stop": was_alive, **kill_group(self.proc, grace_s)}
+            self.stopped = {"alive_at_stop": self.alive(), **kill_group(self.proc, grace_s)}
             _LIVE.discard(self)
         return self.stopped
 
@@ -286,6 +274,7 @@ def tail(path: Path, lines: int) -> str:
 
 
 _LIVE: set[Server] = set()
+_STOP: list[int] = []  # the signal that asked the driver to stop, once one has
 
 
 def stop_all() -> None:
@@ -294,9 +283,6 @@ def stop_all() -> None:
             server.stop(grace_s=10)
         except Exception as exc:  # keep stopping the others
             print(f"stopping {server.log_path.stem}: {exc}", file=sys.stderr)
-
-
-_STOP: list[int] = []  # the signal that asked the driver to stop, once one has
 
 
 def _stop_requested(signum: int, _frame: Any) -> None:
@@ -361,16 +347,12 @@ def first_errors(engine: list[str], limit: int = 5) -> list[str]:
     return found
 
 
-def stop_index(lines: list[str]) -> int:
-    """Where the stop of a server began in its log lines (their length if it did not). Stopping a
-    server kills its engine mid-loop, and the API server then logs an EngineDeadError traceback of
-    its own: what follows vLLM's first "[shutdown]" line (in 0.26 and 0.33) is the stop's."""
-    return next((i for i, line in enumerate(lines) if SHUTDOWN_MARK in line), len(lines))
-
-
 def engine_lines(lines: list[str]) -> list[str]:
-    """The log lines in which an error is the engine's: before the stop, not logged below ERROR."""
-    return [line for line in lines[:stop_index(lines)] if not QUIET_LEVEL.search(line)]
+    """The log lines in which an error is the engine's: before the stop, not logged below ERROR.
+    Stopping a server kills its engine mid-loop, and the API server then logs an EngineDeadError
+    traceback of its own: what follows vLLM's first "[shutdown]" line (in 0.26 and 0.33) is the stop's."""
+    stop = next((i for i, line in enumerate(lines) if SHUTDOWN_MARK in line), len(lines))
+    return [line for line in lines[:stop] if not QUIET_LEVEL.search(line)]
 
 
 def refusal(text: str) -> tuple[str | None, int | None]:
@@ -390,37 +372,29 @@ def disturbed(text: str) -> str | None:
 # --- the GPU ----------------------------------------------------------------------------------------
 
 
-def _nvidia_smi(query: str) -> list[list[str]] | None:
-    """Rows of an nvidia-smi CSV query, or None where there is no nvidia-smi or it fails."""
+def _nvidia_smi(query: str) -> list[list[int]] | None:
+    """Rows of an nvidia-smi CSV query of numbers, or None where there is no nvidia-smi or it fails."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     try:
         out = subprocess.run([exe, query, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
+        rows = [[int(float(f)) for f in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+    except (OSError, subprocess.TimeoutExpired, ValueError):
         return None
-    if out.returncode != 0:
-        return None
-    return [[field.strip() for field in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+    return rows if out.returncode == 0 else None
 
 
 def gpu_memory_used_mib() -> list[int] | None:
     """Used memory of each GPU, all processes on it together."""
     rows = _nvidia_smi("--query-gpu=memory.used")
-    try:
-        return None if rows is None else [int(float(row[0])) for row in rows]
-    except (ValueError, IndexError):
-        return None
+    return None if rows is None else [row[0] for row in rows]
 
 
 def gpu_processes() -> list[list[int]] | None:
     """[pid, used MiB] of each process holding GPU memory: is the server alone on the GPU? (In a
     container nvidia-smi may name host pids, which differ from the ones the driver sees.)"""
-    rows = _nvidia_smi("--query-compute-apps=pid,used_memory")
-    try:
-        return None if rows is None else [[int(row[0]), int(float(row[1]))] for row in rows]
-    except (ValueError, IndexError):
-        return None
+    return _nvidia_smi("--query-compute-apps=pid,used_memory")
 
 
 def wait_gpu_idle(max_s: float = 30, below_mib: int = 4096) -> float:
@@ -433,3 +407,273 @@ def wait_gpu_idle(max_s: float = 30, below_mib: int = 4096) -> float:
             break
         time.sleep(1)
     return time.monotonic() - t0
+
+
+# --- the tokenizer ------------------------------------------------------------------------------------
+# The tiny models (dummy weights) have none, and the GPU machine cannot download one. A word-level
+# vocabulary of exactly the model's ``vocab_size`` does: token ``i`` is the word ``w<i>`` (``<s>`` 0 and
+# ``</s>`` 1 as the config's bos/eos, ``<unk>`` 2), split on whitespace. Every id decodes to one word and
+# re-encodes to itself, so vLLM's random dataset (ids sampled, decoded, re-encoded) gets exactly the
+# prompt lengths it asks for, and the server counts the same tokens; no post-processor adds a BOS.
+
+SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """tokenizer.json (``tokenizers``' WordLevel) and what transformers' AutoTokenizer reads beside it.
+    The special tokens are named in tokenizer_config.json only: transformers registers them (so the random
+    dataset leaves them out), and they are vocabulary words, so ``len(tokenizer)`` stays ``vocab_size``.
+    (vLLM's DeepSeek-V3.2 tokenizer wrapper counts them twice in ``len``: harmless, vLLM checks prompt ids
+    against the model's vocab_size.)"""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {SPECIAL_TOKENS[i] if i < len(SPECIAL_TOKENS) else f"w{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_bos_token": False, "add_eos_token": False,
+              "clean_up_tokenization_spaces": False,  # "w5 ." style clean-ups would change the text
+              "model_max_length": 1 << 20}  # no truncation warnings at 64K-token prompts
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=1) + "\n")
+
+
+def served_model_dir(where: Path, model: Path = MODEL_DIR) -> Path:
+    """A copy of ``model`` (its config.json) with the tokenizer, under ``where``: what the servers load
+    (``--load-format dummy``: no weights) and the bench client's ``--tokenizer``."""
+    folder = where / model.name
+    config = json.loads((model / "config.json").read_text())
+    if folder.is_dir():  # made by an earlier call: reuse it if it is whole and of this config
+        if all((folder / f).is_file() for f in TOKENIZER_FILES) and \
+                json.loads((folder / "config.json").read_text()) == config:
+            return folder
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    shutil.copy(model / "config.json", folder / "config.json")
+    write_tokenizer(folder, int(config["vocab_size"]))
+    return folder
+
+
+def check_tokenizer(folder: Path, sample_len: int = 4096, seed: int = 0) -> dict[str, Any]:
+    """Loads ``folder`` with transformers' AutoTokenizer, as vLLM does, and checks its size and a
+    round trip of random ids (what the random dataset does). Raises AssertionError on a mismatch."""
+    from transformers import AutoTokenizer
+
+    vocab_size = int(json.loads((folder / "config.json").read_text())["vocab_size"])
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(folder))
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(SPECIAL_TOKENS), vocab_size) for _ in range(sample_len)]
+    text = tokenizer.decode(ids)
+    back = tokenizer.encode(text, add_special_tokens=False)
+    with_specials = tokenizer.encode(text)  # what a server's completions endpoint does
+    facts = {"class": type(tokenizer).__name__, "len": len(tokenizer), "vocab_size": tokenizer.vocab_size,
+             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+             "all_special_ids": sorted(tokenizer.all_special_ids), "round_trip": back == ids,
+             "adds_special_tokens": len(with_specials) - len(back)}
+    assert facts["len"] == vocab_size and facts["vocab_size"] == vocab_size, facts
+    assert facts["round_trip"] and max(back) < vocab_size, facts
+    assert facts["adds_special_tokens"] == 0, facts
+    assert (facts["bos_token_id"], facts["eos_token_id"]) == (0, 1), facts
+    return facts
+
+
+# --- bench clients (``vllm bench serve``) ---------------------------------------------------------------
+# A workload is one or more bench clients started together against one server; each writes its result
+# JSON (``--save-result``), of which ``read_result`` keeps the numbers the report uses. Prompts come from
+# bench's ``random`` dataset on the generated tokenizer, so each has exactly the sampled length.
+
+
+@dataclass(frozen=True)
+class Client:
+    label: str
+    input_len: int  # --random-input-len
+    output_len: int  # --random-output-len
+    num_prompts: int  # at --prompt-scale 1
+    concurrency: int  # --max-concurrency
+    range_ratio: str | None = None  # --random-range-ratio: a float, or JSON {"input": r, "output": r}
+    warmups: int = 1  # --num-warmups: requests of the first prompt before the timed run (kernel JIT, graphs)
+    seed_offset: int = 0  # the clients of one workload draw different prompts
+
+
+WORKLOADS: dict[str, tuple[Client, ...]] = {  # the order sets the seeds (run_serve.SEED_BASE)
+    # long and chat runs of 8 and 128 prompts lasted 1 s and 2-3 s on the H200, and one run's
+    # throughput moved by up to 25%; four times as many make each run last several seconds.
+    # long, prefill-heavy: a request is in flight for about 17 steps (its prompt, the rest of it
+    # beside the others' decodes, 15 decode tokens), so at 16 concurrent nearly every step
+    # prefills; at 2 concurrent most steps were decode-only.
+    "long": (Client("long", 32768, 16, num_prompts=32, concurrency=16),),
+    "chat": (Client("chat", 1024, 256, num_prompts=512, concurrency=64, warmups=8),),
+    # The simulator's default workload (mla_planner/cli/tracegen.py Mix), as the random dataset can draw it
+    # (uniform in len * (1 ± range_ratio)). mix-chat: chat turns, prefilled whole with prefix caching off
+    # (tracegen: mean 6.5K in, 5th-95th percentile 0.3K-16K; mean 320 out). mix-doc: documents, tracegen's
+    # log-uniform 8K-128K cut at 65,536 (the servers' max_model_len is 70,000), mean 36.8K; 64-512 out.
+    # Tracegen's 8:3 arrivals, at most 32 running, become closed loops of 24 and 8 with prompt counts 8:3,
+    # so both clients finish at about the same time; its Poisson arrivals and queue are not modelled.
+    "mix": (Client("mix-chat", 6528, 320, num_prompts=64, concurrency=24, warmups=4,
+                   range_ratio='{"input": 0.95, "output": 0.9}'),
+            Client("mix-doc", 36864, 288, num_prompts=24, concurrency=8, seed_offset=1,
+                   range_ratio='{"input": 0.77, "output": 0.77}')),
+    # 8k: prefill-heavy prompts a quarter of long's (one step holds four at the default 32K).
+    "8k": (Client("8k", 8192, 16, num_prompts=64, concurrency=16),),
+}
+WORKLOAD_TITLES = {
+    "long": "32,768 in, 16 out, 16 concurrent",
+    "chat": "1,024 in, 256 out, 64 concurrent",
+    "8k": "8,192 in, 16 out, 16 concurrent",
+    "mix": "the simulator's default mix: chat turns 326-12,730 in / 32-608 out, 24 concurrent, with "
+           "documents 8,478-65,250 in / 66-510 out, 8 concurrent (two bench clients at once)",
+}
+# Per-request latency percentiles bench reports (p50 and p99 of each), and the numbers kept.
+PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
+KEPT = ("completed", "failed", "num_prompts", "duration", "total_input_tokens", "total_output_tokens",
+        "request_throughput", "output_throughput", "total_token_throughput", "max_concurrent_requests",
+        "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms",
+        "p50_e2el_ms", "p99_e2el_ms", "mean_ttft_ms", "mean_tpot_ms")
+# What the `vllm` console script's ``main`` imports before it parses (0.26.0's and 0.33.0's lists;
+# a module one release lacks is skipped), and bench's own modules.
+CLI_PRELOAD = ("vllm.entrypoints.cli.main", "vllm.entrypoints.cli.benchmark.main", "vllm.entrypoints.cli.collect_env",
+               "vllm.entrypoints.cli.download_kernels", "vllm.entrypoints.cli.launch", "vllm.entrypoints.cli.openai",
+               "vllm.entrypoints.cli.preload", "vllm.entrypoints.cli.run_batch", "vllm.entrypoints.cli.serve",
+               "vllm.entrypoints.cli.snapshot", "vllm.benchmarks.serve", "vllm.benchmarks.datasets")
+
+
+def bench_command(client: Client, *, python: str, base_url: str, tokenizer: Path, seed: int, result: Path,
+                  scale: float = 1.0, metadata: dict[str, str] | None = None, fake: bool = False) -> list[str]:
+    """``vllm bench serve`` for one client (flags as in vLLM 0.26.0 and 0.33.0)."""
+    prompts = max(1, round(client.num_prompts * scale))
+    head = [python, str(HERE / "fakes.py"), "bench"] if fake else [python, *VLLM_CLI, "bench", "serve"]
+    cmd = [*head, "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
+           "--model", SERVED_NAME, "--tokenizer", str(tokenizer),
+           "--dataset-name", "random", "--random-input-len", str(client.input_len),
+           "--random-output-len", str(client.output_len), "--num-prompts", str(prompts),
+           "--max-concurrency", str(client.concurrency), "--seed", str(seed + client.seed_offset),
+           "--ignore-eos", "--temperature", "0", "--num-warmups", str(min(client.warmups, prompts)),
+           "--percentile-metrics", PERCENTILE_METRICS, "--metric-percentiles", "50,99", "--disable-tqdm",
+           "--label", client.label, "--save-result", "--result-dir", str(result.parent),
+           "--result-filename", result.name]
+    if client.range_ratio is not None:
+        cmd += ["--random-range-ratio", client.range_ratio]
+    if metadata:
+        cmd += ["--metadata", *(f"{k}={v}" for k, v in metadata.items())]
+    return cmd
+
+
+class Clients:
+    """Starts bench clients. Importing vLLM's CLI takes ~25 s on the GPU machine, longer than most runs
+    last, and would leave the server idle between runs. So each client is a fresh process that runs the
+    ``vllm`` console script's own entry point with the command line ``bench_command`` wrote, forked from
+    one process that imported the CLI once (multiprocessing's forkserver, preloaded), started by ``warm``
+    while the servers start. The stand-in client (``fakes.py bench``) runs the same way."""
+
+    def __init__(self, fake: bool, env: dict[str, str]) -> None:
+        self.fake = fake
+        # The forkserver starts with this process's environment, and the clients' imports read some
+        # of it once (huggingface_hub's HF_HUB_OFFLINE, say): this process takes the clients' own.
+        os.environ.update(env)
+        self.mp = multiprocessing.get_context("forkserver")
+        self.mp.set_forkserver_preload(["fakes"] if fake else list(CLI_PRELOAD))
+        self._warming: threading.Thread | None = None
+
+    def warm(self) -> None:
+        """Starts the forkserver (and its imports) in the background; the first client waits for it."""
+        if self._warming is None:
+            self._warming = threading.Thread(target=self._noop_client, daemon=True)
+            self._warming.start()
+
+    def _noop_client(self) -> None:
+        p = self.mp.Process(target=os.getpid)
+        p.start()
+        p.join()
+
+    def start(self, cmd: list[str], log: Path) -> BaseProcess:
+        """``cmd`` as ``bench_command`` wrote it, run in a forked process; its output goes to ``log``."""
+        if cmd[1:3] == list(VLLM_CLI):
+            module, argv = VLLM_CLI[1], ["vllm", *cmd[3:]]
+        elif Path(cmd[1]).name == "fakes.py":
+            module, argv = "fakes", [cmd[1], *cmd[2:]]
+        else:
+            raise ValueError(f"not a bench command line: {cmd[:3]}")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("$ " + " ".join(cmd) + "\n")
+        p = self.mp.Process(target=run_entry_point, args=(module, argv, str(log)), daemon=True)
+        p.start()
+        return p
+
+
+def run_entry_point(module: str, argv: list[str], log: str) -> None:
+    """In the client's process: output to ``log``, then the module's ``main()`` with ``argv``."""
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.argv = argv
+    try:
+        code = importlib.import_module(module).main()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code or 0)
+
+
+def read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The numbers of a bench result JSON the report uses (p50 is bench's median where no p50 key)."""
+    if not path.is_file():
+        return None, f"no result file {path.name}"
+    try:
+        result = json.loads(path.read_text())
+    except (ValueError, OSError) as exc:
+        return None, f"unreadable {path.name}: {exc}"
+    out = {k: result.get(k) for k in KEPT}
+    for metric in PERCENTILE_METRICS.split(","):
+        if out[f"p50_{metric}_ms"] is None:
+            out[f"p50_{metric}_ms"] = result.get(f"median_{metric}_ms")
+    return out, None
+
+
+def combined(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A workload of several clients as one: tokens of all over the longest client's duration."""
+    durations = [r["duration"] for r in results if isinstance(r.get("duration"), (int, float))]
+    if len(durations) != len(results) or not durations or max(durations) <= 0:
+        return {}
+    wall = max(durations)
+    tokens_in = sum(int(r.get("total_input_tokens") or 0) for r in results)
+    tokens_out = sum(int(r.get("total_output_tokens") or 0) for r in results)
+    return {"duration": wall, "completed": sum(int(r.get("completed") or 0) for r in results),
+            "failed": sum(int(r.get("failed") or 0) for r in results),
+            "output_throughput": tokens_out / wall, "total_token_throughput": (tokens_in + tokens_out) / wall}
+
+
+def run_clients(clients: Clients, cmds: list[list[str]], results: list[Path], logs: list[Path], timeout_s: float,
+                tick: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """Starts every client at once, waits for all (calling ``tick`` meanwhile, every 0.2 s), kills them
+    all at ``timeout_s``; per client: rc, timed out, wall time, and its summarized result or why none."""
+    t0 = time.monotonic()
+    procs: list[BaseProcess] = []
+    for result in results:
+        result.unlink(missing_ok=True)  # a result left by an earlier call must not count for this one
+    timed_out = False
+    try:
+        procs.extend(clients.start(cmd, log) for cmd, log in zip(cmds, logs))
+        while any(p.is_alive() for p in procs):
+            check_stop()
+            if time.monotonic() - t0 > timeout_s:
+                timed_out = True
+                break
+            if tick is not None:
+                tick()
+            time.sleep(0.2)
+    finally:
+        for p in procs:  # on the timeout, or an exception in tick: no client is left running
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    wall = time.monotonic() - t0
+    out = []
+    for p, result, log in zip(procs, results, logs):
+        summary, why = read_result(result)
+        out.append({"rc": p.exitcode, "timed_out": timed_out, "wall_s": wall, "result": summary,
+                    "error": None if summary and p.exitcode == 0 else (why or f"rc {p.exitcode}"),
+                    "log": log.name, "log_tail": None if summary else tail(log, 15)})
+    return out

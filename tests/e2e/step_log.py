@@ -17,6 +17,12 @@ engine's one-step lead of the GPU (async scheduling builds step N+1 while step N
     python3 tests/e2e/step_log.py config /tmp/step-logging.json   # then VLLM_LOGGING_CONFIG_PATH=/tmp/step-logging.json
     python3 tests/e2e/step_log.py report /tmp/serve/logs/ab0-plugin.log
     python3 tests/e2e/step_log.py compare --ab /tmp/serve   # each workload's timed runs apart, and per repeat
+    python3 tests/e2e/step_log.py ranks /tmp/e2e/planned-tp2-0.95-32k.log [/tmp/e2e/stock-tp2-0.95-32k.log]
+
+``ranks`` compares the workers of a tensor-parallel run (vLLM prefixes a worker's lines with
+``(Worker_TP<rank> pid=<pid>)``): the KV cache each got, the plugin's reservation in each, and the step
+plans each logged (at VLLM_LOGGING_LEVEL=DEBUG), which must be the same sequence: every rank plans the
+same step from the same scheduler output.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import json
 import re
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
@@ -334,57 +340,38 @@ def verdict(a: Summary, b: Summary) -> list[str]:
     return lines
 
 
-def timed_runs(data: dict[str, Any], call: dict[str, Any], workload: str) -> list[dict[str, Any]]:
-    """An ab call's runs of ``workload`` that bench timed (warm-up rounds left out) with a window."""
-    return [r for r in data.get("runs", []) if r.get("call") == call.get("id") and r.get("workload") == workload
-            and not r.get("warmup") and r.get("window")]
-
-
-def server_logs(out: Path, call: dict[str, Any]) -> dict[str, str]:
-    """An ab call's server logs, by engine ("" for one not found)."""
-    return {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
-            for e, rec in call.get("servers", {}).items() if rec.get("log")}
-
-
-def ab_steps(texts: dict[str, str], data: dict[str, Any], call: dict[str, Any]) -> dict[str, dict[str, Summary]]:
-    """Per workload of one ab call, per engine: the summary of the iteration lines inside that
-    workload's timed runs in the engine's server log (``texts``: ``server_logs``)."""
-    found: dict[str, dict[str, Summary]] = {}
-    for workload in call.get("workloads", []):
-        runs = timed_runs(data, call, workload)
-        found[workload] = {e: summarize(parse_iterations(text, [(r["window"][0], r["window"][1]) for r in runs
-                                                                 if r["engine"] == e]))
-                           for e, text in texts.items()}
-    return found
+def timed_runs(data: dict[str, Any], call: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """An ab call's runs that bench timed (warm-up rounds left out), with a window, by workload."""
+    return {w: [r for r in data.get("runs", []) if r.get("call") == call.get("id") and r.get("workload") == w
+                and not r.get("warmup") and r.get("window")] for w in call.get("workloads", [])}
 
 
 def step_figures(out: Path, data: dict[str, Any], call: dict[str, Any]) -> dict[str, Any]:
-    """An ab call's step figures, counted from its server logs in ``out``: per workload and engine
-    (``steps``: ``ab_steps``) and per repeat (``step_pairs``: ``decode_pairs``)."""
-    texts = server_logs(out, call)
-    return {"steps": ab_steps(texts, data, call), "step_pairs": decode_pairs(texts, data, call)}
+    """An ab call's step figures, from its server logs in ``out``, per workload: ``steps``, per engine
+    the summary of the iteration lines inside the workload's timed runs, and ``step_pairs``,
+    plugin/stock mean decode-only gap of each repeat both engines ran (the runs of one seed), in repeat
+    order: their spread says whether the pooled figure is told apart from the machine's own swings."""
+    texts = {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
+             for e, rec in call.get("servers", {}).items() if rec.get("log")}
+    steps: dict[str, dict[str, Summary]] = {}
+    pairs: dict[str, list[float]] = {}
+    for workload, runs in timed_runs(data, call).items():
+        steps[workload] = {e: summarize(parse_iterations(text, [(r["window"][0], r["window"][1]) for r in runs
+                                                                if r["engine"] == e])) for e, text in texts.items()}
+        gap: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
+        for r in runs:
+            if r["engine"] in gap and r["engine"] in texts:
+                mean = summarize(parse_iterations(texts[r["engine"]], [(r["window"][0], r["window"][1])]))["decode_gap_ms"]
+                if mean:
+                    gap[r["engine"]][r.get("seed")] = mean
+        pairs[workload] = plugin_over_stock(gap)
+    return {"steps": steps, "step_pairs": pairs}
 
 
 def plugin_over_stock(values: dict[str, dict[Any, float]]) -> list[float]:
     """Plugin/stock of each key (a repeat's seed) both engines have a value for, in stock's order."""
     stock, plugin = values.get("stock", {}), values.get("plugin", {})
     return [plugin[k] / stock[k] for k in stock if k in plugin and stock[k]]
-
-
-def decode_pairs(texts: dict[str, str], data: dict[str, Any], call: dict[str, Any]) -> dict[str, list[float]]:
-    """Per workload of one ab call: plugin/stock mean decode-only gap of each repeat both engines
-    ran (the runs of one seed), in repeat order. The spread of these says whether the pooled
-    figure of ``ab_steps`` is told apart from the machine's own swings."""
-    pairs: dict[str, list[float]] = {}
-    for workload in call.get("workloads", []):
-        gap: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
-        for r in timed_runs(data, call, workload):
-            if r["engine"] in gap and r["engine"] in texts:
-                mean = summarize(parse_iterations(texts[r["engine"]], [(r["window"][0], r["window"][1])]))["decode_gap_ms"]
-                if mean:
-                    gap[r["engine"]][r.get("seed")] = mean
-        pairs[workload] = plugin_over_stock(gap)
-    return pairs
 
 
 def pairs_line(ratios: list[float]) -> str:
@@ -401,14 +388,72 @@ def compare_ab(out: Path) -> list[str]:
     data = json.loads((out / "ab.json").read_text())
     lines: list[str] = []
     for call in data.get("calls", []):
-        if set(call.get("servers", {})) != {"stock", "plugin"}:
-            continue
-        texts = server_logs(out, call)
-        pairs = decode_pairs(texts, data, call)
-        for workload, engines in ab_steps(texts, data, call).items():
-            lines += [f"### call {call['id']}, {workload} ({len(timed_runs(data, call, workload))} timed runs)", ""]
-            lines += compare(engines["stock"], engines["plugin"]) + [pairs_line(pairs[workload]), ""]
+        if set(call.get("servers", {})) == {"stock", "plugin"}:
+            figures = step_figures(out, data, call)
+            for workload, engines in figures["steps"].items():
+                lines += [f"### call {call['id']}, {workload} ({len(timed_runs(data, call)[workload])} timed runs)", "",
+                          *compare(engines["stock"], engines["plugin"]), pairs_line(figures["step_pairs"][workload]),
+                          ""]
     return lines or [f"{out / 'ab.json'}: no call with both servers"]
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RANK = re.compile(r"\(Worker(?:_[A-Z]+\d+)*_TP(\d+) pid=\d+\)")
+# vLLM 0.26 logs "Available KV cache memory" on rank 0 only; every rank logs the KV cache it holds.
+RANK_KV = re.compile(r"(?:Current kv cache memory in use is|Available KV cache memory:) ([0-9.]+) ?GiB")
+# The plugin's line names what it reserves ("... 1024 MiB (default); 676 MiB reserved from the KV
+# cache ..."); logs of its earlier builds: "... 1024 MiB (default), reserved ..." (the budget) or
+# "... 1024 MiB (default), 648 MiB of it reserved ...".
+RESERVED = re.compile(r"mla-planner: sparse MLA scratch budget (\d+) MiB \([^)]*\)(?:; (\d+) MiB |, (?:(\d+) MiB of it )?)"
+                      r"reserved")
+RANK_STEP = re.compile(r"mla-planner step: (.*)$")
+
+
+@dataclass
+class Rank:
+    kv_gib: float | None = None
+    reserved_mib: int | None = None
+    steps: list[str] = field(default_factory=list)
+
+
+def parse_ranks(text: str) -> dict[int, Rank]:
+    ranks: dict[int, Rank] = {}
+    for raw in text.splitlines():
+        line = ANSI.sub("", raw)
+        m = RANK.search(line)
+        if m is None:
+            continue
+        rank = ranks.setdefault(int(m.group(1)), Rank())
+        if (kv := RANK_KV.search(line)) is not None:
+            rank.kv_gib = float(kv.group(1))
+        elif (res := RESERVED.search(line)) is not None:
+            rank.reserved_mib = int(res.group(2) or res.group(3) or res.group(1))
+        elif (step := RANK_STEP.search(line)) is not None:
+            rank.steps.append(step.group(1).strip())
+    return ranks
+
+
+def rank_report(path: Path) -> tuple[list[str], list[str]]:
+    """A run's ranks, and what is wrong with them: a rank without its KV line, and for the planned
+    backend a rank that reserved nothing or planned a different sequence of steps than rank 0."""
+    ranks = parse_ranks(path.read_text(errors="replace"))
+    planned = any(rank.reserved_mib is not None or rank.steps for rank in ranks.values())
+    lines = [f"{path.name}: {len(ranks)} rank(s), {'planned' if planned else 'stock'}"]
+    for r, rank in sorted(ranks.items()):
+        kv = "–" if rank.kv_gib is None else f"{rank.kv_gib:.2f} GiB"
+        reserved = "" if rank.reserved_mib is None else f", reserved {rank.reserved_mib} MiB"
+        lines.append(f"  rank {r}: KV cache {kv}{reserved}, {len(rank.steps)} step plans logged")
+    if not ranks:
+        return lines, ["no worker lines (Worker_TP<rank>) in the log"]
+    found = [f"rank {r}: no KV cache line" for r, rank in sorted(ranks.items()) if rank.kv_gib is None]
+    if planned:
+        found += [f"rank {r}: no scratch reservation" for r, rank in sorted(ranks.items()) if rank.reserved_mib is None]
+        first = ranks[min(ranks)].steps
+        found += [f"rank {r}: {len(rank.steps)} step plans differ from rank {min(ranks)}'s {len(first)}"
+                  for r, rank in sorted(ranks.items()) if rank.steps != first]
+        if not found:
+            lines.append(f"  every rank logged the same {len(first)} step plans")
+    return lines, found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,7 +466,16 @@ def main(argv: list[str] | None = None) -> int:
     cmp = sub.add_parser("compare", help="stock's and the plugin's steps in each workload's timed runs of an ab, "
                                           "from vLLM's iteration lines")
     cmp.add_argument("--ab", type=Path, metavar="DIR", required=True, help="run_serve.py's folder of an ab phase")
+    rk = sub.add_parser("ranks", help="each worker's KV cache, reservation and step plans in tensor-parallel run logs")
+    rk.add_argument("logs", type=Path, nargs="+")
     args = ap.parse_args(argv)
+    if args.command == "ranks":
+        failed = False
+        for path in args.logs:
+            lines, found = rank_report(path)
+            print("\n".join(lines + [f"  PROBLEM: {p}" for p in found]))
+            failed |= bool(found)
+        return 1 if failed else 0
     if args.command == "config":
         write_config(args.path)
         print(f"VLLM_LOGGING_CONFIG_PATH={args.path}")

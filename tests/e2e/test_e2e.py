@@ -28,7 +28,7 @@ import e2e_bundle as eb
 import report
 import faults
 import run_cases
-import run_e2e
+import run_serve
 import serve_proc
 
 HERE = Path(__file__).resolve().parent
@@ -58,7 +58,7 @@ def test_planned_finishes_every_case_at_095(tmp_path: Path) -> None:
     saved = os.environ.get("MLA_E2E_RESULTS")
     out = Path(saved) if saved else tmp_path
     if not saved:
-        subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--runs", ",".join(PLANNED_095), "--out", str(out)],
+        subprocess.run([sys.executable, str(HERE / "run_serve.py"), "--runs", ",".join(PLANNED_095), "--out", str(out)],
                        check=True, timeout=900)
     runs = report.in_process_runs(report.load(out))
     seen = set()
@@ -90,19 +90,22 @@ def engine_script_log(script: str) -> str:
 # The sized KV cache no larger than the one vLLM profiles CUDA graphs against: with CUDA graphs, 64
 # sequences and captures up to 64, that cache has 64 blocks, and so does the override's.
 OVERRIDE_BLOCKS = 64
-OVERRIDE_ENGINE = f"""
-import random, sys
+PRELUDE = f"""
+import gc, random, sys
 sys.path.insert(0, {str(HERE)!r})
 import run_cases
 from vllm import LLM, SamplingParams
+rng = random.Random(0)
+def generate(llm, *lengths):
+    prompts = [run_cases.token_prompt(n, rng) for n in lengths]
+    outputs = llm.generate(prompts, SamplingParams(**run_cases.sampling_kwargs()))
+    return [len(o.outputs[0].token_ids) for o in outputs]
+"""
+OVERRIDE_ENGINE = PRELUDE + f"""
 kwargs = run_cases.engine_kwargs("planned", 0.5, 4096, max_model_len={(OVERRIDE_BLOCKS - 1) * 64}, max_num_seqs=64)
 kwargs.update(enforce_eager=False, num_gpu_blocks_override={OVERRIDE_BLOCKS},
               compilation_config={{"max_cudagraph_capture_size": 64}})
-llm = LLM(**kwargs)
-rng = random.Random(0)
-prompts = [run_cases.token_prompt(n, rng) for n in (3000, 200, 200)]
-outputs = llm.generate(prompts, SamplingParams(**run_cases.sampling_kwargs()))
-print("generated", [len(o.outputs[0].token_ids) for o in outputs], flush=True)
+print("generated", generate(LLM(**kwargs), 3000, 200, 200), flush=True)
 """
 
 
@@ -120,17 +123,11 @@ def test_the_reservation_is_handed_over_on_a_kv_cache_of_the_profiling_blocks() 
 
 # Two engines one after the other in one process (the engine core in this process, as
 # VLLM_ENABLE_V1_MULTIPROCESSING=0 runs it): each reserves, and hands over, its own.
-SEQUENTIAL_ENGINES = f"""
-import gc, random, sys
-sys.path.insert(0, {str(HERE)!r})
-import run_cases
-from vllm import LLM, SamplingParams
+SEQUENTIAL_ENGINES = PRELUDE + """
 from vllm.distributed import cleanup_dist_env_and_memory
-rng = random.Random(0)
 for engine in range(2):
     llm = LLM(**run_cases.engine_kwargs("planned", 0.4, 4096, max_model_len=8192))
-    outputs = llm.generate([run_cases.token_prompt(3000, rng)], SamplingParams(**run_cases.sampling_kwargs()))
-    print("engine", engine, "generated", [len(o.outputs[0].token_ids) for o in outputs], flush=True)
+    print("engine", engine, "generated", generate(llm, 3000), flush=True)
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
@@ -148,11 +145,7 @@ def test_an_engine_after_another_in_one_process_reserves_its_own() -> None:
 
 # Sleep mode (vLLM's CuMem allocator): the reservation is made in vLLM's pool for the model, and the
 # hand-over unmaps it from there; the engine then sleeps, wakes and serves again.
-SLEEP_MODE_ENGINE = f"""
-import random, sys
-sys.path.insert(0, {str(HERE)!r})
-import run_cases
-from vllm import LLM, SamplingParams
+SLEEP_MODE_ENGINE = PRELUDE + """
 from vllm.device_allocator.cumem import CuMemAllocator
 from mla_planner.vllm_backend import engine
 llm = LLM(**run_cases.engine_kwargs("planned", 0.5, 4096, max_model_len=8192), enable_sleep_mode=True)
@@ -161,11 +154,9 @@ reservation = engine._states[-1][1].reservation  # the engine's, the one engine 
 def in_pool():  # whether a segment of vLLM's pool still covers the reservation's address
     address = reservation.address
     return any(start <= address < start + data.handle[1] for start, data in pool.pointer_to_data.items())
-rng = random.Random(0)
 for round in range(2):
-    outputs = llm.generate([run_cases.token_prompt(3000, rng)], SamplingParams(**run_cases.sampling_kwargs()))
-    print("round", round, "generated", [len(o.outputs[0].token_ids) for o in outputs],
-          "reservation held", reservation.held(), "in vLLM's pool", in_pool(), flush=True)
+    print("round", round, "generated", generate(llm, 3000), "reservation held", reservation.held(),
+          "in vLLM's pool", in_pool(), flush=True)
     llm.sleep(level=1)
     llm.wake_up()
 """
@@ -244,9 +235,8 @@ def test_pack_split_join_unpack_round_trip(tmp_path: Path) -> None:
     assert all(sum(f.stat().st_size for f in p.iterdir() if f.name != eb.MANIFEST) <= 4000 for p in parts)
     stash = tmp_path / "stash"
     stash.mkdir()
-    for part in parts[:-1]:
-        for f in part.iterdir():
-            shutil.copy(f, stash)
+    for f in (f for part in parts[:-1] for f in part.iterdir()):
+        shutil.copy(f, stash)
     assert eb.missing_chunks(stash) == [len(parts)]
     with pytest.raises(FileNotFoundError, match=f"parts \\[{len(parts)}\\]"):
         eb.join_parts(stash, stash / eb.BUNDLE)
@@ -261,16 +251,7 @@ def test_pack_split_join_unpack_round_trip(tmp_path: Path) -> None:
                     "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so"):
         assert not (site / dropped).exists(), dropped
     assert [p.name for p in (unpacked / eb.WHEELS_DIR).iterdir()] == ["toydep0260-1.0-py3-none-any.whl"]
-
-
-def test_join_refuses_a_corrupt_chunk(tmp_path: Path) -> None:
-    stage_toy(tmp_path, chunk_bytes=4000)
-    stash = tmp_path / "stash"
-    stash.mkdir()
-    for part in (tmp_path / ".e2e" / "parts").iterdir():
-        for f in part.iterdir():
-            shutil.copy(f, stash)
-    first = stash / f"{eb.BUNDLE}.001"
+    first = stash / f"{eb.BUNDLE}.001"  # a corrupt chunk is refused
     data = bytearray(first.read_bytes())
     data[100] ^= 0xFF
     first.write_bytes(bytes(data))
@@ -284,23 +265,29 @@ def device_install(repo: Path, tmp: Path, *args: str) -> subprocess.CompletedPro
                           text=True, timeout=300)
 
 
-def toy_repo(tmp_path: Path, entry_point: bool = True) -> Path:
+def toy_repo(tmp_path: Path) -> Path:
     """A checkout of what the GPU machine runs (device_install.sh, e2e_bundle.py), and this
-    project's wheel in .whl/ (with its vLLM plugin entry point, or without)."""
+    project's wheel in .whl/ (``our_wheel``)."""
     repo = tmp_path / "repo"
     (repo / "tests/e2e").mkdir(parents=True)
     for name in ("device_install.sh", "e2e_bundle.py"):
         shutil.copy(HERE / name, repo / "tests/e2e" / name)
-    write_wheel(repo / ".whl/mla_planner-0.1.0-py3-none-any.whl", "mla_planner", "0.1.0",
-                {"mla_planner/__init__.py": '__version__ = "0.1.0"\n'},
-                entry_points="[vllm.general_plugins]\nmla_planner = mla_planner:register\n" if entry_point else "")
+    our_wheel(repo, entry_point=True)
     return repo
 
 
-def test_device_install_stashes_installs_and_checks(tmp_path: Path) -> None:
+def our_wheel(repo: Path, entry_point: bool) -> None:
+    """This project's wheel in .whl/, with its vLLM plugin entry point or without."""
+    write_wheel(repo / ".whl/mla_planner-0.1.0-py3-none-any.whl", "mla_planner", "0.1.0",
+                {"mla_planner/__init__.py": '__version__ = "0.1.0"\n'},
+                entry_points="[vllm.general_plugins]\nmla_planner = mla_planner:register\n" if entry_point else "")
+
+
+def test_device_install_stashes_installs_checks_and_switches_version(tmp_path: Path) -> None:
+    """Staging 0.33 after 0.26: the site ends with 0.33's vLLM and wheels only, none of 0.26's. A wheel
+    of ours without the plugin's entry point fails the check."""
     repo = toy_repo(tmp_path)
     n = len(stage_toy(repo, chunk_bytes=4000)["chunks"])
-
     r = device_install(repo, tmp_path, "stash", str(n + 1))
     assert r.returncode == 2 and f"part{n + 1}" in r.stderr
     for k in range(1, n):
@@ -315,23 +302,18 @@ def test_device_install_stashes_installs_and_checks(tmp_path: Path) -> None:
     assert "import ok: vllm 0.26.0" in r.stdout and "mla_planner = mla_planner:register" in r.stdout
     assert (tmp_path / "site/toydep0260/__init__.py").is_file()
     r = device_install(repo, tmp_path, "install")  # idempotent: vLLM skipped, our wheel reinstalled
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "already installed from this bundle: skipped" in r.stdout
-
-
-def test_device_install_switching_version_clears_the_site(tmp_path: Path) -> None:
-    """Staging 0.33 after 0.26: the site ends with 0.33's vLLM and wheels only, none of 0.26's."""
-    repo = toy_repo(tmp_path)
-    for version in ("0.26.0", "0.33.0"):
-        for k in range(1, len(stage_toy(repo, chunk_bytes=1 << 20, version=version)["chunks"]) + 1):
-            assert device_install(repo, tmp_path, "stash", str(k)).returncode == 0
-        r = device_install(repo, tmp_path, "install")
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert f"import ok: vllm {version}" in r.stdout
+    assert r.returncode == 0 and "already installed from this bundle: skipped" in r.stdout, r.stdout + r.stderr
+    for k in range(1, len(stage_toy(repo, chunk_bytes=1 << 20, version="0.33.0")["chunks"]) + 1):
+        assert device_install(repo, tmp_path, "stash", str(k)).returncode == 0
+    r = device_install(repo, tmp_path, "install")
+    assert r.returncode == 0 and "import ok: vllm 0.33.0" in r.stdout, r.stdout + r.stderr
     assert "holds another staging: clearing it" in r.stdout
     site = tmp_path / "site"
     assert sorted(p.name for p in site.glob("vllm-*.dist-info")) == ["vllm-0.33.0.dist-info"]
     assert (site / "toydep0330").is_dir() and not (site / "toydep0260").exists()
+    our_wheel(repo, entry_point=False)
+    r = device_install(repo, tmp_path, "install")
+    assert r.returncode != 0 and "entry point is missing" in r.stderr
 
 
 def test_device_install_pythonpath_names_what_pth_files_add(tmp_path: Path) -> None:
@@ -363,14 +345,6 @@ def test_staging_targets_pin_one_version_of_each_wheel() -> None:
         eb.target_for("0.27.1")
 
 
-def test_device_install_check_wants_our_entry_point(tmp_path: Path) -> None:
-    repo = toy_repo(tmp_path, entry_point=False)
-    for k in range(1, len(stage_toy(repo, chunk_bytes=1 << 20)["chunks"]) + 1):
-        assert device_install(repo, tmp_path, "stash", str(k)).returncode == 0
-    r = device_install(repo, tmp_path, "install")
-    assert r.returncode != 0 and "entry point is missing" in r.stderr
-
-
 # --- run_cases arguments ---------------------------------------------------------------------------
 
 
@@ -395,10 +369,14 @@ def test_run_cases_arguments() -> None:
 
 
 def test_tensor_parallel_runs_scale_the_model_to_16_heads_per_rank(tmp_path: Path) -> None:
-    tp_runs = [r for r in run_e2e.RUNS if r.tp != 1]
+    tp_runs = [r for r in run_serve.RUNS if r.tp != 1]
     assert {r.group for r in tp_runs} == {"T"} and all(r.heads == 16 * r.tp for r in tp_runs)
-    args = run_e2e.parse_args(["--group", "T", "--out", str(tmp_path)])
-    cmd = run_e2e.command(run_e2e.RUNS_BY_NAME["planned-tp2-0.95-32k"], tmp_path, args)
+    args = run_serve.parse_args(["--group", "T", "--out", str(tmp_path)])
+    assert args.selected == tp_runs and args.repeats == 5 and args.deadline_s == 570
+    for bad in (["--runs", "planned-0.99-32k"], ["--group", "A", "--phase", "ab"], ["--group", "A", "--detach"]):
+        with pytest.raises(SystemExit):
+            run_serve.parse_args([*bad, "--out", str(tmp_path)])
+    cmd = run_serve.run_command(run_serve.RUNS_BY_NAME["planned-tp2-0.95-32k"], tmp_path, args)
     assert cmd[cmd.index("--tp") + 1] == "2" and cmd[cmd.index("--heads") + 1] == "32"
     scaled = run_cases.model_variant(run_cases.MODEL_DIR, tmp_path, heads=32)
     config = json.loads((scaled / "config.json").read_text())
@@ -410,7 +388,17 @@ def test_tensor_parallel_runs_scale_the_model_to_16_heads_per_rank(tmp_path: Pat
     assert run_cases.engine_kwargs("planned", 0.95, 32768, tp=2)["tensor_parallel_size"] == 2
 
 
-def test_a_tensor_parallel_bench_never_touches_the_gpu_here() -> None:
+def test_engine_arguments_are_known_to_the_installed_vllm() -> None:
+    pytest.importorskip("vllm")
+    r = subprocess.run([sys.executable, str(HERE / "run_cases.py"), "--backend", "planned", "--util", "0.95",
+                        "--cases", "1", "--out", "unused.json", "--dry-run"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    plan = json.loads(r.stdout[r.stdout.index("{"):])
+    assert plan["problems"] == [] and plan["prompt_lens"] == {"1": [32768]}
+
+
+def test_bench_on_stand_ins_a_tensor_parallel_run_never_touches_the_gpu_and_a_hung_engine_errs() -> None:
     import fakes
 
     torch, llm, params = fakes.modules()
@@ -424,58 +412,8 @@ def test_a_tensor_parallel_bench_never_touches_the_gpu_here() -> None:
     assert bench.memory() == {}
     result = run_cases.run_case(bench, "5", 1)
     assert result["status"] == "ok" and "peak_allocated_bytes" not in result
-
-
-def test_rank_log_compares_the_ranks(tmp_path: Path) -> None:
-    import rank_log
-
-    def log(steps1: list[str], reserve1: bool = True, reserved: str = "reserved") -> Path:
-        lines = ["INFO engine line without a rank"]
-        for rank, steps in ((0, ["32768 tokens, separate_prefill_decode, 5 launches"]), (1, steps1)):
-            p = f"\x1b[36m(Worker_TP{rank} pid={100 + rank})\x1b[0m "
-            if rank == 0:  # vLLM logs this on rank 0 only; the line below on every rank
-                lines += [p + "INFO 12-01 [gpu_worker.py:561] Available KV cache memory: 60.5 GiB"]
-            lines += [p + "INFO 12-01 [gpu_worker.py:857] Free memory on device ... Current kv cache memory in use is 60.5 GiB."]
-            if rank == 0 or reserve1:
-                sep = "; " if reserved.startswith("676") else ", "
-                lines += [p + f"INFO [backend.py:178] mla-planner: sparse MLA scratch budget 1024 MiB (default){sep}{reserved}"]
-            lines += [p + f"DEBUG [backend.py:120] mla-planner step: {s}" for s in steps]
-        path = tmp_path / "run.log"
-        path.write_text("\n".join(lines) + "\n")
-        return path
-
-    same = log(["32768 tokens, separate_prefill_decode, 5 launches"])
-    lines, found = rank_log.report(same)
-    assert found == [] and "every rank logged the same 1 step plans" in lines[-1]
-    assert "  rank 1: KV cache 60.50 GiB, reserved 1024 MiB, 1 step plans logged" in lines
-    assert rank_log.main([str(same)]) == 0
-    _, found = rank_log.report(log(["32768 tokens, mixed_batch, 14 launches"]))
-    assert found == ["rank 1: 1 step plans differ from rank 0's 1"]
-    _, found = rank_log.report(log(["32768 tokens, separate_prefill_decode, 5 launches"], reserve1=False))
-    assert found == ["rank 1: no scratch reservation"]
-    lines, _ = rank_log.report(log(["32768 tokens, separate_prefill_decode, 5 launches"],
-                                   reserved="648 MiB of it reserved from the KV cache"))  # vLLM 0.33's line
-    assert "  rank 1: KV cache 60.50 GiB, reserved 648 MiB, 1 step plans logged" in lines
-    lines, _ = rank_log.report(log(["32768 tokens, separate_prefill_decode, 5 launches"],
-                                   reserved="676 MiB reserved from the KV cache"))  # the line the plugin logs now
-    assert "  rank 1: KV cache 60.50 GiB, reserved 676 MiB, 1 step plans logged" in lines
-
-
-def test_engine_arguments_are_known_to_the_installed_vllm() -> None:
-    pytest.importorskip("vllm")
-    r = subprocess.run([sys.executable, str(HERE / "run_cases.py"), "--backend", "planned", "--util", "0.95",
-                        "--cases", "1", "--out", "unused.json", "--dry-run"], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    plan = json.loads(r.stdout[r.stdout.index("{"):])
-    assert plan["problems"] == [] and plan["prompt_lens"] == {"1": [32768]}
-
-
-def test_a_hung_engine_is_a_case_error_not_a_hang() -> None:
-    import fakes
-
     bench = run_cases.Bench(run_cases.engine_kwargs("stock", 0.9, 32768), fakes.modules(), case_timeout_s=0.2)
-    bench.llm.llm_engine.step = lambda: []  # never progresses
+    bench.llm.llm_engine.step = lambda: []  # never progresses: a case error, not a hang
     result = run_cases.run_prompts_case(bench, "5")
     assert result["status"] == "error" and "TimeoutError" in result["error"] and not result["tokens_back"]
     assert bench.abort_all() == 1 and not bench.llm.llm_engine.has_unfinished_requests()
@@ -564,8 +502,8 @@ def test_run_cases_runs_the_cases_once_per_fault_mode(tmp_path: Path) -> None:
 
 def test_driver_and_report_on_stand_ins(tmp_path: Path) -> None:
     out = tmp_path / "e2e"
-    single_gpu = [r.name for r in run_e2e.RUNS if r.tp == 1]
-    r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--runs", ",".join(single_gpu), "--out", str(out),
+    single_gpu = [r.name for r in run_serve.RUNS if r.tp == 1]
+    r = subprocess.run([sys.executable, str(HERE / "run_serve.py"), "--runs", ",".join(single_gpu), "--out", str(out),
                         "--fake-engine", "--repeats", "2"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "MLA_PLANNER_SCRATCH_MB": "1024"})
     assert r.returncode == 0, r.stdout + r.stderr
@@ -579,19 +517,19 @@ def test_driver_and_report_on_stand_ins(tmp_path: Path) -> None:
     assert "attention implementation**" not in md  # each run ran the implementation its backend names
     assert "same function at 0.9: same first tokens" in md
     assert "planned/stock" in md and "## Throughput" in md
-    for run in (r for r in run_e2e.RUNS if r.tp == 1):
+    for run in (r for r in run_serve.RUNS if r.tp == 1):
         data = json.loads((out / f"{run.name}.json").read_text())
         assert data["finished"] and list(data["cases"]) == list(run.cases)
-    r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--report-only", str(out)], capture_output=True,
+    r = subprocess.run([sys.executable, str(HERE / "run_serve.py"), "--report-only", str(out)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and (out / report.E2E_MD).read_text() == md
 
 
 def test_driver_deadline_and_timeout(tmp_path: Path) -> None:
-    assert run_e2e.main(["--group", "B", "--out", str(tmp_path), "--deadline-s", "10", "--fake-engine"]) == 0
+    assert run_serve.main(["--group", "B", "--out", str(tmp_path), "--deadline-s", "10", "--fake-engine"]) == 0
     md = (tmp_path / report.E2E_MD).read_text()
     assert "not run (deadline): stock-0.90-32k, planned-0.90-32k" in md
-    result = run_e2e.run_one([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "sleep.log", 1)
+    result = run_serve.run_one([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "sleep.log", 1)
     assert result["timed_out"] and result["rc"] != 0 and result["wall_s"] < 30
 
 
@@ -602,8 +540,9 @@ def test_no_run_outlives_a_killed_driver(tmp_path: Path) -> None:
     pid_file = tmp_path / "run.pid"
     sleeper = [sys.executable, "-c",
                f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(300)"]
-    driver = subprocess.Popen([sys.executable, "-c", f"import pathlib, sys; sys.path.insert(0, {str(HERE)!r}); import run_e2e; "
-                               f"run_e2e.run_one({sleeper!r}, pathlib.Path({str(tmp_path / 'run.log')!r}), 300)"])
+    driver = subprocess.Popen([sys.executable, "-c", f"import pathlib, sys; sys.path.insert(0, {str(HERE)!r}); "
+                               f"import run_serve; run_serve.run_one({sleeper!r}, "
+                               f"pathlib.Path({str(tmp_path / 'run.log')!r}), 300)"])
     try:
         deadline = time.monotonic() + 60
         while not pid_file.exists() or not pid_file.read_text():
@@ -621,11 +560,9 @@ def test_no_run_outlives_a_killed_driver(tmp_path: Path) -> None:
             driver.kill()
 
 
-def startup_ok(**extra: Any) -> dict[str, Any]:
-    return {"status": "ok", "elapsed_s": 61.0, "num_gpu_blocks": 1000, "block_size": 64,
-            "kv_cache_size_tokens": 64000, "kv_cache_bytes": 100 << 30, "kv_available_bytes": 100 << 30,
-            "memory": {"allocated": 102 << 30}, "device": "NVIDIA H200", "attention_backends": ["FLASHMLA_SPARSE"],
-            **extra}
+STARTUP_OK = {"status": "ok", "elapsed_s": 61.0, "num_gpu_blocks": 1000, "block_size": 64,
+              "kv_cache_size_tokens": 64000, "kv_cache_bytes": 100 << 30, "kv_available_bytes": 100 << 30,
+              "memory": {"allocated": 102 << 30}, "device": "NVIDIA H200", "attention_backends": ["FLASHMLA_SPARSE"]}
 
 
 def run_file(backend: str, cases: list[str], startup: dict[str, Any], results: dict[str, Any],
@@ -641,9 +578,9 @@ def test_report_from_hand_made_results(tmp_path: Path) -> None:
                "memory_after": {"free": 1 << 30}, "max_tokens": 4, "tokens_back": True,
                "outputs": [{"prompt_len": 32768, "token_ids": [5, 6, 7, 8], "finish_reason": "length"}]}
     files = {
-        "planned-0.95-32k": run_file("planned", ["1", "2", "5"], startup_ok(), {
+        "planned-0.95-32k": run_file("planned", ["1", "2", "5"], STARTUP_OK, {
             "1": ok_case, "2": {"status": "started", "after_failure_in": []}}, finished=False),
-        "stock-0.95-32k": run_file("stock", ["1", "5"], startup_ok(), {
+        "stock-0.95-32k": run_file("stock", ["1", "5"], STARTUP_OK, {
             "1": {"status": "error", "oom": False, "error": "RuntimeError: CUDA error: an illegal memory access\nmore",
                   "after_failure_in": []},
             "5": {"status": "skipped", "error": "engine dead after case 1: boom"}}),
@@ -654,7 +591,7 @@ def test_report_from_hand_made_results(tmp_path: Path) -> None:
     (tmp_path / report.DRIVER_JSON).write_text(json.dumps({"runs": {
         "planned-0.95-32k": {"status": "ran", "rc": -15, "timed_out": True, "wall_s": 300.0, "log": "p.log"},
         "planned-0.95-64k": {"status": "not run", "reason": "deadline: 40 s left"}}}))
-    assert run_e2e.main(["--report-only", str(tmp_path)]) == 0
+    assert run_serve.main(["--report-only", str(tmp_path)]) == 0
     md = (tmp_path / report.E2E_MD).read_text()
     assert "planned at 0.95: cases 1, 2, 5 not all finished (case 2, 5)" in md
     assert "| ok | 110.00 | 8.00 | 1.00 | 16,384 | yes 1/1: [5, 6, 7, 8] | 100.00 |" in md

@@ -219,7 +219,7 @@ def test_step_log_compares_each_workloads_timed_runs(tmp_path: Path) -> None:
 
 
 def test_step_log_pairs_each_repeats_runs(tmp_path: Path) -> None:
-    """decode_pairs: plugin/stock decode-only gap per repeat (the runs of one seed), in repeat order;
+    """step_figures' pairs: plugin/stock decode-only gap per repeat (the runs of one seed), in repeat order;
     a repeat one engine did not run makes no pair."""
     gaps = {(1000, "stock"): 4, (1000, "plugin"): 5, (1100, "stock"): 5, (1100, "plugin"): 4, (1200, "stock"): 3}
     runs: list[dict[str, Any]] = []
@@ -232,7 +232,7 @@ def test_step_log_pairs_each_repeats_runs(tmp_path: Path) -> None:
     call = {"id": 0, "workloads": ["chat"], "servers": {e: {"log": f"{e}.log"} for e in lines}}
     for engine, text in lines.items():
         (tmp_path / f"{engine}.log").write_text("\n".join(text))
-    pairs = step_log.decode_pairs(step_log.server_logs(tmp_path, call), {"runs": runs}, call)
+    pairs = step_log.step_figures(tmp_path, {"runs": runs}, call)["step_pairs"]
     assert pairs == {"chat": [pytest.approx(1.25), pytest.approx(0.8)]}
     assert step_log.pairs_line(pairs["chat"]) == (
         "decode-only steps per repeat, plugin/stock: 1.250 0.800; median 1.025 (2 pairs, 0.800-1.250)")
@@ -276,3 +276,35 @@ def test_step_log_config_logs_the_plugin_alone(tmp_path: Path) -> None:
     assert [(s.tokens, s.kind) for s in runs[path]] == [(1, step_log.DECODE_ONLY)]
     assert runs[quiet] == []  # plugin_steps=False: the plugin's debug line is not written
 
+
+def test_ranks_compares_the_workers_of_a_tensor_parallel_run(tmp_path: Path) -> None:
+    def log(steps1: list[str], reserve1: bool = True, reserved: str = "reserved") -> Path:
+        lines = ["INFO engine line without a rank"]
+        for rank, steps in ((0, ["32768 tokens, separate_prefill_decode, 5 launches"]), (1, steps1)):
+            p = f"\x1b[36m(Worker_TP{rank} pid={100 + rank})\x1b[0m "
+            if rank == 0:  # vLLM logs this on rank 0 only; the line below on every rank
+                lines += [p + "INFO 12-01 [gpu_worker.py:561] Available KV cache memory: 60.5 GiB"]
+            lines += [p + "INFO 12-01 [gpu_worker.py:857] Free memory on device ... Current kv cache memory in use is 60.5 GiB."]
+            if rank == 0 or reserve1:
+                sep = "; " if reserved.startswith("676") else ", "
+                lines += [p + f"INFO [backend.py:178] mla-planner: sparse MLA scratch budget 1024 MiB (default){sep}{reserved}"]
+            lines += [p + f"DEBUG [backend.py:120] mla-planner step: {s}" for s in steps]
+        path = tmp_path / "run.log"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    same = log(["32768 tokens, separate_prefill_decode, 5 launches"])
+    lines, found = step_log.rank_report(same)
+    assert found == [] and "every rank logged the same 1 step plans" in lines[-1]
+    assert "  rank 1: KV cache 60.50 GiB, reserved 1024 MiB, 1 step plans logged" in lines
+    assert step_log.main(["ranks", str(same)]) == 0
+    _, found = step_log.rank_report(log(["32768 tokens, mixed_batch, 14 launches"]))
+    assert found == ["rank 1: 1 step plans differ from rank 0's 1"]
+    _, found = step_log.rank_report(log(["32768 tokens, separate_prefill_decode, 5 launches"], reserve1=False))
+    assert found == ["rank 1: no scratch reservation"]
+    lines, _ = step_log.rank_report(log(["32768 tokens, separate_prefill_decode, 5 launches"],
+                                   reserved="648 MiB of it reserved from the KV cache"))  # vLLM 0.33's line
+    assert "  rank 1: KV cache 60.50 GiB, reserved 648 MiB, 1 step plans logged" in lines
+    lines, _ = step_log.rank_report(log(["32768 tokens, separate_prefill_decode, 5 launches"],
+                                   reserved="676 MiB reserved from the KV cache"))  # the line the plugin logs now
+    assert "  rank 1: KV cache 60.50 GiB, reserved 676 MiB, 1 step plans logged" in lines
