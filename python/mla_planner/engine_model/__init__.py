@@ -9,4 +9,3 @@ def minor_of(version: str) -> str:
     """``major.minor`` of a version string (``1.2`` of ``1.2.3rc1``): the key of a release's modules, both the
     backend's (``vllm_backend.releases``) and the doctor's (``cli.vllm_releases``)."""
     return ".".join(version.split(".")[:2])
-
