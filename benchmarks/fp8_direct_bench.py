@@ -75,6 +75,7 @@ from mla_planner.executor.layout import D_QK, D_V, PAGE_SIZE, as_slots, page_of,
 from mla_planner.kernels.fp8_direct import (
     BOUND_PROBES,
     DEQUANT_MODES,
+    WGMMA_CONFIG,
     KernelConfig,
     flops,
     gathered_bytes,
@@ -682,6 +683,26 @@ def compile_kernel(config: KernelConfig, heads: int, dequant: int) -> Any:
     return compile_sm90(kernel, types, consts, {"stride_lh", "scale_log2"},
                         {"num_warps": config.num_warps, "num_stages": config.num_stages,
                          **({} if config.max_regs is None else {"maxnreg": config.max_regs})})
+
+
+def compile_wgmma(heads: int) -> Any:
+    """The warpgroup-MMA kernel (``wg``) compiled for sm90 as :func:`compile_kernel` compiles the
+    Triton one (Gluon's source type; top-k lengths and sinks on)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_planner.kernels import fp8_wgmma
+
+    kernel = fp8_wgmma._wgmma_kernel
+    types = ["*bf16", "*u8", "*fp32", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32"] + ["i32"] * 10 + ["i64"] * 3 + ["fp32"]
+    consts = {"PAGE": PAGE_SIZE, "BLOCK_H": WGMMA_CONFIG.heads_per_program(heads), "BLOCK_N": fp8_wgmma.BLOCK_N,
+              "HAS_LENGTH": True, "HAS_SINK": True, "CHUNK": fp8_wgmma.CHUNK}
+    names = kernel.arg_names
+    signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names[: len(types)]) if n not in {"stride_lh", "scale_log2"}}
+    src = GluonASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": fp8_wgmma.NUM_WARPS})
 
 
 def compile_gather(config: GatherConfig) -> Any:

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from mla_planner.executor.layout import D_NOPE, D_QK, D_ROPE, D_V, FP8_BYTES_PER_TOKEN, NUM_TILES, ROPE_START, SCALES_START, TILE
 
-__all__ = ["DEFAULT_CONFIG", "DEQUANT_MODES", "DV_SPLITS", "SCALE_LOADS", "KernelConfig", "sparse_attention_fp8"]
+__all__ = ["DEFAULT_CONFIG", "DEQUANT_MODES", "DV_SPLITS", "SCALE_LOADS", "WGMMA_CONFIG", "KernelConfig", "sparse_attention_fp8"]
 
 LOG2E = 1.4426950408889634  # log2(e): the kernel's softmax runs in base 2
 
@@ -114,6 +114,9 @@ class KernelConfig:
     launch order, so the second read can come from L2) and the score dot is done twice.
     ``max_regs``: Triton's ``maxnreg`` (registers a thread at most; ptxas spills beyond), ``None``:
     ptxas' own choice. Fewer registers a thread let more programs share an SM.
+    ``wgmma``: run :mod:`mla_planner.kernels.fp8_wgmma`'s warpgroup-MMA kernel instead, whose
+    layout is fixed: 64 keys a block, one warpgroup, keys as M (:data:`WGMMA_CONFIG`); the other
+    knobs must keep those values and their defaults.
     """
 
     block_n: int = 32
@@ -125,9 +128,15 @@ class KernelConfig:
     scales: str = "f32"
     dv_split: int = 1
     max_regs: int | None = None
+    wgmma: bool = False
 
     def __post_init__(self) -> None:
         check_launch(self.block_n, self.num_warps, self.num_stages)
+        if self.wgmma and (self.block_n, self.num_warps, self.num_stages, self.keys_as_m, self.dequant, self.scales,
+                           self.dv_split, self.max_regs) != (64, 4, 1, True, "f32", "f32", 1, None):
+            raise ValueError(f"the wgmma kernel takes only '{_WGMMA_LABEL}' (+ hb16 or hb32), got {self.label()!r}")
+        if self.wgmma and self.head_block not in (None, 16, 32):
+            raise ValueError(f"the wgmma kernel takes 16 or 32 heads a program, got head_block {self.head_block}")
         if self.head_block is not None and (self.head_block < 16 or self.head_block & (self.head_block - 1)):
             raise ValueError(f"head_block must be a power of two >= 16, got {self.head_block}")
         if self.dequant not in DEQUANT_MODES:
@@ -149,7 +158,8 @@ class KernelConfig:
     def label(self) -> str:
         """Short name for tables: ``n64 w8 s2 hm`` (``km`` for keys_as_m), ``hb16`` if set, the
         dequant mode if not the default ``f32`` (``n32 w4 s2 hm bits``), then ``sv4`` for the
-        16-byte scale load, ``dv2`` for a split output, ``r168`` for a register cap."""
+        16-byte scale load, ``dv2`` for a split output, ``r168`` for a register cap, ``wg`` for the
+        warpgroup-MMA kernel."""
         parts = [f"n{self.block_n}", f"w{self.num_warps}", f"s{self.num_stages}", "km" if self.keys_as_m else "hm"]
         if self.head_block is not None:
             parts.append(f"hb{self.head_block}")
@@ -161,6 +171,8 @@ class KernelConfig:
             parts.append(f"dv{self.dv_split}")
         if self.max_regs is not None:
             parts.append(f"r{self.max_regs}")
+        if self.wgmma:
+            parts.append("wg")
         return " ".join(parts)
 
     @classmethod
@@ -171,6 +183,9 @@ class KernelConfig:
         for part in label.split():
             if part in ("km", "hm"):
                 fields["keys_as_m"] = part == "km"
+                continue
+            if part == "wg":
+                fields["wgmma"] = True
                 continue
             if part in DEQUANT_MODES:
                 fields["dequant"] = part
@@ -184,6 +199,10 @@ class KernelConfig:
             fields[keys[name]] = int(part[len(name):])
         return cls(**fields)  # type: ignore[arg-type]
 
+
+_WGMMA_LABEL = "n64 w4 s1 km wg"
+WGMMA_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=1, keys_as_m=True, wgmma=True)
+"""The warpgroup-MMA kernel (:mod:`mla_planner.kernels.fp8_wgmma`), the only config it takes."""
 
 DEFAULT_CONFIG = KernelConfig()
 """Chosen, before any timing, as the config that compiles for sm90 without register spills at both
@@ -608,6 +627,12 @@ def _attend(
     # Absent optional inputs get a stand-in pointer of the same dtype, never read (HAS_* False).
     # Read-only inputs stand in: Triton's interpreter copies every argument back after the run,
     # so passing an output twice would clobber it there.
+    if config.wgmma:
+        _check(dequant == DEQUANT_MODES["f32"], "the wgmma kernel has no bound probes")
+        from mla_planner.kernels import fp8_wgmma  # Gluon: imported only where asked for
+
+        fp8_wgmma.launch(q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, softmax_scale * LOG2E, block_h)
+        return out, lse
     grid = (num_tokens * config.dv_split, triton.cdiv(num_heads, block_h))
     # maxnreg only where asked: the default launch stays as it was.
     launch_options = {} if config.max_regs is None else {"maxnreg": config.max_regs}
