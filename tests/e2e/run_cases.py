@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = engine_kwargs(args.backend, args.util, args.mnbt, model=model, tp=args.tp, block_size=args.block_size)
     data: dict[str, Any] = {
         "schema": 1, "run": {"backend": args.backend, "util": args.util, "mnbt": args.mnbt, "cases": args.cases,
-                             "repeats": args.repeats},
+                             "repeats": args.repeats, "faults": args.faults},
         "engine_kwargs": kwargs, "env": {k: os.environ.get(k) for k in [*ENV_DEFAULTS, *PLANNER_VARS]},
         "case_titles": {c: CASE_TITLES[c] for c in args.cases}, "startup": {"status": "started"}, "cases": {},
         "finished": False,

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import threading
@@ -36,7 +35,6 @@ from run_cases import (CASE_MAX_TOKENS, CASE_PROMPTS, CASE_TITLES, ENV_DEFAULTS,
                        TOKEN_RANGE, case_prompts, model_variant, versions, write_json)
 from serve_proc import Server, ServerSpec, check_stop
 
-HERE = Path(__file__).resolve().parent
 PHASES = ("ab", "boundary", "failrate", "soak", "matrix")
 # ab's two servers share the GPU. 0.40 each, not 0.45: stock's step of 32K FP8 tokens allocates
 # ~14 GiB nobody reserved, beyond its share; at 0.45 each (14 GiB left over) the H200 measured stock's
@@ -51,45 +49,11 @@ MAX_UTIL_SUM = 0.92  # the matrix's servers (and twins alive at once) on one GPU
 DETACHED_MARGIN_S = 600  # a detached soak's own deadline: --soak-s plus this (start-up, last iteration)
 DETACHED_DEADLINE_S = 1500  # any other detached phase's: within the 30 minutes a device machine is held
 LOGGING_VAR = "VLLM_LOGGING_CONFIG_PATH"
-MIN_RUN_S = 75  # an in-process engine start-up alone takes about a minute: start no run with less left
 MIN_SERVER_S = 120  # a server start (~65-95 s with CUDA graph capture) and one request
 MIN_BENCH_S = 30  # a bench client takes some seconds to start (prompt sampling): start none with less left
 MIN_STEP_S = 15  # a request step starts with at least this much left
 ENGINES = ("stock", "plugin")
 SEED_BASE = 1000  # the recorded runs' seeds: SEED_BASE + 100 x repeat + 10 x the workload's place in WORKLOADS
-
-
-@dataclass(frozen=True)
-class InProcess:
-    """An in-process run: one run_cases.py process (docs/e2e.md, "The in-process runner")."""
-
-    name: str
-    backend: str
-    util: float
-    mnbt: int
-    cases: tuple[str, ...]
-    group: str
-    timeout_s: int = 300
-    tp: int = 1
-    heads: int | None = None  # the model's attention heads (TP runs keep 16 per rank)
-    debug_log: bool = False  # VLLM_LOGGING_LEVEL=DEBUG: every rank logs each step's plan
-
-
-RUNS = (  # planned first in group A: finishing every case at 0.95 is the goal
-    InProcess("planned-0.95-32k", "planned", 0.95, 32768, ("1", "2", "3", "5"), "A"),
-    InProcess("planned-0.95-64k", "planned", 0.95, 65536, ("4", "5"), "A"),
-    InProcess("stock-0.95-32k", "stock", 0.95, 32768, ("1", "2", "3", "5"), "A"),
-    InProcess("stock-0.95-64k", "stock", 0.95, 65536, ("4", "5"), "A"),
-    InProcess("stock-0.90-32k", "stock", 0.90, 32768, ("1", "same_function", "throughput"), "B"),
-    InProcess("planned-0.90-32k", "planned", 0.90, 32768, ("1", "same_function", "throughput"), "B"),
-    # Tensor parallel 2 (two GPUs), the model scaled to 32 heads: 16 per rank, as DeepSeek-V3.2 at TP 8.
-    InProcess("planned-tp2-0.95-32k", "planned", 0.95, 32768, ("1", "2", "3", "5"), "T", tp=2, heads=32,
-              debug_log=True),
-    InProcess("planned-tp2-0.95-64k", "planned", 0.95, 65536, ("4", "5"), "T", tp=2, heads=32, debug_log=True),
-    InProcess("stock-tp2-0.95-32k", "stock", 0.95, 32768, ("1", "2", "3", "5"), "T", tp=2, heads=32),
-    InProcess("stock-tp2-0.95-64k", "stock", 0.95, 65536, ("4", "5"), "T", tp=2, heads=32),
-)
-RUNS_BY_NAME = {r.name: r for r in RUNS}
 
 
 def say(message: str) -> None:
@@ -100,24 +64,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="docs/e2e.md says what each phase and option does.")
     add = ap.add_argument
-    add("--phase", choices=PHASES, help="a served phase (one a call)")
-    add("--group", choices=("A", "B", "T"),
-        help="in-process: A: 0.95, cases 1-5; B: 0.90, throughput + same function; T: A at tensor parallel 2")
-    add("--runs", help="in-process: comma-separated run names instead of a group (see --list)")
-    add("--list", action="store_true", help="print the in-process runs and exit")
-    add("--out", type=Path, help="results folder (kept: later calls add to it)")
-    add("--deadline-s", type=float, help="the call ends by then (default 540; in-process 570)")
+    add("--phase", choices=PHASES, required=True, help="one a call")
+    add("--out", type=Path, required=True, help="results folder (kept: later calls add to it)")
+    add("--deadline-s", type=float, default=540, help="the call ends by then (default 540)")
     add("--detach", action="store_true", help="run the phase in a session of its own; follow it until --deadline-s")
     add("--follow", action="store_true", help="follow the phase detached in DIR until it ends or --deadline-s")
-    add("--report-only", type=Path, metavar="DIR", help="only write DIR's reports from its JSON")
     add("--engine", choices=ENGINES, help="boundary, soak: default plugin; failrate: default stock")
     add("--util", type=float, help="--gpu-memory-utilization (ab: 0.40 each; boundary, soak: 0.95; matrix: 0.09, "
                                    "0.04 with --stock-twins --start together, plus each server's budget share)")
     add("--log-iterations", action="store_true", help="servers log each engine step, for step_log.py compare")
     add("--layers", type=int, help="the model's hidden layers (default: its config's, 2)")
     add("--workloads", default="long,chat,mix", help=f"ab: of {', '.join(sp.WORKLOADS)}")
-    add("--repeats", type=int, help="ab: interleaved repeats per engine and workload (default 3); in-process: "
-                                    "throughput repeats per workload (default 5)")
+    add("--repeats", type=int, default=3, help="ab: interleaved repeats per engine and workload")
     add("--warmup-rounds", type=int, default=1, help="ab: rounds of every workload left out of the medians")
     add("--at-once", nargs="?", const="*", default="", metavar="WORKLOADS",
         help="ab: these workloads (none given: all) run both engines' runs of a repeat at the same time")
@@ -137,27 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--port-base", type=int, default=8100, help="servers listen on this port and above (0: any free)")
     add("--start-timeout-s", type=float, help="a server's start-up limit (default 240; matrix: 360)")
     add("--request-timeout-s", type=float, help="one request's limit (default 120; matrix: 180)")
-    add("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # CPU tests: fakes.py
     add("--fake-server", action="store_true", help=argparse.SUPPRESS)
     add("--fake-bench", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.list or args.report_only:
-        return args
-    if not args.out or bool(args.phase) == bool(args.group or args.runs):
-        ap.error("give --phase, or --group or --runs, and --out (or --report-only DIR, or --list)")
-    if args.detach and args.follow or (args.detach or args.follow) and not args.phase:
-        ap.error("--detach follows the phase itself: give one of --detach and --follow, with --phase")
-    if not args.phase:
-        args.deadline_s = 570 if args.deadline_s is None else args.deadline_s
-        args.repeats = 5 if args.repeats is None else args.repeats
-        wanted = [n for n in (args.runs or "").split(",") if n]
-        unknown = [n for n in wanted if n not in RUNS_BY_NAME]
-        if unknown:
-            ap.error(f"unknown run(s) {unknown}; known: {', '.join(RUNS_BY_NAME)}")
-        args.selected = [RUNS_BY_NAME[n] for n in wanted] or [r for r in RUNS if r.group == args.group]
-        return args
-    args.deadline_s = 540 if args.deadline_s is None else args.deadline_s
-    args.repeats = 3 if args.repeats is None else args.repeats
+    if args.detach and args.follow:
+        ap.error("--detach follows the phase itself: give one of --detach and --follow")
     args.workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in args.workloads if w not in sp.WORKLOADS]
     if unknown:
@@ -248,63 +190,6 @@ class Run:
     def spec(self, engine: str, util: float, k: int, mnbt: int = 32768) -> ServerSpec:
         """A phase's server, with vLLM's iteration lines where the run asks for them."""
         return ServerSpec(engine, util, self.port(k), mnbt, log_iterations=self.args.log_iterations)
-
-
-# --- in-process runs ---------------------------------------------------------------------------------
-
-
-def run_command(r: InProcess, out: Path, args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, str(HERE / "run_cases.py"), "--backend", r.backend, "--util", str(r.util),
-           "--mnbt", str(r.mnbt), "--cases", *r.cases, "--out", str(out / f"{r.name}.json"),
-           "--repeats", str(args.repeats)]
-    cmd += ["--tp", str(r.tp)] if r.tp != 1 else []
-    cmd += ["--heads", str(r.heads)] if r.heads is not None else []
-    return cmd + (["--fake-engine"] if args.fake_engine else [])
-
-
-def run_one(cmd: list[str], log: Path, timeout_s: float, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Runs ``cmd`` in its own process group (``serve_proc.spawn``: SIGTERM to it if this driver
-    dies, so no engine outlives it on the GPU), output to ``log``; kills the group at the timeout."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
-    for key, value in ENV_DEFAULTS.items():
-        env.setdefault(key, value)
-    t0, timed_out = time.monotonic(), False
-    with log.open("w") as f:
-        proc = sp.spawn(cmd, f, env)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            rc = sp.kill_group(proc, grace_s=15)["rc"]
-    return {"rc": rc, "timed_out": timed_out, "timeout_s": round(timeout_s), "wall_s": time.monotonic() - t0,
-            "log": log.name}
-
-
-def in_process(args: argparse.Namespace) -> int:
-    """The selected runs one after the other, each in run_cases.py, all within the deadline."""
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    run = Run(args, out / report.DRIVER_JSON, report.load_driver(out), time.monotonic())
-    for r in args.selected:
-        if run.left() < MIN_RUN_S:
-            why = {"status": "not run", "reason": f"deadline: {run.left():.0f} s left"}
-            run.update(run.data["runs"], **{r.name: why})
-            say(f"{r.name}: not run ({run.left():.0f} s left of the deadline)")
-            continue
-        timeout = min(r.timeout_s, run.left() - 5)
-        say(f"{r.name}: running (timeout {timeout:.0f} s) ...")
-        log = out / f"{r.name}.log"
-        debug = {"VLLM_LOGGING_LEVEL": "DEBUG"} if r.debug_log else {}  # every rank logs each step's plan
-        result = run_one(run_command(r, out, args), log, timeout, debug)
-        run.update(run.data["runs"], **{r.name: {"status": "ran", **result}})
-        state = "TIMED OUT" if result["timed_out"] else f"rc {result['rc']}"
-        say(f"{r.name}: {state} after {result['wall_s']:.0f} s")
-        for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
-            if re.match(r"(engine up|engine start-up failed|case \S+: )", line):  # run_cases.py's own reports
-                say(f"    {line}")
-        time.sleep(3 if result["timed_out"] else 1)  # the next engine measures free memory at start-up
-    run.save()
-    return 0
 
 
 # --- starting servers ----------------------------------------------------------------------------------
@@ -1060,7 +945,7 @@ def run_phase(args: argparse.Namespace) -> int:
     # ab and failrate add to an earlier call's file (ab, failrate say how); the others start afresh.
     data: dict[str, Any] = json.loads(path.read_text()) if args.phase in ("ab", "failrate") and path.is_file() else {}
     run_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                if k not in ("out", "report_only", "gpu_of", "group", "runs", "list") and not k.startswith("fake")}
+                if k not in ("out", "gpu_of") and not k.startswith("fake")}
     earlier = data.get("run", {}).get("layers")
     if data and earlier != args.layers:  # one file, one report: of one model
         print(f"{path} holds runs of another model (--layers {earlier}); give another --out", file=sys.stderr)
@@ -1156,24 +1041,15 @@ def pid_alive(pid: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.list:
-        for r in RUNS:
-            tp = f"  tp {r.tp}, {r.heads} heads" if r.tp != 1 else ""
-            print(f"{r.group}  {r.name:20} {r.backend:8} util {r.util}  mnbt {r.mnbt:5}  cases {' '.join(r.cases)}{tp}")
-        return 0
-    if args.report_only:
-        print(report.write(args.report_only))
-        return 0
     if args.detach:
         detach(args, argv)
     if args.detach or args.follow:
         rc = follow(args)
         print(report.write(args.out))
         return rc
-    if args.phase:
-        sp.install_cleanup()
+    sp.install_cleanup()
     try:
-        rc = run_phase(args) if args.phase else in_process(args)
+        rc = run_phase(args)
     finally:
         text = report.write(args.out)
     print(text)

@@ -738,7 +738,7 @@ def test_the_whole_matrix_on_stand_ins(full_run: tuple[Path, subprocess.Complete
     assert "Coverage: every value of every axis, and both required pairs" in md_text
     assert "engines dead at the end: none; servers not up: none" in md_text
     assert "refusal at 64 MiB: `mla_planner.engine_model.settings.SettingsError" in md_text
-    r = subprocess.run([sys.executable, str(HERE / "run_serve.py"), "--report-only", str(out)], capture_output=True,
+    r = subprocess.run([sys.executable, str(HERE / "report.py"), str(out)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and r.stdout == md_text + "\n", r.stderr
     header = next(line for line in r.stdout.splitlines() if line.startswith("| server |"))
@@ -858,7 +858,7 @@ def test_serve_report_from_hand_made_results(tmp_path: Path) -> None:
     (tmp_path / "ab.json").write_text(json.dumps(ab))
     (tmp_path / "boundary-plugin.json").write_text(json.dumps(boundary))
     (tmp_path / "notes.json").write_text("[1, 2]")  # not a phase file: ignored
-    assert run_serve.main(["--report-only", str(tmp_path)]) == 0
+    report.write(tmp_path)
     md_text = serve_md(tmp_path)
     assert "chat: plugin/stock total tokens/s 1.300 (medians of 3 and 3 repeats)" in md_text  # 260 / 200
     assert "| chat | stock | 50.0 | 100.0 | 4.00 | 8.00 | 20 | 200 | 1 |" in md_text  # medians; failures summed
@@ -940,7 +940,7 @@ def test_arguments() -> None:
     assert parse("--phase", "matrix", "--gpus", "6", "--util", "0.38", "--stock-twins").gpus == 6
     for phase, bad in [("ab", b) for b in (["--workloads", "huge"], ["--util", "1.5"], ["--detach", "--follow"],
                                            ["--repeats", "0"], ["--warmup-rounds", "-1"], ["--layers", "0"],
-                                           ["--workloads", "mix", "--at-once", "chat"], ["--group", "A"])] + [
+                                           ["--workloads", "mix", "--at-once", "chat"])] + [
             ("matrix", b) for b in (["--servers", "s9"], ["--gpus", "0"], ["--gpus", "2", "--util", "0.4"],
                                     ["--util", "0"], ["--util", "0.2"], ["--chat-n", "0"], ["--start", "now"],
                                     ["--stock-twins", "--start", "together", "--util", "0.09"],
@@ -949,7 +949,6 @@ def test_arguments() -> None:
             parse("--phase", phase, *bad)
     with pytest.raises(SystemExit):
         run_serve.parse_args(["--phase", "ab"])
-    assert run_serve.parse_args(["--report-only", "x"]).report_only == Path("x")
 
 
 # --- on the GPU ------------------------------------------------------------------------------------
