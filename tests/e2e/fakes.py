@@ -360,8 +360,7 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("--speculative-config")
     args, _ = ap.parse_known_args(argv)  # the other flags are vLLM's business
     server = FakeServer(args)
-    server.log(f"INFO fake vllm serve {args.model} on port {args.port}, backend {args.attention_backend}, "
-               f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}")
+    server.log(f"INFO fake vllm serve {args.model} on port {args.port}, backend {args.attention_backend}")
     if os.environ.get("FAKE_SERVE_EXIT_AT_START") == "1":
         # as stock vLLM 0.33 at 0.95 on the H200: its warm-up step runs out of memory
         server.log("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB.")

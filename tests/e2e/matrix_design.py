@@ -102,12 +102,11 @@ def extra_args(config: Config) -> tuple[str, ...]:
     return tuple(args)
 
 
-def spec(config: Config, engine: str, util: float, port: int, scratch_mb: int | None,
-         gpu: int | None = None) -> ServerSpec:
+def spec(config: Config, engine: str, util: float, port: int, scratch_mb: int | None) -> ServerSpec:
     """``config``'s server: the plugin with budget ``scratch_mb`` (stock: none), or its stock twin."""
     return ServerSpec(engine, util, port, mnbt(config), max_model_len=MAX_MODEL_LEN,
                       scratch_mb=scratch_mb if engine == "plugin" else None, prefix_caching=config.prefix_caching,
-                      extra_args=extra_args(config), gpu=gpu)
+                      extra_args=extra_args(config))
 
 
 UNCHUNKED_EXTRA = 0.07
@@ -124,12 +123,6 @@ def util_for(config: Config, base: float, total_gib: float = 140.0) -> float:
     if isinstance(config.budget, int):
         extra += -(-config.budget * 100 // int(total_gib * 1024)) / 100
     return round(base + extra, 2)
-
-
-def gpus_of(names: list[str], gpus: int) -> dict[str, int | None]:
-    """Each server's GPU (a server, its twin and its 64 MiB start share one): with ``gpus`` > 1,
-    the i-th server's is i mod ``gpus``; else the environment's (None)."""
-    return {name: i % gpus if gpus > 1 else None for i, name in enumerate(names)}
 
 
 def model_source(config: Config, where: Path) -> Path:

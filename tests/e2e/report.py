@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from step_log import pairs_line, plugin_over_stock, verdict
+from step_log import plugin_over_stock
 
 SERVE_MD, MATRIX_MD = "serve.md", "matrix.md"
 PHASES = ("ab", "boundary", "failrate", "soak")
@@ -206,18 +206,6 @@ def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
                                     [r for r in runs if r["workload"] == workload])
         lines += more
         summary += said
-    for call in calls:  # servers started with --log-iterations: both engines' steps, per workload
-        if call.get("steps_error"):
-            summary.append(f"ab call {call.get('id')}: the step figures failed: {call['steps_error']}")
-        for workload, engines in (call.get("steps") or {}).items():
-            if set(engines) == {"stock", "plugin"}:
-                said = verdict(engines["stock"], engines["plugin"]) or [
-                    "too few steps to compare (millisecond stamps need VLLM_LOGGING_CONFIG_PATH from step_log.py "
-                    "config)"]
-                pairs = (call.get("step_pairs") or {}).get(workload)
-                said += [pairs_line(pairs)] if pairs is not None else []
-                summary.append(f"{workload}, vLLM's iteration lines of the timed runs (call {call.get('id')}): "
-                               + "; ".join(said))
     failures = sum(int((r.get("combined") or {}).get("failed") or 0) for r in runs)
     summary.append(f"ab: {failures} failed requests over {sum(r.get('status') == 'ok' for r in runs)} finished "
                    f"bench runs ({len(runs)} planned)")

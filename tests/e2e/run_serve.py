@@ -1,13 +1,10 @@
-"""The end-to-end driver (docs/e2e.md): stock FLASHMLA_SPARSE against the plugin, in-process (``--group``
-or ``--runs``: one run_cases.py process per engine) or through ``vllm serve`` (``--phase``: ab, boundary,
-failrate, soak, and the flag matrix), with the servers, requests and bench clients of serve_proc.py.
+"""The serve driver (docs/e2e.md): stock FLASHMLA_SPARSE against the plugin under ``vllm serve``, one
+``--phase`` a call (ab, boundary, failrate, soak, matrix), with serve_proc.py's servers and bench clients.
 
-A call ends by ``--deadline-s``; what the deadline leaves no time for is recorded as not run. Every
-record is rewritten as it changes, so a crash or the device's time limit keeps what came before: an
-in-process run's ``DIR/<run>.json`` and ``.log`` (``DIR/driver.json``: how each process ended), a
-phase's ``DIR/<phase>[-<engine>].json``, with server logs in ``DIR/logs`` and bench results in
-``DIR/bench``; then the reports (report.py). A phase longer than a device call runs ``--detach``ed in
-a session of its own, which the machine keeps while it stays warm; ``--follow`` picks it up.
+A call ends by ``--deadline-s``; what it leaves no time for is recorded as not run. ``DIR/<phase>[-<engine>]
+.json`` is rewritten at every change (a crash keeps what came before), server logs go to ``DIR/logs``,
+bench results to ``DIR/bench``, then report.py writes the reports. A phase longer than a device call
+runs ``--detach``ed in a session of its own; ``--follow`` picks it up in the next call.
 """
 
 from __future__ import annotations
@@ -88,10 +85,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--stock-twins", nargs="?", const="all", default="", help="matrix: a stock twin beside each server (or NAMES)")
     add("--start", choices=("staggered", "together", "chained"), default="staggered",
         help="matrix: each start once the one before has sized its KV cache, all at once, or once it is up")
-    add("--gpus", type=int, default=1, help="matrix: GPUs to spread the servers over, round robin (default 1)")
-    add("--retries", type=int, default=1, help="matrix: retries, alone, of a start other servers disturbed")
-    add("--min-fallback-mb", type=int, help="matrix: budget of a 'min' server whose 64 MiB start gave no minimum")
-    add("--chat-n", type=int, default=100, help="matrix: requests in the chat burst (default 100)")
     add("--port-base", type=int, default=8100, help="servers listen on this port and above (0: any free)")
     add("--start-timeout-s", type=float, help="a server's start-up limit (default 240; matrix: 360)")
     add("--request-timeout-s", type=float, help="one request's limit (default 120; matrix: 180)")
@@ -119,19 +112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for u in [args.util, *args.failrate_utils]:
         if u is not None and not 0 < u <= 1:
             ap.error(f"utilization {u} is not in (0, 1]")
-    if args.repeats < 1 or args.failrate_n < 1 or args.prompt_scale <= 0 or args.sample_s <= 0:
-        ap.error("--repeats and --failrate-n must be at least 1, --prompt-scale and --sample-s positive")
-    if args.warmup_rounds < 0 or args.retries < 0 or args.chat_n < 1 or args.gpus < 1:
-        ap.error("--warmup-rounds and --retries must be 0 or more, --chat-n and --gpus at least 1")
-    if args.layers is not None and args.layers < 1:
-        ap.error("--layers must be at least 1")
     if args.phase == "matrix":
         matrix_args(ap, args)
     return args
 
 
 def matrix_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The matrix's servers, twins and GPUs (``args.gpu_of``), each GPU's shares within MAX_UTIL_SUM."""
+    """The matrix's servers and twins, their shares of the GPU within MAX_UTIL_SUM."""
     names = [c.name for c in md.DESIGN]
     args.servers = [s for s in (args.servers or ",".join(names)).split(",") if s]
     unknown = [s for s in args.servers if s not in names]
@@ -142,17 +129,12 @@ def matrix_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     strays = [s for s in args.stock_twins if s not in args.servers]
     if strays:
         ap.error(f"--stock-twins {','.join(strays)}: not among the servers run ({','.join(args.servers)})")
-    selected = [c for c in md.DESIGN if c.name in args.servers]
-    args.gpu_of = md.gpus_of([c.name for c in selected], args.gpus)
-    for g in sorted({gpu for gpu in args.gpu_of.values()}, key=lambda g: -1 if g is None else g):
-        on_gpu = [c for c in selected if args.gpu_of[c.name] == g]
-        utils = [md.util_for(c, args.util) for c in on_gpu]
-        twin_utils = [md.util_for(c, args.util) for c in on_gpu if c.name in args.stock_twins]
-        # a stock twin lives until every server is up when together, else until the next start
-        twins = 0 if not twin_utils else sum(twin_utils) if args.start == "together" else max(twin_utils)
-        if sum(utils) + twins > MAX_UTIL_SUM:
-            ap.error(f"the servers' utilizations on GPU {g or 0} add up to {sum(utils) + twins:.2f} (at most "
-                     f"{MAX_UTIL_SUM}): lower --util")
+    utils = [md.util_for(c, args.util) for c in md.DESIGN if c.name in args.servers]
+    twin_utils = [md.util_for(c, args.util) for c in md.DESIGN if c.name in args.stock_twins]
+    # a stock twin lives until every server is up when together, else until the next start
+    twins = 0 if not twin_utils else sum(twin_utils) if args.start == "together" else max(twin_utils)
+    if sum(utils) + twins > MAX_UTIL_SUM:
+        ap.error(f"the servers' utilizations add up to {sum(utils) + twins:.2f} (at most {MAX_UTIL_SUM}): lower --util")
 
 
 class Run:
@@ -271,11 +253,7 @@ def start_jobs(run: Run, jobs: list[Job], mode: str = "chained", min_left_s: flo
     its own); no start with less than ``min_left_s`` left. Every server is spawned and polled on this
     (the main) thread. Returns the jobs' start records, in order: each with its window in the run's
     seconds (spawn to gate, or to settled) and its ``startup``, also handed to the job's ``done``."""
-    if mode == "together":
-        chains = [[job] for job in jobs]
-    else:
-        gpus = sorted({job.spec.gpu for job in jobs}, key=lambda g: -1 if g is None else g)
-        chains = [[job for job in jobs if job.spec.gpu == g] for g in gpus]
+    chains = [[job] for job in jobs] if mode == "together" else [list(jobs)]
     records: dict[int, dict[str, Any]] = {}
     current: list[Starting | None] = [None] * len(chains)
     released: list[Starting] = []  # past their gate, awaiting /health
@@ -351,7 +329,7 @@ def finish(server: Server, record: dict[str, Any]) -> None:
 # Throughput is not measured here: that is ``vllm bench serve``'s job (serve_proc.Clients).
 
 STAGGER_S = 0.02
-CHAT_PREFIX, CHAT_LEN, CHAT_MAX_TOKENS, CHAT_SEED = 256, (300, 1100), (16, 256), 2900
+CHAT_N, CHAT_PREFIX, CHAT_LEN, CHAT_MAX_TOKENS, CHAT_SEED = 100, 256, (300, 1100), (16, 256), 2900
 
 
 def chat_prompts(n: int, seed: int = CHAT_SEED) -> list[tuple[list[int], int]]:
@@ -401,11 +379,11 @@ def send_all(url: str, prompts: list[tuple[list[int], int]], stagger_s: float, t
             "requests": requests}
 
 
-def send_step(url: str, case: str | None, chat_n: int, timeout_s: float) -> dict[str, Any]:
-    """One of run_cases' cases, its prompts as one submission; or (case None) ``chat_n`` chat
+def send_step(url: str, case: str | None, timeout_s: float) -> dict[str, Any]:
+    """One of run_cases' cases, its prompts as one submission; or (case None) CHAT_N chat
     completions at once (``chat_prompts``), whose requests are not kept."""
     if case is None:
-        result = send_all(url, chat_prompts(chat_n), 0.0, timeout_s)
+        result = send_all(url, chat_prompts(CHAT_N), 0.0, timeout_s)
         del result["requests"]
         return result
     max_tokens = CASE_MAX_TOKENS.get(case, MAX_TOKENS)
@@ -427,8 +405,7 @@ def probe(run: Run, name: str, server: Server, steps: list[tuple[str, str | None
             result = {"status": "not run", "error": "server not healthy"}
         else:
             run.update(results, **{key: {"status": "started", "at_s": run.now()}})
-            result = send_step(server.url, case, run.args.chat_n, max(5.0, min(run.args.request_timeout_s,
-                                                                               run.left() - 5)))
+            result = send_step(server.url, case, max(5.0, min(run.args.request_timeout_s, run.left() - 5)))
             if result["status"] != "ok":
                 time.sleep(2)  # a dying engine takes a moment to take the server down
             result.update(alive_after=server.alive(), health_after=server.health() if server.alive() else None)
@@ -489,13 +466,8 @@ def ab(run: Run) -> None:
             "scale": a.prompt_scale, "warmup_rounds": a.warmup_rounds, "util": a.util, "at_once": a.at_once,
             "servers": records}
     data["calls"].append(call)
-    # An earlier call's runs of these workloads are replaced (their step figures with them); its
-    # other workloads stay.
+    # An earlier call's runs of these workloads are replaced; its other workloads stay.
     data["runs"] = [r for r in data.get("runs", []) if r["workload"] not in a.workloads]
-    for earlier in data["calls"][:-1]:
-        for w in a.workloads:
-            for figures in ("steps", "step_pairs"):
-                (earlier.get(figures) or {}).pop(w, None)
     servers: dict[str, Server] = {}
     try:
         # one after the other: vLLM's start-up measures the GPU's free memory, which a second server
@@ -536,12 +508,6 @@ def ab(run: Run) -> None:
         for engine, server in servers.items():
             finish(server, records[engine])
         run.save()
-        if a.log_iterations:  # the logs are whole once the servers have stopped
-            try:
-                call.update(step_log.step_figures(run.out, data, call))
-            except Exception as exc:  # a figure short, never the phase's own outcome hidden
-                call["steps_error"] = f"{type(exc).__name__}: {exc}"
-            run.save()
 
 
 def bench_runs(run: Run, servers: dict[str, Server], runs: dict[str, dict[str, Any]], workload: str,
@@ -682,6 +648,7 @@ def soak(run: Run) -> None:
 # --- the flag matrix (docs/e2e.md, "The flag matrix") ------------------------------------------------
 
 LOAD = (("chat", None), ("32k", "1"), ("eight", "2"), ("64k", "4"))  # (key, case; None: the chat burst)
+RETRIES = 1  # a start other servers' memory disturbed is retried alone this many times
 # offsets from --port-base, plus the server's index in the design
 PORTS = {"plugin": 0, "stock": 20, "probe": 40, "retry": 60, "stock-retry": 80}
 T = TypeVar("T")
@@ -721,7 +688,7 @@ class Matrix:
         config = self.configs[name]
         engine = "stock" if role.startswith("stock") else "plugin"
         spec = md.spec(config, engine, md.util_for(config, self.args.util), self.run.port(PORTS[role] + self.index[name]),
-                       scratch_mb, self.args.gpu_of[name])
+                       scratch_mb)
         return Job(spec, label, self.run.model_dirs[name], done, kv_only, compared)
 
     # 1. the minimum budget
@@ -764,7 +731,7 @@ class Matrix:
             say(f"minimum budget: {len(names)} start(s) at {md.PROBE_MB} MiB ({', '.join(names)})")
         # together unless chained: a refused start ends before vLLM profiles memory; one disturbed is retried
         start_jobs(self.run, [self.probe_job(n) for n in names], "chained" if self.args.start == "chained" else "together")
-        for _ in range(self.args.retries):
+        for _ in range(RETRIES):
             again = [n for n in names if self.records[n]["probe"].get("outcome") == "disturbed"]
             if not again or self.run.left() < MIN_SERVER_S:
                 break
@@ -772,13 +739,12 @@ class Matrix:
             start_jobs(self.run, [self.probe_job(n) for n in again])
 
     def budget(self, name: str) -> int | None:
-        """The server's MLA_PLANNER_SCRATCH_MB: its own, the minimum found, the fallback, or None."""
+        """The server's MLA_PLANNER_SCRATCH_MB: its own, the minimum found, or None."""
         budget = self.configs[name].budget
         if isinstance(budget, int):
             return budget
         found = (self.records[name].get("probe") or {}).get("min_mb")
-        fallback: int | None = self.args.min_fallback_mb
-        return int(found) if found is not None else fallback
+        return int(found) if found is not None else None
 
     # 2. the servers and their stock twins
 
@@ -836,7 +802,7 @@ class Matrix:
         # Together, the twins' KV lines are in once every start is over; stopped now, before any retry and the load.
         for n in list(self.twins):
             self.stop_twin(n)
-        for _ in range(self.args.retries):
+        for _ in range(RETRIES):
             again = [(n, "plugin") for n in names if self.disturbed_start(n, "plugin")]
             again += [(n, "twin") for n in twins if self.disturbed_start(n, "twin")]
             if not again or self.run.left() < MIN_SERVER_S:
@@ -868,7 +834,7 @@ class Matrix:
             phases = {k: {"status": "not run", "error": "server not up"} for k, _ in LOAD} if n not in names else {}
             self.run.update(rec, phases=phases)
         if names:
-            say(f"load on {len(names)} server(s) at once: chat burst of {self.args.chat_n}, then cases 1, 2, 4")
+            say(f"load on {len(names)} server(s) at once: chat burst of {CHAT_N}, then cases 1, 2, 4")
             each(names, lambda n: probe(self.run, n, self.servers[n], list(LOAD), self.records[n]["phases"]))
 
     def finish_all(self) -> None:
@@ -945,7 +911,7 @@ def run_phase(args: argparse.Namespace) -> int:
     # ab and failrate add to an earlier call's file (ab, failrate say how); the others start afresh.
     data: dict[str, Any] = json.loads(path.read_text()) if args.phase in ("ab", "failrate") and path.is_file() else {}
     run_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                if k not in ("out", "gpu_of") and not k.startswith("fake")}
+                if k != "out" and not k.startswith("fake")}
     earlier = data.get("run", {}).get("layers")
     if data and earlier != args.layers:  # one file, one report: of one model
         print(f"{path} holds runs of another model (--layers {earlier}); give another --out", file=sys.stderr)

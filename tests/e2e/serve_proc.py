@@ -69,7 +69,6 @@ class ServerSpec:
     log_iterations: bool = False  # vLLM logs every engine step (tests/e2e/step_log.py compare)
     prefix_caching: bool = False  # --enable-prefix-caching (off: --no-enable-prefix-caching)
     extra_args: tuple[str, ...] = ()  # more of vLLM's flags, after the fixed ones (the matrix's axes)
-    gpu: int | None = None  # CUDA_VISIBLE_DEVICES: this GPU of several (None: the environment's)
 
 
 def server_args(spec: ServerSpec, model_dir: Path) -> list[str]:
@@ -105,8 +104,6 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
         env.pop(var, None)
     if spec.engine == "plugin" and spec.scratch_mb is not None:
         env["MLA_PLANNER_SCRATCH_MB"] = str(spec.scratch_mb)
-    if spec.gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
     assert REPLACE_VAR not in env  # with it, the plugin would stand in for stock's FLASHMLA_SPARSE
     return env
 

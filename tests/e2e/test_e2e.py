@@ -1,11 +1,6 @@
-"""End to end, stock against the planned backend (docs/e2e.md).
-
-``test_planned_finishes_every_case_at_095`` (marker ``e2e``) needs a CUDA GPU and vLLM 0.26.0 with its
-kernels, and skips elsewhere with the reason. It runs the planned backend's 0.95 runs through the
-driver (a few minutes), or, with ``MLA_E2E_RESULTS=DIR``, checks a driver's saved results instead.
-The other tests run on any CPU in seconds: the packing of vLLM for the GPU machine and its unpacking
-there (``device_install.sh``, on a toy vLLM), the argument checks, and the driver and report end to end
-on stand-ins for vLLM and torch (``fakes``).
+"""In-process end to end (run_cases.py; docs/e2e.md). The ``e2e`` tests need a CUDA GPU and vLLM's
+kernels and skip elsewhere, saying why. The others run on a CPU: the staging of vLLM for the GPU
+machine and its install there (on a toy vLLM), run_cases.py on stand-ins (``fakes``), fault injection.
 """
 
 from __future__ import annotations
@@ -349,38 +344,27 @@ def test_staging_targets_pin_one_version_of_each_wheel() -> None:
         eb.target_for("0.27.1")
 
 
-# --- run_cases arguments ---------------------------------------------------------------------------
+# --- run_cases ------------------------------------------------------------------------------------
 
 
-def test_run_cases_arguments() -> None:
+def test_run_cases_arguments_cases_and_model_variants(tmp_path: Path) -> None:
     args = run_cases.parse_args(["--backend", "planned", "--util", "0.95", "--cases", "1,2", "3", "same_function",
                                  "--out", "x.json"])
-    assert args.cases == ["1", "2", "3", "same_function"] and args.mnbt == 32768
-    for bad in (["--cases", "6"], ["--cases", "1", "--util", "1.5"], ["--cases", "1", "--backend", "x"]):
-        argv = ["--backend", "stock", "--util", "0.9", "--out", "x.json", *bad]
+    assert args.cases == ["1", "2", "3", "same_function"]
+    for bad in (["--cases", "6"], ["--cases", "1", "--util", "1.5"], ["--cases", "1", "--block-size", "96"]):
         with pytest.raises(SystemExit):
-            run_cases.parse_args(argv)
+            run_cases.parse_args(["--backend", "stock", "--util", "0.9", "--out", "x.json", *bad])
     assert sum(run_cases.CASE_PROMPTS["2"]) == 32764 and len(run_cases.CASE_PROMPTS["2"]) == 8
     assert sum(run_cases.CASE_PROMPTS["3"][1:]) + 1 == 32768  # the queued prompts + the blocker's decode token
+    kwargs = run_cases.engine_kwargs("planned", 0.9, 32768, tp=2, block_size=128)
+    assert (kwargs["attention_backend"], kwargs["tensor_parallel_size"], kwargs["block_size"]) == ("CUSTOM", 2, 128)
     assert run_cases.engine_kwargs("stock", 0.9, 32768)["attention_backend"] == "FLASHMLA_SPARSE"
-    assert run_cases.engine_kwargs("planned", 0.9, 32768)["attention_backend"] == "CUSTOM"
-    assert run_cases.engine_kwargs("planned", 0.9, 32768, block_size=128)["block_size"] == 128
-    assert run_cases.parse_args(["--backend", "planned", "--util", "0.5", "--cases", "1", "--out", "r.json",
-                                 "--block-size", "128"]).block_size == 128
-    with pytest.raises(SystemExit):
-        run_cases.parse_args(["--backend", "planned", "--util", "0.5", "--cases", "1", "--out", "r.json",
-                              "--block-size", "96"])
-
-
-def test_tensor_parallel_runs_scale_the_model_to_16_heads_per_rank(tmp_path: Path) -> None:
+    # tensor parallel 2 keeps 16 heads per rank: a copy of the model's config with 32
     scaled = run_cases.model_variant(run_cases.MODEL_DIR, tmp_path, heads=32)
-    config = json.loads((scaled / "config.json").read_text())
     original = json.loads((run_cases.MODEL_DIR / "config.json").read_text())
-    assert config["num_attention_heads"] == 32 and config == {**original, "num_attention_heads": 32}
+    assert json.loads((scaled / "config.json").read_text()) == {**original, "num_attention_heads": 32}
     assert scaled.name == "tiny-deepseek-v32-32h"
-    assert run_cases.model_variant(run_cases.MODEL_DIR, tmp_path) == run_cases.MODEL_DIR
     assert run_cases.model_variant(run_cases.MODEL_DIR, tmp_path, heads=16, layers=2) == run_cases.MODEL_DIR
-    assert run_cases.engine_kwargs("planned", 0.95, 32768, tp=2)["tensor_parallel_size"] == 2
 
 
 def test_engine_arguments_are_known_to_the_installed_vllm() -> None:
