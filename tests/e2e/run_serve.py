@@ -33,9 +33,8 @@ from run_cases import (CASE_MAX_TOKENS, CASE_PROMPTS, CASE_TITLES, ENV_DEFAULTS,
 from serve_proc import Server, ServerSpec, check_stop
 
 PHASES = ("ab", "boundary", "failrate", "soak", "matrix")
-# ab's two servers share the GPU. 0.40 each, not 0.45: stock's step of 32K FP8 tokens allocates
-# ~14 GiB nobody reserved, beyond its share; at 0.45 each (14 GiB left over) the H200 measured stock's
-# process at 76.4 GiB of its 62.9 GiB share, and the plugin's server, within its own, died of it.
+# ab's two servers share the GPU: at 0.45 each, stock's 32K FP8 step (~14 GiB beyond its share) killed
+# the plugin's server on the H200.
 PHASE_DEFAULTS = {  # engine, util (the matrix's: before each server's budget share)
     "ab": (None, 0.40), "boundary": ("plugin", 0.95), "failrate": ("stock", None), "soak": ("plugin", 0.95),
     "matrix": (None, 0.09)}
@@ -138,8 +137,8 @@ def matrix_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 class Run:
-    """One call of the driver: its arguments, deadline and results (``data``, in ``path``, rewritten
-    after every change; the matrix's threads change it under the lock)."""
+    """One call: its arguments, deadline and results (``data``, rewritten to ``path`` at every change,
+    under the lock: the matrix's threads change it)."""
 
     def __init__(self, args: argparse.Namespace, path: Path, data: dict[str, Any], t0: float) -> None:
         self.args, self.path, self.data, self.t0 = args, path, data, t0
@@ -170,7 +169,6 @@ class Run:
         return sp.free_port() if base == 0 else base + k
 
     def spec(self, engine: str, util: float, k: int, mnbt: int = 32768) -> ServerSpec:
-        """A phase's server, with vLLM's iteration lines where the run asks for them."""
         return ServerSpec(engine, util, self.port(k), mnbt, log_iterations=self.args.log_iterations)
 
 
@@ -181,7 +179,7 @@ Done = Callable[[Server | None, dict[str, Any]], None]
 
 @dataclass
 class Job:
-    """A server to start, and what to do with it once it is up, failed, or not started (server None)."""
+    """A server to start, and what to do with it once up, failed, or not started (server None)."""
 
     spec: ServerSpec
     label: str  # its log: DIR/logs/LABEL.log
@@ -201,8 +199,7 @@ class Starting:
 
 
 def spawn(run: Run, job: Job) -> Starting:
-    """Starts a job's server process. Call it from the main thread: the server's process gets SIGTERM
-    when the thread that started it ends (``PR_SET_PDEATHSIG``)."""
+    """Starts a job's server; from the main thread only (``PR_SET_PDEATHSIG``: SIGTERM when it ends)."""
     spec = job.spec
     server = Server(spec, sp.server_command(spec, job.model_dir, sys.executable, run.args.fake_server),
                     sp.server_env(spec), run.out / "logs" / f"{job.label}.log")
@@ -210,7 +207,6 @@ def spawn(run: Run, job: Job) -> Starting:
                               "port": spec.port, "scratch_mb": spec.scratch_mb, "cmd": server.cmd,
                               "log": f"logs/{job.label}.log", "window_s": [run.now(), None]}
     say(f"{job.label}: starting {spec.engine} server (util {spec.util}, mnbt {spec.mnbt}, port {spec.port}) ...")
-    # the start-up limit: --start-timeout-s, or 5 s before the deadline
     item = Starting(job, server, record, max(1.0, min(run.args.start_timeout_s, run.left() - 5)))
     try:
         server.start()
@@ -221,7 +217,6 @@ def spawn(run: Run, job: Job) -> Starting:
 
 
 def settle(run: Run, job: Job, server: Server | None, record: dict[str, Any]) -> None:
-    """The start is over: its record gets the log's facts, and the job's ``done`` the server."""
     if server is not None:
         record.update(sp.log_facts(server.log_text()))
         s, kv = record["startup"], record.get("kv_cache_memory_gib")
@@ -232,13 +227,10 @@ def settle(run: Run, job: Job, server: Server | None, record: dict[str, Any]) ->
 
 
 def gate(item: Starting, mode: str, following: Job | None) -> bool:
-    """Whether the next start of ``item``'s chain, ``following``, may go: ``chained``, once a server is
-    up (a twin: once its KV cache is sized); ``staggered``, once either has sized its KV cache (vLLM's
-    memory profiling is over, the cache is allocated right after), except that a start whose KV
-    figure is compared (a twin, or a server that has one) waits until the server before it is up: on
-    vLLM 0.33 that server captures its CUDA graphs after its KV line, and whatever it allocates
-    during the next one's profiling counts as the next one's; ``together``, each start is a chain
-    of its own."""
+    """Whether the start after ``item``, ``following``, may go: ``chained``, once it is up (a twin:
+    sized); ``staggered``, once it has sized its KV cache (its memory profiling is over), but a start
+    whose KV figure is compared waits until it is up: vLLM 0.33 captures CUDA graphs after the KV
+    line, which would count in the next one's profiling; ``together``, at once."""
     if mode == "together" or item.state is not None:
         return True
     sized = sp.KV_SIZED in item.server.log_text()
@@ -248,11 +240,9 @@ def gate(item: Starting, mode: str, following: Job | None) -> bool:
 
 
 def start_jobs(run: Run, jobs: list[Job], mode: str = "chained", min_left_s: float = MIN_SERVER_S) -> list[dict[str, Any]]:
-    """Starts ``jobs``' servers: one chain per GPU (a spec's ``gpu``), each start of a chain once the
-    one before it passes its ``gate``, the chains side by side (``together``: every job a chain of
-    its own); no start with less than ``min_left_s`` left. Every server is spawned and polled on this
-    (the main) thread. Returns the jobs' start records, in order: each with its window in the run's
-    seconds (spawn to gate, or to settled) and its ``startup``, also handed to the job's ``done``."""
+    """Starts ``jobs``' servers, each once the one before passes its ``gate`` (``together``: all at
+    once), none with less than ``min_left_s`` left, all on this thread. Returns their records, in
+    order, each with its window (spawn to gate, or to settled) and ``startup``."""
     chains = [[job] for job in jobs] if mode == "together" else [list(jobs)]
     records: dict[int, dict[str, Any]] = {}
     current: list[Starting | None] = [None] * len(chains)
@@ -310,7 +300,7 @@ def start_one(run: Run, job: Job, min_left_s: float = MIN_SERVER_S) -> tuple[Ser
 
 
 def finish(server: Server, record: dict[str, Any]) -> None:
-    """A server's end: alive and /health, the plugin's metrics, the stop, then its whole log's facts."""
+    """Alive and /health, the plugin's metrics, the stop, then the whole log's facts."""
     record["alive_at_end"] = server.alive()
     record["health_at_end"] = server.health() if server.alive() else None
     if server.alive():  # the plugin's metrics, where vLLM serves a worker's (PROMETHEUS_MULTIPROC_DIR set)
@@ -323,18 +313,16 @@ def finish(server: Server, record: dict[str, Any]) -> None:
 
 
 # --- requests ---------------------------------------------------------------------------------------
-# Plain HTTP POSTs: run_cases' cases (token-id prompts, as the in-process runs draw them) and the
-# matrix's chat burst. A case's prompts go at once, each on its own thread, a few milliseconds apart
-# in the case's order, so the server receives them as one submission (case 3's 32K blocker first).
-# Throughput is not measured here: that is ``vllm bench serve``'s job (serve_proc.Clients).
+# run_cases' cases (token-id prompts) and the matrix's chat burst, over HTTP. A case's prompts go on
+# threads of their own a few ms apart, so the server gets them as one submission (case 3's blocker first).
 
 STAGGER_S = 0.02
 CHAT_N, CHAT_PREFIX, CHAT_LEN, CHAT_MAX_TOKENS, CHAT_SEED = 100, 256, (300, 1100), (16, 256), 2900
 
 
 def chat_prompts(n: int, seed: int = CHAT_SEED) -> list[tuple[list[int], int]]:
-    """``n`` (token ids, max_tokens): a shared 256-token prefix (a system prompt: prefix caching's
-    hits), then each its own tokens to 300-1,100 in all; 16-256 tokens out. The same for every server."""
+    """``n`` (token ids, max_tokens): a shared 256-token prefix (prefix caching's hits), 300-1,100
+    tokens in all, 16-256 out; the same for every server."""
     rng = random.Random(seed)
     prefix = [rng.randrange(*TOKEN_RANGE) for _ in range(CHAT_PREFIX)]
     prompts = []
@@ -361,8 +349,7 @@ def one_request(url: str, ids: list[int], max_tokens: int, delay_s: float, timeo
 
 
 def send_all(url: str, prompts: list[tuple[list[int], int]], stagger_s: float, timeout_s: float) -> dict[str, Any]:
-    """Every prompt at once, each on its own thread (``stagger_s`` apart), every answer awaited (or
-    its error recorded): counts, and the first few errors."""
+    """Every prompt at once, ``stagger_s`` apart, each answer awaited: counts, and the first errors."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         futures = [pool.submit(one_request, url, ids, max_tokens, i * stagger_s, timeout_s)
@@ -380,8 +367,7 @@ def send_all(url: str, prompts: list[tuple[list[int], int]], stagger_s: float, t
 
 
 def send_step(url: str, case: str | None, timeout_s: float) -> dict[str, Any]:
-    """One of run_cases' cases, its prompts as one submission; or (case None) CHAT_N chat
-    completions at once (``chat_prompts``), whose requests are not kept."""
+    """A case of run_cases', or (None) the chat burst, whose requests are not kept."""
     if case is None:
         result = send_all(url, chat_prompts(CHAT_N), 0.0, timeout_s)
         del result["requests"]
@@ -392,9 +378,8 @@ def send_step(url: str, case: str | None, timeout_s: float) -> dict[str, Any]:
 
 
 def probe(run: Run, name: str, server: Server, steps: list[tuple[str, str | None]], results: dict[str, Any]) -> None:
-    """Each step of ``steps`` on ``server`` in turn, into ``results[key]``: a case of run_cases' sent
-    over HTTP, or (case None) the chat burst; /health after each. A step the deadline, a dead
-    server or one not healthy leaves no chance is not run."""
+    """Each step (a case, or None: the chat burst) on ``server`` in turn, into ``results[key]``, /health
+    after each; not run past the deadline or on a server dead or not healthy."""
     for key, case in steps:
         check_stop()
         if run.left() < MIN_STEP_S:
@@ -421,8 +406,8 @@ def probe(run: Run, name: str, server: Server, steps: list[tuple[str, str | None
 
 def bench(run: Run, servers: dict[str, Server], workload: str, seed: int, tags: dict[str, str], scale: float,
           timeout_s: float, tick: Callable[[], None] | None = None) -> dict[str, dict[str, Any]]:
-    """One workload's clients against every server of ``servers`` (by engine) at the same time: per
-    engine, per client its summary, and the workload combined."""
+    """A workload's clients against every server of ``servers`` at once: per engine, each client's
+    summary and the workload combined."""
     assert run.clients is not None, "a phase that runs bench clients gets a Clients"
     clients = sp.WORKLOADS[workload]
     cmds, results = [], []
@@ -512,9 +497,8 @@ def ab(run: Run) -> None:
 
 def bench_runs(run: Run, servers: dict[str, Server], runs: dict[str, dict[str, Any]], workload: str,
                seed: int) -> None:
-    """The workload against the server of each engine in ``runs``, all at the same time (one run:
-    alone), the runs filled in with their results and their window in the server logs (for
-    step_log.py compare --ab); none runs if one cannot (a run alone is not a pair)."""
+    """The workload against each engine's server in ``runs`` at once, each run filled in with its
+    result and window (for step_log.py compare --ab); none runs if one cannot."""
     def why_not(server: Server) -> dict[str, Any] | None:
         if run.left() < MIN_BENCH_S:
             return {"status": "not run", "error": f"deadline: {run.left():.0f} s left"}
@@ -557,8 +541,7 @@ def boundary(run: Run) -> None:
 
 
 def failrate(run: Run) -> None:
-    """Trials add to an earlier call's (its ``not run`` ones dropped): a rate wants more servers than
-    one call starts."""
+    """Trials add to an earlier call's (but its ``not run`` ones): a rate wants more than one call's."""
     a, data = run.args, run.data
     data["trials"] = [t for t in data.get("trials", []) if t.get("status") != "not run"]
     call = 1 + max((t.get("call", 0) for t in data["trials"]), default=0)
@@ -599,8 +582,7 @@ def soak(run: Run) -> None:
     due = [t0]
 
     def sample(force: bool = False) -> None:
-        """Every ``--sample-s``: the GPU's used memory (the server is alone on the GPU: its API and
-        engine processes'), the server process, /health."""
+        """Every ``--sample-s``: the GPU's used memory (the server is alone on it), the process, /health."""
         now = time.monotonic()
         if now < due[0] and not force:
             return
@@ -609,8 +591,7 @@ def soak(run: Run) -> None:
                                 "processes": sp.gpu_processes(), "alive": server.alive(),
                                 "health": server.health(timeout_s=3)})
 
-    # From here on a stop (a signal, raised wherever the driver is) still stops the server and
-    # records it: the results file names the server as soon as it is saved.
+    # from here on a stop (a signal) still stops the server and records it
     try:
         run.save()
         if not up(record):
@@ -655,8 +636,7 @@ T = TypeVar("T")
 
 
 def each(items: list[T], work: Callable[[T], None]) -> None:
-    """``work`` for every item, all at once on threads. Nothing that starts a server runs on these
-    threads: its process gets SIGTERM when the thread that started it ends (``PR_SET_PDEATHSIG``)."""
+    """``work`` for every item at once on threads, none of which starts a server (``PR_SET_PDEATHSIG``)."""
     pool = ThreadPoolExecutor(max_workers=max(1, len(items)))
     try:
         for future in [pool.submit(work, item) for item in items]:
@@ -668,12 +648,9 @@ def each(items: list[T], work: Callable[[T], None]) -> None:
 
 
 class Matrix:
-    """The matrix's servers, by name: their records (``data["servers"]``), and the plugin server and
-    stock twin of each once started. In order: the minimum budgets (``min`` servers started at
-    PROBE_MB: refused with the minimum in the line, or up, and 64 is it), the servers and their
-    twins (``--start``: ``gate``; a start other servers' memory disturbed is retried alone), the
-    load on all at once, and the end (alive, then stopped, the log read).
-    """
+    """The matrix's records by server (``data["servers"]``) and its servers and twins once up. In order:
+    the minimum budgets (the ``min`` servers started at PROBE_MB), the servers and twins (``gate``; a
+    start other servers disturbed is retried alone), the load on all at once, and the end."""
 
     def __init__(self, run: Run) -> None:
         self.run, self.args = run, run.args
@@ -761,7 +738,7 @@ class Matrix:
                         compared=name in self.args.stock_twins)
 
     def twin_job(self, name: str, retry: bool = False) -> Job:
-        """The stock twin: the same flags, FLASHMLA_SPARSE, no budget; stopped once its KV lines are in."""
+        """The same flags, FLASHMLA_SPARSE, no budget; stopped once its KV lines are in."""
         rec = self.records[name]
 
         def done(server: Server | None, start: dict[str, Any]) -> None:
@@ -867,9 +844,8 @@ def result_path(args: argparse.Namespace) -> Path:
 
 
 def prepare_models(run: Run) -> bool:
-    """Each served model folder (the matrix: one a server, its copy with an MTP layer where it
-    speculates), with a generated tokenizer, checked; False (the error in the results) where a
-    tokenizer would fail the servers."""
+    """Each served model folder (the matrix's: with an MTP layer where it speculates) with its
+    tokenizer, checked; False (the error in the results) where it would fail the servers."""
     a, out = run.args, run.out
     if a.phase == "matrix":
         run.model_dirs = {c.name: sp.served_model_dir(out / "model", md.model_source(c, out / "variants"))
@@ -891,7 +867,6 @@ def prepare_models(run: Run) -> bool:
 
 
 def matrix_header(args: argparse.Namespace) -> dict[str, Any]:
-    """The matrix's design and coverage, and a record for each of its servers."""
     configs = [c for c in md.DESIGN if c.name in args.servers]
     gaps = md.coverage_gaps(configs)
     say(f"matrix: {len(configs)} server(s); coverage " + ("complete" if not gaps else f"gaps: {', '.join(gaps)}"))
@@ -908,7 +883,7 @@ def run_phase(args: argparse.Namespace) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     path = result_path(args)
-    # ab and failrate add to an earlier call's file (ab, failrate say how); the others start afresh.
+    # ab and failrate add to an earlier call's file; the others start afresh
     data: dict[str, Any] = json.loads(path.read_text()) if args.phase in ("ab", "failrate") and path.is_file() else {}
     run_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                 if k != "out" and not k.startswith("fake")}
@@ -945,7 +920,6 @@ def run_phase(args: argparse.Namespace) -> int:
 
 
 def driver_files(args: argparse.Namespace) -> tuple[Path, Path]:
-    """A detached phase's log and pid file in DIR."""
     out: Path = args.out
     return out / f"{args.phase}-driver.log", out / f"{args.phase}-driver.pid"
 
@@ -955,7 +929,7 @@ def detached_deadline(args: argparse.Namespace) -> float:
 
 
 def detach(args: argparse.Namespace, argv: list[str]) -> None:
-    """The same command without --detach, in a session of its own, with a deadline of its own."""
+    """This command without --detach, in a session and with a deadline of its own."""
     args.out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), *[a for a in argv if a != "--detach"],
            "--deadline-s", str(detached_deadline(args))]  # argparse takes the last --deadline-s
@@ -968,7 +942,7 @@ def detach(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def follow(args: argparse.Namespace) -> int:
-    """Prints the detached phase's log as it grows, until it ends or this call's deadline."""
+    """Prints the detached phase's log as it grows, until it ends or the deadline."""
     start = time.monotonic()
     log, pid_file = driver_files(args)
     if not pid_file.is_file():

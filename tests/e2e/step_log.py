@@ -1,28 +1,18 @@
 """Where a server's time goes, step by step, from its log (docs/e2e.md, "Step logs").
 
-Two kinds of step line: the plugin's (``mla-planner step: ...``, at debug level, written as the
-step is built) and vLLM's own (``Iteration(N): ...``, ``--enable-logging-iteration-details``,
-written as the step's output arrives; stock's engine logs only these). With the timestamps in
-milliseconds (``config``), the gaps between lines are the steps' durations, give or take the
-engine's one-step lead of the GPU (async scheduling builds step N+1 while step N runs). Hence:
-
-- the decode-only time is estimated inside runs of decode-only steps only, where that shift does
-  not matter, as their mean gap times their count: the mean, since the stamps are whole
-  milliseconds and the median of ~3 ms gaps is a whole number, off by up to half a millisecond;
-- an iteration line's step is the gap before it, and that gap also holds the next step's host work
-  (scheduling, metadata build, the plugin's planning, launches): the gap before a step with
-  context tokens is shown apart (``compare``), and a decode-only gap counts as such only where the
-  step after it is decode-only too.
+Two kinds of step line: the plugin's (``mla-planner step: ...``, at debug level, written as the step
+is built) and vLLM's own (``Iteration(N): ...``, ``--enable-logging-iteration-details``, written as the
+step's output arrives; stock's engine logs only these). With millisecond stamps (``config``) the gaps
+between lines are the steps' durations, give or take the engine's one-step lead of the GPU (async
+scheduling builds step N+1 while step N runs). Hence decode-only time is estimated inside runs of
+decode-only steps only, as their mean gap (the stamps are whole milliseconds: a median of ~3 ms gaps
+would be off by up to half of one) times their count; and the gap before a vLLM line with context
+tokens, which holds that step's host work, is shown apart.
 
     python3 tests/e2e/step_log.py config /tmp/step-logging.json   # then VLLM_LOGGING_CONFIG_PATH=/tmp/step-logging.json
     python3 tests/e2e/step_log.py report /tmp/serve/logs/ab0-plugin.log
     python3 tests/e2e/step_log.py compare --ab /tmp/serve   # each workload's timed runs apart, and per repeat
-    python3 tests/e2e/step_log.py ranks /tmp/e2e/planned-tp2-0.95-32k.log [/tmp/e2e/stock-tp2-0.95-32k.log]
-
-``ranks`` compares the workers of a tensor-parallel run (vLLM prefixes a worker's lines with
-``(Worker_TP<rank> pid=<pid>)``): the KV cache each got, the plugin's reservation in each, and the step
-plans each logged (at VLLM_LOGGING_LEVEL=DEBUG), which must be the same sequence: every rank plans the
-same step from the same scheduler output.
+    python3 tests/e2e/step_log.py ranks /tmp/e2e/planned-tp2-0.95-32k.log   # a tensor-parallel run's workers
 """
 
 from __future__ import annotations
@@ -100,16 +90,14 @@ class Split:
 
 
 def logging_config(plugin_steps: bool = True) -> dict[str, object]:
-    """vLLM's default logging configuration with millisecond timestamps and, with ``plugin_steps``,
-    the plugin at DEBUG. Its step lines are written by the engine process between steps, a cost
-    stock's engine does not pay: a per-step comparison of the two engines leaves them out."""
+    """vLLM's default logging configuration with millisecond stamps and, with ``plugin_steps``, the
+    plugin at DEBUG (a cost between steps stock does not pay: a per-step comparison leaves it out)."""
     from vllm.logger import DEFAULT_LOGGING_CONFIG
 
     config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
     for formatter in config["formatters"].values():
         formatter["format"] = formatter["format"].replace("%(asctime)s", "%(asctime)s.%(msecs)03d")
-    # vLLM picks its colour formatter where stdout is a terminal; its colour codes around the time
-    # would split it from the milliseconds
+    # vLLM's colour formatter (on a terminal) would split the time from the milliseconds
     config["handlers"]["vllm"]["formatter"] = "vllm"
     config["handlers"]["vllm"]["level"] = "DEBUG"
     config["loggers"]["vllm"]["level"] = "INFO"
@@ -131,14 +119,14 @@ def kind_of(detail: str, prefills: int) -> str:
 
 
 def stamp() -> str:
-    """Now, as vLLM stamps its log lines under `config`: the driver marks each bench run's window."""
+    """Now, as vLLM stamps its lines under `config`: the driver marks each bench run's window."""
     return datetime.now().strftime(STAMP)[:-3]
 
 
 def _matches(text: str, pattern: re.Pattern[str],
              windows: list[Window] | None = None) -> Iterator[tuple[float, re.Match[str]]]:
-    """The lines ``pattern`` matches (its first group a timestamp; inside one of ``windows``, if
-    given), with their time in seconds since the first of them."""
+    """The lines ``pattern`` matches (group 1: the stamp) inside ``windows`` if given, with their time
+    in seconds since the first."""
     start: datetime | None = None
     for line in text.splitlines():
         m = pattern.search(line)
@@ -155,9 +143,7 @@ def parse(text: str) -> list[Step]:
 
 
 def layer_fallbacks(text: str) -> list[str]:
-    """The report's lines on the steps whose layer calls could not run their plan, by reason (the
-    plugin's debug line for each, at the step's first such layer call; its warning says each
-    reason once)."""
+    """The steps a layer call of which could not run its plan, by reason (the plugin's debug lines)."""
     reasons = collections.Counter(m[1] for m in LAYER.finditer(text))
     if not reasons:
         return ["no layer call fell back to the bounded path"]
@@ -171,8 +157,8 @@ LAUNCHES = re.compile(r", (\d+) launches, ")
 
 
 def summaries(text: str) -> list[str]:
-    """Whether each of the plugin's summary lines (its counts at vLLM's stats interval) holds the
-    counts of the step lines before it: planned, split, launches, on vLLM's call, fell back."""
+    """Whether each of the plugin's summary lines holds the counts of the step lines before it:
+    planned, split, launches, on vLLM's call, fell back."""
     counts = [0, 0, 0, 0, 0]
     said = matching = 0
     wrong: list[str] = []
@@ -208,9 +194,7 @@ def summaries(text: str) -> list[str]:
 
 
 def parse_iterations(text: str, windows: list[Window] | None = None) -> list[Step]:
-    """vLLM's iteration lines (``--enable-logging-iteration-details``), any engine's, inside
-    ``windows`` if given: tokens are the context (prompt) tokens and the generation (decode)
-    tokens together."""
+    """vLLM's iteration lines inside ``windows`` if given; tokens: context and generation together."""
     return [Step(at, int(m[4]) + int(m[6]), int(m[6]), int(m[3]), CONTEXT_STEP if int(m[4]) else DECODE_STEP,
                  float(m[7])) for at, m in _matches(text, ITERATION, windows)]
 
@@ -221,9 +205,8 @@ def line_gaps(steps: list[Step]) -> list[float]:
 
 
 def own_gaps(steps: list[Step], before: bool) -> list[float | None]:
-    """Each step's gap: the one after its line where the line is written as the step starts (the
-    plugin's), the one before where it is written as the step's output arrives (vLLM's iteration
-    lines); None for the log's first or last step."""
+    """Each step's gap: after its line (the plugin's, written as the step starts) or before it
+    (``before``: vLLM's, written as its output arrives); None at the log's ends."""
     gaps = line_gaps(steps)
     return [None, *gaps] if before else [*gaps, None]
 
