@@ -129,7 +129,7 @@ def totals(runs: list[dict[str, Any]], label: str) -> str:
 
 def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     """One workload's table: per client (and all clients combined), each engine's medians over its
-    finished repeats, then plugin/stock. Warm-up rounds are listed, not counted."""
+    finished repeats, then plugin/stock. Warm-up rounds are left out."""
     wruns = [r for r in every if not r.get("warmup")]
     labels = list(dict.fromkeys(label for r in wruns for label in r.get("clients", {})))
     labels += ["combined"] if len(labels) > 1 else []
@@ -156,10 +156,6 @@ def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tu
                            f"(medians of {done['plugin']} and {done['stock']} repeats)")
         lines += ["", f"Total tokens/s per repeat ({labels[-1]}): stock {totals(by_engine['stock'], labels[-1])}; "
                   f"plugin {totals(by_engine['plugin'], labels[-1])}."]
-        warm = {e: [r for r in every if r.get("warmup") and r["engine"] == e] for e in ENGINES}
-        if any(warm.values()):
-            lines.append(f"Warm-up rounds, not in the medians ({labels[-1]}): stock "
-                         f"{totals(warm['stock'], labels[-1])}; plugin {totals(warm['plugin'], labels[-1])}.")
         how = "at the same time" if any(r.get("at_once") for r in wruns) else "back to back"
         for name, key, label in (("total tokens/s", "total_token_throughput", labels[-1]),
                                  ("TPOT p50", "p50_tpot_ms", labels[0])):  # combined has no TPOT: the first client's
@@ -306,8 +302,6 @@ def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
     record = data.get("server", {})
     errors = {k: v for k, v in (record.get("error_count") or {}).items() if k in ERROR_KINDS}
     tps = [(i.get("combined") or {}).get("total_token_throughput") for i in its]
-    seen = [s["processes"] for s in samples if s.get("processes") is not None]
-    most = max((len(procs) for procs in seen), default=None)
     lines = [*server_rows([record]), "", "| | |", "|---|---|",
              f"| soak | {num(data.get('soak_elapsed_s'))} s of {num(data.get('soak_s'))} s asked"
              + (f" (cut: {data['cut']})" if data.get("cut") else "") + " |",
@@ -320,8 +314,6 @@ def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
              f"| after warm-up (from {warm:.0f} s, the first iteration's end) | {flat.get('samples')} samples, "
              f"{num(flat.get('min_mib'))}–{num(flat.get('max_mib'))} MiB, **max − min {num(flat.get('spread_mib'))} MiB** |",
              steps_row(after),
-             f"| processes holding GPU memory (nvidia-smi) | at most {num(most)} in a sample, "
-             f"{num(len({p[0] for procs in seen for p in procs}) if seen else None)} distinct pids |",
              f"| /health not 200 | {sum(s.get('health') != 200 for s in samples)} of {len(samples)} samples |",
              f"| server processes | {data.get('pids_at_start')} at the start, {data.get('pids_at_end')} at the end: "
              f"{'the same' if data.get('same_processes') else '**not the same**'} |",
@@ -420,7 +412,7 @@ def matrix_row(rec: dict[str, Any]) -> str:
 
 
 def matrix_notes(rec: dict[str, Any]) -> list[str]:
-    """What the table leaves out: refusal, the plugin's lines, retries, errors, KV tokens."""
+    """What the table leaves out: refusal, the plugin's lines, retries, errors."""
     out = [f"- **{rec.get('name')}** ({cell(rec.get('title'), 200)}; util {rec.get('util')}, "
            f"--max-num-batched-tokens {rec.get('mnbt')})"]
     probe, plugin, twin = rec.get("probe") or {}, rec.get("plugin") or {}, rec.get("twin")
@@ -441,10 +433,6 @@ def matrix_notes(rec: dict[str, Any]) -> list[str]:
     s = plugin.get("startup") or {}
     if s.get("status") not in (None, "ok"):
         out.append(f"  - start-up {s.get('status')}: {cell(s.get('error') or '', 200)}")
-    tokens = {"plugin": plugin.get("kv_cache_tokens"), "stock": (twin or {}).get("kv_cache_tokens")}
-    if any(isnum(t) for t in tokens.values()):
-        out.append("  - KV cache tokens: " + ", ".join(f"{k} {t:,.0f}" if isnum(t) else f"{k} –"
-                                                        for k, t in tokens.items() if k == "plugin" or twin))
     if twin and not up(twin):
         out.append(f"  - stock twin: {(twin.get('startup') or {}).get('status')}")
     lines, count = planner_lines(plugin)

@@ -582,14 +582,13 @@ def soak(run: Run) -> None:
     due = [t0]
 
     def sample(force: bool = False) -> None:
-        """Every ``--sample-s``: the GPU's used memory (the server is alone on it), the process, /health."""
+        """Every ``--sample-s``: the GPU's used memory (the server is alone on it), alive, /health."""
         now = time.monotonic()
         if now < due[0] and not force:
             return
         due[0] = now + a.sample_s
         data["samples"].append({"t_s": round(now - t0, 1), "used_mib": sp.gpu_memory_used_mib(),
-                                "processes": sp.gpu_processes(), "alive": server.alive(),
-                                "health": server.health(timeout_s=3)})
+                                "alive": server.alive(), "health": server.health(timeout_s=3)})
 
     # from here on a stop (a signal) still stops the server and records it
     try:

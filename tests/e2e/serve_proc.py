@@ -374,11 +374,6 @@ def gpu_memory_used_mib() -> list[int] | None:
     return None if rows is None else [row[0] for row in rows]
 
 
-def gpu_processes() -> list[list[int]] | None:
-    """[pid, used MiB] of each process on the GPU (in a container, maybe the host's pids)."""
-    return _nvidia_smi("--query-compute-apps=pid,used_memory")
-
-
 def wait_gpu_idle(max_s: float = 30, below_mib: int = 4096) -> float:
     """Until the GPU's memory is back under ``below_mib``: the next server measures free memory."""
     t0 = time.monotonic()

@@ -1,11 +1,8 @@
-"""The served driver (run_serve.py --phase: ab, boundary, failrate, soak and the flag matrix; docs/e2e.md).
-
-``test_plugin_serves_the_boundary_cases`` (marker ``e2e``) needs a CUDA GPU and vLLM with its kernels,
-and skips elsewhere, saying why; with ``MLA_SERVE_RESULTS=DIR`` it checks a driver's saved results
-instead. The others run on a CPU: the generated tokenizer (through vLLM's own loader and random
-dataset), the matrix's design, every command line through the installed vLLM's parsers, what a server
-log says, the server's process handling, every phase end to end on fakes.py's stand-ins for ``vllm
-serve`` and ``vllm bench serve`` (once with vLLM's real bench client), and the reports.
+"""The serve driver (run_serve.py; docs/e2e.md). ``test_plugin_serves_the_boundary_cases`` (marker
+``e2e``) needs a CUDA GPU and vLLM's kernels, or ``MLA_SERVE_RESULTS=DIR`` with a driver's saved results,
+and skips elsewhere. The others run on a CPU: the generated tokenizer, the matrix's design, every command
+line through the installed vLLM's parsers, what a log says, the servers' processes, every phase on
+fakes.py's stand-ins (once with vLLM's own bench client), and the reports.
 """
 
 from __future__ import annotations
@@ -49,10 +46,10 @@ def driver(out: Path, *args: str, timeout: float = 240, rc: int = 0, **env: str)
 
 
 def fake_nvidia_smi(folder: Path, script: str = "echo 1234") -> dict[str, str]:
-    """An nvidia-smi on PATH: one process (pid 4242) on the GPU; ``script`` prints memory.used."""
+    """An nvidia-smi on PATH; ``script`` prints memory.used."""
     folder.mkdir(parents=True, exist_ok=True)
     exe = folder / "nvidia-smi"
-    exe.write_text(f'#!/bin/sh\ncase "$1" in\n--query-compute-apps=*) echo "4242, 900";;\n*) {script};;\nesac\n')
+    exe.write_text(f"#!/bin/sh\n{script}\n")
     exe.chmod(0o755)
     return {"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
 
@@ -531,7 +528,6 @@ def test_ab_phase_interleaves_and_a_later_call_replaces_its_workloads(tmp_path: 
     assert "ab servers at util 0.4: KV cache stock 60.00 GiB, plugin 59.00 GiB (stock − plugin 1,024 MiB)" in md_text
     assert "| combined | plugin/stock | – | – | – | – | 1.24" in md_text
     assert "Median over repeats (2 stock, 2 plugin finished; seeds [1020, 1120]" in md_text  # not the warm-up's 920
-    assert "Warm-up rounds, not in the medians (combined): stock " in md_text
     driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "1", "--workloads", "long", "--warmup-rounds", "0")
     data = results(tmp_path, "ab.json")
     assert [(run["call"], run["workload"]) for run in data["runs"]].count((1, "long")) == 2
@@ -631,7 +627,7 @@ def test_soak_phase(tmp_path: Path) -> None:
     assert data["pids_at_start"] == [data["server"]["pid"]]
     assert [i["seed"] for i in data["iterations"]][:2] == [1000, 1010]
     samples = data["samples"]
-    assert len(samples) >= 5 and all(s["health"] == 200 and s["alive"] and s["processes"] == [[4242, 900]]
+    assert len(samples) >= 5 and all(s["health"] == 200 and s["alive"]
                                       for s in samples)
     used = [s["used_mib"][0] for s in samples]
     assert used == sorted(used) and used[0] >= 1000  # the stand-in's memory grows by 10 MiB a sample
@@ -641,7 +637,6 @@ def test_soak_phase(tmp_path: Path) -> None:
     assert flat["spread_mib"] == max(after) - min(after) > 0
     md_text = serve_md(tmp_path)
     assert f"**max − min {flat['spread_mib']:,} MiB**" in md_text and "same processes" in md_text
-    assert "| processes holding GPU memory (nvidia-smi) | at most 1 in a sample, 1 distinct pids |" in md_text
     assert "| steps of 16 MiB or more between samples after warm-up | none |" in md_text  # 10 MiB a sample
     used = [1000, 1000, 2000, 2004, 2520, 2521, 2522, 2524, 2523]  # warm-up, a larger shape, then flat
     samples = [{"t_s": 5.0 * i, "used_mib": [u]} for i, u in enumerate(used)]
