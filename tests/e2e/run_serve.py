@@ -466,15 +466,12 @@ def ab(run: Run) -> None:
             if not up(records[engine]):
                 call["error"] = f"{engine} server did not start: {records[engine]['startup'].get('status')}"
                 return
-        # Warm-up rounds first, left out of the medians: a server's first run of a workload pays
-        # first-use costs (on the H200, chat's TTFT p99 was 1.5-1.9 s in the first repeat and
-        # 0.24-0.30 s after, in both engines), and kernels JIT-compiled to disk are compiled by the
-        # first engine and loaded by the second.
+        # Warm-up rounds, left out of the medians: a first run pays first-use costs (chat's TTFT p99
+        # 1.5-1.9 s, then 0.24-0.30 s on the H200), and the first engine JIT-compiles what the second loads.
         for r in range(-a.warmup_rounds, a.repeats):
             name = f"w{-r}" if r < 0 else f"r{r + 1}"
-            # Which engine goes first alternates by repeat, so that a drift over the call (the
-            # machine warming, stock's runs rose 150K -> 210K tokens/s over one on the H200)
-            # favours neither engine's side of the per-repeat ratio. Warm-ups: stock first.
+            # the first engine alternates by repeat: a drift over the call (stock rose 150K -> 210K
+            # tokens/s over one on the H200) favours neither side of the per-repeat ratio
             order = ENGINES[::-1] if r > 0 and r % 2 else ENGINES
             for w in a.workloads:
                 seed = SEED_BASE + 100 * r + 10 * list(sp.WORKLOADS).index(w)  # warm-ups: below SEED_BASE

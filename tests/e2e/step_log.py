@@ -212,13 +212,10 @@ def own_gaps(steps: list[Step], before: bool) -> list[float | None]:
 
 
 def split(steps: list[Step], before: bool = False) -> Split:
-    """A step whose own gap is idle (``GAP_S`` or more) brings no time, so its tokens are not counted
-    with the others'.
-
-    The gap between lines ``i`` and ``i + 1`` is a decode-only step's where the steps whose work it
-    may hold are decode-only: ``i - 1`` to ``i + 1`` for the plugin's lines (written as a step is
-    built, after its planning), and ``i + 2`` too for vLLM's iteration lines (``before``: written as
-    step ``i + 1``'s output arrives, after the host work of step ``i + 2``)."""
+    """The gap after line ``i`` is a decode-only step's where every step whose work it may hold is
+    decode-only: ``i - 1`` to ``i + 1`` for the plugin's lines (written after a step's planning), to
+    ``i + 2`` for vLLM's (``before``: written after the next step's host work). A step whose own gap
+    is idle brings no time, nor are its tokens counted."""
     gaps = line_gaps(steps)
     last = 2 if before else 1  # the furthest step whose work the gap after line i holds
     inner = [gaps[i] for i in range(1, len(gaps))
@@ -259,9 +256,8 @@ def breakdown(steps: list[Step]) -> list[str]:
 
 
 def host_gaps(steps: list[Step]) -> list[float]:
-    """vLLM's iteration lines: the gaps that close the last decode-only step of a run of them
-    before a step with context tokens, which hold that step's host work (scheduling, metadata
-    build, the plugin's planning, launches) besides the decode-only step's tail, s."""
+    """vLLM's iteration lines: the gaps closing a run of decode-only steps before a step with context
+    tokens, which hold that step's host work (scheduling, metadata, planning, launches), s."""
     gaps = line_gaps(steps)
     return [gaps[i] for i in range(len(gaps) - 1)
             if gaps[i] < GAP_S and steps[i].decode_only and steps[i + 1].decode_only and not steps[i + 2].decode_only]
@@ -282,8 +278,7 @@ def summarize(steps: list[Step]) -> Summary:
 
 
 def compare(a: Summary, b: Summary) -> list[str]:
-    """Stock's steps (``a``) beside the plugin's (``b``), from vLLM's iteration lines of the same
-    work (the same bench runs), split into decode-only steps and the rest."""
+    """Stock's steps (``a``) beside the plugin's (``b``) over the same bench runs."""
     if a["steps"] < 2 or b["steps"] < 2:
         return [f"iteration lines: stock {a['steps']}, plugin {b['steps']}: nothing to compare (were the servers "
                 "started with --enable-logging-iteration-details, and VLLM_LOGGING_CONFIG_PATH from `config`?)"]
@@ -330,10 +325,9 @@ def timed_runs(data: dict[str, Any], call: dict[str, Any]) -> dict[str, list[dic
 
 
 def step_figures(out: Path, data: dict[str, Any], call: dict[str, Any]) -> dict[str, Any]:
-    """An ab call's step figures, from its server logs in ``out``, per workload: ``steps``, per engine
-    the summary of the iteration lines inside the workload's timed runs, and ``step_pairs``,
-    plugin/stock mean decode-only gap of each repeat both engines ran (the runs of one seed), in repeat
-    order: their spread says whether the pooled figure is told apart from the machine's own swings."""
+    """An ab call's figures per workload, from its server logs in ``out``: ``steps``, each engine's
+    summary of its timed runs, and ``step_pairs``, plugin/stock mean decode-only gap per repeat (one
+    seed), whose spread says whether the pooled figure stands out of the machine's own swings."""
     texts = {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
              for e, rec in call.get("servers", {}).items() if rec.get("log")}
     steps: dict[str, dict[str, Summary]] = {}
@@ -352,13 +346,13 @@ def step_figures(out: Path, data: dict[str, Any], call: dict[str, Any]) -> dict[
 
 
 def plugin_over_stock(values: dict[str, dict[Any, float]]) -> list[float]:
-    """Plugin/stock of each key (a repeat's seed) both engines have a value for, in stock's order."""
+    """Plugin/stock of each key both engines have a value for, in stock's order."""
     stock, plugin = values.get("stock", {}), values.get("plugin", {})
     return [plugin[k] / stock[k] for k in stock if k in plugin and stock[k]]
 
 
 def pairs_line(ratios: list[float]) -> str:
-    """The per-repeat ratios of ``decode_pairs``, their median and range."""
+    """Per-repeat ratios, their median and range."""
     if not ratios:
         return "decode-only steps per repeat: no repeat with both engines' decode-only steps"
     spread = f", {min(ratios):.3f}-{max(ratios):.3f}" if len(ratios) > 1 else ""
@@ -384,9 +378,8 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 RANK = re.compile(r"\(Worker(?:_[A-Z]+\d+)*_TP(\d+) pid=\d+\)")
 # vLLM 0.26 logs "Available KV cache memory" on rank 0 only; every rank logs the KV cache it holds.
 RANK_KV = re.compile(r"(?:Current kv cache memory in use is|Available KV cache memory:) ([0-9.]+) ?GiB")
-# The plugin's line names what it reserves ("... 1024 MiB (default); 676 MiB reserved from the KV
-# cache ..."); logs of its earlier builds: "... 1024 MiB (default), reserved ..." (the budget) or
-# "... 1024 MiB (default), 648 MiB of it reserved ...".
+# The plugin's line: "... 1024 MiB (default); 676 MiB reserved ..."; earlier builds': "..., reserved ..."
+# (the budget) or "..., 648 MiB of it reserved ...".
 RESERVED = re.compile(r"mla-planner: sparse MLA scratch budget (\d+) MiB \([^)]*\)(?:; (\d+) MiB |, (?:(\d+) MiB of it )?)"
                       r"reserved")
 RANK_STEP = re.compile(r"mla-planner step: (.*)$")
@@ -417,8 +410,8 @@ def parse_ranks(text: str) -> dict[int, Rank]:
 
 
 def rank_report(path: Path) -> tuple[list[str], list[str]]:
-    """A run's ranks, and what is wrong with them: a rank without its KV line, and for the planned
-    backend a rank that reserved nothing or planned a different sequence of steps than rank 0."""
+    """A run's ranks, and what is wrong: a rank without its KV line; planned, a rank that reserved
+    nothing or planned other steps than rank 0."""
     ranks = parse_ranks(path.read_text(errors="replace"))
     planned = any(rank.reserved_mib is not None or rank.steps for rank in ranks.values())
     lines = [f"{path.name}: {len(ranks)} rank(s), {'planned' if planned else 'stock'}"]

@@ -252,24 +252,23 @@ def test_command_lines_parse_with_vllms_parsers(tmp_path: Path) -> None:
     m = str(tmp_path / "m")
     for engine, backend in (("stock", "FLASHMLA_SPARSE"), ("plugin", "CUSTOM")):
         s = got[engine]
-        assert s["attention_backend"].endswith(backend) and s["model"] == m and s["tokenizer"] == m
-        assert (s["load_format"], s["kv_cache_dtype"], s["block_size"]) == ("dummy", "fp8_ds_mla", "64")
-        assert (s["max_model_len"], s["max_num_batched_tokens"], s["gpu_memory_utilization"]) == ("70000", "65536", "0.45")
-        assert s["enable_prefix_caching"] == "False" and s["seed"] == "0" and s["generation_config"] == "vllm"
+        assert s.pop("attention_backend").endswith(backend)
         # vLLM's defaults: CUDA graphs on, no forced MQA
-        assert s["enforce_eager"] == "False" and s["force_mqa"] is False
-        assert s["served_model_name"] == "['tiny-deepseek-v32']"
-        assert (s["port"], s["host"], s["access_log_off"]) == (8200, "127.0.0.1", True)
-        assert s["tp"] == 1 and s["iterations"] is False
+        assert s == {"model": m, "tokenizer": m, "load_format": "dummy", "kv_cache_dtype": "fp8_ds_mla",
+                     "block_size": "64", "max_model_len": "70000", "max_num_batched_tokens": "65536",
+                     "gpu_memory_utilization": "0.45", "enable_prefix_caching": "False", "seed": "0",
+                     "enforce_eager": "False", "force_mqa": False, "served_model_name": "['tiny-deepseek-v32']",
+                     "generation_config": "vllm", "port": 8200, "host": "127.0.0.1", "access_log_off": True, "tp": 1,
+                     "iterations": False}
     assert got["iterations"] is True  # --enable-logging-iteration-details
     long, doc = got["long"], got["mix-doc"]
-    assert (long["backend"], long["dataset_name"], long["endpoint"]) == ("vllm", "random", "/v1/completions")
-    assert (long["random_input_len"], long["random_output_len"], long["num_prompts"], long["max_concurrency"]) == \
-        (32768, 16, 32, 16)
-    assert long["model"] == "tiny-deepseek-v32" and long["tokenizer"] == m and long["seed"] == 7
-    assert long["ignore_eos"] and long["temperature"] == 0 and long["save_result"] and long["num_warmups"] == 1
-    assert (long["result_dir"], long["result_filename"], long["metadata"]) == ("/r", "x.json", ["engine=plugin"])
-    assert (long["percentile_metrics"], long["metric_percentiles"]) == ("ttft,tpot,itl,e2el", "50,99")
+    assert long == {"backend": "vllm", "base_url": "http://127.0.0.1:8200", "model": "tiny-deepseek-v32",
+                    "tokenizer": m, "dataset_name": "random", "random_input_len": 32768, "random_output_len": 16,
+                    "random_range_ratio": long["random_range_ratio"], "num_prompts": 32, "max_concurrency": 16,
+                    "seed": 7, "ignore_eos": True, "temperature": 0, "num_warmups": 1,
+                    "percentile_metrics": "ttft,tpot,itl,e2el", "metric_percentiles": "50,99", "save_result": True,
+                    "result_dir": "/r", "result_filename": "x.json", "metadata": ["engine=plugin"],
+                    "endpoint": "/v1/completions"}
     assert json.loads(doc["random_range_ratio"]) == {"input": 0.77, "output": 0.77} and doc["seed"] == 8
     assert got["chat"]["max_concurrency"] == 64 and got["chat"]["random_range_ratio"] == "0.0"
     for c in md.DESIGN:
