@@ -35,7 +35,6 @@ BUNDLE = "bundle.tar"
 MANIFEST = "manifest.json"
 WHEELS_DIR = "wheels"
 TARGET_FILE = "target.json"  # in the bundle: which vLLM it carries
-SITE_MARK = ".e2e-bundle"  # in the site: the sha256 of the bundle installed there
 CHUNK_BYTES = 55_000_000  # < 60 MB, leaving room in a 64 MiB call for the repo and .whl/
 
 

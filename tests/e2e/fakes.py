@@ -66,10 +66,6 @@ class FakeCuda:
     def __init__(self) -> None:
         self.allocated = self.peak = 0
 
-    def alloc(self, nbytes: int) -> None:
-        self.allocated += nbytes
-        self.peak = max(self.peak, self.allocated)
-
     def transient(self, nbytes: int) -> None:
         self.peak = max(self.peak, self.allocated + nbytes)
 
@@ -130,8 +126,7 @@ class FakeEngine:
             available_gpu_memory_for_kv_cache=kv_bytes, scheduler=SimpleNamespace(kv_cache_config=kv_config)))
         self.output_processor = SimpleNamespace(request_states={})
         self._ids = itertools.count()
-        CUDA.allocated = 0
-        CUDA.alloc(2 * GIB + blocks * block_bytes)
+        CUDA.allocated = CUDA.peak = 2 * GIB + blocks * block_bytes
 
     @property
     def _requests(self) -> dict[str, _Request]:

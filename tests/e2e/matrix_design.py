@@ -13,7 +13,6 @@ from run_cases import model_variant
 from serve_proc import HERE, ServerSpec
 
 MODELS = {"v32": HERE / "tiny-deepseek-v32", "glm5": HERE / "tiny-glm5"}
-MODEL_TITLES = {"v32": "DeepSeek-V3.2 (tiny, 16 heads)", "glm5": "GLM-5 (tiny, 8 heads)"}
 MAX_MODEL_LEN = 70000
 CHUNKED_MNBT = 32768  # --max-num-batched-tokens with chunked prefill (the serving driver's)
 PROBE_MB = 64  # the budget "min" starts at: the plugin refuses it naming the minimum, or it is the minimum
