@@ -66,10 +66,8 @@ def serve_md(out: Path) -> str:
 
 
 def test_tokenizer_has_the_models_vocab_and_round_trips(model_dir: Path, tmp_path: Path) -> None:
-    facts = proc.check_tokenizer(model_dir)
-    assert facts["len"] == facts["vocab_size"] == VOCAB == 129280
-    assert facts["round_trip"] and facts["adds_special_tokens"] == 0
-    assert facts["all_special_ids"] == [0, 1, 2] and (facts["bos_token_id"], facts["eos_token_id"]) == (0, 1)
+    facts = proc.check_tokenizer(model_dir)  # which asserts size, round trip, bos and eos itself
+    assert facts["len"] == VOCAB == 129280 and facts["all_special_ids"] == [0, 1, 2]
     assert json.loads((model_dir / "config.json").read_text()) == json.loads((MODEL_DIR / "config.json").read_text())
     assert sorted(p.name for p in model_dir.iterdir()) == ["config.json", *sorted(proc.TOKENIZER_FILES)]
     made = proc.served_model_dir(tmp_path)  # a later call reuses a whole folder, rebuilds a broken one
@@ -139,9 +137,8 @@ def test_the_tiny_glm5_has_glm5s_attention_geometry_at_tp8() -> None:
 
 
 def test_server_flags_and_environments(tmp_path: Path) -> None:
-    """A matrix server's twin has its flags but for the backend and the port (what each value of the
-    axes becomes in vLLM's engine config: test_command_lines_parse_with_vllms_parsers); a server's
-    environment has run_cases' defaults, its own engine process and the plugin's settings of its spec."""
+    """A twin has its server's flags but for the backend and the port; a server's environment has
+    run_cases' defaults, its own engine process and the plugin's settings of its spec."""
     for c in md.DESIGN:
         args = proc.server_args(md.spec(c, "plugin", 0.09, 8300, 512), tmp_path)
         stock = proc.server_args(md.spec(c, "stock", 0.09, 8320, None), tmp_path)
@@ -242,8 +239,7 @@ print("RESULT " + json.dumps(out, default=str))
 
 def test_command_lines_parse_with_vllms_parsers(tmp_path: Path) -> None:
     """Every server's flags through the installed vLLM's serve parser (the matrix's into its engine
-    config: the model config, the MTP draft, the scheduler and cache settings), and every bench
-    client's through its bench parser."""
+    config), every bench client's through its bench parser."""
     pytest.importorskip("vllm")
     r = subprocess.run([sys.executable, "-c", PARSE, str(HERE), str(tmp_path)], capture_output=True, text=True,
                        timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -292,10 +288,8 @@ def test_command_lines_parse_with_vllms_parsers(tmp_path: Path) -> None:
 
 
 def test_what_a_log_says() -> None:
-    """What the H200 logged for a stock server that served every request and was then stopped (vLLM
-    0.33.0, shortened): the API server's EngineDeadError after the stop is not the engine's error, nor
-    is a line logged below ERROR that quotes one (the WARNING line, written for this test); the
-    plugin's refusal names its minimum, its reservation and fallback lines are counted."""
+    """A stock server's H200 log (vLLM 0.33.0, shortened): the EngineDeadError after the stop is not the
+    engine's error, nor is a line below ERROR that quotes one; the plugin's refusal names its minimum."""
     log = "\n".join([
         "(EngineCore pid=1021) INFO 12-01 15:09:10 [gpu_worker.py:436] Available KV cache memory: 45.52 GiB",
         "(EngineCore pid=1021) INFO 12-01 15:09:11 [kv_cache_utils.py:1687] GPU KV cache size: 31,008,592 tokens",
@@ -409,9 +403,8 @@ def started(out: Path, phase: str) -> bool:
 @pytest.mark.parametrize("phase,how", [("soak", signal.SIGTERM), ("soak", signal.SIGINT), ("soak", signal.SIGKILL),
                                        ("starting", signal.SIGTERM), ("load", signal.SIGTERM)])
 def test_no_server_outlives_a_stopped_driver(tmp_path: Path, phase: str, how: signal.Signals) -> None:
-    """SIGTERM and Ctrl-C: the driver stops its servers on the way out (a soak's; the matrix's while
-    it starts them, or during the load on its threads, the requests hanging). SIGKILL: the server's
-    group leader gets SIGTERM from the kernel (PR_SET_PDEATHSIG)."""
+    """SIGTERM and Ctrl-C: the driver stops its servers (a soak's; the matrix's while starting, or
+    during the load, requests hanging). SIGKILL: the kernel sends SIGTERM (PR_SET_PDEATHSIG)."""
     out = tmp_path / "out"
     if phase == "soak":
         args, env = ["--phase", "soak", "--soak-s", "300", "--fake-bench"], fake_nvidia_smi(tmp_path / "bin")
@@ -501,8 +494,7 @@ def test_failrate_phase(tmp_path: Path) -> None:
 
 def test_ab_phase_interleaves_and_a_later_call_replaces_its_workloads(tmp_path: Path) -> None:
     """Warm-ups, then repeats in alternating order; a later call replaces its workloads' runs, keeps the
-    others, and refuses runs of another model. --log-iterations with a logging configuration given: the
-    driver writes none."""
+    others, and refuses another model's. A logging configuration given: the driver writes none."""
     given = tmp_path / "given-logging.json"
     given.write_text('{"version": 1}')
     r = driver(tmp_path, "--phase", "ab", "--fake-bench", "--repeats", "2", "--log-iterations",
@@ -539,9 +531,8 @@ def test_ab_phase_interleaves_and_a_later_call_replaces_its_workloads(tmp_path: 
 
 
 def test_ab_at_once_runs_both_engines_together(tmp_path: Path) -> None:
-    """--at-once chat,mix: a repeat's two runs of each start together and overlap (mix: all four
-    clients), share one window, and the report pairs them as runs at the same time; long's go one
-    after the other, as without it."""
+    """--at-once chat,mix: a repeat's two runs of each overlap (mix: four clients) in one window, and
+    the report pairs them as at the same time; long's go one after the other."""
     driver(tmp_path, "--phase", "ab", "--fake-bench", "--workloads", "chat,mix,long", "--repeats", "1",
            "--at-once", "chat,mix", FAKE_BENCH_HOLD_S="0.5")
     data = results(tmp_path, "ab.json")
