@@ -1,16 +1,11 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the repo root (docs/e2e.md has the call sequence):
-#   bash tests/e2e/device_install.sh stash K   copy the carried .e2e/parts/partK into $E2E_STASH (/tmp/stash)
-#   bash tests/e2e/device_install.sh install   join + verify the parts, install the dependency wheels and
-#                                              the vLLM the parts carry (scripts/e2e_stage.py --vllm) into
-#                                              $E2E_SITE (/tmp/site), then every .whl/*.whl
-#                                              (this project's abi3 wheel at least), and check the imports
-#   bash tests/e2e/device_install.sh check     only the import and entry-point check
-#   bash tests/e2e/device_install.sh pythonpath   the PYTHONPATH the runs need: $E2E_SITE and the paths
-#                                              its .pth files add (pip --target leaves those unread)
-# Idempotent: install skips the vLLM step when /tmp/site already holds this bundle; our wheel is
-# always reinstalled (it changes between runs). Use with
-#   export PYTHONPATH=$(bash tests/e2e/device_install.sh pythonpath)
+# On the GPU machine, from the repo root (docs/e2e.md, "Device calls"):
+#   bash tests/e2e/device_install.sh stash K      copy the carried .e2e/parts/partK into $E2E_STASH (/tmp/stash)
+#   bash tests/e2e/device_install.sh install      join and verify the parts, install their wheels and vLLM into
+#                                                 $E2E_SITE (/tmp/site) (skipped if it holds this bundle), then
+#                                                 .whl/mla_planner-*.whl (always), and check the imports
+#   bash tests/e2e/device_install.sh check        only the import and entry-point check
+#   bash tests/e2e/device_install.sh pythonpath   $E2E_SITE and the paths its .pth files add (export PYTHONPATH=...)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -99,7 +94,7 @@ pythonpath)
     pythonpath
     ;;
 *)
-    sed -n '2,13p' "$0" >&2
+    sed -n '2,8p' "$0" >&2
     exit 2
     ;;
 esac

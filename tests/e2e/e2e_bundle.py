@@ -1,14 +1,11 @@
-"""Packing a vLLM release (0.26.0 or 0.33.0, :data:`TARGETS`) and the wheels the GPU image lacks to
-run it -- engine and ``vllm serve`` -- for the GPU machine, and unpacking them there.
+"""Packing a vLLM release (:data:`TARGETS`) and the wheels the GPU image lacks to run it for the GPU
+machine, and unpacking them there (standard library only: the device runs it with the image's python3).
 
-The device tool carries at most 64 MiB per call, and vLLM's wheel is 304 MB (0.33.0: 336 MB). So: the wheel's tree,
-less what the H200 run never loads (FA2, the SM100 FMHA sources, DeepGEMM builds for other Pythons),
-goes into ``vllm-core.tar.xz``; FA3's 153 MB library into ``vllm-fa3.tar.xz``; both and the dependency
-wheels into one plain ``bundle.tar``, cut into chunks of under 60 MB, one chunk per device call, each
-with the same ``manifest.json`` (sizes and sha256 of every chunk and of the whole).
-
-Standard library only: the device side runs this file with the GPU image's python3 (3.12).
-CLI (used by ``device_install.sh``): ``status``, ``join``, ``install-vllm``, ``check`` (see ``--help``).
+A device call carries at most 64 MiB, vLLM's wheel is 304-336 MB. So the wheel's tree, less what the
+H200 never loads (FA2, SM100 sources, DeepGEMM for other Pythons), goes into ``vllm-core.tar.xz``, FA3's
+153 MB library into ``vllm-fa3.tar.xz``, both and the dependency wheels into one ``bundle.tar``, cut into
+chunks under 60 MB, each with the same ``manifest.json`` (sizes and sha256). The CLI is
+``device_install.sh``'s: ``status``, ``join``, ``install-vllm``, ``check``.
 """
 
 from __future__ import annotations
@@ -35,22 +32,15 @@ BUNDLE = "bundle.tar"
 MANIFEST = "manifest.json"
 WHEELS_DIR = "wheels"
 TARGET_FILE = "target.json"  # in the bundle: which vLLM it carries
-SITE_MARK = ".e2e-bundle"  # in the site: the sha256 of the bundle installed there
 CHUNK_BYTES = 55_000_000  # < 60 MB, leaving room in a 64 MiB call for the repo and .whl/
 
 
 @dataclass(frozen=True)
 class Target:
-    """One vLLM release and the wheels the GPU image lacks to run it, engine and ``vllm serve``.
-
-    ``dependencies``: the closure of the release's requirements in a CPU install (``pip install
-    vllm==X``, then every distribution reachable from vLLM's ``Requires-Dist``, extras it names
-    included), less what the H200 image has (the device tool's KINDS.md package list) and less the
-    GPU-kernel packages this model never imports (torch, triton, nvidia-*, flashinfer's cubins and
-    NCCL bindings, tilelang, quack, humming, tokenspeed, video codecs): cp312 wheels, installed with
-    --no-deps. vLLM 0.33 imports flashinfer with its sparse-MLA backend, so its 62 MB wheel travels,
-    and CUTLASS's DSL (97 MB) for the model's fused q kernel.
-    """
+    """A vLLM release and, in ``dependencies``, the closure of its requirements in a CPU install less
+    what the H200 image has and the GPU-kernel packages this model never imports (cp312 wheels,
+    installed with --no-deps; 0.33 imports flashinfer with its sparse-MLA backend, and CUTLASS's DSL
+    for the fused q kernel)."""
 
     vllm: str
     dependencies: tuple[str, ...]

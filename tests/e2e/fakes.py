@@ -1,36 +1,20 @@
-"""Stand-ins for vLLM, torch.cuda, ``vllm serve`` and ``vllm bench serve``, for the CPU tests of the
-drivers and reports. No number they produce means anything.
+"""Stand-ins for vLLM, torch.cuda, ``vllm serve`` and ``vllm bench serve``, for the CPU tests. No number
+they produce means anything.
 
-In-process (``modules()``, what ``run_cases.Bench`` takes in place of torch, ``vllm.LLM`` and
-``SamplingParams``): the shape of what run_cases touches in vLLM 0.26.0 (``LLM.enqueue``,
-``llm_engine.step``/``has_unfinished_requests``/``abort_request``/``output_processor.request_states``,
-the cache config and the engine core's KV cache config) and a toy scheduler: prompts are prefilled
-under the token budget in order, then decode one token a step.
+``modules()``: what ``run_cases.Bench`` takes for (torch, ``vllm.LLM``, ``SamplingParams``), the shape of
+what run_cases touches in vLLM with a toy scheduler (prompts prefilled under the token budget in order,
+then one token a step). ``python3 fakes.py serve MODEL --port P ...`` answers what the driver and vLLM's
+bench client use (``/health``, ``/v1/models``, ``/tokenize``, ``/v1/completions``, streamed or not) on the
+word-level tokenizer's words, and logs the lines the driver reads; ``python3 fakes.py bench ...`` writes a
+result shaped like bench's. Stock at utilization 0.95 runs out of memory past 16,384 prompt tokens in a
+step (in-process: raises) or in flight (served: a CUDA OOM logged, HTTP 500, exit), as it does on 32K.
 
-Served (``python3 fakes.py serve MODEL_DIR --port P --attention-backend B ...`` with the server's
-flags; ``python3 fakes.py bench --base-url URL --num-prompts N ...`` with bench's): ``serve`` answers
-what the driver and vLLM's bench client use: ``/health``, ``/v1/models``, ``/tokenize`` and
-``/v1/completions`` (token-id or text prompts, streamed as server-sent events or not), on the
-word-level tokenizer's words (``w<id>``). It logs the lines the driver reads (KV cache, the plugin's
-budget) and, under ``--enable-logging-iteration-details``, vLLM's line per engine step (two a
-request). ``bench`` writes a result JSON shaped like bench's: every prompt completed if the server's
-/health answers 200, none otherwise.
-
-Both: stock (FLASHMLA_SPARSE) at gpu_memory_utilization >= 0.95 runs out of memory with more than
-16,384 prompt tokens in one step (in-process: it raises, leaving its requests in the engine as vLLM
-does) or in flight at once (served: it logs a CUDA OOM, answers 500 and exits, as a server whose
-engine died); stock dies on 32K steps at 0.95 (docs/kernels.md).
-
-The served stand-in's environment steers it: FAKE_SERVE_START_S (seconds before it listens, default
-0.2), FAKE_SERVE_EXIT_AT_START=1 (logs a CUDA OOM and exits with an error instead). For the matrix:
-the plugin (CUSTOM) refuses to start below its minimum budget with the line the plugin logs (``set
-MLA_PLANNER_SCRATCH_MB=N or more``; N is FAKE_SERVE_MIN_MB, or 64 + ``--max-num-seqs`` / 8),
-reserves MLA_PLANNER_SCRATCH_MB (1024 unless set) from its KV cache, and with
-``--speculative-config`` logs one line of a step that fell back to the bounded path;
-FAKE_SERVE_DIE_OVER=N makes any server's engine die on a prompt of more than N tokens
-(FAKE_SERVE_HANG_OVER=N: never answer it), and FAKE_SERVE_DISTURB_ONCE=PATH makes the first server
-to start (the one that creates PATH) fail as vLLM's memory profiling does when another process frees
-GPU memory meanwhile.
+The served stand-in's environment steers it: FAKE_SERVE_START_S (seconds before it listens),
+FAKE_SERVE_EXIT_AT_START=1 (an OOM at start-up), FAKE_SERVE_MIN_MB (the plugin's minimum budget, else
+64 + ``--max-num-seqs`` / 8, refused as the plugin does), FAKE_SERVE_DIE_OVER=N and FAKE_SERVE_HANG_OVER=N
+(a prompt over N tokens kills the engine, or never answers), FAKE_SERVE_DISTURB_ONCE=PATH (the first start
+fails as vLLM's memory profiling does when another process frees memory). The plugin reserves
+MLA_PLANNER_SCRATCH_MB (1024) from its KV cache and, speculating, logs one step that fell back.
 """
 
 from __future__ import annotations
@@ -81,10 +65,6 @@ class _Request:
 class FakeCuda:
     def __init__(self) -> None:
         self.allocated = self.peak = 0
-
-    def alloc(self, nbytes: int) -> None:
-        self.allocated += nbytes
-        self.peak = max(self.peak, self.allocated)
 
     def transient(self, nbytes: int) -> None:
         self.peak = max(self.peak, self.allocated + nbytes)
@@ -146,8 +126,7 @@ class FakeEngine:
             available_gpu_memory_for_kv_cache=kv_bytes, scheduler=SimpleNamespace(kv_cache_config=kv_config)))
         self.output_processor = SimpleNamespace(request_states={})
         self._ids = itertools.count()
-        CUDA.allocated = 0
-        CUDA.alloc(2 * GIB + blocks * block_bytes)
+        CUDA.allocated = CUDA.peak = 2 * GIB + blocks * block_bytes
 
     @property
     def _requests(self) -> dict[str, _Request]:
@@ -360,8 +339,7 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("--speculative-config")
     args, _ = ap.parse_known_args(argv)  # the other flags are vLLM's business
     server = FakeServer(args)
-    server.log(f"INFO fake vllm serve {args.model} on port {args.port}, backend {args.attention_backend}, "
-               f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}")
+    server.log(f"INFO fake vllm serve {args.model} on port {args.port}, backend {args.attention_backend}")
     if os.environ.get("FAKE_SERVE_EXIT_AT_START") == "1":
         # as stock vLLM 0.33 at 0.95 on the H200: its warm-up step runs out of memory
         server.log("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB.")

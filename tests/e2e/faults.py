@@ -1,11 +1,9 @@
-"""Fault injection for an in-process engine (run_cases.py ``--faults``; docs/e2e.md, "Fault
-injection"): make each reason a step cannot run its plan happen (``MODES``), and read the
-allocator's peak over every attention layer call.
+"""Fault injection for an in-process engine (run_cases.py ``--faults``; docs/e2e.md): each reason a
+step cannot run its plan (``MODES``), and the allocator's peak over every attention layer call.
 
-A test hook, never a setting: it patches the plugin's modules in this process, before the engine
-is built (the kernel provider is made at the impl's construction), and is armed per case with
-:func:`arm`. The same patch points exist in the plugin before the bounded path (the whole-step
-call of vLLM's that it replaced), so one driver measures both.
+A test hook, never a setting: it patches the plugin's modules in this process before the engine is
+built, armed per case with :func:`arm`. The patch points exist in builds before the bounded path too,
+so one driver measures both.
 """
 
 from __future__ import annotations
@@ -48,8 +46,7 @@ def read() -> dict[str, Any]:
 
 
 def newest_engine_state() -> Any | None:
-    """The plugin's state of the newest engine in this process (``None``: no engine, or a build of
-    the plugin before per-engine state)."""
+    """The plugin's state of the newest engine here (None: none, or a build before per-engine state)."""
     from mla_planner.vllm_backend import engine
 
     states = getattr(engine, "_states", None)
@@ -57,15 +54,13 @@ def newest_engine_state() -> Any | None:
 
 
 def step_counts() -> dict[str, int]:
-    """The newest engine's step counters in this process (empty where no engine runs the plugin, or
-    the build counts none)."""
+    """The newest engine's step counters (empty where none counts)."""
     stats = getattr(newest_engine_state(), "stats", None)
     return dict(stats.counts()) if stats is not None else {}
 
 
 def reserved_bytes() -> int | None:
-    """What the engine reserved, as the plugin keeps it (its engine state, or before it, its
-    process-wide reservation); ``None`` where no engine reserved (a stand-in engine)."""
+    """What the engine reserved (its state's, or earlier builds' process-wide); None where none did."""
     from mla_planner.vllm_backend import reservation
 
     state = newest_engine_state()

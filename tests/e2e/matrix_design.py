@@ -1,8 +1,6 @@
-"""The flag matrix (docs/e2e.md, "The flag matrix"): which ``vllm serve`` configurations
-``run_serve.py --phase matrix`` starts, on which axes (``AXES``: the values operators of
-DeepSeek-V3.2 and GLM-5 deployments set), and the check that ``DESIGN`` covers every value of every
-axis and the pairs in ``REQUIRED_PAIRS`` (``coverage_gaps``, empty for ``DESIGN``).
-"""
+"""The flag matrix (docs/e2e.md): the ``vllm serve`` configurations ``run_serve.py --phase matrix``
+starts, on the axes operators of DeepSeek-V3.2 and GLM-5 set, and ``coverage_gaps``: what a design
+misses of every value of every axis and of ``REQUIRED_PAIRS``."""
 
 from __future__ import annotations
 
@@ -15,7 +13,6 @@ from run_cases import model_variant
 from serve_proc import HERE, ServerSpec
 
 MODELS = {"v32": HERE / "tiny-deepseek-v32", "glm5": HERE / "tiny-glm5"}
-MODEL_TITLES = {"v32": "DeepSeek-V3.2 (tiny, 16 heads)", "glm5": "GLM-5 (tiny, 8 heads)"}
 MAX_MODEL_LEN = 70000
 CHUNKED_MNBT = 32768  # --max-num-batched-tokens with chunked prefill (the serving driver's)
 PROBE_MB = 64  # the budget "min" starts at: the plugin refuses it naming the minimum, or it is the minimum
@@ -30,8 +27,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "chunked_prefill": (True, False),
     "prefix_caching": (False, True),
 }
-# Two configurations that once killed the engine, each kept in the matrix with CUDA graphs (their
-# padded decode batches).
+# two configurations that once killed the engine, kept with CUDA graphs (their padded decode batches)
 REQUIRED_PAIRS: tuple[dict[str, Any], ...] = (
     {"mtp": 1, "max_num_seqs": 128, "cuda_graphs": True},
     {"budget": 512, "max_num_seqs": 1024, "cuda_graphs": True},
@@ -40,7 +36,6 @@ REQUIRED_PAIRS: tuple[dict[str, Any], ...] = (
 
 @dataclass(frozen=True)
 class Config:
-    """One server's values on every axis."""
 
     name: str
     model: str
@@ -86,12 +81,11 @@ def check_design(design: tuple[Config, ...] | list[Config]) -> list[str]:
 
 
 def mnbt(config: Config) -> int:
-    """--max-num-batched-tokens: with chunked prefill off, vLLM needs it at least max_model_len."""
+    """With chunked prefill off, vLLM needs --max-num-batched-tokens at least max_model_len."""
     return CHUNKED_MNBT if config.chunked_prefill else MAX_MODEL_LEN
 
 
 def extra_args(config: Config) -> tuple[str, ...]:
-    """The flags of ``config``'s axes beyond what ``serve_proc.server_args`` fixes."""
     args: list[str] = ["--max-num-seqs", str(config.max_num_seqs)]
     if config.mtp:
         args += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": config.mtp})]
@@ -102,44 +96,33 @@ def extra_args(config: Config) -> tuple[str, ...]:
     return tuple(args)
 
 
-def spec(config: Config, engine: str, util: float, port: int, scratch_mb: int | None,
-         gpu: int | None = None) -> ServerSpec:
+def spec(config: Config, engine: str, util: float, port: int, scratch_mb: int | None) -> ServerSpec:
     """``config``'s server: the plugin with budget ``scratch_mb`` (stock: none), or its stock twin."""
     return ServerSpec(engine, util, port, mnbt(config), max_model_len=MAX_MODEL_LEN,
                       scratch_mb=scratch_mb if engine == "plugin" else None, prefix_caching=config.prefix_caching,
-                      extra_args=extra_args(config), gpu=gpu)
+                      extra_args=extra_args(config))
 
 
+# chunked prefill off: vLLM profiles a step of 70,000 tokens, which left the engine 6.5 GiB short of
+# any KV cache at 0.09 on the H200
 UNCHUNKED_EXTRA = 0.07
-"""What a server with chunked prefill off adds to ``base``: vLLM profiles a step of 70,000 tokens
-(its --max-num-batched-tokens), whose activations left the 2-layer model's engine 6.5 GiB short of
-any KV cache at 0.09 on the H200 (``Available KV cache memory: -6.5 GiB``, s3's 64 MiB start)."""
 
 
 def util_for(config: Config, base: float, total_gib: float = 140.0) -> float:
-    """``base`` plus a numeric budget's share of the GPU (rounded up to 0.01), so that a large budget
-    does not eat the KV cache the 64K case needs ("min" is found small), plus
-    :data:`UNCHUNKED_EXTRA` with chunked prefill off."""
+    """``base``, plus a numeric budget's share of the GPU (rounded up to 0.01: a large budget must
+    not eat the KV cache the 64K case needs), plus UNCHUNKED_EXTRA with chunked prefill off."""
     extra = UNCHUNKED_EXTRA if not config.chunked_prefill else 0.0
     if isinstance(config.budget, int):
         extra += -(-config.budget * 100 // int(total_gib * 1024)) / 100
     return round(base + extra, 2)
 
 
-def gpus_of(names: list[str], gpus: int) -> dict[str, int | None]:
-    """Each server's GPU (a server, its twin and its 64 MiB start share one): with ``gpus`` > 1,
-    the i-th server's is i mod ``gpus``; else the environment's (None)."""
-    return {name: i % gpus if gpus > 1 else None for i, name in enumerate(names)}
-
-
 def model_source(config: Config, where: Path) -> Path:
-    """The model folder ``config`` serves: the model's own, or under ``where`` a copy with one MTP
-    layer (``num_nextn_predict_layers: 1``) for speculative decoding."""
+    """The model's folder, or (MTP) a copy under ``where`` with one MTP layer."""
     return model_variant(MODELS[config.model], where, mtp_layers=1 if config.mtp else None)
 
 
 def describe(config: Config) -> str:
-    """One line: the server's values as flags."""
     parts = [config.model, f"MTP {config.mtp}" if config.mtp else "no MTP", f"--max-num-seqs {config.max_num_seqs}",
              f"budget {config.budget}" + ("" if config.budget == "min" else " MiB"),
              "CUDA graphs" if config.cuda_graphs else "--enforce-eager"]

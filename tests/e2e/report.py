@@ -1,26 +1,22 @@
-"""The reports, from the JSON a results folder holds (docs/e2e.md): ``e2e.md`` over the in-process runs
-(run_cases.py's ``<run>.json``, any group, and run_serve.py's ``driver.json``), ``serve.md`` over the
-served phases (``ab.json``, ``<phase>-<engine>.json``) and ``matrix.md`` from ``matrix.json``.
+"""The reports of a results folder (docs/e2e.md): ``serve.md`` over the served phases (``ab.json``,
+``<phase>-<engine>.json``) and ``matrix.md`` from ``matrix.json``. They work from the saved files alone,
+say what is missing (a run cut by the deadline, a case a crash interrupted), and compute only medians,
+ratios and differences of the numbers they hold.
 
-They work from the saved files alone, report what they say, missing results included (a run cut by
-the deadline, a case a crash or timeout interrupted), and compute only medians, ratios and
-differences of the numbers they hold.
+    python3 tests/e2e/report.py DIR   # writes DIR's reports, and prints them
 """
 
 from __future__ import annotations
 
 import json
-import re
 import statistics
+import sys
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from step_log import pairs_line, plugin_over_stock, verdict
+from step_log import plugin_over_stock
 
-DRIVER_JSON, E2E_MD, SERVE_MD, MATRIX_MD = "driver.json", "e2e.md", "serve.md", "matrix.md"
-GIB, MIB = 1 << 30, 1 << 20
-PROMPT_CASES = ("1", "2", "3", "4", "5")
-THROUGHPUT_GOAL = 0.97
+SERVE_MD, MATRIX_MD = "serve.md", "matrix.md"
 PHASES = ("ab", "boundary", "failrate", "soak")
 # (title, bench key, digits): the per-workload columns, medians over repeats.
 METRICS = (("TTFT p50 ms", "p50_ttft_ms", 1), ("TTFT p99 ms", "p99_ttft_ms", 1), ("TPOT p50 ms", "p50_tpot_ms", 2),
@@ -30,38 +26,17 @@ ERROR_KINDS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error", "illegal 
 ENGINES = ("stock", "plugin")
 
 
-def load(folder: Path) -> dict[str, dict[str, Any]]:
-    """Every result file in ``folder`` (schema 1) by file stem: in-process runs, served phases, the matrix."""
-    found = {}
+def write(folder: Path) -> str:
+    """Each report whose results ``folder`` holds, written there; their text."""
+    phases = {}
     for path in sorted(folder.glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except ValueError:
             continue
-        if isinstance(data, dict) and data.get("schema") == 1:
-            found[path.stem] = data
-    return found
-
-
-def load_driver(folder: Path) -> dict[str, Any]:
-    """run_serve.py's record of its in-process runs (how each process ended)."""
-    path = folder / DRIVER_JSON
-    return dict(json.loads(path.read_text())) if path.is_file() else {"runs": {}}
-
-
-def in_process_runs(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """run_cases.py's results among ``load``'s, by run name."""
-    return {stem: data for stem, data in results.items() if "phase" not in data and "run" in data}
-
-
-def write(folder: Path) -> str:
-    """Each report whose results ``folder`` holds, written there; their text."""
-    results = load(folder)
-    runs = in_process_runs(results)
-    phases = {stem: data for stem, data in results.items() if data.get("phase") in PHASES}
+        if isinstance(data, dict) and data.get("schema") == 1 and data.get("phase") in PHASES:
+            phases[path.stem] = data
     reports = []
-    if runs or (folder / DRIVER_JSON).is_file():
-        reports.append((E2E_MD, render_e2e(runs, load_driver(folder))))
     if phases:
         reports.append((SERVE_MD, render_serve(phases)))
     if (folder / "matrix.json").is_file():
@@ -82,10 +57,6 @@ def row(*cells: Any) -> str:
 
 def isnum(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float))
-
-
-def gib(value: Any) -> str:
-    return f"{value / GIB:.2f}" if isnum(value) else "–"
 
 
 def cell(value: Any, limit: int = 100) -> str:
@@ -158,7 +129,7 @@ def totals(runs: list[dict[str, Any]], label: str) -> str:
 
 def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     """One workload's table: per client (and all clients combined), each engine's medians over its
-    finished repeats, then plugin/stock. Warm-up rounds are listed, not counted."""
+    finished repeats, then plugin/stock. Warm-up rounds are left out."""
     wruns = [r for r in every if not r.get("warmup")]
     labels = list(dict.fromkeys(label for r in wruns for label in r.get("clients", {})))
     labels += ["combined"] if len(labels) > 1 else []
@@ -185,10 +156,6 @@ def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tu
                            f"(medians of {done['plugin']} and {done['stock']} repeats)")
         lines += ["", f"Total tokens/s per repeat ({labels[-1]}): stock {totals(by_engine['stock'], labels[-1])}; "
                   f"plugin {totals(by_engine['plugin'], labels[-1])}."]
-        warm = {e: [r for r in every if r.get("warmup") and r["engine"] == e] for e in ENGINES}
-        if any(warm.values()):
-            lines.append(f"Warm-up rounds, not in the medians ({labels[-1]}): stock "
-                         f"{totals(warm['stock'], labels[-1])}; plugin {totals(warm['plugin'], labels[-1])}.")
         how = "at the same time" if any(r.get("at_once") for r in wruns) else "back to back"
         for name, key, label in (("total tokens/s", "total_token_throughput", labels[-1]),
                                  ("TPOT p50", "p50_tpot_ms", labels[0])):  # combined has no TPOT: the first client's
@@ -235,18 +202,6 @@ def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
                                     [r for r in runs if r["workload"] == workload])
         lines += more
         summary += said
-    for call in calls:  # servers started with --log-iterations: both engines' steps, per workload
-        if call.get("steps_error"):
-            summary.append(f"ab call {call.get('id')}: the step figures failed: {call['steps_error']}")
-        for workload, engines in (call.get("steps") or {}).items():
-            if set(engines) == {"stock", "plugin"}:
-                said = verdict(engines["stock"], engines["plugin"]) or [
-                    "too few steps to compare (millisecond stamps need VLLM_LOGGING_CONFIG_PATH from step_log.py "
-                    "config)"]
-                pairs = (call.get("step_pairs") or {}).get(workload)
-                said += [pairs_line(pairs)] if pairs is not None else []
-                summary.append(f"{workload}, vLLM's iteration lines of the timed runs (call {call.get('id')}): "
-                               + "; ".join(said))
     failures = sum(int((r.get("combined") or {}).get("failed") or 0) for r in runs)
     summary.append(f"ab: {failures} failed requests over {sum(r.get('status') == 'ok' for r in runs)} finished "
                    f"bench runs ({len(runs)} planned)")
@@ -347,8 +302,6 @@ def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
     record = data.get("server", {})
     errors = {k: v for k, v in (record.get("error_count") or {}).items() if k in ERROR_KINDS}
     tps = [(i.get("combined") or {}).get("total_token_throughput") for i in its]
-    seen = [s["processes"] for s in samples if s.get("processes") is not None]
-    most = max((len(procs) for procs in seen), default=None)
     lines = [*server_rows([record]), "", "| | |", "|---|---|",
              f"| soak | {num(data.get('soak_elapsed_s'))} s of {num(data.get('soak_s'))} s asked"
              + (f" (cut: {data['cut']})" if data.get("cut") else "") + " |",
@@ -361,8 +314,6 @@ def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
              f"| after warm-up (from {warm:.0f} s, the first iteration's end) | {flat.get('samples')} samples, "
              f"{num(flat.get('min_mib'))}–{num(flat.get('max_mib'))} MiB, **max − min {num(flat.get('spread_mib'))} MiB** |",
              steps_row(after),
-             f"| processes holding GPU memory (nvidia-smi) | at most {num(most)} in a sample, "
-             f"{num(len({p[0] for procs in seen for p in procs}) if seen else None)} distinct pids |",
              f"| /health not 200 | {sum(s.get('health') != 200 for s in samples)} of {len(samples)} samples |",
              f"| server processes | {data.get('pids_at_start')} at the start, {data.get('pids_at_end')} at the end: "
              f"{'the same' if data.get('same_processes') else '**not the same**'} |",
@@ -461,7 +412,7 @@ def matrix_row(rec: dict[str, Any]) -> str:
 
 
 def matrix_notes(rec: dict[str, Any]) -> list[str]:
-    """What the table leaves out: refusal, the plugin's lines, retries, errors, KV tokens."""
+    """What the table leaves out: refusal, the plugin's lines, retries, errors."""
     out = [f"- **{rec.get('name')}** ({cell(rec.get('title'), 200)}; util {rec.get('util')}, "
            f"--max-num-batched-tokens {rec.get('mnbt')})"]
     probe, plugin, twin = rec.get("probe") or {}, rec.get("plugin") or {}, rec.get("twin")
@@ -482,10 +433,6 @@ def matrix_notes(rec: dict[str, Any]) -> list[str]:
     s = plugin.get("startup") or {}
     if s.get("status") not in (None, "ok"):
         out.append(f"  - start-up {s.get('status')}: {cell(s.get('error') or '', 200)}")
-    tokens = {"plugin": plugin.get("kv_cache_tokens"), "stock": (twin or {}).get("kv_cache_tokens")}
-    if any(isnum(t) for t in tokens.values()):
-        out.append("  - KV cache tokens: " + ", ".join(f"{k} {t:,.0f}" if isnum(t) else f"{k} –"
-                                                        for k, t in tokens.items() if k == "plugin" or twin))
     if twin and not up(twin):
         out.append(f"  - stock twin: {(twin.get('startup') or {}).get('status')}")
     lines, count = planner_lines(plugin)
@@ -531,183 +478,5 @@ def render_matrix(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# --- e2e.md ------------------------------------------------------------------------------------------
-
-
-def case_result(name: str, data: dict[str, Any], case: str, driver: dict[str, Any]) -> str:
-    """One table cell: ok / OOM / error / why there is no result."""
-    startup = data.get("startup", {})
-    if startup.get("status") == "error":
-        return cell(f"engine failed to start: {startup.get('error', '')}", 90)
-    result = data.get("cases", {}).get(case)
-    end = "timeout" if driver.get("runs", {}).get(name, {}).get("timed_out") else "crash or kill"
-    if startup.get("status") != "ok":
-        return f"no result: process ended during start-up ({end})"
-    if result is None:
-        return f"no result: process ended before this case ({end})" if not data.get("finished") else "not run"
-    status = result.get("status")
-    after = f" (after failure in case {', '.join(result['after_failure_in'])})" if result.get("after_failure_in") else ""
-    if status == "started":
-        return f"no result: process ended during this case ({end}){after}"
-    if status == "skipped":
-        return cell(f"not run: {result.get('error', '')}", 90)
-    if status == "error":
-        error = str(result.get("error", ""))
-        if result.get("oom"):
-            size = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", error)
-            return "**OOM**" + (f" (tried to allocate {size.group(1)})" if size else "") + after
-        return cell(f"**error**: {error.splitlines()[0] if error else ''}", 90) + after
-    return "ok" + after
-
-
-def tokens_cell(result: dict[str, Any] | None) -> str:
-    if not result or "outputs" not in result:
-        return "–"
-    outputs = result["outputs"]
-    back = sum(len(o["token_ids"]) == result.get("max_tokens") for o in outputs)
-    first = outputs[0]["token_ids"] if outputs else []
-    ids = str(first) if len(first) <= 4 else str(first[:4])[:-1] + ", …]"
-    return f"{'yes' if result.get('tokens_back') else 'no'} {back}/{len(outputs)}: {ids}"
-
-
-def engines_table(runs: list[tuple[str, dict[str, Any]]], driver: dict[str, Any]) -> list[str]:
-    lines = table("run", "backend", "util", "mnbt", "start-up", "KV blocks", "KV tokens", "KV cache GiB",
-                  "KV granted GiB", "allocated after start GiB", "attention impl")
-    for name, data in runs:
-        run, s = data["run"], data.get("startup", {})
-        started = f"ok, {s.get('elapsed_s', 0):.0f} s" if s.get("status") == "ok" else \
-            cell(s.get("error") or case_result(name, data, "-", driver), 60)
-        blocks, size = s.get("num_gpu_blocks"), s.get("block_size")
-        tokens = s.get("kv_cache_size_tokens") or (blocks * size if blocks and size else None)
-        # attention implementation classes, each with its top-level package (mla_planner for ours)
-        impls = ", ".join(f"{p.rsplit('.', 1)[-1]} ({p.split('.', 1)[0]})" for p in s.get("attention_impls") or [])
-        lines.append(row(name, run["backend"], run["util"], run["mnbt"], started, blocks or "–", tokens or "–",
-                         gib(s.get("kv_cache_bytes")), gib(s.get("kv_available_bytes")),
-                         gib((s.get("memory") or {}).get("allocated")), cell(impls or "–", 120)))
-    return lines
-
-
-def case_table(case: str, runs: list[tuple[str, dict[str, Any]]], driver: dict[str, Any]) -> list[str]:
-    lines = table("run", "backend", "util", "mnbt", "result", "peak GiB", "peak over start GiB", "free after GiB",
-                  "prompt tok/s (wall)", "tokens back", "KV cache GiB")
-    for name, data in runs:
-        if case in data["run"]["cases"]:
-            run, r = data["run"], data.get("cases", {}).get(case) or {}
-            lines.append(row(name, run["backend"], run["util"], run["mnbt"], case_result(name, data, case, driver),
-                             gib(r.get("peak_allocated_bytes")), gib(r.get("peak_over_before_bytes")),
-                             gib((r.get("memory_after") or {}).get("free")), num(r.get("prompt_tok_s")),
-                             cell(tokens_cell(r), 60), gib(data.get("startup", {}).get("kv_cache_bytes"))))
-    return lines if len(lines) > 2 else []
-
-
-def pairs_of(runs: list[tuple[str, dict[str, Any]]],
-             case: str | None = None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(stock, planned) runs at the same util and mnbt; with ``case``, both must have it ``ok``."""
-    def ok(d: dict[str, Any]) -> bool:
-        return up(d) if case is None else bool(d.get("cases", {}).get(case, {}).get("status") == "ok")
-
-    return [(stock, planned) for _, stock in runs for _, planned in runs
-            if (stock["run"]["util"], stock["run"]["mnbt"]) == (planned["run"]["util"], planned["run"]["mnbt"])
-            and (stock["run"]["backend"], planned["run"]["backend"]) == ("stock", "planned")
-            and ok(stock) and ok(planned)]
-
-
-def throughput_section(runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[str]]:
-    lines, goals = [], []
-    for stock, planned in pairs_of(runs, "throughput"):
-        s, p = stock["cases"]["throughput"], planned["cases"]["throughput"]
-        lines += [f"util {stock['run']['util']}, mnbt {stock['run']['mnbt']}; median of {s.get('repeats')} "
-                  f"repeats after a warm-up, prompt tokens/s:", "",
-                  *table("workload", "stock", "planned", "planned/stock", "samples stock", "samples planned")]
-        for workload, s_med in s["median_tok_s"].items():
-            p_med = p["median_tok_s"].get(workload)
-            if p_med is not None:
-                samples = [" ".join(f"{v:,.0f}" for v in d["tok_s"][workload]) for d in (s, p)]
-                lines.append(row(workload, f"{s_med:,.0f}", f"{p_med:,.0f}", f"{p_med / s_med:.3f}", *samples))
-                goals.append(f"{workload} at {stock['run']['util']}: planned/stock {p_med / s_med:.3f} "
-                             f"({'meets' if p_med / s_med >= THROUGHPUT_GOAL else 'below'} {THROUGHPUT_GOAL})")
-        lines += ["", *(f"- {w}: {t}" for w, t in s.get("workloads", {}).items()), ""]
-    return lines, goals
-
-
-def kv_section(runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[str]]:
-    lines = table("util", "mnbt", "stock KV GiB", "planned KV GiB", "stock − planned MiB",
-                  "granted: stock − planned MiB", "scratch budget MiB")
-    goals = []
-    for stock, planned in pairs_of(runs):
-        s, p = stock["startup"], planned["startup"]
-        diff, granted = (f"{(s[k] - p[k]) / MIB:,.0f}" if isinstance(s.get(k), int) and isinstance(p.get(k), int)
-                         else "–" for k in ("kv_cache_bytes", "kv_available_bytes"))
-        settings = planned.get("planner_settings") or {}  # the budget the planned run's backend read
-        budget = f"{settings['scratch_mb']} ({settings.get('source')})" if "scratch_mb" in settings else \
-            f"not recorded{': ' + settings['error'] if 'error' in settings else ''}"
-        lines.append(row(stock["run"]["util"], stock["run"]["mnbt"], gib(s.get("kv_cache_bytes")),
-                         gib(p.get("kv_cache_bytes")), diff, granted, budget))
-        if diff != "–":
-            goals.append(f"KV cache at {stock['run']['util']}/{stock['run']['mnbt']}: stock − planned = {diff} MiB "
-                         f"(scratch budget: {budget})")
-    return (lines if len(lines) > 2 else []), goals
-
-
-def same_function_section(runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[str]]:
-    lines = table("run", "first tokens", "same on a repeat", "top-1 − top-2 logprob per position")
-    for name, data in runs:
-        r = data.get("cases", {}).get("same_function")
-        if r and r.get("status") == "ok":
-            margins = ", ".join(f"{pos[0][1] - pos[1][1]:.3g}" if len(pos) >= 2 else "–"
-                                for pos in r["runs"][0].get("top_logprobs", [])) or "–"
-            lines.append(row(name, r["token_ids"], "yes" if r.get("repeat_identical") else "no", margins))
-    goals = []
-    for stock, planned in pairs_of(runs, "same_function"):
-        s, p = stock["cases"]["same_function"]["token_ids"], planned["cases"]["same_function"]["token_ids"]
-        where = next((i for i, (a, b) in enumerate(zip(s, p)) if a != b), None)
-        goals.append(f"same function at {stock['run']['util']}: " + (
-            "same first tokens" if s == p else f"first tokens differ from position {where}: stock {s}, planned {p}"))
-    return (lines if len(lines) > 2 else []), goals
-
-
-def render_e2e(runs_by_name: dict[str, dict[str, Any]], driver: dict[str, Any]) -> str:
-    runs = sorted(runs_by_name.items(), key=lambda item: (-item[1]["run"]["util"], item[1]["run"]["backend"] != "stock",
-                                                          item[1]["run"]["mnbt"], item[0]))
-    first_ok = next((d for _, d in runs if up(d)), None)
-    out = ["# End to end: stock FLASHMLA_SPARSE vs the planned backend", ""]
-    if first_ok:
-        v = first_ok.get("versions", {})
-        out += [f"Device: {first_ok['startup'].get('device', '?')}; vLLM {v.get('vllm')}, torch {v.get('torch')}, "
-                f"mla-planner {v.get('mla-planner')}. Model: tests/e2e/tiny-deepseek-v32 (dummy weights), FP8 KV "
-                "(fp8_ds_mla), block size 64, prefix caching off, greedy, max_tokens 4 (case 5: 16).", ""]
-    goals = []
-    planned_95 = [(n, d) for n, d in runs if d["run"]["backend"] == "planned" and d["run"]["util"] == 0.95]
-    if planned_95:
-        cases = {c: case_result(n, d, c, driver) for n, d in planned_95 for c in d["run"]["cases"] if c in PROMPT_CASES}
-        failed = sorted(c for c, text in cases.items() if not text.startswith("ok"))
-        goals.append(f"planned at 0.95: cases {', '.join(sorted(cases))} " + (
-            "all finished" if not failed else f"not all finished (case {', '.join(failed)})"))
-    for name, d in runs:
-        impls = d.get("startup", {}).get("attention_impls")
-        ours = impls is not None and any(i.startswith("mla_planner.") for i in impls)
-        if impls is not None and ours != (d["run"]["backend"] == "planned"):
-            goals.append(f"**{name} ran {'our' if ours else 'no planned'} attention implementation**: {impls}")
-    sections = [("Throughput", throughput_section(runs)), ("KV cache: stock − planned vs the scratch budget",
-                kv_section(runs)), ("Same function: a fixed 16K prompt, greedy", same_function_section(runs))]
-    goals += [g for _, (_, said) in sections for g in said]
-    out += ["## Summary", "", *(f"- {g}" for g in goals or ["no results yet"])]
-    not_run = [n for n, d in driver.get("runs", {}).items() if d.get("status") == "not run" and n not in runs_by_name]
-    out += [f"- not run (deadline): {', '.join(not_run)}"] if not_run else []
-    out += ["", "## Engines", "", *engines_table(runs, driver), ""]
-    for case in PROMPT_CASES:
-        lines = case_table(case, runs, driver)
-        if lines:
-            title = next(d["case_titles"].get(case) for _, d in runs if case in d.get("case_titles", {}))
-            out += [f"## Case {case}: {title}", "", *lines, ""]
-    finished = [row(name, f"{d.get('status')}: {d['reason']}" if d.get("reason") else d.get("status"), d.get("rc", "–"),
-                    f"{d['wall_s']:.0f}" if "wall_s" in d else "–", "yes" if d.get("timed_out") else "no",
-                    d.get("log", "–")) for name, d in driver.get("runs", {}).items()]
-    runs_lines = [*table("run", "status", "rc", "wall s", "timed out", "log"), *finished] if finished else []
-    for title, lines in [*((t, lines) for t, (lines, _) in sections), ("Runs", runs_lines)]:
-        if lines:
-            out += [f"## {title}", "", *lines, ""]
-    out += ["Peak GiB: torch.cuda.max_memory_allocated over the case (KV cache and weights included); peak over "
-            "start: the same less what was allocated when the case began. Prompt tok/s (wall): prompt tokens over "
-            "the generate call's wall time, kernel compilation of a first-seen shape included.", ""]
-    return "\n".join(out)
+if __name__ == "__main__":
+    print(write(Path(sys.argv[1])))

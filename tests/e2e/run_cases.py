@@ -1,13 +1,11 @@
 """One vLLM engine in this process (stock FLASHMLA_SPARSE or the planned backend), the cases in order
-(docs/e2e.md, "What runs" and "Fault injection").
+(docs/e2e.md, "The in-process runner", "Fault injection").
 
     python3 tests/e2e/run_cases.py --backend planned --util 0.95 --mnbt 32768 --cases 1 2 3 5 --out r.json
 
-The JSON is rewritten after every case (a case is marked ``started`` before it runs), so a crash or a
-timeout keeps what came before. A case that raises (a CUDA OOM in stock is expected) is a result: its
-error is recorded, its requests are aborted, and the next case runs in the same engine, flagged with the
-failures that came before it. ``--dry-run`` prints the plan and checks the engine arguments against the
-installed vLLM, with no GPU; ``--faults`` runs the cases once per fault mode (faults.py).
+The JSON is rewritten after every case (marked ``started`` before it runs), so a crash keeps what came
+before. A case that raises (stock's CUDA OOM) is a result: its requests are aborted and the next case
+runs in the same engine, flagged with the failures before it.
 """
 
 from __future__ import annotations
@@ -75,8 +73,7 @@ def token_prompt(length: int, rng: random.Random) -> dict[str, list[int]]:
 
 
 def case_prompts(case: str) -> list[list[int]]:
-    """A case's prompts as token ids: the same for both backends, in-process and served, and distinct
-    per case (prefix caching is off anyway)."""
+    """A case's prompts: the same for both backends, in-process and served; distinct per case."""
     rng = random.Random(1000 + CASES.index(case))
     return [token_prompt(n, rng)["prompt_token_ids"] for n in CASE_PROMPTS[case]]
 
@@ -92,11 +89,8 @@ def engine_kwargs(backend: str, util: float, mnbt: int, *, model: Path = MODEL_D
 
 def model_variant(model: Path, where: Path, heads: int | None = None, layers: int | None = None,
                   mtp_layers: int | None = None) -> Path:
-    """``model`` as is, or a copy of its config under ``where`` with ``heads`` attention heads (the
-    tiny model scaled so that tensor parallelism leaves 16 heads per rank: 32 at TP 2, 64 at TP 4),
-    ``layers`` hidden layers (attention a larger share of each step, as in the real model's 61) and
-    ``mtp_layers`` MTP layers (``num_nextn_predict_layers``: vLLM's ``--speculative-config`` with
-    method ``mtp`` needs 1)."""
+    """``model``, or a copy of its config under ``where`` with ``heads`` attention heads (16 per rank
+    at tensor parallel), ``layers`` hidden layers, ``mtp_layers`` MTP layers (speculative decoding)."""
     config = json.loads((model / "config.json").read_text())
     asked = {"num_attention_heads": heads, "num_hidden_layers": layers, "num_nextn_predict_layers": mtp_layers}
     changes = {k: v for k, v in asked.items() if v is not None and v != config.get(k)}
@@ -172,13 +166,12 @@ def error_text(exc: BaseException) -> str:
 
 
 def failure(exc: BaseException) -> dict[str, Any]:
-    """A step's failure as recorded (a CUDA OOM is ``oom``)."""
     return {"status": "error", "error": error_text(exc), "traceback": traceback.format_exc()[-3000:],
             "oom": "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"}
 
 
 def external_id(request_id: str) -> str:
-    """vLLM 0.26 suffixes ``-<8 random chars>`` to the id it hands back; outputs carry the plain one."""
+    """The id outputs carry: vLLM 0.26 suffixes ``-<8 random chars>`` to the one it hands back."""
     return request_id.rsplit("-", 1)[0]
 
 
@@ -189,8 +182,7 @@ def sampling_kwargs(max_tokens: int = MAX_TOKENS, logprobs: int | None = None) -
 
 
 class Bench:
-    """The engine and what the cases need of it. vLLM and torch are imported only here; the CPU tests
-    pass stand-ins for the three (``fakes``)."""
+    """The engine and what the cases need of it; the CPU tests pass stand-ins (``fakes``) for the modules."""
 
     def __init__(self, kwargs: dict[str, Any], modules: tuple[Any, Any, Any] | None = None,
                  case_timeout_s: float = 90) -> None:
@@ -211,13 +203,12 @@ class Bench:
         return self.SamplingParams(**sampling_kwargs(max_tokens, logprobs))
 
     def generate(self, prompts: list[dict[str, list[int]]], params: Any) -> list[Any]:
-        """What LLM.generate does (enqueue, step until nothing is unfinished, sort by request id), with a
-        time limit: an engine left inconsistent by an earlier failure must not hang the whole run."""
+        """LLM.generate with a time limit: an engine an earlier failure left inconsistent must not hang."""
         self.llm.enqueue(prompts, params, use_tqdm=False)
         return self.run_until_done()
 
     def run_until_done(self, pending: set[str] | None = None) -> list[Any]:
-        """Steps until no request is unfinished (or, given ``pending``, until those have finished)."""
+        """Steps until no request (or none of ``pending``) is unfinished."""
         engine = self.llm.llm_engine
         deadline = time.monotonic() + self.case_timeout_s
         outputs = []
@@ -250,12 +241,8 @@ class Bench:
                 "total": total}
 
     def engine_info(self) -> dict[str, Any]:
-        """The KV cache the engine got at start-up, and which attention implementation runs.
-
-        In-process (multiprocessing off): ``llm.llm_engine.vllm_config.cache_config.num_gpu_blocks`` is
-        set by EngineCore._initialize_kv_caches; ``llm.llm_engine.engine_core`` is the InprocClient and
-        its ``.engine_core`` the EngineCore, whose scheduler holds the KVCacheConfig.
-        """
+        """The KV cache the engine got at start-up (the in-process EngineCore's scheduler holds the
+        KVCacheConfig), and which attention implementation runs."""
         engine = self.llm.llm_engine
         info: dict[str, Any] = {}
 
@@ -291,8 +278,8 @@ def kv_tensor_bytes(tensors: list[Any]) -> int:
 
 
 def measured(bench: Bench, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Runs ``body`` between peak-memory resets (with tensor parallelism without them: the workers hold
-    the memory); an exception becomes the result."""
+    """``body`` between peak-memory resets (not with tensor parallelism: the workers hold the memory);
+    an exception becomes the result."""
     cuda = bench.torch.cuda if bench.local_gpu else None
     if cuda is not None:
         try:
@@ -345,7 +332,7 @@ def run_prompts_case(bench: Bench, case: str) -> dict[str, Any]:
 
 
 def time_single(bench: Bench, length: int, seed: int) -> float:
-    """Prompt tokens/s of one prompt, max_tokens 1: the step that prefills it, and the sampling."""
+    """Prompt tokens/s of one prompt, max_tokens 1."""
     prompt = token_prompt(length, random.Random(seed))
     t0 = time.perf_counter()
     outputs = bench.generate([prompt], bench.params(max_tokens=1))
@@ -426,7 +413,7 @@ def run_case(bench: Bench, case: str, repeats: int) -> dict[str, Any]:
 
 
 def planner_settings() -> dict[str, Any]:
-    """The planned backend's scratch budget as it reads it (docs/vllm.md), or why it could not."""
+    """The planned backend's scratch budget as it reads it, or why it could not."""
     try:
         from mla_planner.vllm_backend import read_settings
 
@@ -457,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = engine_kwargs(args.backend, args.util, args.mnbt, model=model, tp=args.tp, block_size=args.block_size)
     data: dict[str, Any] = {
         "schema": 1, "run": {"backend": args.backend, "util": args.util, "mnbt": args.mnbt, "cases": args.cases,
-                             "repeats": args.repeats},
+                             "repeats": args.repeats, "faults": args.faults},
         "engine_kwargs": kwargs, "env": {k: os.environ.get(k) for k in [*ENV_DEFAULTS, *PLANNER_VARS]},
         "case_titles": {c: CASE_TITLES[c] for c in args.cases}, "startup": {"status": "started"}, "cases": {},
         "finished": False,

@@ -1,13 +1,10 @@
-"""The end-to-end driver (docs/e2e.md): stock FLASHMLA_SPARSE against the plugin, in-process (``--group``
-or ``--runs``: one run_cases.py process per engine) or through ``vllm serve`` (``--phase``: ab, boundary,
-failrate, soak, and the flag matrix), with the servers, requests and bench clients of serve_proc.py.
+"""The serve driver (docs/e2e.md): stock FLASHMLA_SPARSE against the plugin under ``vllm serve``, one
+``--phase`` a call (ab, boundary, failrate, soak, matrix), with serve_proc.py's servers and bench clients.
 
-A call ends by ``--deadline-s``; what the deadline leaves no time for is recorded as not run. Every
-record is rewritten as it changes, so a crash or the device's time limit keeps what came before: an
-in-process run's ``DIR/<run>.json`` and ``.log`` (``DIR/driver.json``: how each process ended), a
-phase's ``DIR/<phase>[-<engine>].json``, with server logs in ``DIR/logs`` and bench results in
-``DIR/bench``; then the reports (report.py). A phase longer than a device call runs ``--detach``ed in
-a session of its own, which the machine keeps while it stays warm; ``--follow`` picks it up.
+A call ends by ``--deadline-s``; what it leaves no time for is recorded as not run. ``DIR/<phase>[-<engine>]
+.json`` is rewritten at every change (a crash keeps what came before), server logs go to ``DIR/logs``,
+bench results to ``DIR/bench``, then report.py writes the reports. A phase longer than a device call
+runs ``--detach``ed in a session of its own; ``--follow`` picks it up in the next call.
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ import argparse
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import threading
@@ -36,11 +32,9 @@ from run_cases import (CASE_MAX_TOKENS, CASE_PROMPTS, CASE_TITLES, ENV_DEFAULTS,
                        TOKEN_RANGE, case_prompts, model_variant, versions, write_json)
 from serve_proc import Server, ServerSpec, check_stop
 
-HERE = Path(__file__).resolve().parent
 PHASES = ("ab", "boundary", "failrate", "soak", "matrix")
-# ab's two servers share the GPU. 0.40 each, not 0.45: stock's step of 32K FP8 tokens allocates
-# ~14 GiB nobody reserved, beyond its share; at 0.45 each (14 GiB left over) the H200 measured stock's
-# process at 76.4 GiB of its 62.9 GiB share, and the plugin's server, within its own, died of it.
+# ab's two servers share the GPU: at 0.45 each, stock's 32K FP8 step (~14 GiB beyond its share) killed
+# the plugin's server on the H200.
 PHASE_DEFAULTS = {  # engine, util (the matrix's: before each server's budget share)
     "ab": (None, 0.40), "boundary": ("plugin", 0.95), "failrate": ("stock", None), "soak": ("plugin", 0.95),
     "matrix": (None, 0.09)}
@@ -51,45 +45,11 @@ MAX_UTIL_SUM = 0.92  # the matrix's servers (and twins alive at once) on one GPU
 DETACHED_MARGIN_S = 600  # a detached soak's own deadline: --soak-s plus this (start-up, last iteration)
 DETACHED_DEADLINE_S = 1500  # any other detached phase's: within the 30 minutes a device machine is held
 LOGGING_VAR = "VLLM_LOGGING_CONFIG_PATH"
-MIN_RUN_S = 75  # an in-process engine start-up alone takes about a minute: start no run with less left
 MIN_SERVER_S = 120  # a server start (~65-95 s with CUDA graph capture) and one request
 MIN_BENCH_S = 30  # a bench client takes some seconds to start (prompt sampling): start none with less left
 MIN_STEP_S = 15  # a request step starts with at least this much left
 ENGINES = ("stock", "plugin")
 SEED_BASE = 1000  # the recorded runs' seeds: SEED_BASE + 100 x repeat + 10 x the workload's place in WORKLOADS
-
-
-@dataclass(frozen=True)
-class InProcess:
-    """An in-process run: one run_cases.py process (docs/e2e.md, "The in-process runner")."""
-
-    name: str
-    backend: str
-    util: float
-    mnbt: int
-    cases: tuple[str, ...]
-    group: str
-    timeout_s: int = 300
-    tp: int = 1
-    heads: int | None = None  # the model's attention heads (TP runs keep 16 per rank)
-    debug_log: bool = False  # VLLM_LOGGING_LEVEL=DEBUG: every rank logs each step's plan
-
-
-RUNS = (  # planned first in group A: finishing every case at 0.95 is the goal
-    InProcess("planned-0.95-32k", "planned", 0.95, 32768, ("1", "2", "3", "5"), "A"),
-    InProcess("planned-0.95-64k", "planned", 0.95, 65536, ("4", "5"), "A"),
-    InProcess("stock-0.95-32k", "stock", 0.95, 32768, ("1", "2", "3", "5"), "A"),
-    InProcess("stock-0.95-64k", "stock", 0.95, 65536, ("4", "5"), "A"),
-    InProcess("stock-0.90-32k", "stock", 0.90, 32768, ("1", "same_function", "throughput"), "B"),
-    InProcess("planned-0.90-32k", "planned", 0.90, 32768, ("1", "same_function", "throughput"), "B"),
-    # Tensor parallel 2 (two GPUs), the model scaled to 32 heads: 16 per rank, as DeepSeek-V3.2 at TP 8.
-    InProcess("planned-tp2-0.95-32k", "planned", 0.95, 32768, ("1", "2", "3", "5"), "T", tp=2, heads=32,
-              debug_log=True),
-    InProcess("planned-tp2-0.95-64k", "planned", 0.95, 65536, ("4", "5"), "T", tp=2, heads=32, debug_log=True),
-    InProcess("stock-tp2-0.95-32k", "stock", 0.95, 32768, ("1", "2", "3", "5"), "T", tp=2, heads=32),
-    InProcess("stock-tp2-0.95-64k", "stock", 0.95, 65536, ("4", "5"), "T", tp=2, heads=32),
-)
-RUNS_BY_NAME = {r.name: r for r in RUNS}
 
 
 def say(message: str) -> None:
@@ -100,24 +60,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="docs/e2e.md says what each phase and option does.")
     add = ap.add_argument
-    add("--phase", choices=PHASES, help="a served phase (one a call)")
-    add("--group", choices=("A", "B", "T"),
-        help="in-process: A: 0.95, cases 1-5; B: 0.90, throughput + same function; T: A at tensor parallel 2")
-    add("--runs", help="in-process: comma-separated run names instead of a group (see --list)")
-    add("--list", action="store_true", help="print the in-process runs and exit")
-    add("--out", type=Path, help="results folder (kept: later calls add to it)")
-    add("--deadline-s", type=float, help="the call ends by then (default 540; in-process 570)")
+    add("--phase", choices=PHASES, required=True, help="one a call")
+    add("--out", type=Path, required=True, help="results folder (kept: later calls add to it)")
+    add("--deadline-s", type=float, default=540, help="the call ends by then (default 540)")
     add("--detach", action="store_true", help="run the phase in a session of its own; follow it until --deadline-s")
     add("--follow", action="store_true", help="follow the phase detached in DIR until it ends or --deadline-s")
-    add("--report-only", type=Path, metavar="DIR", help="only write DIR's reports from its JSON")
     add("--engine", choices=ENGINES, help="boundary, soak: default plugin; failrate: default stock")
     add("--util", type=float, help="--gpu-memory-utilization (ab: 0.40 each; boundary, soak: 0.95; matrix: 0.09, "
                                    "0.04 with --stock-twins --start together, plus each server's budget share)")
     add("--log-iterations", action="store_true", help="servers log each engine step, for step_log.py compare")
     add("--layers", type=int, help="the model's hidden layers (default: its config's, 2)")
     add("--workloads", default="long,chat,mix", help=f"ab: of {', '.join(sp.WORKLOADS)}")
-    add("--repeats", type=int, help="ab: interleaved repeats per engine and workload (default 3); in-process: "
-                                    "throughput repeats per workload (default 5)")
+    add("--repeats", type=int, default=3, help="ab: interleaved repeats per engine and workload")
     add("--warmup-rounds", type=int, default=1, help="ab: rounds of every workload left out of the medians")
     add("--at-once", nargs="?", const="*", default="", metavar="WORKLOADS",
         help="ab: these workloads (none given: all) run both engines' runs of a repeat at the same time")
@@ -130,34 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--stock-twins", nargs="?", const="all", default="", help="matrix: a stock twin beside each server (or NAMES)")
     add("--start", choices=("staggered", "together", "chained"), default="staggered",
         help="matrix: each start once the one before has sized its KV cache, all at once, or once it is up")
-    add("--gpus", type=int, default=1, help="matrix: GPUs to spread the servers over, round robin (default 1)")
-    add("--retries", type=int, default=1, help="matrix: retries, alone, of a start other servers disturbed")
-    add("--min-fallback-mb", type=int, help="matrix: budget of a 'min' server whose 64 MiB start gave no minimum")
-    add("--chat-n", type=int, default=100, help="matrix: requests in the chat burst (default 100)")
     add("--port-base", type=int, default=8100, help="servers listen on this port and above (0: any free)")
     add("--start-timeout-s", type=float, help="a server's start-up limit (default 240; matrix: 360)")
     add("--request-timeout-s", type=float, help="one request's limit (default 120; matrix: 180)")
-    add("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # CPU tests: fakes.py
     add("--fake-server", action="store_true", help=argparse.SUPPRESS)
     add("--fake-bench", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.list or args.report_only:
-        return args
-    if not args.out or bool(args.phase) == bool(args.group or args.runs):
-        ap.error("give --phase, or --group or --runs, and --out (or --report-only DIR, or --list)")
-    if args.detach and args.follow or (args.detach or args.follow) and not args.phase:
-        ap.error("--detach follows the phase itself: give one of --detach and --follow, with --phase")
-    if not args.phase:
-        args.deadline_s = 570 if args.deadline_s is None else args.deadline_s
-        args.repeats = 5 if args.repeats is None else args.repeats
-        wanted = [n for n in (args.runs or "").split(",") if n]
-        unknown = [n for n in wanted if n not in RUNS_BY_NAME]
-        if unknown:
-            ap.error(f"unknown run(s) {unknown}; known: {', '.join(RUNS_BY_NAME)}")
-        args.selected = [RUNS_BY_NAME[n] for n in wanted] or [r for r in RUNS if r.group == args.group]
-        return args
-    args.deadline_s = 540 if args.deadline_s is None else args.deadline_s
-    args.repeats = 3 if args.repeats is None else args.repeats
+    if args.detach and args.follow:
+        ap.error("--detach follows the phase itself: give one of --detach and --follow")
     args.workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in args.workloads if w not in sp.WORKLOADS]
     if unknown:
@@ -177,19 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for u in [args.util, *args.failrate_utils]:
         if u is not None and not 0 < u <= 1:
             ap.error(f"utilization {u} is not in (0, 1]")
-    if args.repeats < 1 or args.failrate_n < 1 or args.prompt_scale <= 0 or args.sample_s <= 0:
-        ap.error("--repeats and --failrate-n must be at least 1, --prompt-scale and --sample-s positive")
-    if args.warmup_rounds < 0 or args.retries < 0 or args.chat_n < 1 or args.gpus < 1:
-        ap.error("--warmup-rounds and --retries must be 0 or more, --chat-n and --gpus at least 1")
-    if args.layers is not None and args.layers < 1:
-        ap.error("--layers must be at least 1")
     if args.phase == "matrix":
         matrix_args(ap, args)
     return args
 
 
 def matrix_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The matrix's servers, twins and GPUs (``args.gpu_of``), each GPU's shares within MAX_UTIL_SUM."""
+    """The matrix's servers and twins, their shares of the GPU within MAX_UTIL_SUM."""
     names = [c.name for c in md.DESIGN]
     args.servers = [s for s in (args.servers or ",".join(names)).split(",") if s]
     unknown = [s for s in args.servers if s not in names]
@@ -200,22 +128,17 @@ def matrix_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     strays = [s for s in args.stock_twins if s not in args.servers]
     if strays:
         ap.error(f"--stock-twins {','.join(strays)}: not among the servers run ({','.join(args.servers)})")
-    selected = [c for c in md.DESIGN if c.name in args.servers]
-    args.gpu_of = md.gpus_of([c.name for c in selected], args.gpus)
-    for g in sorted({gpu for gpu in args.gpu_of.values()}, key=lambda g: -1 if g is None else g):
-        on_gpu = [c for c in selected if args.gpu_of[c.name] == g]
-        utils = [md.util_for(c, args.util) for c in on_gpu]
-        twin_utils = [md.util_for(c, args.util) for c in on_gpu if c.name in args.stock_twins]
-        # a stock twin lives until every server is up when together, else until the next start
-        twins = 0 if not twin_utils else sum(twin_utils) if args.start == "together" else max(twin_utils)
-        if sum(utils) + twins > MAX_UTIL_SUM:
-            ap.error(f"the servers' utilizations on GPU {g or 0} add up to {sum(utils) + twins:.2f} (at most "
-                     f"{MAX_UTIL_SUM}): lower --util")
+    utils = [md.util_for(c, args.util) for c in md.DESIGN if c.name in args.servers]
+    twin_utils = [md.util_for(c, args.util) for c in md.DESIGN if c.name in args.stock_twins]
+    # a stock twin lives until every server is up when together, else until the next start
+    twins = 0 if not twin_utils else sum(twin_utils) if args.start == "together" else max(twin_utils)
+    if sum(utils) + twins > MAX_UTIL_SUM:
+        ap.error(f"the servers' utilizations add up to {sum(utils) + twins:.2f} (at most {MAX_UTIL_SUM}): lower --util")
 
 
 class Run:
-    """One call of the driver: its arguments, deadline and results (``data``, in ``path``, rewritten
-    after every change; the matrix's threads change it under the lock)."""
+    """One call: its arguments, deadline and results (``data``, rewritten to ``path`` at every change,
+    under the lock: the matrix's threads change it)."""
 
     def __init__(self, args: argparse.Namespace, path: Path, data: dict[str, Any], t0: float) -> None:
         self.args, self.path, self.data, self.t0 = args, path, data, t0
@@ -246,65 +169,7 @@ class Run:
         return sp.free_port() if base == 0 else base + k
 
     def spec(self, engine: str, util: float, k: int, mnbt: int = 32768) -> ServerSpec:
-        """A phase's server, with vLLM's iteration lines where the run asks for them."""
         return ServerSpec(engine, util, self.port(k), mnbt, log_iterations=self.args.log_iterations)
-
-
-# --- in-process runs ---------------------------------------------------------------------------------
-
-
-def run_command(r: InProcess, out: Path, args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, str(HERE / "run_cases.py"), "--backend", r.backend, "--util", str(r.util),
-           "--mnbt", str(r.mnbt), "--cases", *r.cases, "--out", str(out / f"{r.name}.json"),
-           "--repeats", str(args.repeats)]
-    cmd += ["--tp", str(r.tp)] if r.tp != 1 else []
-    cmd += ["--heads", str(r.heads)] if r.heads is not None else []
-    return cmd + (["--fake-engine"] if args.fake_engine else [])
-
-
-def run_one(cmd: list[str], log: Path, timeout_s: float, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Runs ``cmd`` in its own process group (``serve_proc.spawn``: SIGTERM to it if this driver
-    dies, so no engine outlives it on the GPU), output to ``log``; kills the group at the timeout."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
-    for key, value in ENV_DEFAULTS.items():
-        env.setdefault(key, value)
-    t0, timed_out = time.monotonic(), False
-    with log.open("w") as f:
-        proc = sp.spawn(cmd, f, env)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            rc = sp.kill_group(proc, grace_s=15)["rc"]
-    return {"rc": rc, "timed_out": timed_out, "timeout_s": round(timeout_s), "wall_s": time.monotonic() - t0,
-            "log": log.name}
-
-
-def in_process(args: argparse.Namespace) -> int:
-    """The selected runs one after the other, each in run_cases.py, all within the deadline."""
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    run = Run(args, out / report.DRIVER_JSON, report.load_driver(out), time.monotonic())
-    for r in args.selected:
-        if run.left() < MIN_RUN_S:
-            why = {"status": "not run", "reason": f"deadline: {run.left():.0f} s left"}
-            run.update(run.data["runs"], **{r.name: why})
-            say(f"{r.name}: not run ({run.left():.0f} s left of the deadline)")
-            continue
-        timeout = min(r.timeout_s, run.left() - 5)
-        say(f"{r.name}: running (timeout {timeout:.0f} s) ...")
-        log = out / f"{r.name}.log"
-        debug = {"VLLM_LOGGING_LEVEL": "DEBUG"} if r.debug_log else {}  # every rank logs each step's plan
-        result = run_one(run_command(r, out, args), log, timeout, debug)
-        run.update(run.data["runs"], **{r.name: {"status": "ran", **result}})
-        state = "TIMED OUT" if result["timed_out"] else f"rc {result['rc']}"
-        say(f"{r.name}: {state} after {result['wall_s']:.0f} s")
-        for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
-            if re.match(r"(engine up|engine start-up failed|case \S+: )", line):  # run_cases.py's own reports
-                say(f"    {line}")
-        time.sleep(3 if result["timed_out"] else 1)  # the next engine measures free memory at start-up
-    run.save()
-    return 0
 
 
 # --- starting servers ----------------------------------------------------------------------------------
@@ -314,7 +179,7 @@ Done = Callable[[Server | None, dict[str, Any]], None]
 
 @dataclass
 class Job:
-    """A server to start, and what to do with it once it is up, failed, or not started (server None)."""
+    """A server to start, and what to do with it once up, failed, or not started (server None)."""
 
     spec: ServerSpec
     label: str  # its log: DIR/logs/LABEL.log
@@ -334,8 +199,7 @@ class Starting:
 
 
 def spawn(run: Run, job: Job) -> Starting:
-    """Starts a job's server process. Call it from the main thread: the server's process gets SIGTERM
-    when the thread that started it ends (``PR_SET_PDEATHSIG``)."""
+    """Starts a job's server; from the main thread only (``PR_SET_PDEATHSIG``: SIGTERM when it ends)."""
     spec = job.spec
     server = Server(spec, sp.server_command(spec, job.model_dir, sys.executable, run.args.fake_server),
                     sp.server_env(spec), run.out / "logs" / f"{job.label}.log")
@@ -343,7 +207,6 @@ def spawn(run: Run, job: Job) -> Starting:
                               "port": spec.port, "scratch_mb": spec.scratch_mb, "cmd": server.cmd,
                               "log": f"logs/{job.label}.log", "window_s": [run.now(), None]}
     say(f"{job.label}: starting {spec.engine} server (util {spec.util}, mnbt {spec.mnbt}, port {spec.port}) ...")
-    # the start-up limit: --start-timeout-s, or 5 s before the deadline
     item = Starting(job, server, record, max(1.0, min(run.args.start_timeout_s, run.left() - 5)))
     try:
         server.start()
@@ -354,7 +217,6 @@ def spawn(run: Run, job: Job) -> Starting:
 
 
 def settle(run: Run, job: Job, server: Server | None, record: dict[str, Any]) -> None:
-    """The start is over: its record gets the log's facts, and the job's ``done`` the server."""
     if server is not None:
         record.update(sp.log_facts(server.log_text()))
         s, kv = record["startup"], record.get("kv_cache_memory_gib")
@@ -365,13 +227,10 @@ def settle(run: Run, job: Job, server: Server | None, record: dict[str, Any]) ->
 
 
 def gate(item: Starting, mode: str, following: Job | None) -> bool:
-    """Whether the next start of ``item``'s chain, ``following``, may go: ``chained``, once a server is
-    up (a twin: once its KV cache is sized); ``staggered``, once either has sized its KV cache (vLLM's
-    memory profiling is over, the cache is allocated right after), except that a start whose KV
-    figure is compared (a twin, or a server that has one) waits until the server before it is up: on
-    vLLM 0.33 that server captures its CUDA graphs after its KV line, and whatever it allocates
-    during the next one's profiling counts as the next one's; ``together``, each start is a chain
-    of its own."""
+    """Whether the start after ``item``, ``following``, may go: ``chained``, once it is up (a twin:
+    sized); ``staggered``, once it has sized its KV cache (its memory profiling is over), but a start
+    whose KV figure is compared waits until it is up: vLLM 0.33 captures CUDA graphs after the KV
+    line, which would count in the next one's profiling; ``together``, at once."""
     if mode == "together" or item.state is not None:
         return True
     sized = sp.KV_SIZED in item.server.log_text()
@@ -381,16 +240,10 @@ def gate(item: Starting, mode: str, following: Job | None) -> bool:
 
 
 def start_jobs(run: Run, jobs: list[Job], mode: str = "chained", min_left_s: float = MIN_SERVER_S) -> list[dict[str, Any]]:
-    """Starts ``jobs``' servers: one chain per GPU (a spec's ``gpu``), each start of a chain once the
-    one before it passes its ``gate``, the chains side by side (``together``: every job a chain of
-    its own); no start with less than ``min_left_s`` left. Every server is spawned and polled on this
-    (the main) thread. Returns the jobs' start records, in order: each with its window in the run's
-    seconds (spawn to gate, or to settled) and its ``startup``, also handed to the job's ``done``."""
-    if mode == "together":
-        chains = [[job] for job in jobs]
-    else:
-        gpus = sorted({job.spec.gpu for job in jobs}, key=lambda g: -1 if g is None else g)
-        chains = [[job for job in jobs if job.spec.gpu == g] for g in gpus]
+    """Starts ``jobs``' servers, each once the one before passes its ``gate`` (``together``: all at
+    once), none with less than ``min_left_s`` left, all on this thread. Returns their records, in
+    order, each with its window (spawn to gate, or to settled) and ``startup``."""
+    chains = [[job] for job in jobs] if mode == "together" else [list(jobs)]
     records: dict[int, dict[str, Any]] = {}
     current: list[Starting | None] = [None] * len(chains)
     released: list[Starting] = []  # past their gate, awaiting /health
@@ -447,7 +300,7 @@ def start_one(run: Run, job: Job, min_left_s: float = MIN_SERVER_S) -> tuple[Ser
 
 
 def finish(server: Server, record: dict[str, Any]) -> None:
-    """A server's end: alive and /health, the plugin's metrics, the stop, then its whole log's facts."""
+    """Alive and /health, the plugin's metrics, the stop, then the whole log's facts."""
     record["alive_at_end"] = server.alive()
     record["health_at_end"] = server.health() if server.alive() else None
     if server.alive():  # the plugin's metrics, where vLLM serves a worker's (PROMETHEUS_MULTIPROC_DIR set)
@@ -460,18 +313,16 @@ def finish(server: Server, record: dict[str, Any]) -> None:
 
 
 # --- requests ---------------------------------------------------------------------------------------
-# Plain HTTP POSTs: run_cases' cases (token-id prompts, as the in-process runs draw them) and the
-# matrix's chat burst. A case's prompts go at once, each on its own thread, a few milliseconds apart
-# in the case's order, so the server receives them as one submission (case 3's 32K blocker first).
-# Throughput is not measured here: that is ``vllm bench serve``'s job (serve_proc.Clients).
+# run_cases' cases (token-id prompts) and the matrix's chat burst, over HTTP. A case's prompts go on
+# threads of their own a few ms apart, so the server gets them as one submission (case 3's blocker first).
 
 STAGGER_S = 0.02
-CHAT_PREFIX, CHAT_LEN, CHAT_MAX_TOKENS, CHAT_SEED = 256, (300, 1100), (16, 256), 2900
+CHAT_N, CHAT_PREFIX, CHAT_LEN, CHAT_MAX_TOKENS, CHAT_SEED = 100, 256, (300, 1100), (16, 256), 2900
 
 
 def chat_prompts(n: int, seed: int = CHAT_SEED) -> list[tuple[list[int], int]]:
-    """``n`` (token ids, max_tokens): a shared 256-token prefix (a system prompt: prefix caching's
-    hits), then each its own tokens to 300-1,100 in all; 16-256 tokens out. The same for every server."""
+    """``n`` (token ids, max_tokens): a shared 256-token prefix (prefix caching's hits), 300-1,100
+    tokens in all, 16-256 out; the same for every server."""
     rng = random.Random(seed)
     prefix = [rng.randrange(*TOKEN_RANGE) for _ in range(CHAT_PREFIX)]
     prompts = []
@@ -498,8 +349,7 @@ def one_request(url: str, ids: list[int], max_tokens: int, delay_s: float, timeo
 
 
 def send_all(url: str, prompts: list[tuple[list[int], int]], stagger_s: float, timeout_s: float) -> dict[str, Any]:
-    """Every prompt at once, each on its own thread (``stagger_s`` apart), every answer awaited (or
-    its error recorded): counts, and the first few errors."""
+    """Every prompt at once, ``stagger_s`` apart, each answer awaited: counts, and the first errors."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         futures = [pool.submit(one_request, url, ids, max_tokens, i * stagger_s, timeout_s)
@@ -516,11 +366,10 @@ def send_all(url: str, prompts: list[tuple[list[int], int]], stagger_s: float, t
             "requests": requests}
 
 
-def send_step(url: str, case: str | None, chat_n: int, timeout_s: float) -> dict[str, Any]:
-    """One of run_cases' cases, its prompts as one submission; or (case None) ``chat_n`` chat
-    completions at once (``chat_prompts``), whose requests are not kept."""
+def send_step(url: str, case: str | None, timeout_s: float) -> dict[str, Any]:
+    """A case of run_cases', or (None) the chat burst, whose requests are not kept."""
     if case is None:
-        result = send_all(url, chat_prompts(chat_n), 0.0, timeout_s)
+        result = send_all(url, chat_prompts(CHAT_N), 0.0, timeout_s)
         del result["requests"]
         return result
     max_tokens = CASE_MAX_TOKENS.get(case, MAX_TOKENS)
@@ -529,9 +378,8 @@ def send_step(url: str, case: str | None, chat_n: int, timeout_s: float) -> dict
 
 
 def probe(run: Run, name: str, server: Server, steps: list[tuple[str, str | None]], results: dict[str, Any]) -> None:
-    """Each step of ``steps`` on ``server`` in turn, into ``results[key]``: a case of run_cases' sent
-    over HTTP, or (case None) the chat burst; /health after each. A step the deadline, a dead
-    server or one not healthy leaves no chance is not run."""
+    """Each step (a case, or None: the chat burst) on ``server`` in turn, into ``results[key]``, /health
+    after each; not run past the deadline or on a server dead or not healthy."""
     for key, case in steps:
         check_stop()
         if run.left() < MIN_STEP_S:
@@ -542,8 +390,7 @@ def probe(run: Run, name: str, server: Server, steps: list[tuple[str, str | None
             result = {"status": "not run", "error": "server not healthy"}
         else:
             run.update(results, **{key: {"status": "started", "at_s": run.now()}})
-            result = send_step(server.url, case, run.args.chat_n, max(5.0, min(run.args.request_timeout_s,
-                                                                               run.left() - 5)))
+            result = send_step(server.url, case, max(5.0, min(run.args.request_timeout_s, run.left() - 5)))
             if result["status"] != "ok":
                 time.sleep(2)  # a dying engine takes a moment to take the server down
             result.update(alive_after=server.alive(), health_after=server.health() if server.alive() else None)
@@ -559,8 +406,8 @@ def probe(run: Run, name: str, server: Server, steps: list[tuple[str, str | None
 
 def bench(run: Run, servers: dict[str, Server], workload: str, seed: int, tags: dict[str, str], scale: float,
           timeout_s: float, tick: Callable[[], None] | None = None) -> dict[str, dict[str, Any]]:
-    """One workload's clients against every server of ``servers`` (by engine) at the same time: per
-    engine, per client its summary, and the workload combined."""
+    """A workload's clients against every server of ``servers`` at once: per engine, each client's
+    summary and the workload combined."""
     assert run.clients is not None, "a phase that runs bench clients gets a Clients"
     clients = sp.WORKLOADS[workload]
     cmds, results = [], []
@@ -604,13 +451,8 @@ def ab(run: Run) -> None:
             "scale": a.prompt_scale, "warmup_rounds": a.warmup_rounds, "util": a.util, "at_once": a.at_once,
             "servers": records}
     data["calls"].append(call)
-    # An earlier call's runs of these workloads are replaced (their step figures with them); its
-    # other workloads stay.
+    # An earlier call's runs of these workloads are replaced; its other workloads stay.
     data["runs"] = [r for r in data.get("runs", []) if r["workload"] not in a.workloads]
-    for earlier in data["calls"][:-1]:
-        for w in a.workloads:
-            for figures in ("steps", "step_pairs"):
-                (earlier.get(figures) or {}).pop(w, None)
     servers: dict[str, Server] = {}
     try:
         # one after the other: vLLM's start-up measures the GPU's free memory, which a second server
@@ -624,15 +466,12 @@ def ab(run: Run) -> None:
             if not up(records[engine]):
                 call["error"] = f"{engine} server did not start: {records[engine]['startup'].get('status')}"
                 return
-        # Warm-up rounds first, left out of the medians: a server's first run of a workload pays
-        # first-use costs (on the H200, chat's TTFT p99 was 1.5-1.9 s in the first repeat and
-        # 0.24-0.30 s after, in both engines), and kernels JIT-compiled to disk are compiled by the
-        # first engine and loaded by the second.
+        # Warm-up rounds, left out of the medians: a first run pays first-use costs (chat's TTFT p99
+        # 1.5-1.9 s, then 0.24-0.30 s on the H200), and the first engine JIT-compiles what the second loads.
         for r in range(-a.warmup_rounds, a.repeats):
             name = f"w{-r}" if r < 0 else f"r{r + 1}"
-            # Which engine goes first alternates by repeat, so that a drift over the call (the
-            # machine warming, stock's runs rose 150K -> 210K tokens/s over one on the H200)
-            # favours neither engine's side of the per-repeat ratio. Warm-ups: stock first.
+            # the first engine alternates by repeat: a drift over the call (stock rose 150K -> 210K
+            # tokens/s over one on the H200) favours neither side of the per-repeat ratio
             order = ENGINES[::-1] if r > 0 and r % 2 else ENGINES
             for w in a.workloads:
                 seed = SEED_BASE + 100 * r + 10 * list(sp.WORKLOADS).index(w)  # warm-ups: below SEED_BASE
@@ -651,19 +490,12 @@ def ab(run: Run) -> None:
         for engine, server in servers.items():
             finish(server, records[engine])
         run.save()
-        if a.log_iterations:  # the logs are whole once the servers have stopped
-            try:
-                call.update(step_log.step_figures(run.out, data, call))
-            except Exception as exc:  # a figure short, never the phase's own outcome hidden
-                call["steps_error"] = f"{type(exc).__name__}: {exc}"
-            run.save()
 
 
 def bench_runs(run: Run, servers: dict[str, Server], runs: dict[str, dict[str, Any]], workload: str,
                seed: int) -> None:
-    """The workload against the server of each engine in ``runs``, all at the same time (one run:
-    alone), the runs filled in with their results and their window in the server logs (for
-    step_log.py compare --ab); none runs if one cannot (a run alone is not a pair)."""
+    """The workload against each engine's server in ``runs`` at once, each run filled in with its
+    result and window (for step_log.py compare --ab); none runs if one cannot."""
     def why_not(server: Server) -> dict[str, Any] | None:
         if run.left() < MIN_BENCH_S:
             return {"status": "not run", "error": f"deadline: {run.left():.0f} s left"}
@@ -706,8 +538,7 @@ def boundary(run: Run) -> None:
 
 
 def failrate(run: Run) -> None:
-    """Trials add to an earlier call's (its ``not run`` ones dropped): a rate wants more servers than
-    one call starts."""
+    """Trials add to an earlier call's (but its ``not run`` ones): a rate wants more than one call's."""
     a, data = run.args, run.data
     data["trials"] = [t for t in data.get("trials", []) if t.get("status") != "not run"]
     call = 1 + max((t.get("call", 0) for t in data["trials"]), default=0)
@@ -748,18 +579,15 @@ def soak(run: Run) -> None:
     due = [t0]
 
     def sample(force: bool = False) -> None:
-        """Every ``--sample-s``: the GPU's used memory (the server is alone on the GPU: its API and
-        engine processes'), the server process, /health."""
+        """Every ``--sample-s``: the GPU's used memory (the server is alone on it), alive, /health."""
         now = time.monotonic()
         if now < due[0] and not force:
             return
         due[0] = now + a.sample_s
         data["samples"].append({"t_s": round(now - t0, 1), "used_mib": sp.gpu_memory_used_mib(),
-                                "processes": sp.gpu_processes(), "alive": server.alive(),
-                                "health": server.health(timeout_s=3)})
+                                "alive": server.alive(), "health": server.health(timeout_s=3)})
 
-    # From here on a stop (a signal, raised wherever the driver is) still stops the server and
-    # records it: the results file names the server as soon as it is saved.
+    # from here on a stop (a signal) still stops the server and records it
     try:
         run.save()
         if not up(record):
@@ -797,14 +625,14 @@ def soak(run: Run) -> None:
 # --- the flag matrix (docs/e2e.md, "The flag matrix") ------------------------------------------------
 
 LOAD = (("chat", None), ("32k", "1"), ("eight", "2"), ("64k", "4"))  # (key, case; None: the chat burst)
+RETRIES = 1  # a start other servers' memory disturbed is retried alone this many times
 # offsets from --port-base, plus the server's index in the design
 PORTS = {"plugin": 0, "stock": 20, "probe": 40, "retry": 60, "stock-retry": 80}
 T = TypeVar("T")
 
 
 def each(items: list[T], work: Callable[[T], None]) -> None:
-    """``work`` for every item, all at once on threads. Nothing that starts a server runs on these
-    threads: its process gets SIGTERM when the thread that started it ends (``PR_SET_PDEATHSIG``)."""
+    """``work`` for every item at once on threads, none of which starts a server (``PR_SET_PDEATHSIG``)."""
     pool = ThreadPoolExecutor(max_workers=max(1, len(items)))
     try:
         for future in [pool.submit(work, item) for item in items]:
@@ -816,12 +644,9 @@ def each(items: list[T], work: Callable[[T], None]) -> None:
 
 
 class Matrix:
-    """The matrix's servers, by name: their records (``data["servers"]``), and the plugin server and
-    stock twin of each once started. In order: the minimum budgets (``min`` servers started at
-    PROBE_MB: refused with the minimum in the line, or up, and 64 is it), the servers and their
-    twins (``--start``: ``gate``; a start other servers' memory disturbed is retried alone), the
-    load on all at once, and the end (alive, then stopped, the log read).
-    """
+    """The matrix's records by server (``data["servers"]``) and its servers and twins once up. In order:
+    the minimum budgets (the ``min`` servers started at PROBE_MB), the servers and twins (``gate``; a
+    start other servers disturbed is retried alone), the load on all at once, and the end."""
 
     def __init__(self, run: Run) -> None:
         self.run, self.args = run, run.args
@@ -836,7 +661,7 @@ class Matrix:
         config = self.configs[name]
         engine = "stock" if role.startswith("stock") else "plugin"
         spec = md.spec(config, engine, md.util_for(config, self.args.util), self.run.port(PORTS[role] + self.index[name]),
-                       scratch_mb, self.args.gpu_of[name])
+                       scratch_mb)
         return Job(spec, label, self.run.model_dirs[name], done, kv_only, compared)
 
     # 1. the minimum budget
@@ -879,7 +704,7 @@ class Matrix:
             say(f"minimum budget: {len(names)} start(s) at {md.PROBE_MB} MiB ({', '.join(names)})")
         # together unless chained: a refused start ends before vLLM profiles memory; one disturbed is retried
         start_jobs(self.run, [self.probe_job(n) for n in names], "chained" if self.args.start == "chained" else "together")
-        for _ in range(self.args.retries):
+        for _ in range(RETRIES):
             again = [n for n in names if self.records[n]["probe"].get("outcome") == "disturbed"]
             if not again or self.run.left() < MIN_SERVER_S:
                 break
@@ -887,13 +712,12 @@ class Matrix:
             start_jobs(self.run, [self.probe_job(n) for n in again])
 
     def budget(self, name: str) -> int | None:
-        """The server's MLA_PLANNER_SCRATCH_MB: its own, the minimum found, the fallback, or None."""
+        """The server's MLA_PLANNER_SCRATCH_MB: its own, the minimum found, or None."""
         budget = self.configs[name].budget
         if isinstance(budget, int):
             return budget
         found = (self.records[name].get("probe") or {}).get("min_mb")
-        fallback: int | None = self.args.min_fallback_mb
-        return int(found) if found is not None else fallback
+        return int(found) if found is not None else None
 
     # 2. the servers and their stock twins
 
@@ -910,7 +734,7 @@ class Matrix:
                         compared=name in self.args.stock_twins)
 
     def twin_job(self, name: str, retry: bool = False) -> Job:
-        """The stock twin: the same flags, FLASHMLA_SPARSE, no budget; stopped once its KV lines are in."""
+        """The same flags, FLASHMLA_SPARSE, no budget; stopped once its KV lines are in."""
         rec = self.records[name]
 
         def done(server: Server | None, start: dict[str, Any]) -> None:
@@ -951,7 +775,7 @@ class Matrix:
         # Together, the twins' KV lines are in once every start is over; stopped now, before any retry and the load.
         for n in list(self.twins):
             self.stop_twin(n)
-        for _ in range(self.args.retries):
+        for _ in range(RETRIES):
             again = [(n, "plugin") for n in names if self.disturbed_start(n, "plugin")]
             again += [(n, "twin") for n in twins if self.disturbed_start(n, "twin")]
             if not again or self.run.left() < MIN_SERVER_S:
@@ -983,7 +807,7 @@ class Matrix:
             phases = {k: {"status": "not run", "error": "server not up"} for k, _ in LOAD} if n not in names else {}
             self.run.update(rec, phases=phases)
         if names:
-            say(f"load on {len(names)} server(s) at once: chat burst of {self.args.chat_n}, then cases 1, 2, 4")
+            say(f"load on {len(names)} server(s) at once: chat burst of {CHAT_N}, then cases 1, 2, 4")
             each(names, lambda n: probe(self.run, n, self.servers[n], list(LOAD), self.records[n]["phases"]))
 
     def finish_all(self) -> None:
@@ -1016,9 +840,8 @@ def result_path(args: argparse.Namespace) -> Path:
 
 
 def prepare_models(run: Run) -> bool:
-    """Each served model folder (the matrix: one a server, its copy with an MTP layer where it
-    speculates), with a generated tokenizer, checked; False (the error in the results) where a
-    tokenizer would fail the servers."""
+    """Each served model folder (the matrix's: with an MTP layer where it speculates) with its
+    tokenizer, checked; False (the error in the results) where it would fail the servers."""
     a, out = run.args, run.out
     if a.phase == "matrix":
         run.model_dirs = {c.name: sp.served_model_dir(out / "model", md.model_source(c, out / "variants"))
@@ -1040,7 +863,6 @@ def prepare_models(run: Run) -> bool:
 
 
 def matrix_header(args: argparse.Namespace) -> dict[str, Any]:
-    """The matrix's design and coverage, and a record for each of its servers."""
     configs = [c for c in md.DESIGN if c.name in args.servers]
     gaps = md.coverage_gaps(configs)
     say(f"matrix: {len(configs)} server(s); coverage " + ("complete" if not gaps else f"gaps: {', '.join(gaps)}"))
@@ -1057,10 +879,10 @@ def run_phase(args: argparse.Namespace) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     path = result_path(args)
-    # ab and failrate add to an earlier call's file (ab, failrate say how); the others start afresh.
+    # ab and failrate add to an earlier call's file; the others start afresh
     data: dict[str, Any] = json.loads(path.read_text()) if args.phase in ("ab", "failrate") and path.is_file() else {}
     run_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                if k not in ("out", "report_only", "gpu_of", "group", "runs", "list") and not k.startswith("fake")}
+                if k != "out" and not k.startswith("fake")}
     earlier = data.get("run", {}).get("layers")
     if data and earlier != args.layers:  # one file, one report: of one model
         print(f"{path} holds runs of another model (--layers {earlier}); give another --out", file=sys.stderr)
@@ -1094,7 +916,6 @@ def run_phase(args: argparse.Namespace) -> int:
 
 
 def driver_files(args: argparse.Namespace) -> tuple[Path, Path]:
-    """A detached phase's log and pid file in DIR."""
     out: Path = args.out
     return out / f"{args.phase}-driver.log", out / f"{args.phase}-driver.pid"
 
@@ -1104,7 +925,7 @@ def detached_deadline(args: argparse.Namespace) -> float:
 
 
 def detach(args: argparse.Namespace, argv: list[str]) -> None:
-    """The same command without --detach, in a session of its own, with a deadline of its own."""
+    """This command without --detach, in a session and with a deadline of its own."""
     args.out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), *[a for a in argv if a != "--detach"],
            "--deadline-s", str(detached_deadline(args))]  # argparse takes the last --deadline-s
@@ -1117,7 +938,7 @@ def detach(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def follow(args: argparse.Namespace) -> int:
-    """Prints the detached phase's log as it grows, until it ends or this call's deadline."""
+    """Prints the detached phase's log as it grows, until it ends or the deadline."""
     start = time.monotonic()
     log, pid_file = driver_files(args)
     if not pid_file.is_file():
@@ -1156,24 +977,15 @@ def pid_alive(pid: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.list:
-        for r in RUNS:
-            tp = f"  tp {r.tp}, {r.heads} heads" if r.tp != 1 else ""
-            print(f"{r.group}  {r.name:20} {r.backend:8} util {r.util}  mnbt {r.mnbt:5}  cases {' '.join(r.cases)}{tp}")
-        return 0
-    if args.report_only:
-        print(report.write(args.report_only))
-        return 0
     if args.detach:
         detach(args, argv)
     if args.detach or args.follow:
         rc = follow(args)
         print(report.write(args.out))
         return rc
-    if args.phase:
-        sp.install_cleanup()
+    sp.install_cleanup()
     try:
-        rc = run_phase(args) if args.phase else in_process(args)
+        rc = run_phase(args)
     finally:
         text = report.write(args.out)
     print(text)

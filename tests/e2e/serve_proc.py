@@ -1,12 +1,10 @@
-"""What the served driver (run_serve.py) runs beside itself: ``vllm serve`` processes (command line,
-environment, start, /health, stop, what the log says), the GPU's memory as nvidia-smi sees it, the
-generated tokenizer the servers load, and ``vllm bench serve`` clients (docs/e2e.md, "The serve driver").
+"""What run_serve.py runs beside itself: ``vllm serve`` processes (command line, environment, start,
+/health, stop, what the log says), nvidia-smi's view of the GPU, the generated tokenizer the servers load,
+and ``vllm bench serve`` clients (docs/e2e.md, "The serve driver").
 
-Each server runs in a process group of its own, so one ``killpg`` ends it with every process it started
-(the API server's engine-core process too). The group stays in the driver's session: should the driver
-itself be killed, whoever ends that session's leftovers (the device tool, a terminal) ends the servers
-too; the group leader also gets SIGTERM when the thread that started it ends (Linux ``PR_SET_PDEATHSIG``).
-Live servers are stopped at exit, on SIGTERM/SIGHUP and on Ctrl-C (``install_cleanup``).
+Each server runs in a process group of its own, so one ``killpg`` ends it with its engine process; the
+group leader gets SIGTERM when the thread that started it ends (``PR_SET_PDEATHSIG``), and live servers
+are stopped at exit, on SIGTERM/SIGHUP and on Ctrl-C (``install_cleanup``).
 """
 
 from __future__ import annotations
@@ -69,13 +67,11 @@ class ServerSpec:
     log_iterations: bool = False  # vLLM logs every engine step (tests/e2e/step_log.py compare)
     prefix_caching: bool = False  # --enable-prefix-caching (off: --no-enable-prefix-caching)
     extra_args: tuple[str, ...] = ()  # more of vLLM's flags, after the fixed ones (the matrix's axes)
-    gpu: int | None = None  # CUDA_VISIBLE_DEVICES: this GPU of several (None: the environment's)
 
 
 def server_args(spec: ServerSpec, model_dir: Path) -> list[str]:
     """The words after ``vllm serve``: vLLM's defaults (CUDA graphs, its engine process, no forced
-    MQA) except what the comparison fixes. Every flag is in vLLM 0.26.0's and 0.33.0's parser
-    (tests/e2e/test_serve.py parses them with the installed vLLM's)."""
+    MQA) but for what the comparison fixes."""
     return [str(model_dir), "--served-model-name", SERVED_NAME, "--tokenizer", str(model_dir),
             "--load-format", "dummy", "--kv-cache-dtype", "fp8_ds_mla", "--block-size", "64",
             "--max-model-len", str(spec.max_model_len), "--max-num-batched-tokens", str(spec.mnbt),
@@ -95,7 +91,7 @@ def server_command(spec: ServerSpec, model_dir: Path, python: str, fake: bool = 
 
 def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
     """run_cases' environment less ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: a server keeps its engine in
-    its own process, as operators run it. PYTHONPATH (the GPU machine's /tmp/site) passes through."""
+    its own process, as operators run it."""
     env = dict(os.environ if base is None else base)
     for key, value in ENV_DEFAULTS.items():
         env.setdefault(key, value)
@@ -105,14 +101,11 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
         env.pop(var, None)
     if spec.engine == "plugin" and spec.scratch_mb is not None:
         env["MLA_PLANNER_SCRATCH_MB"] = str(spec.scratch_mb)
-    if spec.gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
     assert REPLACE_VAR not in env  # with it, the plugin would stand in for stock's FLASHMLA_SPARSE
     return env
 
 
 def _own_group() -> None:
-    """In the child before exec: a process group of its own; SIGTERM when the driver dies."""
     os.setpgid(0, 0)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -172,8 +165,8 @@ def group_pids(pgid: int) -> list[int]:
 
 
 def http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 5) -> tuple[int | None, Any, str | None]:
-    """(status, answer, error text) of a GET (the answer its text) or, with ``body``, a JSON POST (the
-    answer parsed); status None when the connection failed."""
+    """(status, answer, error) of a GET (answer: the text) or a JSON POST (answer: parsed); status None
+    when the connection failed."""
     request = urllib.request.Request(url) if body is None else urllib.request.Request(
         url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
     try:
@@ -187,8 +180,7 @@ def http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 5) -> 
 
 
 def port_free(port: int) -> bool:
-    """Nothing listens on ``port`` (connections of a stopped server in TIME_WAIT do not count:
-    uvicorn binds with SO_REUSEADDR too)."""
+    """Nothing listens on ``port`` (TIME_WAIT does not count: uvicorn binds with SO_REUSEADDR too)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -205,7 +197,6 @@ def free_port() -> int:
 
 
 class Server:
-    """One ``vllm serve`` process (group), its log file and its /health."""
 
     def __init__(self, spec: ServerSpec, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
         self.spec, self.cmd, self.env, self.log_path = spec, cmd, env, log_path
@@ -215,8 +206,7 @@ class Server:
         self.stopped: dict[str, Any] | None = None
 
     def start(self) -> None:
-        # A port can be held for a moment by something short-lived (a process forked while a probe
-        # socket was open, a client's ephemeral port): only one still taken after 2 s is a server.
+        # a port can be held for a moment by something short-lived: only one still taken after 2 s is a server
         deadline = time.monotonic() + 2
         while not port_free(self.spec.port):
             if time.monotonic() > deadline:
@@ -242,8 +232,7 @@ class Server:
         return self.alive() and self.health() == 200
 
     def start_state(self, limit_s: float) -> dict[str, Any] | None:
-        """How the start went once it is settled: ``ok`` (/health answers 200), ``exited`` or, past
-        ``limit_s`` since the start, ``timeout``; None while it is still starting."""
+        """``ok`` (/health 200), ``exited``, ``timeout`` past ``limit_s``; None while still starting."""
         elapsed = time.monotonic() - self.t0
         if not self.alive():
             return {"status": "exited", "rc": self.proc.returncode if self.proc else None, "elapsed_s": elapsed,
@@ -268,7 +257,6 @@ class Server:
 
 
 def tail(path: Path, lines: int) -> str:
-    """The last ``lines`` lines of a log (4,000 characters at most); "" where there is none."""
     text = path.read_text(errors="replace") if path.is_file() else ""
     return "\n".join(text.splitlines()[-lines:])[-4000:]
 
@@ -291,10 +279,9 @@ def _stop_requested(signum: int, _frame: Any) -> None:
 
 
 def check_stop() -> None:
-    """Raises (SystemExit, or KeyboardInterrupt for Ctrl-C) once a stop was asked for: unwinds the
-    plan's finally blocks, which stop its servers, then atexit. The handler raises at once, and the
-    driver's polling loops call this again, since an exception raised while Python runs a finalizer
-    (a Popen's ``__del__``, say) is printed and dropped."""
+    """Raises (SystemExit, or KeyboardInterrupt for Ctrl-C) once a stop was asked for, unwinding the
+    phase's finally blocks, which stop its servers. The polling loops call this again: an exception
+    the handler raised inside a finalizer (a Popen's ``__del__``) is printed and dropped."""
     if _STOP:
         if _STOP[0] == signal.SIGINT:
             raise KeyboardInterrupt
@@ -311,8 +298,7 @@ def install_cleanup() -> None:
 
 
 def log_facts(text: str) -> dict[str, Any]:
-    """What a server log says about the engine: its KV cache, the plugin's lines (the reservation,
-    steps that fell back), the errors before the stop."""
+    """A server log's KV cache, the plugin's lines (reservation, fallbacks), the errors before the stop."""
     def number(pattern: str) -> float | None:
         m = re.search(pattern, text)
         return float(m.group(1).replace(",", "")) if m else None
@@ -335,8 +321,7 @@ def log_facts(text: str) -> dict[str, Any]:
 
 
 def first_errors(engine: list[str], limit: int = 5) -> list[str]:
-    """The first distinct error lines of ``engine_lines``: exception lines and ERROR_PATTERNS (but the
-    bare "Traceback ..." line)."""
+    """The first distinct exception and ERROR_PATTERNS lines (but the bare "Traceback ...")."""
     found: list[str] = []
     for line in engine:
         if EXCEPTION_LINE.search(line) or any(p in line for p in ERROR_PATTERNS[:-1]):
@@ -348,9 +333,8 @@ def first_errors(engine: list[str], limit: int = 5) -> list[str]:
 
 
 def engine_lines(lines: list[str]) -> list[str]:
-    """The log lines in which an error is the engine's: before the stop, not logged below ERROR.
-    Stopping a server kills its engine mid-loop, and the API server then logs an EngineDeadError
-    traceback of its own: what follows vLLM's first "[shutdown]" line (in 0.26 and 0.33) is the stop's."""
+    """The lines in which an error is the engine's: not logged below ERROR, and before vLLM's first
+    "[shutdown]" line (the API server logs an EngineDeadError of the stop's own after it)."""
     stop = next((i for i, line in enumerate(lines) if SHUTDOWN_MARK in line), len(lines))
     return [line for line in lines[:stop] if not QUIET_LEVEL.search(line)]
 
@@ -373,7 +357,7 @@ def disturbed(text: str) -> str | None:
 
 
 def _nvidia_smi(query: str) -> list[list[int]] | None:
-    """Rows of an nvidia-smi CSV query of numbers, or None where there is no nvidia-smi or it fails."""
+    """Rows of an nvidia-smi CSV query of numbers; None where it fails."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
@@ -386,20 +370,12 @@ def _nvidia_smi(query: str) -> list[list[int]] | None:
 
 
 def gpu_memory_used_mib() -> list[int] | None:
-    """Used memory of each GPU, all processes on it together."""
     rows = _nvidia_smi("--query-gpu=memory.used")
     return None if rows is None else [row[0] for row in rows]
 
 
-def gpu_processes() -> list[list[int]] | None:
-    """[pid, used MiB] of each process holding GPU memory: is the server alone on the GPU? (In a
-    container nvidia-smi may name host pids, which differ from the ones the driver sees.)"""
-    return _nvidia_smi("--query-compute-apps=pid,used_memory")
-
-
 def wait_gpu_idle(max_s: float = 30, below_mib: int = 4096) -> float:
-    """After a server stops: until the GPU's memory is back under ``below_mib`` (the next server
-    measures free memory at start-up). Returns the seconds waited."""
+    """Until the GPU's memory is back under ``below_mib``: the next server measures free memory."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < max_s:
         used = gpu_memory_used_mib()
@@ -410,22 +386,18 @@ def wait_gpu_idle(max_s: float = 30, below_mib: int = 4096) -> float:
 
 
 # --- the tokenizer ------------------------------------------------------------------------------------
-# The tiny models (dummy weights) have none, and the GPU machine cannot download one. A word-level
-# vocabulary of exactly the model's ``vocab_size`` does: token ``i`` is the word ``w<i>`` (``<s>`` 0 and
-# ``</s>`` 1 as the config's bos/eos, ``<unk>`` 2), split on whitespace. Every id decodes to one word and
-# re-encodes to itself, so vLLM's random dataset (ids sampled, decoded, re-encoded) gets exactly the
-# prompt lengths it asks for, and the server counts the same tokens; no post-processor adds a BOS.
+# The tiny models have none. A word-level one of exactly ``vocab_size`` words does: id ``i`` is ``w<i>``
+# (``<s>`` 0 and ``</s>`` 1 the config's bos/eos, ``<unk>`` 2). Every id decodes to one word and
+# re-encodes to itself, so vLLM's random dataset gets exactly the prompt lengths it asks for.
 
 SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def write_tokenizer(folder: Path, vocab_size: int) -> None:
-    """tokenizer.json (``tokenizers``' WordLevel) and what transformers' AutoTokenizer reads beside it.
-    The special tokens are named in tokenizer_config.json only: transformers registers them (so the random
-    dataset leaves them out), and they are vocabulary words, so ``len(tokenizer)`` stays ``vocab_size``.
-    (vLLM's DeepSeek-V3.2 tokenizer wrapper counts them twice in ``len``: harmless, vLLM checks prompt ids
-    against the model's vocab_size.)"""
+    """tokenizer.json (WordLevel) and what AutoTokenizer reads beside it. The special tokens are named in
+    tokenizer_config.json only: registered (the random dataset leaves them out) and vocabulary words, so
+    ``len(tokenizer)`` stays ``vocab_size``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {SPECIAL_TOKENS[i] if i < len(SPECIAL_TOKENS) else f"w{i}": i for i in range(vocab_size)}
@@ -442,11 +414,10 @@ def write_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def served_model_dir(where: Path, model: Path = MODEL_DIR) -> Path:
-    """A copy of ``model`` (its config.json) with the tokenizer, under ``where``: what the servers load
-    (``--load-format dummy``: no weights) and the bench client's ``--tokenizer``."""
+    """``model``'s config.json and the tokenizer under ``where``: what the servers and bench clients load."""
     folder = where / model.name
     config = json.loads((model / "config.json").read_text())
-    if folder.is_dir():  # made by an earlier call: reuse it if it is whole and of this config
+    if folder.is_dir():  # an earlier call's: reused if whole and of this config
         if all((folder / f).is_file() for f in TOKENIZER_FILES) and \
                 json.loads((folder / "config.json").read_text()) == config:
             return folder
@@ -458,8 +429,7 @@ def served_model_dir(where: Path, model: Path = MODEL_DIR) -> Path:
 
 
 def check_tokenizer(folder: Path, sample_len: int = 4096, seed: int = 0) -> dict[str, Any]:
-    """Loads ``folder`` with transformers' AutoTokenizer, as vLLM does, and checks its size and a
-    round trip of random ids (what the random dataset does). Raises AssertionError on a mismatch."""
+    """Loads ``folder`` with AutoTokenizer, as vLLM does; asserts its size and a round trip of random ids."""
     from transformers import AutoTokenizer
 
     vocab_size = int(json.loads((folder / "config.json").read_text())["vocab_size"])
@@ -480,10 +450,7 @@ def check_tokenizer(folder: Path, sample_len: int = 4096, seed: int = 0) -> dict
     return facts
 
 
-# --- bench clients (``vllm bench serve``) ---------------------------------------------------------------
-# A workload is one or more bench clients started together against one server; each writes its result
-# JSON (``--save-result``), of which ``read_result`` keeps the numbers the report uses. Prompts come from
-# bench's ``random`` dataset on the generated tokenizer, so each has exactly the sampled length.
+# --- bench clients (``vllm bench serve``): a workload is one or more started together ---------------
 
 
 @dataclass(frozen=True)
@@ -494,24 +461,19 @@ class Client:
     num_prompts: int  # at --prompt-scale 1
     concurrency: int  # --max-concurrency
     range_ratio: str | None = None  # --random-range-ratio: a float, or JSON {"input": r, "output": r}
-    warmups: int = 1  # --num-warmups: requests of the first prompt before the timed run (kernel JIT, graphs)
+    warmups: int = 1  # --num-warmups: requests before the timed run (kernel JIT, graphs)
     seed_offset: int = 0  # the clients of one workload draw different prompts
 
 
 WORKLOADS: dict[str, tuple[Client, ...]] = {  # the order sets the seeds (run_serve.SEED_BASE)
-    # long and chat runs of 8 and 128 prompts lasted 1 s and 2-3 s on the H200, and one run's
-    # throughput moved by up to 25%; four times as many make each run last several seconds.
-    # long, prefill-heavy: a request is in flight for about 17 steps (its prompt, the rest of it
-    # beside the others' decodes, 15 decode tokens), so at 16 concurrent nearly every step
-    # prefills; at 2 concurrent most steps were decode-only.
+    # Runs of a quarter of these prompts lasted 1-3 s on the H200 and moved by up to 25%. long: a
+    # request is in flight for ~17 steps, so at 16 concurrent nearly every step prefills.
     "long": (Client("long", 32768, 16, num_prompts=32, concurrency=16),),
     "chat": (Client("chat", 1024, 256, num_prompts=512, concurrency=64, warmups=8),),
-    # The simulator's default workload (mla_planner/cli/tracegen.py Mix), as the random dataset can draw it
-    # (uniform in len * (1 ± range_ratio)). mix-chat: chat turns, prefilled whole with prefix caching off
-    # (tracegen: mean 6.5K in, 5th-95th percentile 0.3K-16K; mean 320 out). mix-doc: documents, tracegen's
-    # log-uniform 8K-128K cut at 65,536 (the servers' max_model_len is 70,000), mean 36.8K; 64-512 out.
-    # Tracegen's 8:3 arrivals, at most 32 running, become closed loops of 24 and 8 with prompt counts 8:3,
-    # so both clients finish at about the same time; its Poisson arrivals and queue are not modelled.
+    # The simulator's default workload (tracegen.Mix) as the random dataset can draw it (uniform in
+    # len * (1 ± range_ratio)): chat turns (mean 6.5K in, 320 out) and documents (tracegen's 8K-128K cut
+    # at 65,536). Its 8:3 arrivals, at most 32 running, become closed loops of 24 and 8 with prompt
+    # counts 8:3, so both clients finish at about the same time.
     "mix": (Client("mix-chat", 6528, 320, num_prompts=64, concurrency=24, warmups=4,
                    range_ratio='{"input": 0.95, "output": 0.9}'),
             Client("mix-doc", 36864, 288, num_prompts=24, concurrency=8, seed_offset=1,
@@ -526,14 +488,12 @@ WORKLOAD_TITLES = {
     "mix": "the simulator's default mix: chat turns 326-12,730 in / 32-608 out, 24 concurrent, with "
            "documents 8,478-65,250 in / 66-510 out, 8 concurrent (two bench clients at once)",
 }
-# Per-request latency percentiles bench reports (p50 and p99 of each), and the numbers kept.
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
 KEPT = ("completed", "failed", "num_prompts", "duration", "total_input_tokens", "total_output_tokens",
         "request_throughput", "output_throughput", "total_token_throughput", "max_concurrent_requests",
         "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms",
         "p50_e2el_ms", "p99_e2el_ms", "mean_ttft_ms", "mean_tpot_ms")
-# What the `vllm` console script's ``main`` imports before it parses (0.26.0's and 0.33.0's lists;
-# a module one release lacks is skipped), and bench's own modules.
+# What the `vllm` console script imports before it parses (0.26.0's and 0.33.0's), and bench's modules.
 CLI_PRELOAD = ("vllm.entrypoints.cli.main", "vllm.entrypoints.cli.benchmark.main", "vllm.entrypoints.cli.collect_env",
                "vllm.entrypoints.cli.download_kernels", "vllm.entrypoints.cli.launch", "vllm.entrypoints.cli.openai",
                "vllm.entrypoints.cli.preload", "vllm.entrypoints.cli.run_batch", "vllm.entrypoints.cli.serve",
@@ -562,23 +522,19 @@ def bench_command(client: Client, *, python: str, base_url: str, tokenizer: Path
 
 
 class Clients:
-    """Starts bench clients. Importing vLLM's CLI takes ~25 s on the GPU machine, longer than most runs
-    last, and would leave the server idle between runs. So each client is a fresh process that runs the
-    ``vllm`` console script's own entry point with the command line ``bench_command`` wrote, forked from
-    one process that imported the CLI once (multiprocessing's forkserver, preloaded), started by ``warm``
-    while the servers start. The stand-in client (``fakes.py bench``) runs the same way."""
+    """Starts bench clients. Importing vLLM's CLI takes ~25 s on the GPU machine, longer than most runs,
+    so each client is forked from a forkserver that imported it once (``warm``, while the servers
+    start), and runs the ``vllm`` console script's entry point on ``bench_command``'s line."""
 
     def __init__(self, fake: bool, env: dict[str, str]) -> None:
         self.fake = fake
-        # The forkserver starts with this process's environment, and the clients' imports read some
-        # of it once (huggingface_hub's HF_HUB_OFFLINE, say): this process takes the clients' own.
+        # the forkserver starts with this process's environment, which the clients' imports read once
         os.environ.update(env)
         self.mp = multiprocessing.get_context("forkserver")
         self.mp.set_forkserver_preload(["fakes"] if fake else list(CLI_PRELOAD))
         self._warming: threading.Thread | None = None
 
     def warm(self) -> None:
-        """Starts the forkserver (and its imports) in the background; the first client waits for it."""
         if self._warming is None:
             self._warming = threading.Thread(target=self._noop_client, daemon=True)
             self._warming.start()
@@ -589,7 +545,7 @@ class Clients:
         p.join()
 
     def start(self, cmd: list[str], log: Path) -> BaseProcess:
-        """``cmd`` as ``bench_command`` wrote it, run in a forked process; its output goes to ``log``."""
+        """``bench_command``'s ``cmd`` in a forked process, its output to ``log``."""
         if cmd[1:3] == list(VLLM_CLI):
             module, argv = VLLM_CLI[1], ["vllm", *cmd[3:]]
         elif Path(cmd[1]).name == "fakes.py":
@@ -604,7 +560,6 @@ class Clients:
 
 
 def run_entry_point(module: str, argv: list[str], log: str) -> None:
-    """In the client's process: output to ``log``, then the module's ``main()`` with ``argv``."""
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -618,7 +573,7 @@ def run_entry_point(module: str, argv: list[str], log: str) -> None:
 
 
 def read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """The numbers of a bench result JSON the report uses (p50 is bench's median where no p50 key)."""
+    """The numbers of a bench result the report uses (p50: bench's median where no p50 key)."""
     if not path.is_file():
         return None, f"no result file {path.name}"
     try:
@@ -633,7 +588,7 @@ def read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def combined(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """A workload of several clients as one: tokens of all over the longest client's duration."""
+    """Several clients as one: the tokens of all over the longest duration."""
     durations = [r["duration"] for r in results if isinstance(r.get("duration"), (int, float))]
     if len(durations) != len(results) or not durations or max(durations) <= 0:
         return {}
@@ -647,8 +602,8 @@ def combined(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_clients(clients: Clients, cmds: list[list[str]], results: list[Path], logs: list[Path], timeout_s: float,
                 tick: Callable[[], None] | None = None) -> list[dict[str, Any]]:
-    """Starts every client at once, waits for all (calling ``tick`` meanwhile, every 0.2 s), kills them
-    all at ``timeout_s``; per client: rc, timed out, wall time, and its summarized result or why none."""
+    """Every client at once, awaited (``tick`` every 0.2 s meanwhile), killed at ``timeout_s``; per
+    client its rc, wall time, and result or why none."""
     t0 = time.monotonic()
     procs: list[BaseProcess] = []
     for result in results:

@@ -1,28 +1,18 @@
 """Where a server's time goes, step by step, from its log (docs/e2e.md, "Step logs").
 
-Two kinds of step line: the plugin's (``mla-planner step: ...``, at debug level, written as the
-step is built) and vLLM's own (``Iteration(N): ...``, ``--enable-logging-iteration-details``,
-written as the step's output arrives; stock's engine logs only these). With the timestamps in
-milliseconds (``config``), the gaps between lines are the steps' durations, give or take the
-engine's one-step lead of the GPU (async scheduling builds step N+1 while step N runs). Hence:
-
-- the decode-only time is estimated inside runs of decode-only steps only, where that shift does
-  not matter, as their mean gap times their count: the mean, since the stamps are whole
-  milliseconds and the median of ~3 ms gaps is a whole number, off by up to half a millisecond;
-- an iteration line's step is the gap before it, and that gap also holds the next step's host work
-  (scheduling, metadata build, the plugin's planning, launches): the gap before a step with
-  context tokens is shown apart (``compare``), and a decode-only gap counts as such only where the
-  step after it is decode-only too.
+Two kinds of step line: the plugin's (``mla-planner step: ...``, at debug level, written as the step
+is built) and vLLM's own (``Iteration(N): ...``, ``--enable-logging-iteration-details``, written as the
+step's output arrives; stock's engine logs only these). With millisecond stamps (``config``) the gaps
+between lines are the steps' durations, give or take the engine's one-step lead of the GPU (async
+scheduling builds step N+1 while step N runs). Hence decode-only time is estimated inside runs of
+decode-only steps only, as their mean gap (the stamps are whole milliseconds: a median of ~3 ms gaps
+would be off by up to half of one) times their count; and the gap before a vLLM line with context
+tokens, which holds that step's host work, is shown apart.
 
     python3 tests/e2e/step_log.py config /tmp/step-logging.json   # then VLLM_LOGGING_CONFIG_PATH=/tmp/step-logging.json
     python3 tests/e2e/step_log.py report /tmp/serve/logs/ab0-plugin.log
     python3 tests/e2e/step_log.py compare --ab /tmp/serve   # each workload's timed runs apart, and per repeat
-    python3 tests/e2e/step_log.py ranks /tmp/e2e/planned-tp2-0.95-32k.log [/tmp/e2e/stock-tp2-0.95-32k.log]
-
-``ranks`` compares the workers of a tensor-parallel run (vLLM prefixes a worker's lines with
-``(Worker_TP<rank> pid=<pid>)``): the KV cache each got, the plugin's reservation in each, and the step
-plans each logged (at VLLM_LOGGING_LEVEL=DEBUG), which must be the same sequence: every rank plans the
-same step from the same scheduler output.
+    python3 tests/e2e/step_log.py ranks /tmp/e2e/planned-tp2-0.95-32k.log   # a tensor-parallel run's workers
 """
 
 from __future__ import annotations
@@ -100,16 +90,14 @@ class Split:
 
 
 def logging_config(plugin_steps: bool = True) -> dict[str, object]:
-    """vLLM's default logging configuration with millisecond timestamps and, with ``plugin_steps``,
-    the plugin at DEBUG. Its step lines are written by the engine process between steps, a cost
-    stock's engine does not pay: a per-step comparison of the two engines leaves them out."""
+    """vLLM's default logging configuration with millisecond stamps and, with ``plugin_steps``, the
+    plugin at DEBUG (a cost between steps stock does not pay: a per-step comparison leaves it out)."""
     from vllm.logger import DEFAULT_LOGGING_CONFIG
 
     config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
     for formatter in config["formatters"].values():
         formatter["format"] = formatter["format"].replace("%(asctime)s", "%(asctime)s.%(msecs)03d")
-    # vLLM picks its colour formatter where stdout is a terminal; its colour codes around the time
-    # would split it from the milliseconds
+    # vLLM's colour formatter (on a terminal) would split the time from the milliseconds
     config["handlers"]["vllm"]["formatter"] = "vllm"
     config["handlers"]["vllm"]["level"] = "DEBUG"
     config["loggers"]["vllm"]["level"] = "INFO"
@@ -131,14 +119,14 @@ def kind_of(detail: str, prefills: int) -> str:
 
 
 def stamp() -> str:
-    """Now, as vLLM stamps its log lines under `config`: the driver marks each bench run's window."""
+    """Now, as vLLM stamps its lines under `config`: the driver marks each bench run's window."""
     return datetime.now().strftime(STAMP)[:-3]
 
 
 def _matches(text: str, pattern: re.Pattern[str],
              windows: list[Window] | None = None) -> Iterator[tuple[float, re.Match[str]]]:
-    """The lines ``pattern`` matches (its first group a timestamp; inside one of ``windows``, if
-    given), with their time in seconds since the first of them."""
+    """The lines ``pattern`` matches (group 1: the stamp) inside ``windows`` if given, with their time
+    in seconds since the first."""
     start: datetime | None = None
     for line in text.splitlines():
         m = pattern.search(line)
@@ -155,9 +143,7 @@ def parse(text: str) -> list[Step]:
 
 
 def layer_fallbacks(text: str) -> list[str]:
-    """The report's lines on the steps whose layer calls could not run their plan, by reason (the
-    plugin's debug line for each, at the step's first such layer call; its warning says each
-    reason once)."""
+    """The steps a layer call of which could not run its plan, by reason (the plugin's debug lines)."""
     reasons = collections.Counter(m[1] for m in LAYER.finditer(text))
     if not reasons:
         return ["no layer call fell back to the bounded path"]
@@ -171,8 +157,8 @@ LAUNCHES = re.compile(r", (\d+) launches, ")
 
 
 def summaries(text: str) -> list[str]:
-    """Whether each of the plugin's summary lines (its counts at vLLM's stats interval) holds the
-    counts of the step lines before it: planned, split, launches, on vLLM's call, fell back."""
+    """Whether each of the plugin's summary lines holds the counts of the step lines before it:
+    planned, split, launches, on vLLM's call, fell back."""
     counts = [0, 0, 0, 0, 0]
     said = matching = 0
     wrong: list[str] = []
@@ -208,9 +194,7 @@ def summaries(text: str) -> list[str]:
 
 
 def parse_iterations(text: str, windows: list[Window] | None = None) -> list[Step]:
-    """vLLM's iteration lines (``--enable-logging-iteration-details``), any engine's, inside
-    ``windows`` if given: tokens are the context (prompt) tokens and the generation (decode)
-    tokens together."""
+    """vLLM's iteration lines inside ``windows`` if given; tokens: context and generation together."""
     return [Step(at, int(m[4]) + int(m[6]), int(m[6]), int(m[3]), CONTEXT_STEP if int(m[4]) else DECODE_STEP,
                  float(m[7])) for at, m in _matches(text, ITERATION, windows)]
 
@@ -221,21 +205,17 @@ def line_gaps(steps: list[Step]) -> list[float]:
 
 
 def own_gaps(steps: list[Step], before: bool) -> list[float | None]:
-    """Each step's gap: the one after its line where the line is written as the step starts (the
-    plugin's), the one before where it is written as the step's output arrives (vLLM's iteration
-    lines); None for the log's first or last step."""
+    """Each step's gap: after its line (the plugin's, written as the step starts) or before it
+    (``before``: vLLM's, written as its output arrives); None at the log's ends."""
     gaps = line_gaps(steps)
     return [None, *gaps] if before else [*gaps, None]
 
 
 def split(steps: list[Step], before: bool = False) -> Split:
-    """A step whose own gap is idle (``GAP_S`` or more) brings no time, so its tokens are not counted
-    with the others'.
-
-    The gap between lines ``i`` and ``i + 1`` is a decode-only step's where the steps whose work it
-    may hold are decode-only: ``i - 1`` to ``i + 1`` for the plugin's lines (written as a step is
-    built, after its planning), and ``i + 2`` too for vLLM's iteration lines (``before``: written as
-    step ``i + 1``'s output arrives, after the host work of step ``i + 2``)."""
+    """The gap after line ``i`` is a decode-only step's where every step whose work it may hold is
+    decode-only: ``i - 1`` to ``i + 1`` for the plugin's lines (written after a step's planning), to
+    ``i + 2`` for vLLM's (``before``: written after the next step's host work). A step whose own gap
+    is idle brings no time, nor are its tokens counted."""
     gaps = line_gaps(steps)
     last = 2 if before else 1  # the furthest step whose work the gap after line i holds
     inner = [gaps[i] for i in range(1, len(gaps))
@@ -276,9 +256,8 @@ def breakdown(steps: list[Step]) -> list[str]:
 
 
 def host_gaps(steps: list[Step]) -> list[float]:
-    """vLLM's iteration lines: the gaps that close the last decode-only step of a run of them
-    before a step with context tokens, which hold that step's host work (scheduling, metadata
-    build, the plugin's planning, launches) besides the decode-only step's tail, s."""
+    """vLLM's iteration lines: the gaps closing a run of decode-only steps before a step with context
+    tokens, which hold that step's host work (scheduling, metadata, planning, launches), s."""
     gaps = line_gaps(steps)
     return [gaps[i] for i in range(len(gaps) - 1)
             if gaps[i] < GAP_S and steps[i].decode_only and steps[i + 1].decode_only and not steps[i + 2].decode_only]
@@ -299,8 +278,7 @@ def summarize(steps: list[Step]) -> Summary:
 
 
 def compare(a: Summary, b: Summary) -> list[str]:
-    """Stock's steps (``a``) beside the plugin's (``b``), from vLLM's iteration lines of the same
-    work (the same bench runs), split into decode-only steps and the rest."""
+    """Stock's steps (``a``) beside the plugin's (``b``) over the same bench runs."""
     if a["steps"] < 2 or b["steps"] < 2:
         return [f"iteration lines: stock {a['steps']}, plugin {b['steps']}: nothing to compare (were the servers "
                 "started with --enable-logging-iteration-details, and VLLM_LOGGING_CONFIG_PATH from `config`?)"]
@@ -347,10 +325,9 @@ def timed_runs(data: dict[str, Any], call: dict[str, Any]) -> dict[str, list[dic
 
 
 def step_figures(out: Path, data: dict[str, Any], call: dict[str, Any]) -> dict[str, Any]:
-    """An ab call's step figures, from its server logs in ``out``, per workload: ``steps``, per engine
-    the summary of the iteration lines inside the workload's timed runs, and ``step_pairs``,
-    plugin/stock mean decode-only gap of each repeat both engines ran (the runs of one seed), in repeat
-    order: their spread says whether the pooled figure is told apart from the machine's own swings."""
+    """An ab call's figures per workload, from its server logs in ``out``: ``steps``, each engine's
+    summary of its timed runs, and ``step_pairs``, plugin/stock mean decode-only gap per repeat (one
+    seed), whose spread says whether the pooled figure stands out of the machine's own swings."""
     texts = {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
              for e, rec in call.get("servers", {}).items() if rec.get("log")}
     steps: dict[str, dict[str, Summary]] = {}
@@ -369,13 +346,13 @@ def step_figures(out: Path, data: dict[str, Any], call: dict[str, Any]) -> dict[
 
 
 def plugin_over_stock(values: dict[str, dict[Any, float]]) -> list[float]:
-    """Plugin/stock of each key (a repeat's seed) both engines have a value for, in stock's order."""
+    """Plugin/stock of each key both engines have a value for, in stock's order."""
     stock, plugin = values.get("stock", {}), values.get("plugin", {})
     return [plugin[k] / stock[k] for k in stock if k in plugin and stock[k]]
 
 
 def pairs_line(ratios: list[float]) -> str:
-    """The per-repeat ratios of ``decode_pairs``, their median and range."""
+    """Per-repeat ratios, their median and range."""
     if not ratios:
         return "decode-only steps per repeat: no repeat with both engines' decode-only steps"
     spread = f", {min(ratios):.3f}-{max(ratios):.3f}" if len(ratios) > 1 else ""
@@ -401,9 +378,8 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 RANK = re.compile(r"\(Worker(?:_[A-Z]+\d+)*_TP(\d+) pid=\d+\)")
 # vLLM 0.26 logs "Available KV cache memory" on rank 0 only; every rank logs the KV cache it holds.
 RANK_KV = re.compile(r"(?:Current kv cache memory in use is|Available KV cache memory:) ([0-9.]+) ?GiB")
-# The plugin's line names what it reserves ("... 1024 MiB (default); 676 MiB reserved from the KV
-# cache ..."); logs of its earlier builds: "... 1024 MiB (default), reserved ..." (the budget) or
-# "... 1024 MiB (default), 648 MiB of it reserved ...".
+# The plugin's line: "... 1024 MiB (default); 676 MiB reserved ..."; earlier builds': "..., reserved ..."
+# (the budget) or "..., 648 MiB of it reserved ...".
 RESERVED = re.compile(r"mla-planner: sparse MLA scratch budget (\d+) MiB \([^)]*\)(?:; (\d+) MiB |, (?:(\d+) MiB of it )?)"
                       r"reserved")
 RANK_STEP = re.compile(r"mla-planner step: (.*)$")
@@ -434,8 +410,8 @@ def parse_ranks(text: str) -> dict[int, Rank]:
 
 
 def rank_report(path: Path) -> tuple[list[str], list[str]]:
-    """A run's ranks, and what is wrong with them: a rank without its KV line, and for the planned
-    backend a rank that reserved nothing or planned a different sequence of steps than rank 0."""
+    """A run's ranks, and what is wrong: a rank without its KV line; planned, a rank that reserved
+    nothing or planned other steps than rank 0."""
     ranks = parse_ranks(path.read_text(errors="replace"))
     planned = any(rank.reserved_mib is not None or rank.steps for rank in ranks.values())
     lines = [f"{path.name}: {len(ranks)} rank(s), {'planned' if planned else 'stock'}"]
