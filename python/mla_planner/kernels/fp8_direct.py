@@ -41,7 +41,7 @@ import triton.language as tl
 
 from mla_planner.executor.layout import D_NOPE, D_QK, D_ROPE, D_V, FP8_BYTES_PER_TOKEN, NUM_TILES, ROPE_START, SCALES_START, TILE
 
-__all__ = ["DEFAULT_CONFIG", "DEQUANT_MODES", "DV_SPLITS", "SCALE_LOADS", "WGMMA_CONFIG", "KernelConfig", "sparse_attention_fp8"]
+__all__ = ["DEFAULT_CONFIG", "DEQUANT_MODES", "DV_SPLITS", "SCALE_LOADS", "WGMMA_CONFIG", "WGMMA_WS_CONFIG", "KernelConfig", "sparse_attention_fp8"]
 
 LOG2E = 1.4426950408889634  # log2(e): the kernel's softmax runs in base 2
 
@@ -129,12 +129,15 @@ class KernelConfig:
     dv_split: int = 1
     max_regs: int | None = None
     wgmma: bool = False
+    warp_specialized: bool = False
 
     def __post_init__(self) -> None:
         check_launch(self.block_n, self.num_warps, self.num_stages)
         if self.wgmma and (self.block_n, self.num_warps, self.num_stages, self.keys_as_m, self.dequant, self.scales,
                            self.dv_split, self.max_regs) != (64, 4, 1, True, "f32", "f32", 1, None):
             raise ValueError(f"the wgmma kernel takes only '{_WGMMA_LABEL}' (+ hb16 or hb32), got {self.label()!r}")
+        if self.warp_specialized and not self.wgmma:
+            raise ValueError("warp_specialized (ws) is a variant of the wgmma kernel (wg)")
         if self.wgmma and self.head_block not in (None, 16, 32):
             raise ValueError(f"the wgmma kernel takes 16 or 32 heads a program, got head_block {self.head_block}")
         if self.head_block is not None and (self.head_block < 16 or self.head_block & (self.head_block - 1)):
@@ -173,6 +176,8 @@ class KernelConfig:
             parts.append(f"r{self.max_regs}")
         if self.wgmma:
             parts.append("wg")
+        if self.warp_specialized:
+            parts.append("ws")
         return " ".join(parts)
 
     @classmethod
@@ -186,6 +191,9 @@ class KernelConfig:
                 continue
             if part == "wg":
                 fields["wgmma"] = True
+                continue
+            if part == "ws":
+                fields["warp_specialized"] = True
                 continue
             if part in DEQUANT_MODES:
                 fields["dequant"] = part
@@ -203,6 +211,9 @@ class KernelConfig:
 _WGMMA_LABEL = "n64 w4 s1 km wg"
 WGMMA_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=1, keys_as_m=True, wgmma=True)
 """The warpgroup-MMA kernel (:mod:`mla_planner.kernels.fp8_wgmma`), the only config it takes."""
+WGMMA_WS_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=1, keys_as_m=True, wgmma=True, warp_specialized=True)
+"""The same kernel with a producer partition gathering into two shared stages
+(:mod:`mla_planner.kernels.fp8_wgmma_ws`)."""
 
 DEFAULT_CONFIG = KernelConfig()
 """Chosen, before any timing, as the config that compiles for sm90 without register spills at both
@@ -629,9 +640,10 @@ def _attend(
     # so passing an output twice would clobber it there.
     if config.wgmma:
         _check(dequant == DEQUANT_MODES["f32"], "the wgmma kernel has no bound probes")
-        from mla_planner.kernels import fp8_wgmma  # Gluon: imported only where asked for
+        from mla_planner.kernels import fp8_wgmma, fp8_wgmma_ws  # Gluon: imported only where asked for
 
-        fp8_wgmma.launch(q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, softmax_scale * LOG2E, block_h)
+        launch = fp8_wgmma_ws.launch if config.warp_specialized else fp8_wgmma.launch
+        launch(q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, softmax_scale * LOG2E, block_h)
         return out, lse
     grid = (num_tokens * config.dv_split, triton.cdiv(num_heads, block_h))
     # maxnreg only where asked: the default launch stays as it was.
