@@ -9,6 +9,11 @@ Unlike the rest of tests/gpu this needs no FlashMLA: only a CUDA GPU and triton.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,8 +28,10 @@ pytestmark = pytest.mark.gpu
 
 CONFIGS = [DEFAULT_CONFIG, KernelConfig(block_n=64, num_warps=8, num_stages=2, keys_as_m=True),
            KernelConfig(block_n=64, num_warps=8, num_stages=2, keys_as_m=False),
-           KernelConfig(block_n=32, num_warps=4, num_stages=2, keys_as_m=False, dequant="bits"), WGMMA_CONFIG, WGMMA_WS_CONFIG]
+           KernelConfig(block_n=32, num_warps=4, num_stages=2, keys_as_m=False, dequant="bits"), WGMMA_CONFIG]
 LSE_LIMIT = 1e-3
+WS_TIMEOUT_S = 300
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +66,28 @@ def test_matches_the_reference(gen: torch.Generator, heads: int, topk: int, sink
     # prefill path's optional inputs at once).
     case = make_case(256, heads, topk, 128, gen, lengths=sink, sink=sink)
     _run_and_check(f"h{heads} topk{topk} {'sink' if sink else 'no sink'} {config.label()}", case, config)
+
+
+@pytest.mark.parametrize("heads", [16, 32])
+def test_the_warp_specialised_kernel_matches_the_reference(heads: int) -> None:
+    """WGMMA_WS_CONFIG on test_matches_the_reference's cases at top-k 2,048, in a child process.
+    Its partitions hand tiles over through mbarriers, and a wrong handover hangs instead of
+    failing: the timeout turns a hang into this test's failure, not a stuck session."""
+    code = (
+        "import torch, test_gpu_fp8_direct as t\n"
+        "g = torch.Generator(device='cuda').manual_seed(0)\n"
+        "for s in (False, True):\n"
+        f"    case = t.make_case(256, {heads}, 2048, 128, g, lengths=s, sink=s)\n"
+        f"    t._run_and_check(f'ws h{heads} sink {{s}}', case, t.WGMMA_WS_CONFIG)\n"
+    )
+    path = os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WS_TIMEOUT_S,
+                              env={**os.environ, "PYTHONPATH": path})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the warp-specialised kernel at {heads} heads did not finish in {WS_TIMEOUT_S} s (a hang)")
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("heads", [16, 32])
