@@ -117,6 +117,8 @@ class KernelConfig:
     ``wgmma``: run :mod:`mla_planner.kernels.fp8_wgmma`'s warpgroup-MMA kernel instead, whose
     layout is fixed: 64 keys a block, one warpgroup, keys as M (:data:`WGMMA_CONFIG`); the other
     knobs must keep those values and their defaults.
+    ``warp_specialized``: with ``wgmma``, run its warp-specialised variant
+    (:mod:`mla_planner.kernels.fp8_wgmma_ws`, :data:`WGMMA_WS_CONFIG`).
     """
 
     block_n: int = 32
@@ -162,7 +164,7 @@ class KernelConfig:
         """Short name for tables: ``n64 w8 s2 hm`` (``km`` for keys_as_m), ``hb16`` if set, the
         dequant mode if not the default ``f32`` (``n32 w4 s2 hm bits``), then ``sv4`` for the
         16-byte scale load, ``dv2`` for a split output, ``r168`` for a register cap, ``wg`` for the
-        warpgroup-MMA kernel."""
+        warpgroup-MMA kernel, ``ws`` for its warp-specialised variant."""
         parts = [f"n{self.block_n}", f"w{self.num_warps}", f"s{self.num_stages}", "km" if self.keys_as_m else "hm"]
         if self.head_block is not None:
             parts.append(f"hb{self.head_block}")
