@@ -84,6 +84,13 @@ def check_launch(block_n: int, num_warps: int, num_stages: int) -> None:
     _check(num_stages >= 1, f"num_stages must be >= 1, got {num_stages}")
 
 
+_WGMMA_FIXED: dict[str, object] = {
+    "block_n": 64, "num_warps": 4, "num_stages": 1, "keys_as_m": True, "dequant": "f32", "scales": "f32",
+    "dv_split": 1, "max_regs": None,
+}
+"""The warpgroup-MMA kernel's layout, fixed: 64 keys a block, one warpgroup, keys as M."""
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """The kernel's tuning knobs (all compile-time), so a benchmark can sweep them in one run.
@@ -135,9 +142,9 @@ class KernelConfig:
 
     def __post_init__(self) -> None:
         check_launch(self.block_n, self.num_warps, self.num_stages)
-        if self.wgmma and (self.block_n, self.num_warps, self.num_stages, self.keys_as_m, self.dequant, self.scales,
-                           self.dv_split, self.max_regs) != (64, 4, 1, True, "f32", "f32", 1, None):
-            raise ValueError(f"the wgmma kernel takes only '{_WGMMA_LABEL}' (+ hb16 or hb32), got {self.label()!r}")
+        if self.wgmma and any(getattr(self, name) != value for name, value in _WGMMA_FIXED.items()):
+            fixed = KernelConfig(**_WGMMA_FIXED, wgmma=True).label()  # type: ignore[arg-type]
+            raise ValueError(f"the wgmma kernel takes only '{fixed}' (+ hb16 or hb32), got {self.label()!r}")
         if self.warp_specialized and not self.wgmma:
             raise ValueError("warp_specialized (ws) is a variant of the wgmma kernel (wg)")
         if self.wgmma and self.head_block not in (None, 16, 32):
@@ -210,10 +217,9 @@ class KernelConfig:
         return cls(**fields)  # type: ignore[arg-type]
 
 
-_WGMMA_LABEL = "n64 w4 s1 km wg"
-WGMMA_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=1, keys_as_m=True, wgmma=True)
+WGMMA_CONFIG = KernelConfig(**_WGMMA_FIXED, wgmma=True)  # type: ignore[arg-type]
 """The warpgroup-MMA kernel (:mod:`mla_planner.kernels.fp8_wgmma`), the only config it takes."""
-WGMMA_WS_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=1, keys_as_m=True, wgmma=True, warp_specialized=True)
+WGMMA_WS_CONFIG = KernelConfig(**_WGMMA_FIXED, wgmma=True, warp_specialized=True)  # type: ignore[arg-type]
 """The same kernel with a producer partition gathering into two shared stages
 (:mod:`mla_planner.kernels.fp8_wgmma_ws`)."""
 
