@@ -41,11 +41,12 @@ _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 @gluon.jit
 def _produce(kv_u8, kv_f32, kv_bf16, idx_row, n_end, num_rows, page_stride_u8, page_stride_f32, page_stride_bf16,
              k_bufs, kr_bufs, ready, empty,
-             PAGE: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, STAGES: gl.constexpr):
+             PAGE: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, STAGES: gl.constexpr,
+             PRODUCER_WARPS: gl.constexpr):
     """Block j into stage j % STAGES, once the MMA warps have released it."""
     # A warp takes 8 rows x 64 columns of the gather: one swizzle atom, conflict-free stores.
-    gather3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 4, 1], [2, 2, 1], [2, 1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    gather3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 4, 1], [PRODUCER_WARPS // 2, 2, 1], [2, 1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gather3))
     chunks = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, gather3)))
     lanes = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gather3)))
@@ -190,7 +191,7 @@ def _ws_kernel(
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
                     k_bufs, kr_bufs, q_smem, qr_smem, p_smem, ready, empty, BLOCK_H, BLOCK_N, STAGES, HAS_SINK)),
         (_produce, (kv_u8, kv_f32, kv_bf16, idx_row, n_end, num_rows, page_stride_u8, page_stride_f32, page_stride_bf16,
-                    k_bufs, kr_bufs, ready, empty, PAGE, BLOCK_N, CHUNK, STAGES)),
+                    k_bufs, kr_bufs, ready, empty, PAGE, BLOCK_N, CHUNK, STAGES, PRODUCER_WARPS)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
     for i in gl.static_range(STAGES):
