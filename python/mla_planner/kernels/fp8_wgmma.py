@@ -19,13 +19,15 @@ This module imports torch and triton only; nothing here runs at import time.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-__all__ = ["BLOCK_N", "launch"]
+__all__ = ["BLOCK_N", "epilogue", "gather_block", "launch", "launch_kernel", "load_query", "softmax_step"]
 
 BLOCK_N = 64
 """Top-k rows a loop iteration takes: the key block is the MMA's M side, and ``wgmma``'s M is 64
@@ -40,39 +42,10 @@ _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.jit
-def _wgmma_kernel(
-    q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
-    num_heads, topk, num_rows,
-    stride_qt, stride_qh, stride_it, stride_ot, stride_oh, stride_lt, stride_lh,
-    page_stride_u8, page_stride_f32, page_stride_bf16,
-    scale_log2,
-    PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-    HAS_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, CHUNK: gl.constexpr,
-):
-    t = gl.program_id(0).to(gl.int64)
-    h0 = gl.program_id(1) * BLOCK_H
-
-    # Register layouts.
-    # The gather: (rows, 32, 16) bytes, a thread's 16 consecutive bytes one 16-byte load. A warp
-    # takes 8 rows x 64 columns: in the 128-byte-swizzled tile that is one 8-row swizzle atom,
-    # so its shared stores hit every bank once (a warp taking a whole row would write 8 column
-    # blocks 8 KiB apart, the same banks 8 times).
-    gather3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 4, 1], [2, 2, 1], [2, 1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])           # (keys, 64) bf16
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])             # (heads, 512) bf16
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
-    out_l: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [1, 4], [0, 1])  # (512, heads)
-
-    # Shared tiles: the key block once (both dots read it), the query once, P^T per block.
-    k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 512], k_sl)
-    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 64], k_sl)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 512], k_sl)
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], k_sl)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], p_sl)
-
-    # The query: (heads, 576) -> q_smem / qr_smem; padded heads are 0.
+def load_query(q_ptr, t, h0, num_heads, stride_qt, stride_qh, q_smem, qr_smem, BLOCK_H: gl.constexpr):
+    """The query's (heads, 576) into q_smem (512) and qr_smem (64); padded heads are 0."""
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (heads, 64) bf16
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])    # (heads, 512) bf16
     hq = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
     dq = gl.arange(0, 512, layout=gl.SliceLayout(0, q_l))
     q_row = q_ptr + t * stride_qt + hq[:, None] * stride_qh
@@ -82,60 +55,66 @@ def _wgmma_kernel(
     qr_smem.store(gl.load(q_ptr + t * stride_qt + hr[:, None] * stride_qh + 512 + dr[None, :],
                           mask=(hr < num_heads)[:, None], other=0.0))
 
-    n_end = topk
-    if HAS_LENGTH:
-        n_end = gl.minimum(gl.load(len_ptr + t), topk)
 
-    cols3 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, gather3)))
-    lane16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gather3)))
-    m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
-    l = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, mma))
-    acc = gl.zeros([512, BLOCK_H], gl.float32, layout=mma)
-    for start in range(0, n_end, BLOCK_N):
-        # The key block's NoPE part, dequantised in chunks of CHUNK rows (fewer live registers).
-        for c in gl.static_range(BLOCK_N // CHUNK):
-            n_g = start + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, gl.SliceLayout(2, gather3)))
-            idx = gl.load(idx_ptr + t * stride_it + n_g, mask=n_g < n_end, other=-1)
-            valid = (n_g < n_end) & (idx >= 0) & (idx < num_rows)
-            page = (idx // PAGE).to(gl.int64)
-            offset = (idx % PAGE).to(gl.int64)
-            row_u8 = page * page_stride_u8 + offset * 656
-            row_f32 = page * page_stride_f32 + offset * 164
-            # (rows, 32 chunks of 16 bytes): chunk j is columns [16j, 16j + 16), in tile j // 8.
-            ptr3 = kv_u8 + row_u8[:, None, None] + cols3[None, :, None] * 16 + lane16[None, None, :]
-            nope = gl.load(ptr3, mask=valid[:, None, None], other=0)
-            scale = gl.load(kv_f32 + row_f32[:, None] + 128 + cols3[None, :] // 8, mask=valid[:, None], other=0.0)
-            k = nope.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)
-            k_smem.slice(c * CHUNK, CHUNK, dim=0).store(gl.reshape(k.to(gl.bfloat16), CHUNK, 512))
-        n_r = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rope_l))
-        idx_r = gl.load(idx_ptr + t * stride_it + n_r, mask=n_r < n_end, other=-1)
-        valid_r = (n_r < n_end) & (idx_r >= 0) & (idx_r < num_rows)
-        row_b = (idx_r // PAGE).to(gl.int64) * page_stride_bf16 + (idx_r % PAGE).to(gl.int64) * 328
-        kr_smem.store(gl.load(kv_bf16 + row_b[:, None] + 264 + dr[None, :], mask=valid_r[:, None], other=0.0))
-        fence_async_shared()
-        _cta_barrier()
+@gluon.jit
+def gather_block(kv_u8, kv_f32, kv_bf16, idx_row, start, n_end, num_rows, page_stride_u8, page_stride_f32,
+                 page_stride_bf16, k_smem, kr_smem,
+                 PAGE: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr):
+    """Top-k rows [start, start + BLOCK_N) into the shared tiles, by WARPS warps: the NoPE part
+    dequantised to bf16 in chunks of CHUNK rows (fewer live registers), the RoPE part as stored.
+    Rows past n_end or out of range are 0."""
+    # The gather: (rows, 32, 16) bytes, a thread's 16 consecutive bytes one 16-byte load. A warp
+    # takes 8 rows x 64 columns: in the 128-byte-swizzled tile that is one 8-row swizzle atom,
+    # so its shared stores hit every bank once (a warp taking a whole row would write 8 column
+    # blocks 8 KiB apart, the same banks 8 times).
+    gather3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 4, 1], [WARPS // 2, 2, 1], [2, 1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])  # (keys, 64) bf16
+    chunks = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, gather3)))
+    lanes = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gather3)))
+    for c in gl.static_range(BLOCK_N // CHUNK):
+        n = start + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, gl.SliceLayout(2, gather3)))
+        idx = gl.load(idx_row + n, mask=n < n_end, other=-1)
+        valid = (n < n_end) & (idx >= 0) & (idx < num_rows)
+        page = (idx // PAGE).to(gl.int64)
+        offset = (idx % PAGE).to(gl.int64)
+        row_u8 = page * page_stride_u8 + offset * 656
+        row_f32 = page * page_stride_f32 + offset * 164
+        # Chunk i of a row is its columns [16i, 16i + 16), in tile i // 8.
+        nope = gl.load(kv_u8 + row_u8[:, None, None] + chunks[None, :, None] * 16 + lanes[None, None, :],
+                       mask=valid[:, None, None], other=0)
+        scale = gl.load(kv_f32 + row_f32[:, None] + 128 + chunks[None, :] // 8, mask=valid[:, None], other=0.0)
+        k = nope.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)
+        k_smem.slice(c * CHUNK, CHUNK, dim=0).store(gl.reshape(k.to(gl.bfloat16), CHUNK, 512))
+    n_r = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rope_l))
+    dr = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
+    idx_r = gl.load(idx_row + n_r, mask=n_r < n_end, other=-1)
+    valid_r = (n_r < n_end) & (idx_r >= 0) & (idx_r < num_rows)
+    row_b = (idx_r // PAGE).to(gl.int64) * page_stride_bf16 + (idx_r % PAGE).to(gl.int64) * 328
+    kr_smem.store(gl.load(kv_bf16 + row_b[:, None] + 264 + dr[None, :], mask=valid_r[:, None], other=0.0))
 
-        # S^T (keys, heads) = K Q^T over 576 dims.
-        s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma)
-        s = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s, use_acc=False)
-        s = warpgroup_mma(kr_smem, qr_smem.permute((1, 0)), s)
-        n_s = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-        idx_s = gl.load(idx_ptr + t * stride_it + n_s, mask=n_s < n_end, other=-1)
-        valid_s = (n_s < n_end) & (idx_s >= 0) & (idx_s < num_rows)
-        s = gl.where(valid_s[:, None], s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m - m_safe)
-        p = gl.exp2(s - m_safe[None, :])
-        l = l * alpha + gl.sum(p, axis=0)
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        _cta_barrier()
-        # O^T (512, heads) += V^T P^T; V^T is the key block's transposed view.
-        acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem, acc * alpha[None, :])
-        m = m_new
-        _cta_barrier()  # every warp's dots are done before the next block overwrites the tiles
 
+@gluon.jit
+def softmax_step(s, m, l, idx_row, start, n_end, num_rows, scale_log2, BLOCK_N: gl.constexpr):
+    """One block of the online softmax over S^T (keys, heads): (P^T, the accumulator's rescale
+    alpha, the new running max, the new running sum). Invalid keys get no weight."""
+    n_s = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s.type.layout))
+    idx_s = gl.load(idx_row + n_s, mask=n_s < n_end, other=-1)
+    valid_s = (n_s < n_end) & (idx_s >= 0) & (idx_s < num_rows)
+    s = gl.where(valid_s[:, None], s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, axis=0))
+    # A head with no valid key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m - m_safe)
+    p = gl.exp2(s - m_safe[None, :])
+    return p, alpha, m_new, l * alpha + gl.sum(p, axis=0)
+
+
+@gluon.jit
+def epilogue(acc, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
+             BLOCK_H: gl.constexpr, HAS_SINK: gl.constexpr):
+    """lse and the output O = acc / (l + the sink's weight) from O^T's (512, heads) accumulator."""
+    mma: gl.constexpr = acc.type.layout
+    out_l: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [1, 4], [0, 1])  # (512, heads)
     has_keys = l > 0.0
     heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma))
     head_ok = heads < num_heads
@@ -153,18 +132,71 @@ def _wgmma_kernel(
     gl.store(out_ptr + t * stride_ot + ho[None, :] * stride_oh + do[:, None], o, mask=(ho < num_heads)[None, :])
 
 
-def launch(q: torch.Tensor, cache3: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None,
-           attn_sink: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, page_stride: int,
-           scale_log2: float, block_h: int) -> None:
-    """Launches the kernel on arguments :func:`mla_planner.kernels.fp8_direct.sparse_attention_fp8`
-    has checked: ``cache3`` ``(pages, page_size, 656)`` uint8, ``page_stride`` in bytes,
-    ``block_h`` 16 or 32 heads a program."""
+@gluon.jit
+def _wgmma_kernel(
+    q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
+    num_heads, topk, num_rows,
+    stride_qt, stride_qh, stride_it, stride_ot, stride_oh, stride_lt, stride_lh,
+    page_stride_u8, page_stride_f32, page_stride_bf16,
+    scale_log2,
+    PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    HAS_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, CHUNK: gl.constexpr,
+):
+    t = gl.program_id(0).to(gl.int64)
+    h0 = gl.program_id(1) * BLOCK_H
+    n_end = topk
+    if HAS_LENGTH:
+        n_end = gl.minimum(gl.load(len_ptr + t), topk)
+    idx_row = idx_ptr + t * stride_it
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+
+    # Shared tiles: the key block once (both dots read it), the query once, P^T per block.
+    k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 512], k_sl)
+    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 64], k_sl)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 512], k_sl)
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], k_sl)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], p_sl)
+    load_query(q_ptr, t, h0, num_heads, stride_qt, stride_qh, q_smem, qr_smem, BLOCK_H)
+
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
+    l = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, mma))
+    acc = gl.zeros([512, BLOCK_H], gl.float32, layout=mma)
+    for start in range(0, n_end, BLOCK_N):
+        gather_block(kv_u8, kv_f32, kv_bf16, idx_row, start, n_end, num_rows, page_stride_u8, page_stride_f32,
+                     page_stride_bf16, k_smem, kr_smem, PAGE, BLOCK_N, CHUNK, 4)  # one warpgroup gathers
+        fence_async_shared()
+        _cta_barrier()
+        # S^T (keys, heads) = K Q^T over 576 dims.
+        s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma)
+        s = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s, use_acc=False)
+        s = warpgroup_mma(kr_smem, qr_smem.permute((1, 0)), s)
+        p, alpha, m, l = softmax_step(s, m, l, idx_row, start, n_end, num_rows, scale_log2, BLOCK_N)
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        _cta_barrier()
+        # O^T (512, heads) += V^T P^T; V^T is the key block's transposed view.
+        acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem, acc * alpha[None, :])
+        _cta_barrier()  # every warp's dots are done before the next block overwrites the tiles
+
+    epilogue(acc, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
+             BLOCK_H, HAS_SINK)
+
+
+def launch_kernel(kernel: Any, q: torch.Tensor, cache3: torch.Tensor, indices: torch.Tensor,
+                  topk_length: torch.Tensor | None, attn_sink: torch.Tensor | None, out: torch.Tensor,
+                  lse: torch.Tensor, page_stride: int, scale_log2: float, block_h: int, **constexprs: Any) -> None:
+    """Launches ``kernel`` (this module's or fp8_wgmma_ws's: the same arguments) on arguments
+    :func:`mla_planner.kernels.fp8_direct.sparse_attention_fp8` has checked: ``cache3``
+    ``(pages, page_size, 656)`` uint8, ``page_stride`` in bytes, ``block_h`` 16 or 32 heads a
+    program; ``constexprs``: the kernel's own."""
     num_tokens, num_heads, _ = q.shape
     num_pages, page_size, _ = cache3.shape
     kv_f32 = cache3.view(torch.float32)
     kv_bf16 = cache3.view(torch.bfloat16)
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
-    _wgmma_kernel[grid](
+    kernel[grid](
         q, cache3, kv_f32, kv_bf16, indices,
         topk_length if topk_length is not None else indices,
         attn_sink if attn_sink is not None else kv_f32,
@@ -174,7 +206,14 @@ def launch(q: torch.Tensor, cache3: torch.Tensor, indices: torch.Tensor, topk_le
         page_stride, page_stride // 4, page_stride // 2,
         scale_log2,
         PAGE=page_size, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
-        HAS_LENGTH=topk_length is not None, HAS_SINK=attn_sink is not None, CHUNK=CHUNK,
-        num_warps=NUM_WARPS,
+        HAS_LENGTH=topk_length is not None, HAS_SINK=attn_sink is not None,
+        **constexprs,
     )
 
+
+def launch(q: torch.Tensor, cache3: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None,
+           attn_sink: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, page_stride: int,
+           scale_log2: float, block_h: int) -> None:
+    """This module's kernel, as :func:`launch_kernel` says."""
+    launch_kernel(_wgmma_kernel, q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, scale_log2,
+                  block_h, CHUNK=CHUNK, num_warps=NUM_WARPS)
