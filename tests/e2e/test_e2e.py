@@ -174,15 +174,13 @@ def test_under_sleep_mode_the_reservation_leaves_vllms_pool_and_the_engine_sleep
 
 
 def test_member_kind_keeps_what_the_h200_loads() -> None:
-    assert eb.member_kind("vllm/__init__.py") == "core"
-    assert eb.member_kind("vllm/_flashmla_C.abi3.so") == "core"
-    assert eb.member_kind(f"{eb.target_for('0.26').dist_info}/METADATA") == "core"
-    assert eb.member_kind(eb.FA3_SO) == "fa3"
-    assert eb.member_kind("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so") == "drop"
-    assert eb.member_kind("vllm/third_party/fmha_sm100/include/x.hpp") == "drop"
-    assert eb.member_kind("vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so") == "drop"
-    assert eb.member_kind("vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so") == "core"
-    assert eb.member_kind("vllm/third_party/deep_gemm/include/cute/arch/mma_sm90.hpp") == "core"
+    kinds = {"vllm/__init__.py": "core", "vllm/_flashmla_C.abi3.so": "core",
+             f"{eb.target_for('0.26').dist_info}/METADATA": "core", eb.FA3_SO: "fa3",
+             "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": "drop", "vllm/third_party/fmha_sm100/include/x.hpp": "drop",
+             "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": "drop",
+             "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so": "core",
+             "vllm/third_party/deep_gemm/include/cute/arch/mma_sm90.hpp": "core"}
+    assert {name: eb.member_kind(name) for name in kinds} == kinds
 
 
 def write_wheel(path: Path, name: str, version: str, files: dict[str, str], entry_points: str = "") -> Path:
