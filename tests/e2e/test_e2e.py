@@ -365,11 +365,14 @@ def test_run_cases_arguments_cases_and_model_variants(tmp_path: Path) -> None:
     assert run_cases.model_variant(run_cases.MODEL_DIR, tmp_path, heads=16, layers=2) == run_cases.MODEL_DIR
 
 
+def run_cases_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(HERE / "run_cases.py"), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
 def test_engine_arguments_are_known_to_the_installed_vllm() -> None:
     pytest.importorskip("vllm")
-    r = subprocess.run([sys.executable, str(HERE / "run_cases.py"), "--backend", "planned", "--util", "0.95",
-                        "--cases", "1", "--out", "unused.json", "--dry-run"], capture_output=True, text=True,
-                       timeout=300)
+    r = run_cases_cli("--backend", "planned", "--util", "0.95", "--cases", "1", "--out", "unused.json", "--dry-run")
     assert r.returncode == 0, r.stdout + r.stderr
     plan = json.loads(r.stdout[r.stdout.index("{"):])
     assert plan["problems"] == [] and plan["prompt_lens"] == {"1": [32768]}
@@ -461,14 +464,12 @@ def test_a_layer_calls_peak_is_what_it_took_beyond_its_start() -> None:
 
 def test_run_cases_runs_the_cases_once_per_fault_mode(tmp_path: Path) -> None:
     out = tmp_path / "faults.json"
-    r = subprocess.run([sys.executable, str(HERE / "run_cases.py"), "--backend", "planned", "--util", "0.95",
-                        "--cases", "5", "--faults", "none,plan", "--out", str(out), "--fake-engine"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_cases_cli("--backend", "planned", "--util", "0.95", "--cases", "5", "--faults", "none,plan", "--out",
+                      str(out), "--fake-engine")
     assert r.returncode == 0, r.stdout + r.stderr
     cases = json.loads(out.read_text())["cases"]
     assert list(cases) == ["none/5", "plan/5"] and all(c["status"] == "ok" for c in cases.values())
     assert [c["faults"]["mode"] for c in cases.values()] == ["none", "plan"]
-    bad = subprocess.run([sys.executable, str(HERE / "run_cases.py"), "--backend", "stock", "--util", "0.95",
-                          "--cases", "5", "--faults", "plan", "--out", str(out), "--dry-run"],
-                         capture_output=True, text=True, timeout=120)
+    bad = run_cases_cli("--backend", "stock", "--util", "0.95", "--cases", "5", "--faults", "plan", "--out", str(out),
+                        "--dry-run")
     assert bad.returncode == 2 and "--faults takes" in bad.stderr
