@@ -205,10 +205,9 @@ class FakeServer:
         self.model = args.model
         stock = args.attention_backend == "FLASHMLA_SPARSE"
         self.oom_over = OOM_TOKENS if stock and args.gpu_memory_utilization >= 0.95 else None
-        die_over = os.environ.get("FAKE_SERVE_DIE_OVER")
-        self.die_over = int(die_over) if die_over else None  # any engine: a longer prompt kills it
-        hang_over = os.environ.get("FAKE_SERVE_HANG_OVER")
-        self.hang_over = int(hang_over) if hang_over else None  # any engine: a longer prompt never answers
+        # any engine: a longer prompt kills it, or never answers
+        self.die_over, self.hang_over = (int(v) if (v := os.environ.get(f"FAKE_SERVE_{k}_OVER")) else None
+                                        for k in ("DIE", "HANG"))
         # the line a step that fell back logs (plugin with speculative decoding), once
         self.fallback_line: str | None = (
             "mla-planner: a step falls back to the bounded path: uniform decodes of 1 + k tokens (said once per reason)"
@@ -329,14 +328,13 @@ class Httpd(ThreadingHTTPServer):
 def serve(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="fake vllm serve")
     ap.add_argument("model")
+    for flag in ("--attention-backend", "--served-model-name", "--speculative-config"):
+        ap.add_argument(flag)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--attention-backend")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
-    ap.add_argument("--served-model-name")
     ap.add_argument("--enable-logging-iteration-details", action="store_true")
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--speculative-config")
     args, _ = ap.parse_known_args(argv)  # the other flags are vLLM's business
     server = FakeServer(args)
     server.log(f"INFO fake vllm serve {args.model} on port {args.port}, backend {args.attention_backend}")

@@ -27,7 +27,7 @@ import matrix_design as md
 import report
 import serve_proc as sp
 import step_log
-from report import up
+from report import ENGINES, up
 from run_cases import (CASE_MAX_TOKENS, CASE_PROMPTS, CASE_TITLES, ENV_DEFAULTS, MAX_TOKENS, MODEL_DIR, PLANNER_VARS,
                        TOKEN_RANGE, case_prompts, model_variant, versions, write_json)
 from serve_proc import Server, ServerSpec, check_stop
@@ -48,7 +48,6 @@ LOGGING_VAR = "VLLM_LOGGING_CONFIG_PATH"
 MIN_SERVER_S = 120  # a server start (~65-95 s with CUDA graph capture) and one request
 MIN_BENCH_S = 30  # a bench client takes some seconds to start (prompt sampling): start none with less left
 MIN_STEP_S = 15  # a request step starts with at least this much left
-ENGINES = ("stock", "plugin")
 SEED_BASE = 1000  # the recorded runs' seeds: SEED_BASE + 100 x repeat + 10 x the workload's place in WORKLOADS
 
 
@@ -355,10 +354,7 @@ def send_all(url: str, prompts: list[tuple[list[int], int]], stagger_s: float, t
         futures = [pool.submit(one_request, url, ids, max_tokens, i * stagger_s, timeout_s)
                    for i, (ids, max_tokens) in enumerate(prompts)]
         requests = [f.result() for f in futures]
-    errors: list[str] = []
-    for r in requests:
-        if not r["ok"] and str(r["error"]) not in errors and len(errors) < 5:
-            errors.append(str(r["error"]))
+    errors = list(dict.fromkeys(str(r["error"]) for r in requests if not r["ok"]))[:5]
     ok = sum(r["ok"] for r in requests)
     return {"status": "ok" if ok == len(requests) else "error", "error": errors[0] if errors else None,
             "errors": errors, "n_requests": len(requests), "requests_ok": ok, "elapsed_s": time.perf_counter() - t0,
@@ -968,10 +964,8 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a zombie (its parent, a previous call's driver, is gone, so init reaps it soon) is ended
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    # a zombie (its parent, a previous call's driver, is gone, so init reaps it soon) is ended
+    return sp.proc_stat(pid)[:1] not in ([], ["Z"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -125,7 +125,7 @@ def group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # a zombie leader still counts
-        return True
+        pass
     return True
 
 
@@ -151,17 +151,19 @@ def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 20) -> dict[str, 
     return {"rc": rc, "forced": forced, "left_running": group_alive(pgid)}
 
 
+def proc_stat(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command (0: the state, "Z" a zombie; 2: the process
+    group); none where the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
 def group_pids(pgid: int) -> list[int]:
-    """The processes of a process group (Linux /proc): the API server and its engine process."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return sorted(pids)
+    """The live processes of a process group (Linux /proc): the API server and its engine process."""
+    return sorted(int(p.name) for p in Path("/proc").glob("[0-9]*")
+                  if (fields := proc_stat(p.name)) and int(fields[2]) == pgid and fields[0] != "Z")
 
 
 def http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 5) -> tuple[int | None, Any, str | None]:
@@ -356,22 +358,18 @@ def disturbed(text: str) -> str | None:
 # --- the GPU ----------------------------------------------------------------------------------------
 
 
-def _nvidia_smi(query: str) -> list[list[int]] | None:
-    """Rows of an nvidia-smi CSV query of numbers; None where it fails."""
+def gpu_memory_used_mib() -> list[int] | None:
+    """Each GPU's used memory (nvidia-smi); None where it fails."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     try:
-        out = subprocess.run([exe, query, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=15)
-        rows = [[int(float(f)) for f in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+        out = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=15)
+        used = [int(float(line.split(",")[0])) for line in out.stdout.splitlines() if line.strip()]
     except (OSError, subprocess.TimeoutExpired, ValueError):
         return None
-    return rows if out.returncode == 0 else None
-
-
-def gpu_memory_used_mib() -> list[int] | None:
-    rows = _nvidia_smi("--query-gpu=memory.used")
-    return None if rows is None else [row[0] for row in rows]
+    return used if out.returncode == 0 else None
 
 
 def wait_gpu_idle(max_s: float = 30, below_mib: int = 4096) -> float:

@@ -174,15 +174,13 @@ def test_under_sleep_mode_the_reservation_leaves_vllms_pool_and_the_engine_sleep
 
 
 def test_member_kind_keeps_what_the_h200_loads() -> None:
-    assert eb.member_kind("vllm/__init__.py") == "core"
-    assert eb.member_kind("vllm/_flashmla_C.abi3.so") == "core"
-    assert eb.member_kind(f"{eb.target_for('0.26').dist_info}/METADATA") == "core"
-    assert eb.member_kind(eb.FA3_SO) == "fa3"
-    assert eb.member_kind("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so") == "drop"
-    assert eb.member_kind("vllm/third_party/fmha_sm100/include/x.hpp") == "drop"
-    assert eb.member_kind("vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so") == "drop"
-    assert eb.member_kind("vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so") == "core"
-    assert eb.member_kind("vllm/third_party/deep_gemm/include/cute/arch/mma_sm90.hpp") == "core"
+    kinds = {"vllm/__init__.py": "core", "vllm/_flashmla_C.abi3.so": "core",
+             f"{eb.target_for('0.26').dist_info}/METADATA": "core", eb.FA3_SO: "fa3",
+             "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": "drop", "vllm/third_party/fmha_sm100/include/x.hpp": "drop",
+             "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": "drop",
+             "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so": "core",
+             "vllm/third_party/deep_gemm/include/cute/arch/mma_sm90.hpp": "core"}
+    assert {name: eb.member_kind(name) for name in kinds} == kinds
 
 
 def write_wheel(path: Path, name: str, version: str, files: dict[str, str], entry_points: str = "") -> Path:
@@ -367,11 +365,14 @@ def test_run_cases_arguments_cases_and_model_variants(tmp_path: Path) -> None:
     assert run_cases.model_variant(run_cases.MODEL_DIR, tmp_path, heads=16, layers=2) == run_cases.MODEL_DIR
 
 
+def run_cases_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(HERE / "run_cases.py"), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
 def test_engine_arguments_are_known_to_the_installed_vllm() -> None:
     pytest.importorskip("vllm")
-    r = subprocess.run([sys.executable, str(HERE / "run_cases.py"), "--backend", "planned", "--util", "0.95",
-                        "--cases", "1", "--out", "unused.json", "--dry-run"], capture_output=True, text=True,
-                       timeout=300)
+    r = run_cases_cli("--backend", "planned", "--util", "0.95", "--cases", "1", "--out", "unused.json", "--dry-run")
     assert r.returncode == 0, r.stdout + r.stderr
     plan = json.loads(r.stdout[r.stdout.index("{"):])
     assert plan["problems"] == [] and plan["prompt_lens"] == {"1": [32768]}
@@ -463,14 +464,12 @@ def test_a_layer_calls_peak_is_what_it_took_beyond_its_start() -> None:
 
 def test_run_cases_runs_the_cases_once_per_fault_mode(tmp_path: Path) -> None:
     out = tmp_path / "faults.json"
-    r = subprocess.run([sys.executable, str(HERE / "run_cases.py"), "--backend", "planned", "--util", "0.95",
-                        "--cases", "5", "--faults", "none,plan", "--out", str(out), "--fake-engine"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_cases_cli("--backend", "planned", "--util", "0.95", "--cases", "5", "--faults", "none,plan", "--out",
+                      str(out), "--fake-engine")
     assert r.returncode == 0, r.stdout + r.stderr
     cases = json.loads(out.read_text())["cases"]
     assert list(cases) == ["none/5", "plan/5"] and all(c["status"] == "ok" for c in cases.values())
     assert [c["faults"]["mode"] for c in cases.values()] == ["none", "plan"]
-    bad = subprocess.run([sys.executable, str(HERE / "run_cases.py"), "--backend", "stock", "--util", "0.95",
-                          "--cases", "5", "--faults", "plan", "--out", str(out), "--dry-run"],
-                         capture_output=True, text=True, timeout=120)
+    bad = run_cases_cli("--backend", "stock", "--util", "0.95", "--cases", "5", "--faults", "plan", "--out", str(out),
+                        "--dry-run")
     assert bad.returncode == 2 and "--faults takes" in bad.stderr

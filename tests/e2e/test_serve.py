@@ -378,15 +378,14 @@ def test_a_start_settles_and_stop_kills_every_process(tmp_path: Path, model_dir:
 
 def processes_of(folder: Path) -> list[int]:
     """Live processes whose command line names ``folder`` (the servers of a run there)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    def names(cmdline: Path) -> bool:
         try:
-            if str(folder) in cmdline.read_bytes().decode(errors="replace") and \
-                    Path(cmdline.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                found.append(int(cmdline.parent.name))
+            return str(folder) in cmdline.read_bytes().decode(errors="replace")
         except OSError:
-            continue
-    return found
+            return False
+
+    return [int(c.parent.name) for c in Path("/proc").glob("[0-9]*/cmdline")
+            if names(c) and proc.proc_stat(c.parent.name)[:1] not in ([], ["Z"])]
 
 
 def started(out: Path, phase: str) -> bool:

@@ -216,8 +216,6 @@ def test_step_log_compares_each_workloads_timed_runs(tmp_path: Path) -> None:
         step_log.main(["compare", str(tmp_path / "logs" / "s.log")])
 
 
-
-
 def test_step_log_pairs_each_repeats_runs(tmp_path: Path) -> None:
     """step_figures' pairs: plugin/stock decode-only gap per repeat (the runs of one seed), in repeat order;
     a repeat one engine did not run makes no pair."""
@@ -278,9 +276,11 @@ def test_step_log_config_logs_the_plugin_alone(tmp_path: Path) -> None:
 
 
 def test_ranks_compares_the_workers_of_a_tensor_parallel_run(tmp_path: Path) -> None:
-    def log(steps1: list[str], reserve1: bool = True, reserved: str = "reserved") -> Path:
+    same_steps = ["32768 tokens, separate_prefill_decode, 5 launches"]
+
+    def log(steps1: list[str] = same_steps, reserve1: bool = True, reserved: str = "reserved") -> Path:
         lines = ["INFO engine line without a rank"]
-        for rank, steps in ((0, ["32768 tokens, separate_prefill_decode, 5 launches"]), (1, steps1)):
+        for rank, steps in ((0, same_steps), (1, steps1)):
             p = f"\x1b[36m(Worker_TP{rank} pid={100 + rank})\x1b[0m "
             if rank == 0:  # vLLM logs this on rank 0 only; the line below on every rank
                 lines += [p + "INFO 12-01 [gpu_worker.py:561] Available KV cache memory: 60.5 GiB"]
@@ -293,18 +293,16 @@ def test_ranks_compares_the_workers_of_a_tensor_parallel_run(tmp_path: Path) -> 
         path.write_text("\n".join(lines) + "\n")
         return path
 
-    same = log(["32768 tokens, separate_prefill_decode, 5 launches"])
+    same = log()
     lines, found = step_log.rank_report(same)
     assert found == [] and "every rank logged the same 1 step plans" in lines[-1]
     assert "  rank 1: KV cache 60.50 GiB, reserved 1024 MiB, 1 step plans logged" in lines
     assert step_log.main(["ranks", str(same)]) == 0
     _, found = step_log.rank_report(log(["32768 tokens, mixed_batch, 14 launches"]))
     assert found == ["rank 1: 1 step plans differ from rank 0's 1"]
-    _, found = step_log.rank_report(log(["32768 tokens, separate_prefill_decode, 5 launches"], reserve1=False))
+    _, found = step_log.rank_report(log(reserve1=False))
     assert found == ["rank 1: no scratch reservation"]
-    lines, _ = step_log.rank_report(log(["32768 tokens, separate_prefill_decode, 5 launches"],
-                                   reserved="648 MiB of it reserved from the KV cache"))  # vLLM 0.33's line
+    lines, _ = step_log.rank_report(log(reserved="648 MiB of it reserved from the KV cache"))  # vLLM 0.33's line
     assert "  rank 1: KV cache 60.50 GiB, reserved 648 MiB, 1 step plans logged" in lines
-    lines, _ = step_log.rank_report(log(["32768 tokens, separate_prefill_decode, 5 launches"],
-                                   reserved="676 MiB reserved from the KV cache"))  # the line the plugin logs now
+    lines, _ = step_log.rank_report(log(reserved="676 MiB reserved from the KV cache"))  # the line the plugin logs now
     assert "  rank 1: KV cache 60.50 GiB, reserved 676 MiB, 1 step plans logged" in lines
