@@ -125,7 +125,7 @@ def group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # a zombie leader still counts
-        pass
+        return True
     return True
 
 
