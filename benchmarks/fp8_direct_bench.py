@@ -685,10 +685,10 @@ def compile_kernel(config: KernelConfig, heads: int, dequant: int) -> Any:
                          **({} if config.max_regs is None else {"maxnreg": config.max_regs})})
 
 
-def compile_wgmma(heads: int, warp_specialized: bool = False) -> Any:
-    """The warpgroup-MMA kernel (``wg``, or its warp-specialised variant ``wg ws``) compiled for
-    sm90 as :func:`compile_kernel` compiles the Triton one (Gluon's source type; top-k lengths and
-    sinks on)."""
+def compile_wgmma(heads: int, variant: str = "wg") -> Any:
+    """The warpgroup-MMA kernel (``variant`` "wg", its warp-specialised variant "ws" or the one
+    with the score dot's A operand in registers, "ra") compiled for sm90 as :func:`compile_kernel`
+    compiles the Triton one (Gluon's source type; top-k lengths and sinks on)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -698,10 +698,12 @@ def compile_wgmma(heads: int, warp_specialized: bool = False) -> Any:
     types = ["*bf16", "*u8", "*fp32", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32"] + ["i32"] * 10 + ["i64"] * 3 + ["fp32"]
     consts: dict[str, Any] = {"PAGE": PAGE_SIZE, "BLOCK_H": WGMMA_CONFIG.heads_per_program(heads), "BLOCK_N": fp8_wgmma.BLOCK_N,
                               "HAS_LENGTH": True, "HAS_SINK": True}
-    if warp_specialized:
+    if variant == "ws":
         kernel = fp8_wgmma_ws._ws_kernel
         consts |= {"CHUNK": fp8_wgmma_ws.CHUNK, "STAGES": fp8_wgmma_ws.STAGES,
                    "PRODUCER_WARPS": fp8_wgmma_ws.PRODUCER_WARPS, "PRODUCER_REGS": fp8_wgmma_ws.PRODUCER_REGS}
+    elif variant == "ra":
+        kernel = fp8_wgmma._wgmma_ra_kernel
     else:
         kernel = fp8_wgmma._wgmma_kernel
         consts["CHUNK"] = fp8_wgmma.CHUNK

@@ -21,7 +21,7 @@ import torch
 
 from mla_planner.executor.layout import FP8_BYTES_PER_TOKEN, PAGE_SIZE, ROPE_START, SCALES_START, as_slots
 from mla_planner.executor.reference import dequantize_fp8_ds_mla
-from mla_planner.kernels.fp8_direct import DEQUANT_MODES, WGMMA_CONFIG, WGMMA_WS_CONFIG, KernelConfig, no_dequant_bound_probe, sparse_attention_fp8
+from mla_planner.kernels.fp8_direct import DEQUANT_MODES, WGMMA_CONFIG, WGMMA_RA_CONFIG, WGMMA_WS_CONFIG, KernelConfig, no_dequant_bound_probe, sparse_attention_fp8
 
 from harness.interpreter import run_interpreted
 from harness.fp8_direct import SCALE, Fp8Case, check_output, lse_max_error, make_case, probability_rounding_bound, reference
@@ -302,20 +302,22 @@ def test_bad_arguments_raise_value_errors(name: str, mutate: Any, message: str) 
                                     # The wgmma kernel's layout is fixed: only WGMMA_CONFIG, with 16 or 32 heads a program.
                                     {"wgmma": True}, {**WG, "block_n": 32}, {**WG, "num_warps": 8}, {**WG, "keys_as_m": False},
                                     {**WG, "dequant": "bits"}, {**WG, "dv_split": 2}, {**WG, "head_block": 64},
-                                    {"warp_specialized": True}])
+                                    {"warp_specialized": True}, {"a_in_registers": True},
+                                    {**WG, "warp_specialized": True, "a_in_registers": True}])
 def test_bad_configs_raise_value_errors(fields: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         KernelConfig(**fields)
 
 
 def test_the_wgmma_config_runs_the_wgmma_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """WGMMA_CONFIG hands the checked arguments to fp8_wgmma.launch with its heads a program, and
-    WGMMA_WS_CONFIG to fp8_wgmma_ws.launch (never the Triton kernel); the bound probes refuse it."""
+    """WGMMA_CONFIG hands the checked arguments to fp8_wgmma.launch with its heads a program,
+    WGMMA_RA_CONFIG the same with a_in_registers, and WGMMA_WS_CONFIG to fp8_wgmma_ws.launch (never
+    the Triton kernel); the bound probes refuse it."""
     from mla_planner.kernels import fp8_direct, fp8_wgmma, fp8_wgmma_ws
 
-    calls: list[tuple[int, float]] = []
+    calls: list[tuple[int, float, bool]] = []
     ws_calls: list[int] = []
-    monkeypatch.setattr(fp8_wgmma, "launch", lambda *a: calls.append((a[-1], a[-2])))
+    monkeypatch.setattr(fp8_wgmma, "launch", lambda *a, a_in_registers: calls.append((a[-1], a[-2], a_in_registers)))
     monkeypatch.setattr(fp8_wgmma_ws, "launch", lambda *a: ws_calls.append(a[-1]))
     monkeypatch.setattr(fp8_direct, "_sparse_fp8_kernel", None)
     args = _good(heads=32)
@@ -323,26 +325,35 @@ def test_the_wgmma_config_runs_the_wgmma_kernel(monkeypatch: pytest.MonkeyPatch)
     sparse_attention_fp8(args["q"], args["kv_cache"], args["indices"], args["softmax_scale"],
                          config=dataclasses.replace(WGMMA_CONFIG, head_block=16))
     sparse_attention_fp8(args["q"], args["kv_cache"], args["indices"], args["softmax_scale"], config=WGMMA_WS_CONFIG)
-    assert [block_h for block_h, _ in calls] == [32, 16] and ws_calls == [32]
+    sparse_attention_fp8(args["q"], args["kv_cache"], args["indices"], args["softmax_scale"], config=WGMMA_RA_CONFIG)
+    assert [(block_h, ra) for block_h, _, ra in calls] == [(32, False), (16, False), (32, True)] and ws_calls == [32]
     assert calls[0][1] == pytest.approx(args["softmax_scale"] * fp8_direct.LOG2E)
     with pytest.raises(ValueError, match="no bound probes"):
         no_dequant_bound_probe(args["q"], args["kv_cache"], args["indices"], args["softmax_scale"], config=WGMMA_CONFIG)
 
 
-@pytest.mark.parametrize("warp_specialized", [False, True], ids=["wg", "wg ws"])
+@pytest.mark.parametrize("variant", ["wg", "ws", "ra"])
 @pytest.mark.parametrize("heads", [16, 32])
-def test_the_wgmma_kernels_compile_for_sm90(heads: int, warp_specialized: bool) -> None:
-    """No GPU: both Gluon kernels compile for sm90 into warpgroup MMAs, their shared tiles within
-    what fits an SM: two programs of the plain kernel at 16 heads, one otherwise."""
+def test_the_wgmma_kernels_compile_for_sm90(heads: int, variant: str) -> None:
+    """No GPU: the Gluon kernels compile for sm90 into warpgroup MMAs, their shared tiles within
+    what fits an SM: two programs of the one-warpgroup kernels at 16 heads, one otherwise. The
+    warp-specialised one hands its tiles over through mbarriers; the ``ra`` one's score dots take
+    their A operand from registers (in the PTX, a register list where the others name a descriptor)
+    and its key tiles arrive by 16-byte loads."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from fp8_direct_bench import compile_wgmma
 
-    compiled = compile_wgmma(heads, warp_specialized)
-    assert "wgmma.mma_async" in compiled.asm["ptx"]
-    programs = 2 if heads == 16 and not warp_specialized else 1
+    compiled = compile_wgmma(heads, variant)
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+    programs = 2 if heads == 16 and variant != "ws" else 1
     assert compiled.metadata.shared <= (228 * 1024) // programs - 1024
-    if warp_specialized:
-        assert "mbarrier.arrive" in compiled.asm["ptx"] and "mbarrier.try_wait" in compiled.asm["ptx"]
+    if variant == "ws":
+        assert "mbarrier.arrive" in ptx and "mbarrier.try_wait" in ptx
+    register_a = [line for line in ptx.splitlines() if "wgmma.mma_async" in line and ", {%r" in line.split("}", 1)[1]]
+    assert bool(register_a) == (variant == "ra")
+    if variant == "ra":
+        assert "ld.global.v4.b32" in ptx
 
 
 def test_the_bound_probe_takes_only_its_probes() -> None:

@@ -19,7 +19,8 @@ import torch
 
 from mla_planner.calibration.synthetic import prefill_case
 from mla_planner.executor.layout import PAGE_SIZE, page_of, slot_of
-from mla_planner.kernels.fp8_direct import DEFAULT_CONFIG, WGMMA_CONFIG, WGMMA_WS_CONFIG, KernelConfig, sparse_attention_fp8
+from mla_planner.kernels.fp8_direct import (DEFAULT_CONFIG, WGMMA_CONFIG, WGMMA_RA_CONFIG, WGMMA_WS_CONFIG, KernelConfig,
+                                            sparse_attention_fp8)
 
 from gpu_helpers import PREFILL_OUT, peak_delta_bytes
 from harness.fp8_direct import SCALE, Fp8Case, check_output, lse_max_error, make_case, probability_rounding_bound, reference
@@ -28,7 +29,8 @@ pytestmark = pytest.mark.gpu
 
 CONFIGS = [DEFAULT_CONFIG, KernelConfig(block_n=64, num_warps=8, num_stages=2, keys_as_m=True),
            KernelConfig(block_n=64, num_warps=8, num_stages=2, keys_as_m=False),
-           KernelConfig(block_n=32, num_warps=4, num_stages=2, keys_as_m=False, dequant="bits"), WGMMA_CONFIG]
+           KernelConfig(block_n=32, num_warps=4, num_stages=2, keys_as_m=False, dequant="bits"), WGMMA_CONFIG,
+           WGMMA_RA_CONFIG]
 LSE_LIMIT = 1e-3
 WS_TIMEOUT_S = 300
 HERE = Path(__file__).resolve().parent

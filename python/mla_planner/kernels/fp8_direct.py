@@ -41,7 +41,7 @@ import triton.language as tl
 
 from mla_planner.executor.layout import D_NOPE, D_QK, D_ROPE, D_V, FP8_BYTES_PER_TOKEN, NUM_TILES, ROPE_START, SCALES_START, TILE
 
-__all__ = ["DEFAULT_CONFIG", "DEQUANT_MODES", "DV_SPLITS", "SCALE_LOADS", "WGMMA_CONFIG", "WGMMA_WS_CONFIG", "KernelConfig", "sparse_attention_fp8"]
+__all__ = ["DEFAULT_CONFIG", "DEQUANT_MODES", "DV_SPLITS", "SCALE_LOADS", "WGMMA_CONFIG", "WGMMA_RA_CONFIG", "WGMMA_WS_CONFIG", "KernelConfig", "sparse_attention_fp8"]
 
 LOG2E = 1.4426950408889634  # log2(e): the kernel's softmax runs in base 2
 
@@ -126,6 +126,8 @@ class KernelConfig:
     knobs must keep those values and their defaults.
     ``warp_specialized``: with ``wgmma``, run its warp-specialised variant
     (:mod:`mla_planner.kernels.fp8_wgmma_ws`, :data:`WGMMA_WS_CONFIG`).
+    ``a_in_registers``: with ``wgmma``, run its variant whose score dot takes the key block from
+    registers (:data:`WGMMA_RA_CONFIG`).
     """
 
     block_n: int = 32
@@ -139,6 +141,7 @@ class KernelConfig:
     max_regs: int | None = None
     wgmma: bool = False
     warp_specialized: bool = False
+    a_in_registers: bool = False
 
     def __post_init__(self) -> None:
         check_launch(self.block_n, self.num_warps, self.num_stages)
@@ -147,6 +150,8 @@ class KernelConfig:
             raise ValueError(f"the wgmma kernel takes only '{fixed}' (+ hb16 or hb32), got {self.label()!r}")
         if self.warp_specialized and not self.wgmma:
             raise ValueError("warp_specialized (ws) is a variant of the wgmma kernel (wg)")
+        if self.a_in_registers and (not self.wgmma or self.warp_specialized):
+            raise ValueError("a_in_registers (ra) is a variant of the wgmma kernel (wg), not of ws")
         if self.wgmma and self.head_block not in (None, 16, 32):
             raise ValueError(f"the wgmma kernel takes 16 or 32 heads a program, got head_block {self.head_block}")
         if self.head_block is not None and (self.head_block < 16 or self.head_block & (self.head_block - 1)):
@@ -187,6 +192,8 @@ class KernelConfig:
             parts.append("wg")
         if self.warp_specialized:
             parts.append("ws")
+        if self.a_in_registers:
+            parts.append("ra")
         return " ".join(parts)
 
     @classmethod
@@ -203,6 +210,9 @@ class KernelConfig:
                 continue
             if part == "ws":
                 fields["warp_specialized"] = True
+                continue
+            if part == "ra":
+                fields["a_in_registers"] = True
                 continue
             if part in DEQUANT_MODES:
                 fields["dequant"] = part
@@ -222,6 +232,9 @@ WGMMA_CONFIG = KernelConfig(**_WGMMA_FIXED, wgmma=True)  # type: ignore[arg-type
 WGMMA_WS_CONFIG = KernelConfig(**_WGMMA_FIXED, wgmma=True, warp_specialized=True)  # type: ignore[arg-type]
 """The same kernel with a producer partition gathering into two shared stages
 (:mod:`mla_planner.kernels.fp8_wgmma_ws`)."""
+WGMMA_RA_CONFIG = KernelConfig(**_WGMMA_FIXED, wgmma=True, a_in_registers=True)  # type: ignore[arg-type]
+"""The wgmma kernel with the score dot's key block in registers (one shared read of the tile a
+block, not two)."""
 
 DEFAULT_CONFIG = KernelConfig()
 """Chosen, before any timing, as the config that compiles for sm90 without register spills at both
@@ -650,8 +663,11 @@ def _attend(
         _check(dequant == DEQUANT_MODES["f32"], "the wgmma kernel has no bound probes")
         from mla_planner.kernels import fp8_wgmma, fp8_wgmma_ws  # Gluon: imported only where asked for
 
-        launch = fp8_wgmma_ws.launch if config.warp_specialized else fp8_wgmma.launch
-        launch(q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, softmax_scale * LOG2E, block_h)
+        args = (q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, softmax_scale * LOG2E, block_h)
+        if config.warp_specialized:
+            fp8_wgmma_ws.launch(*args)
+        else:
+            fp8_wgmma.launch(*args, a_in_registers=config.a_in_registers)
         return out, lse
     grid = (num_tokens * config.dv_split, triton.cdiv(num_heads, block_h))
     # maxnreg only where asked: the default launch stays as it was.

@@ -42,12 +42,17 @@ _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.jit
-def load_query(q_ptr, t, h0, num_heads, stride_qt, stride_qh, q_smem, qr_smem, BLOCK_H: gl.constexpr):
-    """The query's (heads, 576) into q_smem (512) and qr_smem (64); padded heads are 0."""
+def load_query(q_ptr, t, h0, num_heads, stride_qt, stride_qh, q_smem, qr_smem, BLOCK_H: gl.constexpr,
+               PERMUTED: gl.constexpr = False):
+    """The query's (heads, 576) into q_smem (512) and qr_smem (64); padded heads are 0. ``PERMUTED``:
+    q_smem's column 128 c + k holds the query's column 128 c + :func:`_tile_column` (k), the order
+    in which :func:`_score_tile` hands the key tile to the MMA."""
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (heads, 64) bf16
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])    # (heads, 512) bf16
     hq = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
     dq = gl.arange(0, 512, layout=gl.SliceLayout(0, q_l))
+    if PERMUTED:
+        dq = (dq // 128) * 128 + _tile_column(dq % 128)
     q_row = q_ptr + t * stride_qt + hq[:, None] * stride_qh
     q_smem.store(gl.load(q_row + dq[None, :], mask=(hq < num_heads)[:, None], other=0.0))
     hr = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rope_l))
@@ -184,6 +189,120 @@ def _wgmma_kernel(
              BLOCK_H, HAS_SINK)
 
 
+@gluon.jit
+def _tile_column(k):
+    """The cache column (within a 128-column scale tile) that the MMA's column k of the tile reads in
+    :func:`_score_tile`: k = 8 j + 2 c + e takes column 32 c + 2 j + e. The score dot sums over the
+    columns, so it may take them in any order that the query's copy follows (``load_query``'s
+    ``PERMUTED``)."""
+    return 32 * ((k % 8) // 2) + 2 * (k // 8) + k % 2
+
+
+@gluon.jit
+def _load_tile(kv_u8, kv_f32, row_u8, row_f32, valid, c: gl.constexpr):
+    """Tile c (columns [128 c, 128 c + 128)) of the 64-row key block, as bytes (32 a row a thread,
+    two 16-byte loads), and its rows' scales. ``row_u8``/``row_f32``/``valid``: the block's rows in
+    the gather layout's (4, 2, 8, 1, 1) shape."""
+    # (warp, half, lane // 4, lane % 4, 32 bytes): row 16 w + 8 h + i, column 32 (lane % 4) + b.
+    # These are the registers wgmma's A operand keeps for rows 16 w + i and 16 w + 8 + i, once the
+    # columns are renamed (_tile_column): _score_tile's conversion moves no data.
+    ld: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 32], [1, 1, 8, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, ld)))))
+    b = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ld)))))
+    col = c * 128 + 32 * c4[None, None, None, :, None] + b[None, None, None, None, :]
+    x = gl.load(kv_u8 + row_u8 + col, mask=valid, other=0)
+    scale = gl.load(kv_f32 + row_f32 + 128 + c, mask=valid, other=0.0)
+    return x, scale
+
+
+@gluon.jit
+def _score_tile(x, scale, k_smem, q_smem, s, c: gl.constexpr, mma: gl.constexpr):
+    """Tile c of the key block (:func:`_load_tile`), dequantised, stored to k_smem for the value dot,
+    and multiplied into s from registers (``wgmma``'s A operand), not from k_smem."""
+    k = (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
+    k_smem.slice(c * 128, 128, dim=1).store(gl.reshape(k, [64, 128]))
+    a = gl.reshape(gl.permute(gl.reshape(k, [64, 4, 16, 2]), [0, 2, 1, 3]), [64, 128])
+    a = gl.convert_layout(a, gl.DotOperandLayout(0, mma, 2), assert_trivial=True)
+    return warpgroup_mma(a, q_smem.slice(c * 128, 128, dim=1).permute((1, 0)), s)
+
+
+@gluon.jit
+def _wgmma_ra_kernel(
+    q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
+    num_heads, topk, num_rows,
+    stride_qt, stride_qh, stride_it, stride_ot, stride_oh, stride_lt, stride_lh,
+    page_stride_u8, page_stride_f32, page_stride_bf16,
+    scale_log2,
+    PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    HAS_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr,
+):
+    """:func:`_wgmma_kernel` with the score dot's A operand (the key block) in registers: the key
+    tile is written to shared memory once and read once (by the value dot), not twice. Measured
+    slower than :func:`_wgmma_kernel` on an H100 (docs/fp8-direct.md): each 128-column tile's
+    gather is waited for before its MMA."""
+    t = gl.program_id(0).to(gl.int64)
+    h0 = gl.program_id(1) * BLOCK_H
+    n_end = topk
+    if HAS_LENGTH:
+        n_end = gl.minimum(gl.load(len_ptr + t), topk)
+    idx_row = idx_ptr + t * stride_it
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+    ld: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 32], [1, 1, 8, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (keys, 64) bf16
+
+    k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 512], k_sl)
+    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 64], k_sl)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 512], k_sl)
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], k_sl)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], p_sl)
+    load_query(q_ptr, t, h0, num_heads, stride_qt, stride_qh, q_smem, qr_smem, BLOCK_H, True)
+    fence_async_shared()
+    _cta_barrier()
+
+    w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, ld)))))
+    hh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, ld)))))
+    i = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, ld)))))
+    rows = 16 * w[:, None, None] + 8 * hh[None, :, None] + i[None, None, :]
+    dr = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
+    l = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, mma))
+    acc = gl.zeros([512, BLOCK_H], gl.float32, layout=mma)
+    for start in range(0, n_end, BLOCK_N):
+        n = start + rows
+        idx = gl.load(idx_row + n, mask=n < n_end, other=-1)
+        valid = (n < n_end) & (idx >= 0) & (idx < num_rows)
+        row_u8 = ((idx // PAGE).to(gl.int64) * page_stride_u8 + (idx % PAGE).to(gl.int64) * 656)[:, :, :, None, None]
+        row_f32 = ((idx // PAGE).to(gl.int64) * page_stride_f32 + (idx % PAGE).to(gl.int64) * 164)[:, :, :, None, None]
+        valid = valid[:, :, :, None, None]
+        n_r = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rope_l))
+        idx_r = gl.load(idx_row + n_r, mask=n_r < n_end, other=-1)
+        valid_r = (n_r < n_end) & (idx_r >= 0) & (idx_r < num_rows)
+        row_b = (idx_r // PAGE).to(gl.int64) * page_stride_bf16 + (idx_r % PAGE).to(gl.int64) * 328
+        kr_smem.store(gl.load(kv_bf16 + row_b[:, None] + 264 + dr[None, :], mask=valid_r[:, None], other=0.0))
+        fence_async_shared()
+        _cta_barrier()
+        # S^T (keys, heads) = K Q^T: the RoPE part from shared memory, the NoPE part tile by tile
+        # from registers.
+        s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma)
+        s = warpgroup_mma(kr_smem, qr_smem.permute((1, 0)), s, use_acc=False)
+        # (Loading tile c + 1 before tile c's MMA spills at 16 heads and measured slower.)
+        for c in gl.static_range(4):
+            x, scale = _load_tile(kv_u8, kv_f32, row_u8, row_f32, valid, c)
+            s = _score_tile(x, scale, k_smem, q_smem, s, c, mma)
+        p, alpha, m, l = softmax_step(s, m, l, idx_row, start, n_end, num_rows, scale_log2, BLOCK_N)
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        _cta_barrier()
+        # O^T (512, heads) += V^T P^T; V^T is the key block's transposed view.
+        acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem, acc * alpha[None, :])
+        _cta_barrier()  # every warp's dots are done before the next block overwrites the tiles
+
+    epilogue(acc, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
+             BLOCK_H, HAS_SINK)
+
+
 def launch_kernel(kernel: Any, q: torch.Tensor, cache3: torch.Tensor, indices: torch.Tensor,
                   topk_length: torch.Tensor | None, attn_sink: torch.Tensor | None, out: torch.Tensor,
                   lse: torch.Tensor, page_stride: int, scale_log2: float, block_h: int, **constexprs: Any) -> None:
@@ -213,7 +332,12 @@ def launch_kernel(kernel: Any, q: torch.Tensor, cache3: torch.Tensor, indices: t
 
 def launch(q: torch.Tensor, cache3: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None,
            attn_sink: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, page_stride: int,
-           scale_log2: float, block_h: int) -> None:
-    """This module's kernel, as :func:`launch_kernel` says."""
+           scale_log2: float, block_h: int, a_in_registers: bool = False) -> None:
+    """This module's kernel, as :func:`launch_kernel` says; ``a_in_registers``: the variant whose
+    score dot takes the key block from registers (:func:`_wgmma_ra_kernel`)."""
+    if a_in_registers:
+        launch_kernel(_wgmma_ra_kernel, q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, scale_log2,
+                      block_h, num_warps=NUM_WARPS)
+        return
     launch_kernel(_wgmma_kernel, q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, scale_log2,
                   block_h, CHUNK=CHUNK, num_warps=NUM_WARPS)
