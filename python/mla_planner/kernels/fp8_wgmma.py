@@ -27,7 +27,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-__all__ = ["BLOCK_N", "epilogue", "gather_block", "launch", "launch_kernel", "load_query", "softmax_step"]
+__all__ = ["BLOCK_N", "attend_block", "epilogue", "gather_block", "launch", "launch_kernel", "load_query", "softmax_step"]
 
 BLOCK_N = 64
 """Top-k rows a loop iteration takes: the key block is the MMA's M side, and ``wgmma``'s M is 64
@@ -115,6 +115,20 @@ def softmax_step(s, m, l, idx_row, start, n_end, num_rows, scale_log2, BLOCK_N: 
 
 
 @gluon.jit
+def attend_block(s, m, l, acc, k_smem, p_smem, idx_row, start, n_end, num_rows, scale_log2, BLOCK_N: gl.constexpr):
+    """The rest of a block once its scores S^T are in: the online softmax step, P^T to p_smem, then
+    O^T (512, heads) += V^T P^T with V^T the key tile's transposed view. Returns (acc, m, l); every
+    warp's dots are done on return, so the caller may overwrite the tiles."""
+    p, alpha, m, l = softmax_step(s, m, l, idx_row, start, n_end, num_rows, scale_log2, BLOCK_N)
+    p_smem.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    _cta_barrier()
+    acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem, acc * alpha[None, :])
+    _cta_barrier()
+    return acc, m, l
+
+
+@gluon.jit
 def epilogue(acc, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
              BLOCK_H: gl.constexpr, HAS_SINK: gl.constexpr):
     """lse and the output O = acc / (l + the sink's weight) from O^T's (512, heads) accumulator."""
@@ -177,13 +191,7 @@ def _wgmma_kernel(
         s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma)
         s = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s, use_acc=False)
         s = warpgroup_mma(kr_smem, qr_smem.permute((1, 0)), s)
-        p, alpha, m, l = softmax_step(s, m, l, idx_row, start, n_end, num_rows, scale_log2, BLOCK_N)
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        _cta_barrier()
-        # O^T (512, heads) += V^T P^T; V^T is the key block's transposed view.
-        acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem, acc * alpha[None, :])
-        _cta_barrier()  # every warp's dots are done before the next block overwrites the tiles
+        acc, m, l = attend_block(s, m, l, acc, k_smem, p_smem, idx_row, start, n_end, num_rows, scale_log2, BLOCK_N)
 
     epilogue(acc, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
              BLOCK_H, HAS_SINK)
@@ -291,13 +299,7 @@ def _wgmma_ra_kernel(
         for c in gl.static_range(4):
             x, scale = _load_tile(kv_u8, kv_f32, row_u8, row_f32, valid, c)
             s = _score_tile(x, scale, k_smem, q_smem, s, c, mma)
-        p, alpha, m, l = softmax_step(s, m, l, idx_row, start, n_end, num_rows, scale_log2, BLOCK_N)
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        _cta_barrier()
-        # O^T (512, heads) += V^T P^T; V^T is the key block's transposed view.
-        acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem, acc * alpha[None, :])
-        _cta_barrier()  # every warp's dots are done before the next block overwrites the tiles
+        acc, m, l = attend_block(s, m, l, acc, k_smem, p_smem, idx_row, start, n_end, num_rows, scale_log2, BLOCK_N)
 
     epilogue(acc, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
              BLOCK_H, HAS_SINK)

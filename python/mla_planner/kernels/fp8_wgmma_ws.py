@@ -23,7 +23,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-from mla_planner.kernels.fp8_wgmma import _cta_barrier, epilogue, gather_block, launch_kernel, load_query, softmax_step
+from mla_planner.kernels.fp8_wgmma import _cta_barrier, attend_block, epilogue, gather_block, launch_kernel, load_query
 
 __all__ = ["BLOCK_N", "launch"]
 
@@ -87,14 +87,8 @@ def _consume(q_ptr, idx_row, sink_ptr, out_ptr, lse_ptr, t, h0, n_end, num_heads
         s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma)
         s = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s, use_acc=False)
         s = warpgroup_mma(kr_bufs.index(stage), qr_smem.permute((1, 0)), s)
-        p, alpha, m, l = softmax_step(s, m, l, idx_row, start, n_end, num_rows, scale_log2, BLOCK_N)
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        _cta_barrier()
-        # O^T (512, heads) += V^T P^T; V^T is the stage's transposed view.
-        acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem, acc * alpha[None, :])
-        _cta_barrier()  # every MMA warp's dots are done: the stage and p_smem are free
-        mbarrier.arrive(empty.index(stage))
+        acc, m, l = attend_block(s, m, l, acc, k_smem, p_smem, idx_row, start, n_end, num_rows, scale_log2, BLOCK_N)
+        mbarrier.arrive(empty.index(stage))  # every MMA warp's dots are done: the stage is free
         j += 1
 
     epilogue(acc, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
