@@ -147,15 +147,25 @@ class Run:
         self.clients: sp.Clients | None = None  # None: no step of this phase runs a bench client
         self.model_dir = Path()  # the served model folder (the bench clients' tokenizer too)
         self.model_dirs: dict[str, Path] = {}  # the matrix's, by server
+        self.closed = False
 
     def save(self) -> None:
         with self.lock:
-            write_json(self.path, self.data)
+            if not self.closed:
+                write_json(self.path, self.data)
 
     def update(self, target: dict[str, Any], **values: Any) -> None:
         with self.lock:
-            target.update(values)
-            write_json(self.path, self.data)
+            if not self.closed:
+                target.update(values)
+                write_json(self.path, self.data)
+
+    def close(self) -> None:
+        """No record after this: the reports are written from the file as it is now. (A stop leaves
+        the matrix's load threads running until the process exits; what they would add, requests
+        the stop cut, would make the file disagree with the reports.)"""
+        with self.lock:
+            self.closed = True
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -906,8 +916,11 @@ def run_phase(args: argparse.Namespace) -> int:
         run.update(data, finished=True)
         return 2
     say(f"{args.phase}: results in {path}")
-    PLANS[args.phase](run)
-    run.update(data, finished=True, elapsed_s=time.monotonic() - start)
+    try:
+        PLANS[args.phase](run)
+        run.update(data, finished=True, elapsed_s=time.monotonic() - start)
+    finally:
+        run.close()
     return 0
 
 

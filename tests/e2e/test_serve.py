@@ -433,6 +433,10 @@ def test_no_server_outlives_a_stopped_driver(tmp_path: Path, phase: str, how: si
         assert server["stop"]["left_running"] is False and server["alive_at_end"] is True
     elif phase != "soak":
         assert results(out, "matrix.json")["finished"] is False
+        # The report written at the stop is the one the file left gives: nothing was recorded after it.
+        written = (out / "matrix.md").read_text()
+        report.write(out)
+        assert (out / "matrix.md").read_text() == written
 
 
 # --- the phases on stand-ins -----------------------------------------------------------------------
