@@ -14,6 +14,11 @@ that tile through ``wgmma`` descriptors, with the keys as the MMA's M side (``wg
 M >= 64, and the heads are only 16): S^T = K Q^T, then O^T += V^T P^T with V^T the tile's
 transposed view. The query sits in shared memory once per program.
 
+Also here: :func:`_wgmma_ra_kernel`, the same kernel with the score dot's A operand gathered
+straight into registers (measured slower), and the parts both share with
+:mod:`mla_planner.kernels.fp8_wgmma_ws` (the query load, the gather, a block's softmax and value
+dot, the epilogue, the launch).
+
 This module imports torch and triton only; nothing here runs at import time.
 """
 
