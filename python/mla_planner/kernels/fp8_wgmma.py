@@ -32,7 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-__all__ = ["BLOCK_N", "attend_block", "epilogue", "gather_block", "launch", "launch_kernel", "load_query", "softmax_step"]
+__all__ = ["BLOCK_N", "attend_block", "epilogue", "gather_block", "gather_rope", "launch", "launch_kernel", "load_query", "softmax_step"]
 
 BLOCK_N = 64
 """Top-k rows a loop iteration takes: the key block is the MMA's M side, and ``wgmma``'s M is 64
@@ -78,7 +78,6 @@ def gather_block(kv_u8, kv_f32, kv_bf16, idx_row, start, n_end, num_rows, page_s
     # so its shared stores hit every bank once (a warp taking a whole row would write 8 column
     # blocks 8 KiB apart, the same banks 8 times).
     gather3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 4, 1], [WARPS // 2, 2, 1], [2, 1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])  # (keys, 64) bf16
     chunks = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, gather3)))
     lanes = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gather3)))
     for c in gl.static_range(BLOCK_N // CHUNK):
@@ -95,6 +94,15 @@ def gather_block(kv_u8, kv_f32, kv_bf16, idx_row, start, n_end, num_rows, page_s
         scale = gl.load(kv_f32 + row_f32[:, None] + 128 + chunks[None, :] // 8, mask=valid[:, None], other=0.0)
         k = nope.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)
         k_smem.slice(c * CHUNK, CHUNK, dim=0).store(gl.reshape(k.to(gl.bfloat16), CHUNK, 512))
+    gather_rope(kv_bf16, idx_row, start, n_end, num_rows, page_stride_bf16, kr_smem, PAGE, BLOCK_N, WARPS)
+
+
+@gluon.jit
+def gather_rope(kv_bf16, idx_row, start, n_end, num_rows, page_stride_bf16, kr_smem,
+                PAGE: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+    """The RoPE part (64 bf16, as stored) of top-k rows [start, start + BLOCK_N) into kr_smem, by
+    WARPS warps; rows past n_end or out of range are 0."""
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])  # (keys, 64) bf16
     n_r = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rope_l))
     dr = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
     idx_r = gl.load(idx_row + n_r, mask=n_r < n_end, other=-1)
@@ -202,6 +210,13 @@ def _wgmma_kernel(
              BLOCK_H, HAS_SINK)
 
 
+_TILE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 2, 1, 1, 32], [1, 1, 8, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0]))
+"""The ``ra`` kernel's gather of a 64-row key tile, (warp, half, lane // 4, lane % 4, 32 bytes): row
+16 w + 8 h + i, column 32 (lane % 4) + b. These are the registers wgmma's A operand keeps for rows
+16 w + i and 16 w + 8 + i once the columns are renamed (:func:`_tile_column`), so
+:func:`_score_tile`'s conversion moves no data."""
+
+
 @gluon.jit
 def _tile_column(k):
     """The cache column (within a 128-column scale tile) that the MMA's column k of the tile reads in
@@ -216,10 +231,7 @@ def _load_tile(kv_u8, kv_f32, row_u8, row_f32, valid, c: gl.constexpr):
     """Tile c (columns [128 c, 128 c + 128)) of the 64-row key block, as bytes (32 a row a thread,
     two 16-byte loads), and its rows' scales. ``row_u8``/``row_f32``/``valid``: the block's rows in
     the gather layout's (4, 2, 8, 1, 1) shape."""
-    # (warp, half, lane // 4, lane % 4, 32 bytes): row 16 w + 8 h + i, column 32 (lane % 4) + b.
-    # These are the registers wgmma's A operand keeps for rows 16 w + i and 16 w + 8 + i, once the
-    # columns are renamed (_tile_column): _score_tile's conversion moves no data.
-    ld: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 32], [1, 1, 8, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    ld: gl.constexpr = _TILE_LAYOUT
     c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, ld)))))
     b = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ld)))))
     col = c * 128 + 32 * c4[None, None, None, :, None] + b[None, None, None, None, :]
@@ -260,8 +272,6 @@ def _wgmma_ra_kernel(
         n_end = gl.minimum(gl.load(len_ptr + t), topk)
     idx_row = idx_ptr + t * stride_it
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
-    ld: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 32], [1, 1, 8, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (keys, 64) bf16
 
     k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 512], k_sl)
@@ -274,11 +284,11 @@ def _wgmma_ra_kernel(
     fence_async_shared()
     _cta_barrier()
 
+    ld: gl.constexpr = _TILE_LAYOUT
     w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, ld)))))
     hh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, ld)))))
     i = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, ld)))))
     rows = 16 * w[:, None, None] + 8 * hh[None, :, None] + i[None, None, :]
-    dr = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
     l = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, mma))
     acc = gl.zeros([512, BLOCK_H], gl.float32, layout=mma)
@@ -289,11 +299,7 @@ def _wgmma_ra_kernel(
         row_u8 = ((idx // PAGE).to(gl.int64) * page_stride_u8 + (idx % PAGE).to(gl.int64) * 656)[:, :, :, None, None]
         row_f32 = ((idx // PAGE).to(gl.int64) * page_stride_f32 + (idx % PAGE).to(gl.int64) * 164)[:, :, :, None, None]
         valid = valid[:, :, :, None, None]
-        n_r = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rope_l))
-        idx_r = gl.load(idx_row + n_r, mask=n_r < n_end, other=-1)
-        valid_r = (n_r < n_end) & (idx_r >= 0) & (idx_r < num_rows)
-        row_b = (idx_r // PAGE).to(gl.int64) * page_stride_bf16 + (idx_r % PAGE).to(gl.int64) * 328
-        kr_smem.store(gl.load(kv_bf16 + row_b[:, None] + 264 + dr[None, :], mask=valid_r[:, None], other=0.0))
+        gather_rope(kv_bf16, idx_row, start, n_end, num_rows, page_stride_bf16, kr_smem, PAGE, BLOCK_N, 4)
         fence_async_shared()
         _cta_barrier()
         # S^T (keys, heads) = K Q^T: the RoPE part from shared memory, the NoPE part tile by tile
