@@ -165,6 +165,19 @@ def epilogue(acc, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot,
 
 
 @gluon.jit
+def _one_warpgroup_tiles(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The one-warpgroup kernels' shared tiles: the key block (NoPE, RoPE), the query (NoPE, RoPE)
+    and P^T, swizzled as ``wgmma`` reads them through descriptors."""
+    k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    return (gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 512], k_sl),
+            gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 64], k_sl),
+            gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 512], k_sl),
+            gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], k_sl),
+            gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], p_sl))
+
+
+@gluon.jit
 def _wgmma_kernel(
     q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
     num_heads, topk, num_rows,
@@ -183,13 +196,7 @@ def _wgmma_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
 
     # Shared tiles: the key block once (both dots read it), the query once, P^T per block.
-    k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 512], k_sl)
-    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 64], k_sl)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 512], k_sl)
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], k_sl)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], p_sl)
+    k_smem, kr_smem, q_smem, qr_smem, p_smem = _one_warpgroup_tiles(BLOCK_H, BLOCK_N)
     load_query(q_ptr, t, h0, num_heads, stride_qt, stride_qh, q_smem, qr_smem, BLOCK_H)
 
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
@@ -273,13 +280,7 @@ def _wgmma_ra_kernel(
     idx_row = idx_ptr + t * stride_it
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
 
-    k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 512], k_sl)
-    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 64], k_sl)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 512], k_sl)
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], k_sl)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], p_sl)
+    k_smem, kr_smem, q_smem, qr_smem, p_smem = _one_warpgroup_tiles(BLOCK_H, BLOCK_N)
     load_query(q_ptr, t, h0, num_heads, stride_qt, stride_qh, q_smem, qr_smem, BLOCK_H, True)
     fence_async_shared()
     _cta_barrier()
