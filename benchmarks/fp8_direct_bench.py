@@ -687,13 +687,14 @@ def compile_kernel(config: KernelConfig, heads: int, dequant: int) -> Any:
 
 def compile_wgmma(heads: int, variant: str = "wg") -> Any:
     """The warpgroup-MMA kernel (``variant`` "wg", its warp-specialised variant "ws" or the one
-    with the score dot's A operand in registers, "ra") compiled for sm90 as :func:`compile_kernel`
-    compiles the Triton one (Gluon's source type; top-k lengths and sinks on)."""
+    with the score dot's A operand in registers, "ra"), or the ``mma.sync`` kernel ("mma", 16
+    heads a program whatever ``heads``), compiled for sm90 as :func:`compile_kernel` compiles the
+    Triton one (Gluon's source type; top-k lengths and sinks on; pages back to back for "mma")."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from mla_planner.kernels import fp8_wgmma, fp8_wgmma_ws
+    from mla_planner.kernels import fp8_mma, fp8_wgmma, fp8_wgmma_ws
 
     types = ["*bf16", "*u8", "*fp32", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32"] + ["i32"] * 10 + ["i64"] * 3 + ["fp32"]
     consts: dict[str, Any] = {"PAGE": PAGE_SIZE, "BLOCK_H": WGMMA_CONFIG.heads_per_program(heads), "BLOCK_N": fp8_wgmma.BLOCK_N,
@@ -704,6 +705,9 @@ def compile_wgmma(heads: int, variant: str = "wg") -> Any:
                    "PRODUCER_WARPS": fp8_wgmma_ws.PRODUCER_WARPS, "PRODUCER_REGS": fp8_wgmma_ws.PRODUCER_REGS}
     elif variant == "ra":
         kernel = fp8_wgmma._wgmma_ra_kernel
+    elif variant == "mma":
+        kernel = fp8_mma._mma_kernel
+        consts |= {"BLOCK_H": fp8_mma.BLOCK_H, "BLOCK_N": fp8_mma.BLOCK_N, "CONTIGUOUS": True, "PREFETCH": fp8_mma.PREFETCH}
     else:
         kernel = fp8_wgmma._wgmma_kernel
         consts["CHUNK"] = fp8_wgmma.CHUNK

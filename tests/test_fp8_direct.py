@@ -21,7 +21,8 @@ import torch
 
 from mla_planner.executor.layout import FP8_BYTES_PER_TOKEN, PAGE_SIZE, ROPE_START, SCALES_START, as_slots
 from mla_planner.executor.reference import dequantize_fp8_ds_mla
-from mla_planner.kernels.fp8_direct import DEQUANT_MODES, WGMMA_CONFIG, WGMMA_RA_CONFIG, WGMMA_WS_CONFIG, KernelConfig, no_dequant_bound_probe, sparse_attention_fp8
+from mla_planner.kernels.fp8_direct import (DEQUANT_MODES, MMA_CONFIG, WGMMA_CONFIG, WGMMA_RA_CONFIG, WGMMA_WS_CONFIG, KernelConfig,
+                                            no_dequant_bound_probe, sparse_attention_fp8)
 
 from harness.interpreter import run_interpreted
 from harness.fp8_direct import SCALE, Fp8Case, check_output, lse_max_error, make_case, probability_rounding_bound, reference
@@ -59,6 +60,7 @@ HM_V4 = dataclasses.replace(HM, scales="v4")
 KM_V4 = dataclasses.replace(KM, scales="v4")
 HM_DV2 = dataclasses.replace(HM, dv_split=2)
 WG = dataclasses.asdict(WGMMA_CONFIG)
+MMA = dataclasses.asdict(MMA_CONFIG)
 KM_DV2 = dataclasses.replace(KM, dv_split=2)
 SPECS = [
     Spec("h16 topk64 heads-as-M", 16, 64, HM),
@@ -303,7 +305,10 @@ def test_bad_arguments_raise_value_errors(name: str, mutate: Any, message: str) 
                                     {"wgmma": True}, {**WG, "block_n": 32}, {**WG, "num_warps": 8}, {**WG, "keys_as_m": False},
                                     {**WG, "dequant": "bits"}, {**WG, "dv_split": 2}, {**WG, "head_block": 64},
                                     {"warp_specialized": True}, {"a_in_registers": True},
-                                    {**WG, "warp_specialized": True, "a_in_registers": True}])
+                                    {**WG, "warp_specialized": True, "a_in_registers": True},
+                                    # So is the mma.sync kernel's: MMA_CONFIG only.
+                                    {"mma_sync": True}, {**MMA, "head_block": 32}, {**MMA, "block_n": 32},
+                                    {**MMA, "wgmma": True}, {**MMA, "keys_as_m": True}])
 def test_bad_configs_raise_value_errors(fields: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         KernelConfig(**fields)
@@ -330,6 +335,43 @@ def test_the_wgmma_config_runs_the_wgmma_kernel(monkeypatch: pytest.MonkeyPatch)
     assert calls[0][1] == pytest.approx(args["softmax_scale"] * fp8_direct.LOG2E)
     with pytest.raises(ValueError, match="no bound probes"):
         no_dequant_bound_probe(args["q"], args["kv_cache"], args["indices"], args["softmax_scale"], config=WGMMA_CONFIG)
+
+
+def test_the_mma_config_runs_the_mma_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MMA_CONFIG hands the checked arguments (the cache as pages, its page stride, the base-2
+    scale) to fp8_mma.launch, never another kernel; the bound probes refuse it."""
+    from mla_planner.kernels import fp8_direct, fp8_mma, fp8_wgmma
+
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(fp8_mma, "launch", lambda *a: calls.append(a))
+    monkeypatch.setattr(fp8_wgmma, "launch", None)
+    monkeypatch.setattr(fp8_direct, "_sparse_fp8_kernel", None)
+    args = _good(heads=32)
+    sparse_attention_fp8(args["q"], args["kv_cache"], args["indices"], args["softmax_scale"], config=MMA_CONFIG)
+    (call,) = calls
+    assert call[1].dim() == 3 and call[1].shape[-1] == 656 and call[7] == call[1].stride(0)
+    assert call[8] == pytest.approx(args["softmax_scale"] * fp8_direct.LOG2E)
+    with pytest.raises(ValueError, match="no bound probes"):
+        no_dequant_bound_probe(args["q"], args["kv_cache"], args["indices"], args["softmax_scale"], config=MMA_CONFIG)
+
+
+def test_the_mma_kernel_compiles_for_sm90() -> None:
+    """No GPU: the mma.sync kernel compiles for sm90 with both dots as f16 ``mma.sync`` (and the RoPE
+    part's in bf16), no ``wgmma``, no register spill, its key bytes by 16-byte loads, and shared
+    memory only for the partial scores (four 4 x 16 x 24-float buffers)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fp8_direct_bench import compile_wgmma, ptxas_usage
+
+    compiled = compile_wgmma(16, "mma")
+    ptx = compiled.asm["ptx"]
+    assert "wgmma" not in ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert "ld.global.v4.b32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
+    assert 4 * 4 * 16 * 16 * 4 < compiled.metadata.shared <= 4 * 4 * 16 * 24 * 4
+    import triton
+    _, spill = ptxas_usage(ptx, Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
+    assert spill == "0"
 
 
 @pytest.mark.parametrize("variant", ["wg", "ws", "ra"])
@@ -391,8 +433,8 @@ def test_config_labels_are_distinct() -> None:
     configs = {HM, KM, dataclasses.replace(KM, block_n=64), dataclasses.replace(KM, num_stages=3), dataclasses.replace(HM, head_block=16),
                HM_BITS, dataclasses.replace(KM_BITS, head_block=16), HM_V4, HM_DV2, dataclasses.replace(HM_DV2, max_regs=168),
                dataclasses.replace(KM_BITS, scales="v4", dv_split=2, max_regs=200), WGMMA_CONFIG,
-               dataclasses.replace(WGMMA_CONFIG, head_block=16), WGMMA_WS_CONFIG}
-    assert len(configs) == 14
+               dataclasses.replace(WGMMA_CONFIG, head_block=16), WGMMA_WS_CONFIG, WGMMA_RA_CONFIG, MMA_CONFIG}
+    assert len(configs) == 16
     assert len({c.label() for c in configs}) == len(configs)
     assert all(KernelConfig.parse(c.label()) == c for c in configs)
     with pytest.raises(ValueError):

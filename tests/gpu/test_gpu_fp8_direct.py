@@ -19,8 +19,8 @@ import torch
 
 from mla_planner.calibration.synthetic import prefill_case
 from mla_planner.executor.layout import PAGE_SIZE, page_of, slot_of
-from mla_planner.kernels.fp8_direct import (DEFAULT_CONFIG, WGMMA_CONFIG, WGMMA_RA_CONFIG, WGMMA_WS_CONFIG, KernelConfig,
-                                            sparse_attention_fp8)
+from mla_planner.kernels.fp8_direct import (DEFAULT_CONFIG, MMA_CONFIG, WGMMA_CONFIG, WGMMA_RA_CONFIG, WGMMA_WS_CONFIG,
+                                            KernelConfig, sparse_attention_fp8)
 
 from gpu_helpers import PREFILL_OUT, peak_delta_bytes
 from harness.fp8_direct import SCALE, Fp8Case, check_output, lse_max_error, make_case, probability_rounding_bound, reference
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.gpu
 CONFIGS = [DEFAULT_CONFIG, KernelConfig(block_n=64, num_warps=8, num_stages=2, keys_as_m=True),
            KernelConfig(block_n=64, num_warps=8, num_stages=2, keys_as_m=False),
            KernelConfig(block_n=32, num_warps=4, num_stages=2, keys_as_m=False, dequant="bits"), WGMMA_CONFIG,
-           WGMMA_RA_CONFIG]
+           WGMMA_RA_CONFIG, MMA_CONFIG]
 LSE_LIMIT = 1e-3
 WS_TIMEOUT_S = 300
 HERE = Path(__file__).resolve().parent
@@ -90,6 +90,32 @@ def test_the_warp_specialised_kernel_matches_the_reference(heads: int) -> None:
         pytest.fail(f"the warp-specialised kernel at {heads} heads did not finish in {WS_TIMEOUT_S} s (a hang)")
     print(proc.stdout)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("heads", [16, 24])
+def test_the_mma_kernel_on_padded_pages_with_nan_slots(gen: torch.Generator, heads: int) -> None:
+    """MMA_CONFIG where its shortcuts could show: pages not back to back (a padded page stride, so
+    the general row address), rows of different magnitudes (so tile scales differ from key to key,
+    which its value dot divides by the largest seen), every slot no valid index names filled with
+    NaN bytes, row 0 among them (an invalid index reads row 0 unmasked for the scores), and a head
+    count that leaves half of the second program's heads padded."""
+    case = make_case(256, heads, 2048, 128, gen, lengths=True, sink=True, spread=1.5)
+    assert case.topk_length is not None
+    pages, page_size, row = case.kv_cache.shape[0], case.kv_cache.shape[1], case.kv_cache.shape[-1]
+    flat = case.kv_cache.reshape(pages * page_size, row)
+    used = torch.zeros(pages * page_size, dtype=torch.bool, device="cuda")
+    cols = torch.arange(case.indices.shape[1], device="cuda")[None, :]
+    ok = (case.indices >= 0) & (case.indices < pages * page_size) & (cols < case.topk_length[:, None])
+    used[case.indices[ok].long()] = True
+    used[0] = False
+    case.indices[ok & (case.indices == 0)] = -1  # row 0 is NaN now: no valid index may name it
+    flat[~used] = 0xFF
+    padded = torch.full((pages, page_size * row + 48), 0xFF, dtype=torch.uint8, device="cuda")
+    padded[:, : page_size * row] = flat.view(pages, page_size * row)
+    strided = padded[:, : page_size * row].view(pages, page_size, 1, row)
+    assert strided.stride(0) == page_size * row + 48
+    _run_and_check(f"mma h{heads} padded pages, NaN slots", Fp8Case(case.q, strided, case.indices, case.topk_length,
+                                                                     case.attn_sink), MMA_CONFIG)
 
 
 @pytest.mark.parametrize("heads", [16, 32])

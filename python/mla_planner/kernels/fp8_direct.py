@@ -41,7 +41,7 @@ import triton.language as tl
 
 from mla_planner.executor.layout import D_NOPE, D_QK, D_ROPE, D_V, FP8_BYTES_PER_TOKEN, NUM_TILES, ROPE_START, SCALES_START, TILE
 
-__all__ = ["DEFAULT_CONFIG", "DEQUANT_MODES", "DV_SPLITS", "SCALE_LOADS", "WGMMA_CONFIG", "WGMMA_RA_CONFIG", "WGMMA_WS_CONFIG", "KernelConfig", "sparse_attention_fp8"]
+__all__ = ["DEFAULT_CONFIG", "DEQUANT_MODES", "DV_SPLITS", "MMA_CONFIG", "SCALE_LOADS", "WGMMA_CONFIG", "WGMMA_RA_CONFIG", "WGMMA_WS_CONFIG", "KernelConfig", "sparse_attention_fp8"]
 
 LOG2E = 1.4426950408889634  # log2(e): the kernel's softmax runs in base 2
 
@@ -89,6 +89,9 @@ _WGMMA_FIXED: dict[str, object] = {
     "dv_split": 1, "max_regs": None,
 }
 """The warpgroup-MMA kernel's layout, fixed: 64 keys a block, one warpgroup, keys as M."""
+_MMA_FIXED: dict[str, object] = {**_WGMMA_FIXED, "keys_as_m": False, "head_block": 16}
+"""The register-operand ``mma.sync`` kernel's layout, fixed: 64 keys a softmax step, four warps
+(one a scale tile), 16 heads a program as M."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +131,8 @@ class KernelConfig:
     (:mod:`mla_planner.kernels.fp8_wgmma_ws`, :data:`WGMMA_WS_CONFIG`).
     ``a_in_registers``: with ``wgmma``, run its variant whose score dot takes the key block from
     registers (:data:`WGMMA_RA_CONFIG`).
+    ``mma_sync``: run :mod:`mla_planner.kernels.fp8_mma`'s kernel, both dots' key operands
+    gathered straight into ``mma.sync`` registers (:data:`MMA_CONFIG`, its only layout).
     """
 
     block_n: int = 32
@@ -142,9 +147,13 @@ class KernelConfig:
     wgmma: bool = False
     warp_specialized: bool = False
     a_in_registers: bool = False
+    mma_sync: bool = False
 
     def __post_init__(self) -> None:
         check_launch(self.block_n, self.num_warps, self.num_stages)
+        if self.mma_sync and (self.wgmma or any(getattr(self, name) != value for name, value in _MMA_FIXED.items())):
+            fixed = KernelConfig(**_MMA_FIXED, mma_sync=True).label()  # type: ignore[arg-type]
+            raise ValueError(f"the mma.sync kernel takes only '{fixed}', got {self.label()!r}")
         if self.wgmma and any(getattr(self, name) != value for name, value in _WGMMA_FIXED.items()):
             fixed = KernelConfig(**_WGMMA_FIXED, wgmma=True).label()  # type: ignore[arg-type]
             raise ValueError(f"the wgmma kernel takes only '{fixed}' (+ hb16 or hb32), got {self.label()!r}")
@@ -194,6 +203,8 @@ class KernelConfig:
             parts.append("ws")
         if self.a_in_registers:
             parts.append("ra")
+        if self.mma_sync:
+            parts.append("mma")
         return " ".join(parts)
 
     @classmethod
@@ -213,6 +224,9 @@ class KernelConfig:
                 continue
             if part == "ra":
                 fields["a_in_registers"] = True
+                continue
+            if part == "mma":
+                fields["mma_sync"] = True
                 continue
             if part in DEQUANT_MODES:
                 fields["dequant"] = part
@@ -235,6 +249,9 @@ WGMMA_WS_CONFIG = KernelConfig(**_WGMMA_FIXED, wgmma=True, warp_specialized=True
 WGMMA_RA_CONFIG = KernelConfig(**_WGMMA_FIXED, wgmma=True, a_in_registers=True)  # type: ignore[arg-type]
 """The wgmma kernel with the score dot's key block in registers (one shared read of the tile a
 block, not two)."""
+MMA_CONFIG = KernelConfig(**_MMA_FIXED, mma_sync=True)  # type: ignore[arg-type]
+"""The ``mma.sync`` kernel with every key byte gathered straight into registers
+(:mod:`mla_planner.kernels.fp8_mma`), the only config it takes."""
 
 DEFAULT_CONFIG = KernelConfig()
 """Chosen, before any timing, as the config that compiles for sm90 without register spills at both
@@ -659,6 +676,12 @@ def _attend(
     # Absent optional inputs get a stand-in pointer of the same dtype, never read (HAS_* False).
     # Read-only inputs stand in: Triton's interpreter copies every argument back after the run,
     # so passing an output twice would clobber it there.
+    if config.mma_sync:
+        _check(dequant == DEQUANT_MODES["f32"], "the mma.sync kernel has no bound probes")
+        from mla_planner.kernels import fp8_mma  # Gluon: imported only where asked for
+
+        fp8_mma.launch(q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, softmax_scale * LOG2E)
+        return out, lse
     if config.wgmma:
         _check(dequant == DEQUANT_MODES["f32"], "the wgmma kernel has no bound probes")
         from mla_planner.kernels import fp8_wgmma, fp8_wgmma_ws  # Gluon: imported only where asked for

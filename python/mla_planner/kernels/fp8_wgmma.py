@@ -319,11 +319,12 @@ def _wgmma_ra_kernel(
 
 def launch_kernel(kernel: Any, q: torch.Tensor, cache3: torch.Tensor, indices: torch.Tensor,
                   topk_length: torch.Tensor | None, attn_sink: torch.Tensor | None, out: torch.Tensor,
-                  lse: torch.Tensor, page_stride: int, scale_log2: float, block_h: int, **constexprs: Any) -> None:
-    """Launches ``kernel`` (this module's or fp8_wgmma_ws's: the same arguments) on arguments
-    :func:`mla_planner.kernels.fp8_direct.sparse_attention_fp8` has checked: ``cache3``
+                  lse: torch.Tensor, page_stride: int, scale_log2: float, block_h: int, block_n: int = BLOCK_N,
+                  **constexprs: Any) -> None:
+    """Launches ``kernel`` (this module's, fp8_wgmma_ws's or fp8_mma's: the same arguments) on
+    arguments :func:`mla_planner.kernels.fp8_direct.sparse_attention_fp8` has checked: ``cache3``
     ``(pages, page_size, 656)`` uint8, ``page_stride`` in bytes, ``block_h`` 16 or 32 heads a
-    program; ``constexprs``: the kernel's own."""
+    program, ``block_n`` top-k rows a loop step; ``constexprs``: the kernel's own."""
     num_tokens, num_heads, _ = q.shape
     num_pages, page_size, _ = cache3.shape
     kv_f32 = cache3.view(torch.float32)
@@ -338,7 +339,7 @@ def launch_kernel(kernel: Any, q: torch.Tensor, cache3: torch.Tensor, indices: t
         q.stride(0), q.stride(1), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         page_stride, page_stride // 4, page_stride // 2,
         scale_log2,
-        PAGE=page_size, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
+        PAGE=page_size, BLOCK_H=block_h, BLOCK_N=block_n,
         HAS_LENGTH=topk_length is not None, HAS_SINK=attn_sink is not None,
         **constexprs,
     )

@@ -1,0 +1,390 @@
+# Gluon kernels take untyped arguments (Gluon reads their annotations itself: gl.constexpr).
+# mypy: disable-error-code="untyped-decorator, no-untyped-def"
+"""The FP8-direct sparse MLA kernel with both dots from registers (``mma.sync``; Triton's Gluon).
+
+Same inputs, outputs and semantics as :mod:`mla_planner.kernels.fp8_direct`'s Triton kernel (its
+docstring); selected by a :class:`~mla_planner.kernels.fp8_direct.KernelConfig` with ``mma``.
+
+Why: the ``wgmma`` kernels stage every dequantised key block through a shared tile and read it
+twice (docs/fp8-direct.md); their L1/shared unit is the bound. Here no key byte goes through
+shared memory. A program is one token x 16 heads, four warps, and warp w owns the cache's scale
+tile w (columns [128 w, 128 w + 128)) in both dots:
+
+- the score dot: warp w multiplies its 128 query columns (held in registers as ``mma.sync``'s A
+  operand, in f16) by its 128 columns of each key row, gathered by 16-byte loads straight into
+  the B operand's registers (the dot's columns are renamed so that a thread's bytes are
+  contiguous; the query is loaded in the same order). The raw e4m3 bytes become f16 exactly
+  with no scale; the tile's scale multiplies the partial score. A quarter of the RoPE part rides
+  along in bf16. The four warps' partial scores are summed through shared memory (a score is
+  16 floats a key, against 1,152 bytes of key row);
+- the value dot: warp w accumulates its 128 output columns (O, 16 x 128 float32 a warp), with
+  the probabilities (times the key's tile scale) as the A operand straight from the score's
+  accumulator registers, and the same 128 columns of each key row gathered again (now an L1
+  hit) into the B operand's registers, keys paired as the MMA takes them.
+
+Both dots run in f16 with float32 accumulation: e4m3 values are exact in f16, and the query is
+scaled by a power of two per head before its cast so that it is exact too. The probabilities enter
+the value dot times their key's tile scale over the largest scale of that tile seen so far, so
+they stay at most 1. Keys come in chunks of 16 (the value dot's k-step), four chunks a softmax
+step; the partial scores of a step meet in one barrier.
+
+Measured on an H100 (docs/fp8-direct.md): correct, and slower than ``fp8_wgmma_ws`` (1.48x its
+time at 32,768 tokens x 16 heads), held by the gathers' latency with 8 warps an SM.
+
+This module imports torch and triton only; nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from mla_planner.kernels.fp8_wgmma import _cta_barrier, launch_kernel
+
+__all__ = ["BLOCK_H", "BLOCK_N", "launch"]
+
+BLOCK_H = 16
+"""Heads a program: the MMA's M. 32 heads run as two programs a token (each gathers the rows)."""
+BLOCK_N = 64
+"""Top-k rows a softmax step takes: four chunks of 16 (the value dot's k-step)."""
+NUM_WARPS = 4  # one a scale tile
+PREFETCH = True
+"""Whether each softmax step prefetches the next block's rows into L1 (``prefetch.global.L1``, at
+the step's end; their indices loaded at its start, and the first line of the indices after them
+prefetched), so that the next step's gathers need not wait on L2. Measured on an H100 at 32,768 x 16: 25.5 ms against 28.2."""
+MAX_REGS: int | None = None
+"""Triton's ``maxnreg`` for the launch (``None``: ptxas' choice, 255 with no spill: two programs an
+SM). Measured on an H100 at 32,768 x 16 with the prefetch: 168 (three programs, spilling) took
+27.4 ms, 128 took 56.7, against 25.5."""
+
+_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
+"""(warp = scale tile, heads, keys or output columns): ``mma.sync`` m16n8k16, warp w on batch w."""
+_A = gl.constexpr(gl.DotOperandLayout(0, _MMA.value, 2))
+_B = gl.constexpr(gl.DotOperandLayout(1, _MMA.value, 2))
+
+# The score dot's key chunk as loaded, (tile w, key n, lane % 4 = c, byte b): key n's bytes
+# [128 w + 32 c, + 32) in one thread, two 16-byte loads. Once the 32 bytes are renamed to the dot's
+# columns (_key_column) these are the registers of the B operand (tile, 128 columns, 16 keys).
+_KEY_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 0, 8], [0, 0, 0, 16], [0, 8, 0, 0]],
+    lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+    warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, 16, 4, 32]))
+# The RoPE part, (warp w, key n, c, 4 bf16): the warp's 16 RoPE columns [16 w, + 16), 8 bytes a
+# key a thread.
+_ROPE_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 8, 0, 0]],
+    lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+    warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, 16, 4, 4]))
+# The value dot's chunk as loaded, (tile w, k3, c, k0, g, j): key 8 k3 + 2 c + k0's bytes
+# [128 w + 16 g, + 16) in one thread, a 16-byte load. As (tile, key, output column 8 j + g) these
+# are the registers of the value dot's B operand.
+_VALUE_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 2], [0, 0, 0, 0, 0, 4], [0, 0, 0, 0, 0, 8],
+               [0, 0, 0, 1, 0, 0], [0, 1, 0, 0, 0, 0]],
+    lane_bases=[[0, 0, 1, 0, 0, 0], [0, 0, 2, 0, 0, 0], [0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 2, 0], [0, 0, 0, 0, 4, 0]],
+    warp_bases=[[1, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0]], block_bases=[], shape=[4, 2, 4, 2, 8, 16]))
+
+# The four tiles' partial scores of a chunk, (tile, heads, 16 keys), each thread the accumulator's
+# elements of all four tiles: summed in registers, they are the summed score in every warp.
+_ALL_PARTS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 8, 0], [0, 0, 8], [1, 0, 0], [2, 0, 0]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[0, 0, 0], [0, 0, 0]], block_bases=[], shape=[4, 16, 16]))
+# A head's 16 floats padded by 8: a half-warp's 8-byte accesses (4 heads x 4 key pairs) then fall on
+# 32 different banks.
+_PARTS = gl.constexpr(gl.PaddedSharedLayout([[16, 8]], [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0],
+                                                         [0, 2, 0], [0, 4, 0], [0, 8, 0], [1, 0, 0], [2, 0, 0]],
+                                            [], [4, 16, 16]))
+
+
+@gluon.jit
+def _key_column(k):
+    """The cache column (within a scale tile) that the score dot's column k reads: k's bits are
+    (b0, c0, c1, b1, b2, b3, b4) from the lowest, so that a thread's 32 registers of a key are its
+    bytes [32 c, 32 c + 32) in order."""
+    return 32 * ((k >> 1) & 3) + 4 * (k >> 4) + 2 * ((k >> 3) & 1) + (k & 1)
+
+
+@gluon.jit
+def _rope_column(k):
+    """The RoPE column (within a warp's 16) that the score dot's RoPE column k reads."""
+    return 4 * ((k >> 1) & 3) + 2 * (k >> 3) + (k & 1)
+
+
+@gluon.jit
+def _value_column(n):
+    """The cache column (within a scale tile) of the value dot's output column n = 8 j + g."""
+    return 16 * (n % 8) + n // 8
+
+
+@gluon.constexpr_function
+def _slice_all_but(layout, dim, rank):
+    """``layout`` with every dimension but ``dim`` sliced away, the highest first (as
+    :func:`_index` expands them back, the lowest first)."""
+    for d in reversed(range(rank)):
+        if d != dim:
+            layout = gl.SliceLayout(d, layout)
+    return layout
+
+
+@gluon.jit
+def _index(n: gl.constexpr, layout: gl.constexpr, dim: gl.constexpr, rank: gl.constexpr):
+    """0 .. n - 1 along ``dim`` of a rank-``rank`` tensor in ``layout`` (size 1 elsewhere)."""
+    x = gl.arange(0, n, layout=_slice_all_but(layout, dim, rank))
+    for d in gl.static_range(rank):
+        if d != dim:
+            x = gl.expand_dims(x, d)
+    return x
+
+
+@gluon.jit
+def _rows(idx_row, n, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
+    """Top-k entries n (any shape and layout): (each row's byte offset, valid). An invalid entry
+    points at row 0, so that a load needs no mask where its result is masked later."""
+    idx = gl.load(idx_row + n, mask=n < n_end, other=-1)
+    valid = (n < n_end) & (idx >= 0) & (idx < num_rows)
+    idx = gl.where(valid, idx, 0).to(gl.uint32)
+    if CONTIGUOUS:  # pages back to back: row idx of the whole cache
+        return idx.to(gl.int64) * 656, valid
+    return (idx // PAGE).to(gl.int64) * page_stride_u8 + (idx % PAGE).to(gl.int64) * 656, valid
+
+
+@gluon.jit
+def _load_query(q_ptr, t, h0, num_heads, stride_qt, stride_qh):
+    """The query as the score dot's A operands, (tile, heads, 128) f16 and the RoPE part (tile, heads,
+    16) bf16, both scaled per head by a power of two (exact; padded heads are 0), and the inverse
+    of that scale (heads,) in the summed score's layout."""
+    w = _index(4, _A, 0, 3)
+    head = h0 + _index(16, _A, 1, 3)
+    row = q_ptr + t * stride_qt + head * stride_qh
+    ok = head < num_heads
+    q = gl.load(row + 128 * w + _key_column(_index(128, _A, 2, 3)), mask=ok, other=0.0).to(gl.float32)
+    amax = gl.max(gl.max(gl.abs(q), axis=2), axis=0)
+    # 2^(14 - floor(log2 amax)) puts the largest NoPE value in [2^14, 2^15): every bf16 value of the
+    # head down to 2^-24 of it is exact in f16.
+    exp = gl.where(amax > 0.0, 14.0 - gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0))), 0.0)
+    up = gl.expand_dims(gl.expand_dims(gl.exp2(exp), 0), 2)
+    q16 = (q * up).to(gl.float16)
+    qr = gl.load(row + 512 + 16 * w + _rope_column(_index(16, _A, 2, 3)), mask=ok, other=0.0)
+    qr = (qr.to(gl.float32) * up).to(gl.bfloat16)
+    down = gl.convert_layout(gl.exp2(-exp), gl.SliceLayout(1, gl.SliceLayout(0, _MMA)))
+    return q16, qr, down
+
+
+@gluon.jit
+def _score_chunk(q16, qr, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr,
+                 CONTIGUOUS: gl.constexpr):
+    """Top-k entries [start, start + 16): (each tile's share of their scores (tile, heads, keys), in
+    the query's scaled units, -inf for an invalid key; the keys' tile scales (tile, keys))."""
+    # NoPE bytes: (tile, key, c, byte) -> B operand (tile, 128 renamed columns, key).
+    ld: gl.constexpr = _KEY_LOAD
+    row, _ = _rows(idx_row, start + _index(16, ld, 1, 4), n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    col = 128 * _index(4, ld, 0, 4) + 32 * _index(4, ld, 2, 4) + _index(32, ld, 3, 4)
+    x = gl.load(kv_u8 + row + col)
+    # RoPE (bytes [528, 656) of a row): (tile, key, c, 4 bf16) -> B operand (tile, 16 renamed columns, key).
+    lr: gl.constexpr = _ROPE_LOAD
+    row_r = gl.convert_layout(row, lr, assert_trivial=True)
+    col_r = 264 + 16 * _index(4, lr, 0, 4) + 4 * _index(4, lr, 2, 4) + _index(4, lr, 3, 4)
+    xr = gl.load((kv_u8 + row_r).to(gl.pointer_type(gl.bfloat16), bitcast=True) + col_r)
+    # The tile scales (float32 128 + w of a row) of the accumulator's keys, and which keys count.
+    ls: gl.constexpr = gl.SliceLayout(1, _MMA)
+    row_s, valid = _rows(idx_row, start + _index(16, ls, 1, 2), n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    scale = gl.load((kv_u8 + row_s).to(gl.pointer_type(gl.float32), bitcast=True) + 128 + _index(4, ls, 0, 2),
+                    mask=valid, other=0.0)
+
+    k = x.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    k = gl.reshape(gl.permute(gl.reshape(k, [4, 16, 4, 8, 2, 2]), [0, 1, 3, 4, 2, 5]), [4, 16, 128])
+    k = gl.convert_layout(gl.permute(k, [0, 2, 1]), _B, assert_trivial=True)
+    kr = gl.reshape(gl.permute(gl.reshape(xr, [4, 16, 4, 2, 2]), [0, 1, 3, 2, 4]), [4, 16, 16])
+    kr = gl.convert_layout(gl.permute(kr, [0, 2, 1]), _B, assert_trivial=True)
+    s = mma_v2(q16, k, gl.zeros([4, 16, 16], gl.float32, layout=_MMA))
+    s = mma_v2(qr, kr, s * gl.expand_dims(scale, 1))
+    return gl.where(gl.expand_dims(valid, 1), s, float("-inf")), scale
+
+
+@gluon.jit
+def _value_chunk(p, o, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr,
+                 CONTIGUOUS: gl.constexpr):
+    """o (tile, heads, 128 output columns in _value_column's order) += p (tile, heads, 16 keys) times
+    the chunk's e4m3 values of each tile."""
+    ld: gl.constexpr = _VALUE_LOAD
+    n = start + 8 * _index(2, ld, 1, 6) + 2 * _index(4, ld, 2, 6) + _index(2, ld, 3, 6)
+    row, valid = _rows(idx_row, n, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    col = 128 * _index(4, ld, 0, 6) + 16 * _index(8, ld, 4, 6) + _index(16, ld, 5, 6)
+    # Masked: an unused slot may hold NaN bytes, and 0 x NaN is NaN.
+    x = gl.load(kv_u8 + row + col, mask=valid, other=0)
+    v = x.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    v = gl.convert_layout(gl.reshape(gl.permute(v, [0, 1, 2, 3, 5, 4]), [4, 16, 128]), _B, assert_trivial=True)
+    return mma_v2(gl.convert_layout(p.to(gl.float16), _A), v, o)
+
+
+@gluon.jit
+def _summed(parts):
+    """A chunk's partial scores (tile, heads, 16 keys) from shared memory, summed over the tiles."""
+    return gl.convert_layout(gl.sum(parts.load(_ALL_PARTS), axis=0), gl.SliceLayout(0, _MMA), assert_trivial=True)
+
+
+@gluon.jit
+def _join(s0, s1, s2, s3):
+    """Four (heads, 16 keys) chunks -> (heads, 64 keys), the chunk in the key's register bits 4 and 5
+    (no data moves)."""
+    x = gl.join(gl.join(s0, s2), gl.join(s1, s3))  # (heads, 16, chunk bit 1, chunk bit 0)
+    x = gl.reshape(gl.permute(x, [0, 2, 3, 1]), [16, 64])
+    return gl.convert_layout(x, gl.SliceLayout(0, _MMA), assert_trivial=True)
+
+
+@gluon.jit
+def _chunks(p):
+    """(heads, 64 keys) -> its four (heads, 16 keys) chunks, in the summed score's layout (the
+    chunk is the key's register bits 4 and 5: no data moves)."""
+    x = gl.permute(gl.reshape(p, [16, 2, 2, 16]), [0, 3, 1, 2])
+    a, b = gl.split(x)
+    p0, p2 = gl.split(a)
+    p1, p3 = gl.split(b)
+    sl: gl.constexpr = gl.SliceLayout(0, _MMA)
+    return (gl.convert_layout(p0, sl, assert_trivial=True), gl.convert_layout(p1, sl, assert_trivial=True),
+            gl.convert_layout(p2, sl, assert_trivial=True), gl.convert_layout(p3, sl, assert_trivial=True))
+
+
+@gluon.jit
+def _prefetch_lines(ptrs, ok):
+    """``prefetch.global.L1`` of the lines of ``ptrs`` where ``ok``."""
+    gl.inline_asm_elementwise("@$2 prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l,b", [ptrs, ok],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _per_tile(x):
+    """(tiles,) -> (tiles, 1, 1) in the accumulator's layout."""
+    return gl.expand_dims(gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(1, gl.SliceLayout(2, _MMA))), 1), 2)
+
+
+@gluon.jit
+def _per_head(x):
+    """(heads,) -> (1, heads, 1) in the accumulator's layout."""
+    return gl.expand_dims(gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(0, gl.SliceLayout(2, _MMA))), 0), 2)
+
+
+@gluon.jit
+def _weights(p, scale, inv_unit):
+    """The value dot's A operand for a chunk: its probabilities (heads, 16) times each tile's key
+    scales (tile, 16) over the tile's unit."""
+    return gl.expand_dims(p, 0) * (gl.expand_dims(scale, 1) * _per_tile(inv_unit))
+
+
+@gluon.jit
+def _mma_kernel(
+    q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
+    num_heads, topk, num_rows,
+    stride_qt, stride_qh, stride_it, stride_ot, stride_oh, stride_lt, stride_lh,
+    page_stride_u8, page_stride_f32, page_stride_bf16,
+    scale_log2,
+    PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    HAS_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, CONTIGUOUS: gl.constexpr, PREFETCH: gl.constexpr,
+):
+    t = gl.program_id(0).to(gl.int64)
+    h0 = gl.program_id(1) * BLOCK_H
+    n_end = topk
+    if HAS_LENGTH:
+        n_end = gl.minimum(gl.load(len_ptr + t), topk)
+    idx_row = idx_ptr + t * stride_it
+    q16, qr, down = _load_query(q_ptr, t, h0, num_heads, stride_qt, stride_qh)
+    down = gl.expand_dims(down * scale_log2, 1)
+    # The tiles' partial scores of a block meet in shared memory, a buffer a chunk (one buffer's
+    # stores need no barrier for another's).
+    parts0 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
+    parts1 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
+    parts2 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
+    parts3 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
+
+    scores: gl.constexpr = gl.SliceLayout(0, _MMA)  # (heads, keys) of a summed score
+    m = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, scores))
+    l = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, scores))
+    # O of tile w is acc[w] x unit[w]: the probabilities enter the f16 value dot times their key's
+    # tile scale over the largest tile scale seen so far (unit), so that they stay at most 1.
+    unit = gl.zeros([4], gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(1, _MMA)))
+    acc = gl.zeros([4, 16, 128], gl.float32, layout=_MMA)
+    # The prefetch's (64 keys, 2 row halves), one a thread: the next block's rows, three 128-byte
+    # lines a thread, their indices loaded at the step's start, the rows prefetched at its end.
+    pl: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
+    half = 384 * _index(2, pl, 1, 2)
+    for start in range(0, n_end, BLOCK_N):
+        if PREFETCH:
+            _prefetch_lines(idx_row + start + 2 * BLOCK_N + _index(1, pl, 0, 2), start + 2 * BLOCK_N < n_end)
+            next_row, next_ok = _rows(idx_row, start + BLOCK_N + _index(64, pl, 0, 2), n_end, num_rows,
+                                      page_stride_u8, PAGE, CONTIGUOUS)
+        s, scale0 = _score_chunk(q16, qr, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+        parts0.store(s)
+        s, scale1 = _score_chunk(q16, qr, kv_u8, idx_row, start + 16, n_end, num_rows, page_stride_u8, PAGE,
+                                 CONTIGUOUS)
+        parts1.store(s)
+        s, scale2 = _score_chunk(q16, qr, kv_u8, idx_row, start + 32, n_end, num_rows, page_stride_u8, PAGE,
+                                 CONTIGUOUS)
+        parts2.store(s)
+        s, scale3 = _score_chunk(q16, qr, kv_u8, idx_row, start + 48, n_end, num_rows, page_stride_u8, PAGE,
+                                 CONTIGUOUS)
+        parts3.store(s)
+        _cta_barrier()
+        s = _join(_summed(parts0), _summed(parts1), _summed(parts2), _summed(parts3)) * down
+        # The online softmax step (base 2).
+        m_new = gl.maximum(m, gl.max(s, axis=1))
+        # A head with no valid key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l = l * alpha + gl.sum(p, axis=1)
+        m = m_new
+        unit_new = gl.maximum(gl.maximum(unit, gl.maximum(gl.max(scale0, axis=1), gl.max(scale1, axis=1))),
+                              gl.maximum(gl.max(scale2, axis=1), gl.max(scale3, axis=1)))
+        inv_unit = gl.where(unit_new > 0.0, 1.0 / unit_new, 0.0)
+        acc = acc * (_per_tile(gl.where(unit_new > 0.0, unit * inv_unit, 1.0)) * _per_head(alpha))
+        unit = unit_new
+        p0, p1, p2, p3 = _chunks(p)
+        acc = _value_chunk(_weights(p0, scale0, inv_unit), acc, kv_u8, idx_row, start, n_end, num_rows,
+                           page_stride_u8, PAGE, CONTIGUOUS)
+        acc = _value_chunk(_weights(p1, scale1, inv_unit), acc, kv_u8, idx_row, start + 16, n_end, num_rows,
+                           page_stride_u8, PAGE, CONTIGUOUS)
+        acc = _value_chunk(_weights(p2, scale2, inv_unit), acc, kv_u8, idx_row, start + 32, n_end, num_rows,
+                           page_stride_u8, PAGE, CONTIGUOUS)
+        acc = _value_chunk(_weights(p3, scale3, inv_unit), acc, kv_u8, idx_row, start + 48, n_end, num_rows,
+                           page_stride_u8, PAGE, CONTIGUOUS)
+        if PREFETCH:
+            for i in gl.static_range(3):
+                _prefetch_lines(kv_u8 + next_row + half + 128 * i, next_ok & (half + 128 * i < 656))
+
+    _epilogue(acc, unit, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt,
+              stride_lh, HAS_SINK)
+
+
+@gluon.jit
+def _epilogue(acc, unit, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt,
+              stride_lh, HAS_SINK: gl.constexpr):
+    """lse and O = acc x unit / (l + the sink's weight), each tile's columns back in cache order."""
+    has_keys = l > 0.0
+    heads = h0 + gl.arange(0, 16, layout=m.type.layout)
+    head_ok = heads < num_heads
+    denom = l
+    if HAS_SINK:
+        sink = gl.load(sink_ptr + heads, mask=head_ok, other=float("-inf"))
+        m_fin = gl.where(has_keys, m, 0.0)
+        denom = l + gl.exp2(sink * 1.4426950408889634 - m_fin)
+    inv = gl.where(has_keys, 1.0 / denom, 0.0)
+    lse = gl.where(has_keys, (m + gl.log2(gl.where(has_keys, l, 1.0))) * 0.6931471805599453, float("inf"))
+    gl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
+    o = (acc * (_per_tile(unit) * _per_head(inv))).to(gl.bfloat16)
+    h = h0 + _index(16, _MMA, 1, 3)
+    col = 128 * _index(4, _MMA, 0, 3) + _value_column(_index(128, _MMA, 2, 3))
+    gl.store(out_ptr + t * stride_ot + h * stride_oh + col, o, mask=h < num_heads)
+
+
+def launch(q: torch.Tensor, cache3: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None,
+           attn_sink: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, page_stride: int,
+           scale_log2: float) -> None:
+    """This module's kernel, as :func:`mla_planner.kernels.fp8_wgmma.launch_kernel` says, 16 heads a
+    program."""
+    launch_kernel(_mma_kernel, q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, scale_log2,
+                  BLOCK_H, block_n=BLOCK_N, CONTIGUOUS=page_stride == cache3.shape[1] * 656, PREFETCH=PREFETCH,
+                  num_warps=NUM_WARPS,
+                  **({} if MAX_REGS is None else {"maxnreg": MAX_REGS}))
