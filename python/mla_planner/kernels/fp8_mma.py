@@ -50,10 +50,11 @@ BLOCK_H = 16
 BLOCK_N = 64
 """Top-k rows a softmax step takes: four chunks of 16 (the value dot's k-step)."""
 NUM_WARPS = 4  # one a scale tile
-PREFETCH = True
-"""Whether each softmax step prefetches the next block's rows into L1 (``prefetch.global.L1``, at
-the step's end; their indices loaded at its start, and the first line of the indices after them
-prefetched), so that the next step's gathers need not wait on L2. Measured on an H100 at 32,768 x 16: 25.5 ms against 28.2."""
+PREFETCH = 1
+"""How many blocks ahead a softmax step prefetches rows into L1 (``prefetch.global.L1``, at the
+step's end; their indices loaded at its start, and the indices a block further on prefetched), so
+that a step's gathers need not wait on L2; 0: none. Measured on an H100 at 32,768 x 16: 1 block
+ahead took 25.5 ms against 28.2 with none."""
 MAX_REGS: int | None = None
 """Triton's ``maxnreg`` for the launch (``None``: ptxas' choice, 255 with no spill: two programs an
 SM). Measured on an H100 at 32,768 x 16 with the prefetch: 168 (three programs, spilling) took
@@ -284,6 +285,7 @@ def _mma_kernel(
     PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     HAS_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, CONTIGUOUS: gl.constexpr, PREFETCH: gl.constexpr,
 ):
+    """:mod:`mla_planner.kernels.fp8_mma`'s kernel; ``PREFETCH``: blocks ahead that a step prefetches."""
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
     n_end = topk
@@ -306,14 +308,15 @@ def _mma_kernel(
     # tile scale over the largest tile scale seen so far (unit), so that they stay at most 1.
     unit = gl.zeros([4], gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(1, _MMA)))
     acc = gl.zeros([4, 16, 128], gl.float32, layout=_MMA)
-    # The prefetch's (64 keys, 2 row halves), one a thread: the next block's rows, three 128-byte
-    # lines a thread, their indices loaded at the step's start, the rows prefetched at its end.
+    # The prefetch's (64 keys, 2 row halves), one a thread: a block's rows, three 128-byte lines a
+    # thread, their indices loaded at the step's start, the rows prefetched at its end.
     pl: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
     half = 384 * _index(2, pl, 1, 2)
     for start in range(0, n_end, BLOCK_N):
-        if PREFETCH:
-            _prefetch_lines(idx_row + start + 2 * BLOCK_N + _index(1, pl, 0, 2), start + 2 * BLOCK_N < n_end)
-            next_row, next_ok = _rows(idx_row, start + BLOCK_N + _index(64, pl, 0, 2), n_end, num_rows,
+        if PREFETCH > 0:
+            further: gl.constexpr = (PREFETCH + 1) * BLOCK_N
+            _prefetch_lines(idx_row + start + further + _index(1, pl, 0, 2), start + further < n_end)
+            next_row, next_ok = _rows(idx_row, start + PREFETCH * BLOCK_N + _index(64, pl, 0, 2), n_end, num_rows,
                                       page_stride_u8, PAGE, CONTIGUOUS)
         s, scale0 = _score_chunk(q16, qr, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
         parts0.store(s)
@@ -350,7 +353,7 @@ def _mma_kernel(
                            page_stride_u8, PAGE, CONTIGUOUS)
         acc = _value_chunk(_weights(p3, scale3, inv_unit), acc, kv_u8, idx_row, start + 48, n_end, num_rows,
                            page_stride_u8, PAGE, CONTIGUOUS)
-        if PREFETCH:
+        if PREFETCH > 0:
             for i in gl.static_range(3):
                 _prefetch_lines(kv_u8 + next_row + half + 128 * i, next_ok & (half + 128 * i < 656))
 
