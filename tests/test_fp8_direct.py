@@ -364,7 +364,7 @@ def test_the_mma_kernel_compiles_for_sm90() -> None:
 
     compiled = compile_wgmma(16, "mma")
     ptx = compiled.asm["ptx"]
-    assert "wgmma" not in ptx
+    assert "wgmma.mma_async" not in ptx
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert "ld.global.v4.b32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx

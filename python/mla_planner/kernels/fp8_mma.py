@@ -41,7 +41,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from mla_planner.kernels.fp8_wgmma import _cta_barrier, launch_kernel
+from mla_planner.kernels.fp8_wgmma import _cta_barrier, launch_kernel, store_lse
 
 __all__ = ["BLOCK_H", "BLOCK_N", "launch"]
 
@@ -365,17 +365,8 @@ def _mma_kernel(
 def _epilogue(acc, unit, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt,
               stride_lh, HAS_SINK: gl.constexpr):
     """lse and O = acc x unit / (l + the sink's weight), each tile's columns back in cache order."""
-    has_keys = l > 0.0
     heads = h0 + gl.arange(0, 16, layout=m.type.layout)
-    head_ok = heads < num_heads
-    denom = l
-    if HAS_SINK:
-        sink = gl.load(sink_ptr + heads, mask=head_ok, other=float("-inf"))
-        m_fin = gl.where(has_keys, m, 0.0)
-        denom = l + gl.exp2(sink * 1.4426950408889634 - m_fin)
-    inv = gl.where(has_keys, 1.0 / denom, 0.0)
-    lse = gl.where(has_keys, (m + gl.log2(gl.where(has_keys, l, 1.0))) * 0.6931471805599453, float("inf"))
-    gl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
+    inv = store_lse(m, l, heads, sink_ptr, lse_ptr, t, num_heads, stride_lt, stride_lh, HAS_SINK)
     o = (acc * (_per_tile(unit) * _per_head(inv))).to(gl.bfloat16)
     h = h0 + _index(16, _MMA, 1, 3)
     col = 128 * _index(4, _MMA, 0, 3) + _value_column(_index(128, _MMA, 2, 3))

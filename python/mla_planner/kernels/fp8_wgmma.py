@@ -32,7 +32,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-__all__ = ["BLOCK_N", "attend_block", "epilogue", "gather_block", "gather_rope", "launch", "launch_kernel", "load_query", "softmax_step"]
+__all__ = ["BLOCK_N", "attend_block", "epilogue", "gather_block", "gather_rope", "launch", "launch_kernel", "load_query", "softmax_step",
+           "store_lse"]
 
 BLOCK_N = 64
 """Top-k rows a loop iteration takes: the key block is the MMA's M side, and ``wgmma``'s M is 64
@@ -142,22 +143,30 @@ def attend_block(s, m, l, acc, k_smem, p_smem, idx_row, start, n_end, num_rows, 
 
 
 @gluon.jit
-def epilogue(acc, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
-             BLOCK_H: gl.constexpr, HAS_SINK: gl.constexpr):
-    """lse and the output O = acc / (l + the sink's weight) from O^T's (512, heads) accumulator."""
-    mma: gl.constexpr = acc.type.layout
-    out_l: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [1, 4], [0, 1])  # (512, heads)
+def store_lse(m, l, heads, sink_ptr, lse_ptr, t, num_heads, stride_lt, stride_lh, HAS_SINK: gl.constexpr):
+    """Stores the heads' lse (natural log; +inf for a head with no valid key) from the softmax's
+    running max m and sum l (base 2), and returns the output's factor 1 / (l + the sink's weight),
+    0 for a head with no valid key."""
     has_keys = l > 0.0
-    heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma))
     head_ok = heads < num_heads
     denom = l
     if HAS_SINK:
         sink = gl.load(sink_ptr + heads, mask=head_ok, other=float("-inf"))
         m_fin = gl.where(has_keys, m, 0.0)
         denom = l + gl.exp2(sink * 1.4426950408889634 - m_fin)
-    inv = gl.where(has_keys, 1.0 / denom, 0.0)
     lse = gl.where(has_keys, (m + gl.log2(gl.where(has_keys, l, 1.0))) * 0.6931471805599453, float("inf"))
     gl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
+    return gl.where(has_keys, 1.0 / denom, 0.0)
+
+
+@gluon.jit
+def epilogue(acc, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
+             BLOCK_H: gl.constexpr, HAS_SINK: gl.constexpr):
+    """lse and the output O = acc / (l + the sink's weight) from O^T's (512, heads) accumulator."""
+    mma: gl.constexpr = acc.type.layout
+    out_l: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [1, 4], [0, 1])  # (512, heads)
+    heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma))
+    inv = store_lse(m, l, heads, sink_ptr, lse_ptr, t, num_heads, stride_lt, stride_lh, HAS_SINK)
     o = gl.convert_layout((acc * inv[None, :]).to(gl.bfloat16), out_l)
     ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_l))
     do = gl.arange(0, 512, layout=gl.SliceLayout(1, out_l))
