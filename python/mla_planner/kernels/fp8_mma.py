@@ -56,8 +56,8 @@ step's end; their indices loaded at its start, and the indices a block further o
 that a step's gathers need not wait on L2; 0: none. Measured on an H100 at 32,768 x 16: 1 block
 ahead took 25.5 ms against 28.2 with none."""
 MAX_REGS: int | None = None
-"""Triton's ``maxnreg`` for the launch (``None``: ptxas' choice, 255 with no spill: two programs an
-SM). Measured on an H100 at 32,768 x 16 with the prefetch: 168 (three programs, spilling) took
+"""Triton's ``maxnreg`` for the launch (``None``: ptxas' choice, 255, with no spill under Triton 3.6:
+two programs an SM). Measured on an H100 at 32,768 x 16 with the prefetch: 168 (three programs, spilling) took
 27.4 ms, 128 took 56.7, against 25.5."""
 
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
