@@ -185,7 +185,8 @@ class KernelConfig:
         """Short name for tables: ``n64 w8 s2 hm`` (``km`` for keys_as_m), ``hb16`` if set, the
         dequant mode if not the default ``f32`` (``n32 w4 s2 hm bits``), then ``sv4`` for the
         16-byte scale load, ``dv2`` for a split output, ``r168`` for a register cap, ``wg`` for the
-        warpgroup-MMA kernel, ``ws`` for its warp-specialised variant."""
+        warpgroup-MMA kernel, ``ws`` and ``ra`` for its warp-specialised and register-operand
+        variants, ``mma`` for the ``mma.sync`` kernel."""
         parts = [f"n{self.block_n}", f"w{self.num_warps}", f"s{self.num_stages}", "km" if self.keys_as_m else "hm"]
         if self.head_block is not None:
             parts.append(f"hb{self.head_block}")
