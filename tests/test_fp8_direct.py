@@ -375,6 +375,31 @@ def test_the_mma_kernel_compiles_for_sm90() -> None:
     assert int(spill) <= 8
 
 
+def test_the_staged_mma_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU: with ``STAGE_ROWS`` the mma.sync kernel copies each block's rows by 16-byte
+    ``cp.async`` that zero-fills an invalid entry's (a source-size operand), reads both dots'
+    operands from shared memory by 16-byte loads and gathers nothing itself; its shared memory
+    (two stages of 64 rows of 656 bytes, and the partial scores) leaves room for two programs an SM
+    (227 KB), and it does not spill."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fp8_direct_bench import compile_wgmma, ptxas_usage
+
+    from mla_planner.kernels import fp8_mma
+
+    monkeypatch.setattr(fp8_mma, "STAGE_ROWS", True)
+    compiled = compile_wgmma(16, "mma")
+    ptx = compiled.asm["ptx"]
+    copies = [line for line in ptx.splitlines() if "cp.async.cg.shared.global" in line]
+    assert copies and all(line.rstrip(";").split(",")[-2].strip() == "0x10" and "%r" in line.split(",")[-1]
+                          for line in copies)
+    assert "cp.async.wait_group" in ptx and "ld.shared.v4.b32" in ptx
+    assert "ld.global.v4.b32" not in ptx and "prefetch.global" not in ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert 2 * 64 * 656 < compiled.metadata.shared <= (227 * 1024) // 2
+    import triton
+    _, spill = ptxas_usage(ptx, Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
+    assert spill == "0"
+
 @pytest.mark.parametrize("variant", ["wg", "ws", "ra"])
 @pytest.mark.parametrize("heads", [16, 32])
 def test_the_wgmma_kernels_compile_for_sm90(heads: int, variant: str) -> None:

@@ -28,8 +28,13 @@ the value dot times their key's tile scale over the largest scale of that tile s
 they stay at most 1. Keys come in chunks of 16 (the value dot's k-step), four chunks a softmax
 step; the partial scores of a step meet in one barrier.
 
-Measured on an H100 (docs/fp8-direct.md): correct, and slower than ``fp8_wgmma_ws`` (1.48x its
-time at 32,768 tokens x 16 heads), held by the gathers' latency with 8 warps an SM.
+Measured on an H100 and an H200 (docs/fp8-direct.md): correct, and slower than ``fp8_wgmma_ws``
+(1.48x its time at 32,768 tokens x 16 heads), held by the gathers' latency with 8 warps an SM.
+
+:data:`STAGE_ROWS` selects a second kernel with the same dots (:func:`_mma_staged_kernel`): each
+block's rows are copied by ``cp.async`` into shared memory while the block before runs, so that no
+warp waits on a gather. It compiles without spilling and leaves two programs an SM; it has not run
+on a GPU yet, so it is off.
 
 This module imports torch and triton only; nothing here runs at import time.
 """
@@ -39,7 +44,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from mla_planner.kernels.fp8_wgmma import _cta_barrier, launch_kernel, store_lse
 
@@ -59,6 +64,15 @@ MAX_REGS: int | None = None
 """Triton's ``maxnreg`` for the launch (``None``: ptxas' choice, 255, with no spill under Triton 3.6:
 two programs an SM). Measured on an H100 at 32,768 x 16 with the prefetch: 168 (three programs, spilling) took
 27.4 ms, 128 took 56.7, against 25.5."""
+
+STAGE_ROWS = False
+"""Copy each block's rows into shared memory one block ahead (``cp.async``, two stages) and run
+both dots from there (:func:`_mma_staged_kernel`), in place of gathering them from global memory
+into registers with an L1 prefetch (:func:`_mma_kernel`). Off until a GPU has checked and timed it
+(docs/fp8-direct.md)."""
+
+# Triton 3.8 renamed Gluon's cp.async (3.6: async_copy_global_to_shared).
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
 """(warp = scale tile, heads, keys or output columns): ``mma.sync`` m16n8k16, warp w on batch w."""
@@ -99,6 +113,49 @@ _PARTS = gl.constexpr(gl.PaddedSharedLayout([[16, 8]], [[0, 0, 1], [0, 0, 2], [0
                                                          [0, 2, 0], [0, 4, 0], [0, 8, 0], [1, 0, 0], [2, 0, 0]],
                                             [], [4, 16, 16]))
 
+
+# The staged kernel's shared buffers: two stages of a block's 64 rows, the NoPE bytes (u8, 512 a
+# key), the RoPE part (bf16, 64 a key) and the tile scales (float32, 4 a key). Each has a view as
+# copied, (2 stages, 64 keys, columns), and a view a chunk for the loads, (2 stages x 4 chunks, the
+# load's shape), the leading dimension outermost (Gluon indexes that one only). In each, key bits
+# 0..n-1 are XORed into the column bits from `shift` on, so that a quarter-warp's 16-byte
+# accesses (keys 512 or 128 bytes apart) meet distinct banks.
+def _staged(dims: list[list[tuple[str, int]]], col_bits: int, key_bits: int, n: int, shift: int) -> gl.SharedLinearLayout:
+    """The layout of a view of one stage's (64 keys, 2**col_bits columns), or of one chunk's if
+    ``key_bits`` is 4: ``dims`` says, for each dimension of the view and from its lowest bit, which
+    bit of the buffer's ("key" or "col") it is."""
+    where = {bit: (d, j) for d, bits in enumerate(dims) for j, bit in enumerate(bits)}
+
+    def coords(*bits: tuple[str, int]) -> list[int]:
+        c = [0] * len(dims)
+        for bit in bits:
+            d, j = where[bit]
+            c[d] |= 1 << j
+        return c
+
+    bases = [coords(("col", i)) for i in range(col_bits)]
+    return gl.SharedLinearLayout(bases + [coords(("key", j), *([("col", shift + j)] if j < n else []))
+                                          for j in range(key_bits)])
+
+
+def _bits(space: str, *bits: int) -> list[tuple[str, int]]:
+    return [(space, b) for b in bits]
+
+
+_NOPE = gl.constexpr(_staged([_bits("key", *range(6)), _bits("col", *range(9))], 9, 6, 3, 4))
+_NOPE_KEYS = gl.constexpr(_staged([_bits("col", 7, 8), _bits("key", 0, 1, 2, 3), _bits("col", 5, 6),
+                                   _bits("col", *range(5))], 9, 4, 3, 4))  # _KEY_LOAD's shape
+_NOPE_VALUES = gl.constexpr(_staged([_bits("col", 7, 8), _bits("key", 3), _bits("key", 1, 2), _bits("key", 0),
+                                     _bits("col", 4, 5, 6), _bits("col", 0, 1, 2, 3)], 9, 4, 3, 4))  # _VALUE_LOAD's
+_ROPE = gl.constexpr(_staged([_bits("key", *range(6)), _bits("col", *range(6))], 6, 6, 2, 4))
+_ROPE_KEYS = gl.constexpr(_staged([_bits("col", 4, 5), _bits("key", 0, 1, 2, 3), _bits("col", 2, 3),
+                                   _bits("col", 0, 1)], 6, 4, 2, 4))  # _ROPE_LOAD's shape
+_SCALES = gl.constexpr(_staged([_bits("key", *range(6)), _bits("col", 0, 1)], 2, 6, 0, 0))
+_SCALE_KEYS = gl.constexpr(_staged([_bits("col", 0, 1), _bits("key", 0, 1, 2, 3)], 2, 4, 0, 0))  # (tile, 16 keys)
+# The copies' layouts: 16 bytes a thread (8 for the scales), consecutive lanes along a row.
+_NOPE_COPY = gl.constexpr(gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0]))
+_ROPE_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+_SCALE_COPY = gl.constexpr(gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0]))
 
 @gluon.jit
 def _key_column(k):
@@ -141,12 +198,18 @@ def _index(n: gl.constexpr, layout: gl.constexpr, dim: gl.constexpr, rank: gl.co
 
 
 @gluon.jit
+def _valid(idx_row, n, n_end, num_rows):
+    """Top-k entries n (any shape and layout): (their rows, 0 where invalid; which are valid)."""
+    idx = gl.load(idx_row + n, mask=n < n_end, other=-1)
+    valid = (n < n_end) & (idx >= 0) & (idx < num_rows)
+    return gl.where(valid, idx, 0).to(gl.uint32), valid
+
+
+@gluon.jit
 def _rows(idx_row, n, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
     """Top-k entries n (any shape and layout): (each row's byte offset, valid). An invalid entry
     points at row 0, so that a load needs no mask where its result is masked later."""
-    idx = gl.load(idx_row + n, mask=n < n_end, other=-1)
-    valid = (n < n_end) & (idx >= 0) & (idx < num_rows)
-    idx = gl.where(valid, idx, 0).to(gl.uint32)
+    idx, valid = _valid(idx_row, n, n_end, num_rows)
     if CONTIGUOUS:  # pages back to back: row idx of the whole cache
         return idx.to(gl.int64) * 656, valid
     return (idx // PAGE).to(gl.int64) * page_stride_u8 + (idx % PAGE).to(gl.int64) * 656, valid
@@ -177,14 +240,14 @@ def _load_query(q_ptr, t, h0, num_heads, stride_qt, stride_qh):
 @gluon.jit
 def _score_chunk(q16, qr, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr,
                  CONTIGUOUS: gl.constexpr):
-    """Top-k entries [start, start + 16): (each tile's share of their scores (tile, heads, keys), in
-    the query's scaled units, -inf for an invalid key; the keys' tile scales (tile, keys))."""
-    # NoPE bytes: (tile, key, c, byte) -> B operand (tile, 128 renamed columns, key).
+    """Top-k entries [start, start + 16), gathered from the cache: :func:`_score_dot`'s scores, and
+    the keys' tile scales (tile, keys)."""
+    # NoPE bytes (tile, key, c, byte).
     ld: gl.constexpr = _KEY_LOAD
     row, _ = _rows(idx_row, start + _index(16, ld, 1, 4), n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
     col = 128 * _index(4, ld, 0, 4) + 32 * _index(4, ld, 2, 4) + _index(32, ld, 3, 4)
     x = gl.load(kv_u8 + row + col)
-    # RoPE (bytes [528, 656) of a row): (tile, key, c, 4 bf16) -> B operand (tile, 16 renamed columns, key).
+    # RoPE (bytes [528, 656) of a row): (tile, key, c, 4 bf16).
     lr: gl.constexpr = _ROPE_LOAD
     row_r = gl.convert_layout(row, lr, assert_trivial=True)
     col_r = 264 + 16 * _index(4, lr, 0, 4) + 4 * _index(4, lr, 2, 4) + _index(4, lr, 3, 4)
@@ -194,7 +257,15 @@ def _score_chunk(q16, qr, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8
     row_s, valid = _rows(idx_row, start + _index(16, ls, 1, 2), n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
     scale = gl.load((kv_u8 + row_s).to(gl.pointer_type(gl.float32), bitcast=True) + 128 + _index(4, ls, 0, 2),
                     mask=valid, other=0.0)
+    return _score_dot(q16, qr, x, xr, scale, valid), scale
 
+
+@gluon.jit
+def _score_dot(q16, qr, x, xr, scale, valid):
+    """Each tile's share of 16 keys' scores (tile, heads, keys), in the query's scaled units, -inf
+    for an invalid key, from the keys' NoPE bytes x (tile, key, c, byte; :data:`_KEY_LOAD`), RoPE
+    xr (:data:`_ROPE_LOAD`) and tile scales (tile, keys)."""
+    # NoPE: -> B operand (tile, 128 renamed columns, key); RoPE: -> (tile, 16 renamed columns, key).
     k = x.to(gl.float8e4nv, bitcast=True).to(gl.float16)
     k = gl.reshape(gl.permute(gl.reshape(k, [4, 16, 4, 8, 2, 2]), [0, 1, 3, 4, 2, 5]), [4, 16, 128])
     k = gl.convert_layout(gl.permute(k, [0, 2, 1]), _B, assert_trivial=True)
@@ -202,24 +273,63 @@ def _score_chunk(q16, qr, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8
     kr = gl.convert_layout(gl.permute(kr, [0, 2, 1]), _B, assert_trivial=True)
     s = mma_v2(q16, k, gl.zeros([4, 16, 16], gl.float32, layout=_MMA))
     s = mma_v2(qr, kr, s * gl.expand_dims(scale, 1))
-    return gl.where(gl.expand_dims(valid, 1), s, float("-inf")), scale
+    return gl.where(gl.expand_dims(valid, 1), s, float("-inf"))
 
 
 @gluon.jit
 def _value_chunk(p, o, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr,
                  CONTIGUOUS: gl.constexpr):
-    """o (tile, heads, 128 output columns in _value_column's order) += p (tile, heads, 16 keys) times
-    the chunk's e4m3 values of each tile."""
+    """:func:`_value_dot` of top-k entries [start, start + 16), gathered from the cache."""
     ld: gl.constexpr = _VALUE_LOAD
     n = start + 8 * _index(2, ld, 1, 6) + 2 * _index(4, ld, 2, 6) + _index(2, ld, 3, 6)
     row, valid = _rows(idx_row, n, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
     col = 128 * _index(4, ld, 0, 6) + 16 * _index(8, ld, 4, 6) + _index(16, ld, 5, 6)
     # Masked: an unused slot may hold NaN bytes, and 0 x NaN is NaN.
-    x = gl.load(kv_u8 + row + col, mask=valid, other=0)
+    return _value_dot(p, o, gl.load(kv_u8 + row + col, mask=valid, other=0))
+
+
+@gluon.jit
+def _value_dot(p, o, x):
+    """o (tile, heads, 128 output columns in _value_column's order) += p (tile, heads, 16 keys) times
+    the e4m3 values x of each tile (:data:`_VALUE_LOAD`)."""
     v = x.to(gl.float8e4nv, bitcast=True).to(gl.float16)
     v = gl.convert_layout(gl.reshape(gl.permute(v, [0, 1, 2, 3, 5, 4]), [4, 16, 128]), _B, assert_trivial=True)
     return mma_v2(gl.convert_layout(p.to(gl.float16), _A), v, o)
 
+
+@gluon.jit
+def _copy_rows(smem, ptr, idx_row, keys, cols: gl.constexpr, layout: gl.constexpr, n_end, num_rows, page_stride_u8,
+               PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
+    """Starts copying (``cp.async``) columns [0, cols) of each row of top-k entries ``keys`` (64) on
+    from ``ptr`` (the row's start) into ``smem`` (64, cols) in ``layout``; an invalid entry's as
+    zeros (its slot may hold NaN bytes, and 0 x NaN is NaN)."""
+    # The rows a thread copies, before broadcasting over its columns (each index loaded once).
+    row, ok = _rows(idx_row, keys + gl.arange(0, 64, layout=gl.SliceLayout(1, layout)), n_end, num_rows,
+                    page_stride_u8, PAGE, CONTIGUOUS)
+    col = _index(cols, layout, 1, 2)
+    rows = (ptr + gl.expand_dims(row, 1)).to(gl.pointer_type(smem.dtype), bitcast=True)
+    _async_load(smem, rows + col, mask=gl.expand_dims(ok, 1) & (col < cols))
+
+
+@gluon.jit
+def _stage_rows(nope, rope, scales, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr,
+                CONTIGUOUS: gl.constexpr):
+    """Starts copying the rows of top-k entries [start, start + 64) into one stage: NoPE bytes
+    [0, 512), scales [512, 528) and RoPE [528, 656) of each row."""
+    _copy_rows(nope, kv_u8, idx_row, start, 512, _NOPE_COPY, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    _copy_rows(rope, kv_u8 + 528, idx_row, start, 64, _ROPE_COPY, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    _copy_rows(scales, kv_u8 + 512, idx_row, start, 4, _SCALE_COPY, n_end, num_rows, page_stride_u8, PAGE,
+               CONTIGUOUS)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _staged_score(q16, qr, nope, rope, scales, idx_row, start, n_end, num_rows):
+    """:func:`_score_chunk` of top-k entries [start, start + 16) from a stage's chunk views."""
+    ls: gl.constexpr = gl.SliceLayout(1, _MMA)
+    scale = scales.load(ls)
+    _, valid = _valid(idx_row, start + _index(16, ls, 1, 2), n_end, num_rows)
+    return _score_dot(q16, qr, nope.load(_KEY_LOAD), rope.load(_ROPE_LOAD), scale, valid), scale
 
 @gluon.jit
 def _summed(parts):
@@ -276,6 +386,42 @@ def _weights(p, scale, inv_unit):
 
 
 @gluon.jit
+def _program(q_ptr, idx_ptr, len_ptr, num_heads, topk, stride_qt, stride_qh, stride_it, scale_log2,
+             BLOCK_H: gl.constexpr, HAS_LENGTH: gl.constexpr):
+    """A program's token, first head, top-k end, index row, query (:func:`_load_query`) and the
+    factor from a summed score to base-2 logits (heads, 1)."""
+    t = gl.program_id(0).to(gl.int64)
+    h0 = gl.program_id(1) * BLOCK_H
+    n_end = topk
+    if HAS_LENGTH:
+        n_end = gl.minimum(gl.load(len_ptr + t), topk)
+    q16, qr, down = _load_query(q_ptr, t, h0, num_heads, stride_qt, stride_qh)
+    return t, h0, n_end, idx_ptr + t * stride_it, q16, qr, gl.expand_dims(down * scale_log2, 1)
+
+
+@gluon.jit
+def _softmax_step(parts0, parts1, parts2, parts3, down, m, l, unit, acc, scale0, scale1, scale2, scale3):
+    """A block's online softmax step (base 2), its four chunks' partial scores in shared memory past
+    a barrier: (the chunks' probabilities (heads, 16 keys) each, 1 / the new unit, m, l, unit, and
+    acc rescaled to them). O of tile w is acc[w] x unit[w]: the probabilities enter the f16 value
+    dot times their key's tile scale over the largest tile scale seen so far (unit), so that they
+    stay at most 1."""
+    s = _join(_summed(parts0), _summed(parts1), _summed(parts2), _summed(parts3)) * down
+    m_new = gl.maximum(m, gl.max(s, axis=1))
+    # A head with no valid key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
+    l = l * alpha + gl.sum(p, axis=1)
+    unit_new = gl.maximum(gl.maximum(unit, gl.maximum(gl.max(scale0, axis=1), gl.max(scale1, axis=1))),
+                          gl.maximum(gl.max(scale2, axis=1), gl.max(scale3, axis=1)))
+    inv_unit = gl.where(unit_new > 0.0, 1.0 / unit_new, 0.0)
+    acc = acc * (_per_tile(gl.where(unit_new > 0.0, unit * inv_unit, 1.0)) * _per_head(alpha))
+    p0, p1, p2, p3 = _chunks(p)
+    return p0, p1, p2, p3, inv_unit, m_new, l, unit_new, acc
+
+
+@gluon.jit
 def _mma_kernel(
     q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
     num_heads, topk, num_rows,
@@ -285,27 +431,18 @@ def _mma_kernel(
     PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     HAS_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, CONTIGUOUS: gl.constexpr, PREFETCH: gl.constexpr,
 ):
-    """:mod:`mla_planner.kernels.fp8_mma`'s kernel; ``PREFETCH``: blocks ahead that a step prefetches."""
-    t = gl.program_id(0).to(gl.int64)
-    h0 = gl.program_id(1) * BLOCK_H
-    n_end = topk
-    if HAS_LENGTH:
-        n_end = gl.minimum(gl.load(len_ptr + t), topk)
-    idx_row = idx_ptr + t * stride_it
-    q16, qr, down = _load_query(q_ptr, t, h0, num_heads, stride_qt, stride_qh)
-    down = gl.expand_dims(down * scale_log2, 1)
+    """:mod:`mla_planner.kernels.fp8_mma`'s kernel, each chunk's rows gathered from global memory;
+    ``PREFETCH``: blocks ahead that a step prefetches into L1."""
+    t, h0, n_end, idx_row, q16, qr, down = _program(q_ptr, idx_ptr, len_ptr, num_heads, topk, stride_qt, stride_qh,
+                                                    stride_it, scale_log2, BLOCK_H, HAS_LENGTH)
     # The tiles' partial scores of a block meet in shared memory, a buffer a chunk (one buffer's
     # stores need no barrier for another's).
     parts0 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
     parts1 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
     parts2 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
     parts3 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
-
-    scores: gl.constexpr = gl.SliceLayout(0, _MMA)  # (heads, keys) of a summed score
-    m = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, scores))
-    l = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, scores))
-    # O of tile w is acc[w] x unit[w]: the probabilities enter the f16 value dot times their key's
-    # tile scale over the largest tile scale seen so far (unit), so that they stay at most 1.
+    m = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(0, _MMA)))
+    l = gl.zeros_like(m)
     unit = gl.zeros([4], gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(1, _MMA)))
     acc = gl.zeros([4, 16, 128], gl.float32, layout=_MMA)
     # The prefetch's (64 keys, 2 row halves), one a thread: a block's rows, three 128-byte lines a
@@ -330,21 +467,8 @@ def _mma_kernel(
                                  CONTIGUOUS)
         parts3.store(s)
         _cta_barrier()
-        s = _join(_summed(parts0), _summed(parts1), _summed(parts2), _summed(parts3)) * down
-        # The online softmax step (base 2).
-        m_new = gl.maximum(m, gl.max(s, axis=1))
-        # A head with no valid key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
-        l = l * alpha + gl.sum(p, axis=1)
-        m = m_new
-        unit_new = gl.maximum(gl.maximum(unit, gl.maximum(gl.max(scale0, axis=1), gl.max(scale1, axis=1))),
-                              gl.maximum(gl.max(scale2, axis=1), gl.max(scale3, axis=1)))
-        inv_unit = gl.where(unit_new > 0.0, 1.0 / unit_new, 0.0)
-        acc = acc * (_per_tile(gl.where(unit_new > 0.0, unit * inv_unit, 1.0)) * _per_head(alpha))
-        unit = unit_new
-        p0, p1, p2, p3 = _chunks(p)
+        p0, p1, p2, p3, inv_unit, m, l, unit, acc = _softmax_step(parts0, parts1, parts2, parts3, down, m, l, unit,
+                                                                 acc, scale0, scale1, scale2, scale3)
         acc = _value_chunk(_weights(p0, scale0, inv_unit), acc, kv_u8, idx_row, start, n_end, num_rows,
                            page_stride_u8, PAGE, CONTIGUOUS)
         acc = _value_chunk(_weights(p1, scale1, inv_unit), acc, kv_u8, idx_row, start + 16, n_end, num_rows,
@@ -356,6 +480,94 @@ def _mma_kernel(
         if PREFETCH > 0:
             for i in gl.static_range(3):
                 _prefetch_lines(kv_u8 + next_row + half + 128 * i, next_ok & (half + 128 * i < 656))
+
+    _epilogue(acc, unit, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt,
+              stride_lh, HAS_SINK)
+
+
+@gluon.jit
+def _stage(kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
+    """One stage's buffers, their copies of top-k entries [start, start + 64)'s rows started, as the
+    chunk views the loads take: (NoPE keys, NoPE values, RoPE, scales), each (4 chunks, ...)."""
+    nope = gl.allocate_shared_memory(gl.uint8, [64, 512], _NOPE)
+    rope = gl.allocate_shared_memory(gl.bfloat16, [64, 64], _ROPE)
+    scales = gl.allocate_shared_memory(gl.float32, [64, 4], _SCALES)
+    _stage_rows(nope, rope, scales, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    return (nope._reinterpret(gl.uint8, [4, 4, 16, 4, 32], _NOPE_KEYS),
+            nope._reinterpret(gl.uint8, [4, 4, 2, 4, 2, 8, 16], _NOPE_VALUES),
+            rope._reinterpret(gl.bfloat16, [4, 4, 16, 4, 4], _ROPE_KEYS),
+            scales._reinterpret(gl.float32, [4, 4, 16], _SCALE_KEYS))
+
+
+@gluon.jit
+def _staged_block(keys, values, rope, scales, next_keys, next_rope, next_scales, parts0, parts1, parts2, parts3,
+                  q16, qr, down, m, l, unit, acc, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8,
+                  PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
+    """The block of top-k entries [start, start + 64) from its stage (keys, values, rope, scales),
+    once it has landed, while the next block's rows are copied into the other stage: (m, l, unit,
+    acc) after it."""
+    # This block's rows are in, and every warp is done with the other stage (the block before).
+    async_copy.wait_group(0)
+    _cta_barrier()
+    _stage_rows(next_keys._reinterpret(gl.uint8, [64, 512], _NOPE), next_rope._reinterpret(gl.bfloat16, [64, 64], _ROPE),
+                next_scales._reinterpret(gl.float32, [64, 4], _SCALES), kv_u8, idx_row, start + 64, n_end, num_rows,
+                page_stride_u8, PAGE, CONTIGUOUS)
+    s, scale0 = _staged_score(q16, qr, keys.index(0), rope.index(0), scales.index(0), idx_row, start, n_end, num_rows)
+    parts0.store(s)
+    s, scale1 = _staged_score(q16, qr, keys.index(1), rope.index(1), scales.index(1), idx_row, start + 16, n_end,
+                              num_rows)
+    parts1.store(s)
+    s, scale2 = _staged_score(q16, qr, keys.index(2), rope.index(2), scales.index(2), idx_row, start + 32, n_end,
+                              num_rows)
+    parts2.store(s)
+    s, scale3 = _staged_score(q16, qr, keys.index(3), rope.index(3), scales.index(3), idx_row, start + 48, n_end,
+                              num_rows)
+    parts3.store(s)
+    _cta_barrier()
+    p0, p1, p2, p3, inv_unit, m, l, unit, acc = _softmax_step(parts0, parts1, parts2, parts3, down, m, l, unit, acc,
+                                                             scale0, scale1, scale2, scale3)
+    acc = _value_dot(_weights(p0, scale0, inv_unit), acc, values.index(0).load(_VALUE_LOAD))
+    acc = _value_dot(_weights(p1, scale1, inv_unit), acc, values.index(1).load(_VALUE_LOAD))
+    acc = _value_dot(_weights(p2, scale2, inv_unit), acc, values.index(2).load(_VALUE_LOAD))
+    acc = _value_dot(_weights(p3, scale3, inv_unit), acc, values.index(3).load(_VALUE_LOAD))
+    return m, l, unit, acc
+
+
+@gluon.jit
+def _mma_staged_kernel(
+    q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
+    num_heads, topk, num_rows,
+    stride_qt, stride_qh, stride_it, stride_ot, stride_oh, stride_lt, stride_lh,
+    page_stride_u8, page_stride_f32, page_stride_bf16,
+    scale_log2,
+    PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    HAS_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, CONTIGUOUS: gl.constexpr,
+):
+    """:mod:`mla_planner.kernels.fp8_mma`'s kernel, each block's rows copied into shared memory while
+    the block before runs (two stages, :data:`STAGE_ROWS`). The loop takes two blocks a step, one
+    from each stage, so that each stage is its own allocation: Triton then sees that copying into
+    one does not race with reading the other, and adds no barrier between them."""
+    t, h0, n_end, idx_row, q16, qr, down = _program(q_ptr, idx_ptr, len_ptr, num_heads, topk, stride_qt, stride_qh,
+                                                    stride_it, scale_log2, BLOCK_H, HAS_LENGTH)
+    parts0 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
+    parts1 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
+    parts2 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
+    parts3 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
+    keys0, values0, rope0, scales0 = _stage(kv_u8, idx_row, 0, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    keys1, values1, rope1, scales1 = _stage(kv_u8, idx_row, n_end, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    m = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(0, _MMA)))
+    l = gl.zeros_like(m)
+    unit = gl.zeros([4], gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(1, _MMA)))
+    acc = gl.zeros([4, 16, 128], gl.float32, layout=_MMA)
+    for start in range(0, n_end, 2 * BLOCK_N):
+        m, l, unit, acc = _staged_block(keys0, values0, rope0, scales0, keys1, rope1, scales1, parts0, parts1, parts2,
+                                        parts3, q16, qr, down, m, l, unit, acc, kv_u8, idx_row, start, n_end, num_rows,
+                                        page_stride_u8, PAGE, CONTIGUOUS)
+        if start + BLOCK_N < n_end:
+            m, l, unit, acc = _staged_block(keys1, values1, rope1, scales1, keys0, rope0, scales0, parts0, parts1,
+                                            parts2, parts3, q16, qr, down, m, l, unit, acc, kv_u8, idx_row,
+                                            start + BLOCK_N, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    async_copy.wait_group(0)  # the copies past the end (all masked) land before the program exits
 
     _epilogue(acc, unit, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt,
               stride_lh, HAS_SINK)
@@ -378,7 +590,7 @@ def launch(q: torch.Tensor, cache3: torch.Tensor, indices: torch.Tensor, topk_le
            scale_log2: float) -> None:
     """This module's kernel, as :func:`mla_planner.kernels.fp8_wgmma.launch_kernel` says, 16 heads a
     program."""
-    launch_kernel(_mma_kernel, q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, scale_log2,
-                  BLOCK_H, block_n=BLOCK_N, CONTIGUOUS=page_stride == cache3.shape[1] * 656, PREFETCH=PREFETCH,
-                  num_warps=NUM_WARPS,
-                  **({} if MAX_REGS is None else {"maxnreg": MAX_REGS}))
+    knobs = {} if STAGE_ROWS else {"PREFETCH": PREFETCH}
+    launch_kernel(_mma_staged_kernel if STAGE_ROWS else _mma_kernel, q, cache3, indices, topk_length, attn_sink, out,
+                  lse, page_stride, scale_log2, BLOCK_H, block_n=BLOCK_N, CONTIGUOUS=page_stride == cache3.shape[1] * 656,
+                  num_warps=NUM_WARPS, **knobs, **({} if MAX_REGS is None else {"maxnreg": MAX_REGS}))
