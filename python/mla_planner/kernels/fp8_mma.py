@@ -400,6 +400,24 @@ def _program(q_ptr, idx_ptr, len_ptr, num_heads, topk, stride_qt, stride_qh, str
 
 
 @gluon.jit
+def _parts():
+    """Where the tiles' partial scores of a block meet: a buffer a chunk (one buffer's stores need
+    no barrier for another's)."""
+    return (gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS),
+            gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS),
+            gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS),
+            gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS))
+
+
+@gluon.jit
+def _fresh_state():
+    """(m, l, unit, acc) before the first block: :func:`_softmax_step` says what each holds."""
+    m = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(0, _MMA)))
+    unit = gl.zeros([4], gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(1, _MMA)))
+    return m, gl.zeros_like(m), unit, gl.zeros([4, 16, 128], gl.float32, layout=_MMA)
+
+
+@gluon.jit
 def _softmax_step(parts0, parts1, parts2, parts3, down, m, l, unit, acc, scale0, scale1, scale2, scale3):
     """A block's online softmax step (base 2), its four chunks' partial scores in shared memory past
     a barrier: (the chunks' probabilities (heads, 16 keys) each, 1 / the new unit, m, l, unit, and
@@ -435,16 +453,8 @@ def _mma_kernel(
     ``PREFETCH``: blocks ahead that a step prefetches into L1."""
     t, h0, n_end, idx_row, q16, qr, down = _program(q_ptr, idx_ptr, len_ptr, num_heads, topk, stride_qt, stride_qh,
                                                     stride_it, scale_log2, BLOCK_H, HAS_LENGTH)
-    # The tiles' partial scores of a block meet in shared memory, a buffer a chunk (one buffer's
-    # stores need no barrier for another's).
-    parts0 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
-    parts1 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
-    parts2 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
-    parts3 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
-    m = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(0, _MMA)))
-    l = gl.zeros_like(m)
-    unit = gl.zeros([4], gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(1, _MMA)))
-    acc = gl.zeros([4, 16, 128], gl.float32, layout=_MMA)
+    parts0, parts1, parts2, parts3 = _parts()
+    m, l, unit, acc = _fresh_state()
     # The prefetch's (64 keys, 2 row halves), one a thread: a block's rows, three 128-byte lines a
     # thread, their indices loaded at the step's start, the rows prefetched at its end.
     pl: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
@@ -486,17 +496,25 @@ def _mma_kernel(
 
 
 @gluon.jit
-def _stage(kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
-    """One stage's buffers, their copies of top-k entries [start, start + 64)'s rows started, as the
-    chunk views the loads take: (NoPE keys, NoPE values, RoPE, scales), each (4 chunks, ...)."""
+def _stage():
+    """One stage's buffers, as the chunk views the loads take: (NoPE keys, NoPE values, RoPE,
+    scales), each (4 chunks, ...)."""
     nope = gl.allocate_shared_memory(gl.uint8, [64, 512], _NOPE)
     rope = gl.allocate_shared_memory(gl.bfloat16, [64, 64], _ROPE)
     scales = gl.allocate_shared_memory(gl.float32, [64, 4], _SCALES)
-    _stage_rows(nope, rope, scales, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
     return (nope._reinterpret(gl.uint8, [4, 4, 16, 4, 32], _NOPE_KEYS),
             nope._reinterpret(gl.uint8, [4, 4, 2, 4, 2, 8, 16], _NOPE_VALUES),
             rope._reinterpret(gl.bfloat16, [4, 4, 16, 4, 4], _ROPE_KEYS),
             scales._reinterpret(gl.float32, [4, 4, 16], _SCALE_KEYS))
+
+
+@gluon.jit
+def _fill(keys, rope, scales, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr,
+          CONTIGUOUS: gl.constexpr):
+    """:func:`_stage_rows` of top-k entries [start, start + 64) into the stage of these views."""
+    _stage_rows(keys._reinterpret(gl.uint8, [64, 512], _NOPE), rope._reinterpret(gl.bfloat16, [64, 64], _ROPE),
+                scales._reinterpret(gl.float32, [64, 4], _SCALES), kv_u8, idx_row, start, n_end, num_rows,
+                page_stride_u8, PAGE, CONTIGUOUS)
 
 
 @gluon.jit
@@ -509,9 +527,8 @@ def _staged_block(keys, values, rope, scales, next_keys, next_rope, next_scales,
     # This block's rows are in, and every warp is done with the other stage (the block before).
     async_copy.wait_group(0)
     _cta_barrier()
-    _stage_rows(next_keys._reinterpret(gl.uint8, [64, 512], _NOPE), next_rope._reinterpret(gl.bfloat16, [64, 64], _ROPE),
-                next_scales._reinterpret(gl.float32, [64, 4], _SCALES), kv_u8, idx_row, start + 64, n_end, num_rows,
-                page_stride_u8, PAGE, CONTIGUOUS)
+    _fill(next_keys, next_rope, next_scales, kv_u8, idx_row, start + 64, n_end, num_rows, page_stride_u8, PAGE,
+          CONTIGUOUS)
     s, scale0 = _staged_score(q16, qr, keys.index(0), rope.index(0), scales.index(0), idx_row, start, n_end, num_rows)
     parts0.store(s)
     s, scale1 = _staged_score(q16, qr, keys.index(1), rope.index(1), scales.index(1), idx_row, start + 16, n_end,
@@ -549,16 +566,11 @@ def _mma_staged_kernel(
     one does not race with reading the other, and adds no barrier between them."""
     t, h0, n_end, idx_row, q16, qr, down = _program(q_ptr, idx_ptr, len_ptr, num_heads, topk, stride_qt, stride_qh,
                                                     stride_it, scale_log2, BLOCK_H, HAS_LENGTH)
-    parts0 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
-    parts1 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
-    parts2 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
-    parts3 = gl.allocate_shared_memory(gl.float32, [4, 16, 16], _PARTS)
-    keys0, values0, rope0, scales0 = _stage(kv_u8, idx_row, 0, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
-    keys1, values1, rope1, scales1 = _stage(kv_u8, idx_row, n_end, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
-    m = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(0, _MMA)))
-    l = gl.zeros_like(m)
-    unit = gl.zeros([4], gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(1, _MMA)))
-    acc = gl.zeros([4, 16, 128], gl.float32, layout=_MMA)
+    parts0, parts1, parts2, parts3 = _parts()
+    keys0, values0, rope0, scales0 = _stage()
+    keys1, values1, rope1, scales1 = _stage()
+    _fill(keys0, rope0, scales0, kv_u8, idx_row, 0, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    m, l, unit, acc = _fresh_state()
     for start in range(0, n_end, 2 * BLOCK_N):
         m, l, unit, acc = _staged_block(keys0, values0, rope0, scales0, keys1, rope1, scales1, parts0, parts1, parts2,
                                         parts3, q16, qr, down, m, l, unit, acc, kv_u8, idx_row, start, n_end, num_rows,
