@@ -375,6 +375,42 @@ def test_the_mma_kernel_compiles_for_sm90() -> None:
     assert int(spill) <= 8
 
 
+def _at(layout: Any, offset: int) -> list[int]:
+    """The logical coordinates a shared linear layout puts at ``offset`` (its bases map offset bits)."""
+    coords = [0] * len(layout.offset_bases[0])
+    for bit, basis in enumerate(layout.offset_bases):
+        if offset >> bit & 1:
+            coords = [c ^ b for c, b in zip(coords, basis)]
+    return coords
+
+
+@pytest.mark.parametrize("buffer", ["nope keys", "nope values", "rope", "scales"])
+def test_the_staged_kernels_load_views_name_the_bytes_its_copies_wrote(buffer: str) -> None:
+    """No GPU: in each staged buffer, chunk j's load view puts at every offset the (key, column)
+    that the copy view put at chunk j's offset plus it, with keys and columns as the gathering
+    kernel addresses them: the score dot's (tile, key, c, byte) is column 128 tile + 32 c + byte,
+    the value dot's (tile, k3, c, k0, g, j) key 8 k3 + 2 c + k0 and column 128 tile + 16 g + j,
+    the RoPE part's (w, key, c, e) column 16 w + 4 c + e, the scales' (tile, key) column tile."""
+    from mla_planner.kernels import fp8_mma
+
+    copied, view, key_col = {
+        "nope keys": (fp8_mma._NOPE, fp8_mma._NOPE_KEYS, lambda t, n, c, b: (n, 128 * t + 32 * c + b)),
+        "nope values": (fp8_mma._NOPE, fp8_mma._NOPE_VALUES,
+                        lambda t, k3, c, k0, g, j: (8 * k3 + 2 * c + k0, 128 * t + 16 * g + j)),
+        "rope": (fp8_mma._ROPE, fp8_mma._ROPE_KEYS, lambda w, n, c, e: (n, 16 * w + 4 * c + e)),
+        "scales": (fp8_mma._SCALES, fp8_mma._SCALE_KEYS, lambda t, n: (n, t)),
+    }[buffer]
+    copied, view = copied.value, view.value
+    chunk = 1 << len(view.offset_bases)
+    assert 4 * chunk == 1 << len(copied.offset_bases)  # four chunks of 16 keys a stage
+    seen = set()
+    for j in range(4):
+        for offset in range(chunk):
+            key, col = key_col(*_at(view, offset))
+            assert [key + 16 * j, col] == _at(copied, j * chunk + offset)
+            seen.add((key, col))
+    assert len(seen) == chunk  # every (key, column) of a chunk once
+
 def test_the_staged_mma_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     """No GPU: with ``STAGE_ROWS`` the mma.sync kernel copies each block's rows by 16-byte
     ``cp.async`` that zero-fills an invalid entry's (a source-size operand), reads both dots'
