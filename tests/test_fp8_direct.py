@@ -393,6 +393,7 @@ def test_the_staged_kernels_load_views_name_the_bytes_its_copies_wrote(buffer: s
     the RoPE part's (w, key, c, e) column 16 w + 4 c + e, the scales' (tile, key) column tile."""
     from mla_planner.kernels import fp8_mma
 
+    key_col: Any
     copied, view, key_col = {
         "nope keys": (fp8_mma._NOPE, fp8_mma._NOPE_KEYS, lambda t, n, c, b: (n, 128 * t + 32 * c + b)),
         "nope values": (fp8_mma._NOPE, fp8_mma._NOPE_VALUES,
