@@ -564,6 +564,7 @@ def _mma_staged_kernel(
     the block before runs (two stages, :data:`STAGE_ROWS`). The loop takes two blocks a step, one
     from each stage, so that each stage is its own allocation: Triton then sees that copying into
     one does not race with reading the other, and adds no barrier between them."""
+    gl.static_assert(BLOCK_N == 64, "a stage holds 64 rows")
     t, h0, n_end, idx_row, q16, qr, down = _program(q_ptr, idx_ptr, len_ptr, num_heads, topk, stride_qt, stride_qh,
                                                     stride_it, scale_log2, BLOCK_H, HAS_LENGTH)
     parts0, parts1, parts2, parts3 = _parts()
