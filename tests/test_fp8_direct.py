@@ -412,6 +412,48 @@ def test_the_staged_kernels_load_views_name_the_bytes_its_copies_wrote(buffer: s
             seen.add((key, col))
     assert len(seen) == chunk  # every (key, column) of a chunk once
 
+@pytest.mark.parametrize("load", ["nope keys", "nope values", "rope"])
+def test_the_staged_kernels_shared_loads_meet_no_bank_conflict(load: str) -> None:
+    """No GPU: each of the staged kernel's vector loads from shared memory (16 bytes a lane, 8 for
+    the RoPE part), as its register layout and its view's swizzle place them, has every phase of the
+    warp (8 lanes for 16 bytes, 16 for 8) on distinct banks: one shared-memory wavefront a phase.
+    Without the swizzle each of these loads meets conflicts."""
+    from mla_planner.kernels import fp8_mma
+
+    layout, view, element = {"nope keys": (fp8_mma._KEY_LOAD, fp8_mma._NOPE_KEYS, 1),
+                             "nope values": (fp8_mma._VALUE_LOAD, fp8_mma._NOPE_VALUES, 1),
+                             "rope": (fp8_mma._ROPE_LOAD, fp8_mma._ROPE_KEYS, 2)}[load]
+    layout, view = layout.value, view.value
+    offset_of = {tuple(_at(view, o)): o * element for o in range(1 << len(view.offset_bases))}
+    rank = len(layout.shape)
+    # A lane's vector: the leading register bases that step the last dimension by 1, 2, 4, ..., up
+    # to 16 bytes (the widest shared load).
+    vec_bits = 0
+    while ((2 << vec_bits) * element <= 16 and vec_bits < len(layout.reg_bases)
+           and layout.reg_bases[vec_bits] == [0] * (rank - 1) + [1 << vec_bits]):
+        vec_bits += 1
+    vector = (1 << vec_bits) * element
+    assert vector in (8, 16)
+    phase = 128 // vector  # lanes a wavefront serves
+
+    def coords(bases: list[list[int]], index: int) -> list[int]:
+        out = [0] * rank
+        for bit, basis in enumerate(bases):
+            if index >> bit & 1:
+                out = [a ^ b for a, b in zip(out, basis)]
+        return out
+
+    other_regs = layout.reg_bases[vec_bits:]
+    for warp in range(1 << len(layout.warp_bases)):
+        for reg in range(1 << len(other_regs)):
+            base = [a ^ b for a, b in zip(coords(layout.warp_bases, warp), coords(other_regs, reg))]
+            offsets = [offset_of[tuple(a ^ b for a, b in zip(base, coords(layout.lane_bases, lane)))]
+                       for lane in range(32)]
+            assert all(o % vector == 0 for o in offsets)
+            for first in range(0, 32, phase):
+                groups = {o // vector % phase for o in offsets[first:first + phase]}
+                assert len(groups) == phase, (load, warp, reg, first, offsets[first:first + phase])
+
 def test_the_staged_mma_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     """No GPU: with ``STAGE_ROWS`` the mma.sync kernel copies each block's rows by 16-byte
     ``cp.async`` that zero-fills an invalid entry's (a source-size operand), reads both dots'
