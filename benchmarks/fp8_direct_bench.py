@@ -688,8 +688,9 @@ def compile_kernel(config: KernelConfig, heads: int, dequant: int) -> Any:
 def compile_wgmma(heads: int, variant: str = "wg") -> Any:
     """The warpgroup-MMA kernel (``variant`` "wg", its warp-specialised variant "ws" or the one
     with the score dot's A operand in registers, "ra"), or the ``mma.sync`` kernel ("mma", 16
-    heads a program whatever ``heads``; the staged one where ``fp8_mma.STAGE_ROWS``), compiled for sm90 as :func:`compile_kernel` compiles the
-    Triton one (Gluon's source type; top-k lengths and sinks on; pages back to back for "mma")."""
+    heads a program whatever ``heads``; the one ``fp8_mma.selected`` names), compiled for sm90 as
+    :func:`compile_kernel` compiles the Triton one (Gluon's source type; top-k lengths and sinks on;
+    pages back to back for "mma")."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -706,10 +707,8 @@ def compile_wgmma(heads: int, variant: str = "wg") -> Any:
     elif variant == "ra":
         kernel = fp8_wgmma._wgmma_ra_kernel
     elif variant == "mma":
-        kernel = fp8_mma._mma_staged_kernel if fp8_mma.STAGE_ROWS else fp8_mma._mma_kernel
-        consts |= {"BLOCK_H": fp8_mma.BLOCK_H, "BLOCK_N": fp8_mma.BLOCK_N, "CONTIGUOUS": True}
-        if not fp8_mma.STAGE_ROWS:
-            consts["PREFETCH"] = fp8_mma.PREFETCH
+        kernel, knobs = fp8_mma.selected()
+        consts |= {"BLOCK_H": fp8_mma.BLOCK_H, "BLOCK_N": fp8_mma.BLOCK_N, "CONTIGUOUS": True, **knobs}
     else:
         kernel = fp8_wgmma._wgmma_kernel
         consts["CHUNK"] = fp8_wgmma.CHUNK

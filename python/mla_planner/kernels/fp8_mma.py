@@ -41,6 +41,8 @@ This module imports torch and triton only; nothing here runs at import time.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -48,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from mla_planner.kernels.fp8_wgmma import _cta_barrier, launch_kernel, store_lse
 
-__all__ = ["BLOCK_H", "BLOCK_N", "launch"]
+__all__ = ["BLOCK_H", "BLOCK_N", "launch", "selected"]
 
 BLOCK_H = 16
 """Heads a program: the MMA's M. 32 heads run as two programs a token (each gathers the rows)."""
@@ -114,12 +116,12 @@ _PARTS = gl.constexpr(gl.PaddedSharedLayout([[16, 8]], [[0, 0, 1], [0, 0, 2], [0
                                             [], [4, 16, 16]))
 
 
-# The staged kernel's shared buffers: two stages of a block's 64 rows, the NoPE bytes (u8, 512 a
+# The staged kernel's shared buffers, a set a stage: a block's 64 rows as the NoPE bytes (u8, 512 a
 # key), the RoPE part (bf16, 64 a key) and the tile scales (float32, 4 a key). Each has a view as
-# copied, (2 stages, 64 keys, columns), and a view a chunk for the loads, (2 stages x 4 chunks, the
-# load's shape), the leading dimension outermost (Gluon indexes that one only). In each, key bits
-# 0..n-1 are XORed into the column bits from `shift` on, so that a quarter-warp's 16-byte
-# accesses (keys 512 or 128 bytes apart) meet distinct banks.
+# copied, (64 keys, columns), and views for the loads, (4 chunks, the load's shape), the chunk
+# outermost (Gluon indexes the leading dimension only). In each, key bits 0..n-1 are XORed into
+# the column bits from `shift` on, so that a quarter-warp's 16-byte accesses (keys 512 or 128
+# bytes apart) meet distinct banks.
 def _staged(dims: list[list[tuple[str, int]]], col_bits: int, key_bits: int, n: int, shift: int) -> gl.SharedLinearLayout:
     """The layout of a view of one stage's (64 keys, 2**col_bits columns), or of one chunk's if
     ``key_bits`` is 4: ``dims`` says, for each dimension of the view and from its lowest bit, which
@@ -156,6 +158,7 @@ _SCALE_KEYS = gl.constexpr(_staged([_bits("col", 0, 1), _bits("key", 0, 1, 2, 3)
 _NOPE_COPY = gl.constexpr(gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0]))
 _ROPE_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 _SCALE_COPY = gl.constexpr(gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0]))
+
 
 @gluon.jit
 def _key_column(k):
@@ -312,24 +315,13 @@ def _copy_rows(smem, ptr, idx_row, keys, cols: gl.constexpr, layout: gl.constexp
 
 
 @gluon.jit
-def _stage_rows(nope, rope, scales, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr,
-                CONTIGUOUS: gl.constexpr):
-    """Starts copying the rows of top-k entries [start, start + 64) into one stage: NoPE bytes
-    [0, 512), scales [512, 528) and RoPE [528, 656) of each row."""
-    _copy_rows(nope, kv_u8, idx_row, start, 512, _NOPE_COPY, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
-    _copy_rows(rope, kv_u8 + 528, idx_row, start, 64, _ROPE_COPY, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
-    _copy_rows(scales, kv_u8 + 512, idx_row, start, 4, _SCALE_COPY, n_end, num_rows, page_stride_u8, PAGE,
-               CONTIGUOUS)
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _staged_score(q16, qr, nope, rope, scales, idx_row, start, n_end, num_rows):
     """:func:`_score_chunk` of top-k entries [start, start + 16) from a stage's chunk views."""
     ls: gl.constexpr = gl.SliceLayout(1, _MMA)
     scale = scales.load(ls)
     _, valid = _valid(idx_row, start + _index(16, ls, 1, 2), n_end, num_rows)
     return _score_dot(q16, qr, nope.load(_KEY_LOAD), rope.load(_ROPE_LOAD), scale, valid), scale
+
 
 @gluon.jit
 def _summed(parts):
@@ -511,10 +503,15 @@ def _stage():
 @gluon.jit
 def _fill(keys, rope, scales, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr,
           CONTIGUOUS: gl.constexpr):
-    """:func:`_stage_rows` of top-k entries [start, start + 64) into the stage of these views."""
-    _stage_rows(keys._reinterpret(gl.uint8, [64, 512], _NOPE), rope._reinterpret(gl.bfloat16, [64, 64], _ROPE),
-                scales._reinterpret(gl.float32, [64, 4], _SCALES), kv_u8, idx_row, start, n_end, num_rows,
-                page_stride_u8, PAGE, CONTIGUOUS)
+    """Starts copying the rows of top-k entries [start, start + 64) into the stage of these views
+    (:func:`_stage`'s): NoPE bytes [0, 512), scales [512, 528) and RoPE [528, 656) of each row."""
+    _copy_rows(keys._reinterpret(gl.uint8, [64, 512], _NOPE), kv_u8, idx_row, start, 512, _NOPE_COPY, n_end,
+               num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    _copy_rows(rope._reinterpret(gl.bfloat16, [64, 64], _ROPE), kv_u8 + 528, idx_row, start, 64, _ROPE_COPY, n_end,
+               num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    _copy_rows(scales._reinterpret(gl.float32, [64, 4], _SCALES), kv_u8 + 512, idx_row, start, 4, _SCALE_COPY, n_end,
+               num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -598,12 +595,17 @@ def _epilogue(acc, unit, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, str
     gl.store(out_ptr + t * stride_ot + h * stride_oh + col, o, mask=h < num_heads)
 
 
+def selected() -> tuple[Any, dict[str, Any]]:
+    """The kernel the module's knobs select (:data:`STAGE_ROWS`), and its own constexprs."""
+    return (_mma_staged_kernel, {}) if STAGE_ROWS else (_mma_kernel, {"PREFETCH": PREFETCH})
+
+
 def launch(q: torch.Tensor, cache3: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None,
            attn_sink: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, page_stride: int,
            scale_log2: float) -> None:
-    """This module's kernel, as :func:`mla_planner.kernels.fp8_wgmma.launch_kernel` says, 16 heads a
-    program."""
-    knobs = {} if STAGE_ROWS else {"PREFETCH": PREFETCH}
-    launch_kernel(_mma_staged_kernel if STAGE_ROWS else _mma_kernel, q, cache3, indices, topk_length, attn_sink, out,
-                  lse, page_stride, scale_log2, BLOCK_H, block_n=BLOCK_N, CONTIGUOUS=page_stride == cache3.shape[1] * 656,
-                  num_warps=NUM_WARPS, **knobs, **({} if MAX_REGS is None else {"maxnreg": MAX_REGS}))
+    """This module's kernel (:func:`selected`), as :func:`mla_planner.kernels.fp8_wgmma.launch_kernel`
+    says, 16 heads a program."""
+    kernel, knobs = selected()
+    launch_kernel(kernel, q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, scale_log2, BLOCK_H,
+                  block_n=BLOCK_N, CONTIGUOUS=page_stride == cache3.shape[1] * 656, num_warps=NUM_WARPS, **knobs,
+                  **({} if MAX_REGS is None else {"maxnreg": MAX_REGS}))
