@@ -375,13 +375,18 @@ def test_the_mma_kernel_compiles_for_sm90() -> None:
     assert int(spill) <= 8
 
 
-def _at(layout: Any, offset: int) -> list[int]:
-    """The logical coordinates a shared linear layout puts at ``offset`` (its bases map offset bits)."""
-    coords = [0] * len(layout.offset_bases[0])
-    for bit, basis in enumerate(layout.offset_bases):
-        if offset >> bit & 1:
+def _combine(bases: list[list[int]], index: int, rank: int) -> list[int]:
+    """What a linear layout's ``bases`` map ``index`` to: the XOR of the bases of its set bits."""
+    coords = [0] * rank
+    for bit, basis in enumerate(bases):
+        if index >> bit & 1:
             coords = [c ^ b for c, b in zip(coords, basis)]
     return coords
+
+
+def _at(layout: Any, offset: int) -> list[int]:
+    """The logical coordinates a shared linear layout puts at ``offset`` (its bases map offset bits)."""
+    return _combine(layout.offset_bases, offset, len(layout.offset_bases[0]))
 
 
 @pytest.mark.parametrize("buffer", ["nope keys", "nope values", "rope", "scales"])
@@ -412,6 +417,7 @@ def test_the_staged_kernels_load_views_name_the_bytes_its_copies_wrote(buffer: s
             seen.add((key, col))
     assert len(seen) == chunk  # every (key, column) of a chunk once
 
+
 @pytest.mark.parametrize("load", ["nope keys", "nope values", "rope"])
 def test_the_staged_kernels_shared_loads_meet_no_bank_conflict(load: str) -> None:
     """No GPU: each of the staged kernel's vector loads from shared memory (16 bytes a lane, 8 for
@@ -436,23 +442,17 @@ def test_the_staged_kernels_shared_loads_meet_no_bank_conflict(load: str) -> Non
     assert vector in (8, 16)
     phase = 128 // vector  # lanes a wavefront serves
 
-    def coords(bases: list[list[int]], index: int) -> list[int]:
-        out = [0] * rank
-        for bit, basis in enumerate(bases):
-            if index >> bit & 1:
-                out = [a ^ b for a, b in zip(out, basis)]
-        return out
-
     other_regs = layout.reg_bases[vec_bits:]
     for warp in range(1 << len(layout.warp_bases)):
         for reg in range(1 << len(other_regs)):
-            base = [a ^ b for a, b in zip(coords(layout.warp_bases, warp), coords(other_regs, reg))]
-            offsets = [offset_of[tuple(a ^ b for a, b in zip(base, coords(layout.lane_bases, lane)))]
+            base = [a ^ b for a, b in zip(_combine(layout.warp_bases, warp, rank), _combine(other_regs, reg, rank))]
+            offsets = [offset_of[tuple(a ^ b for a, b in zip(base, _combine(layout.lane_bases, lane, rank)))]
                        for lane in range(32)]
             assert all(o % vector == 0 for o in offsets)
             for first in range(0, 32, phase):
                 groups = {o // vector % phase for o in offsets[first:first + phase]}
                 assert len(groups) == phase, (load, warp, reg, first, offsets[first:first + phase])
+
 
 def test_the_staged_mma_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     """No GPU: with ``STAGE_ROWS`` the mma.sync kernel copies each block's rows by 16-byte
@@ -478,6 +478,7 @@ def test_the_staged_mma_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch
     import triton
     _, spill = ptxas_usage(ptx, Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
     assert spill == "0"
+
 
 @pytest.mark.parametrize("variant", ["wg", "ws", "ra"])
 @pytest.mark.parametrize("heads", [16, 32])
