@@ -707,8 +707,8 @@ def compile_wgmma(heads: int, variant: str = "wg") -> Any:
     elif variant == "ra":
         kernel = fp8_wgmma._wgmma_ra_kernel
     elif variant == "mma":
-        kernel, knobs = fp8_mma.selected()
-        consts |= {"BLOCK_H": fp8_mma.BLOCK_H, "BLOCK_N": fp8_mma.BLOCK_N, "CONTIGUOUS": True, **knobs}
+        kernel = fp8_mma._mma_kernel
+        consts |= {"BLOCK_H": fp8_mma.BLOCK_H, "BLOCK_N": fp8_mma.BLOCK_N, "CONTIGUOUS": True}
     else:
         kernel = fp8_wgmma._wgmma_kernel
         consts["CHUNK"] = fp8_wgmma.CHUNK

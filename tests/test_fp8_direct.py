@@ -355,26 +355,6 @@ def test_the_mma_config_runs_the_mma_kernel(monkeypatch: pytest.MonkeyPatch) -> 
         no_dequant_bound_probe(args["q"], args["kv_cache"], args["indices"], args["softmax_scale"], config=MMA_CONFIG)
 
 
-def test_the_mma_kernel_compiles_for_sm90() -> None:
-    """No GPU: the mma.sync kernel compiles for sm90 with both dots as f16 ``mma.sync`` (and the RoPE
-    part's in bf16), no ``wgmma``, its key bytes by 16-byte loads, and shared memory only for the
-    partial scores (four 4 x 16 x 24-float buffers). Registers: no spill under Triton 3.6 (the H100
-    measurements'); Triton 3.8's ptxas (vLLM 0.33's) spills 8 bytes with the prefetch on."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from fp8_direct_bench import compile_wgmma, ptxas_usage
-
-    compiled = compile_wgmma(16, "mma")
-    ptx = compiled.asm["ptx"]
-    assert "wgmma.mma_async" not in ptx
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
-    assert "ld.global.v4.b32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
-    assert 4 * 4 * 16 * 16 * 4 < compiled.metadata.shared <= 4 * 4 * 16 * 24 * 4
-    import triton
-    _, spill = ptxas_usage(ptx, Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
-    assert int(spill) <= 8
-
-
 def _combine(bases: list[list[int]], index: int, rank: int) -> list[int]:
     """What a linear layout's ``bases`` map ``index`` to: the XOR of the bases of its set bits."""
     coords = [0] * rank
@@ -390,10 +370,10 @@ def _at(layout: Any, offset: int) -> list[int]:
 
 
 @pytest.mark.parametrize("buffer", ["nope keys", "nope values", "rope", "scales"])
-def test_the_staged_kernels_load_views_name_the_bytes_its_copies_wrote(buffer: str) -> None:
-    """No GPU: in each staged buffer, chunk j's load view puts at every offset the (key, column)
-    that the copy view put at chunk j's offset plus it, with keys and columns as the gathering
-    kernel addresses them: the score dot's (tile, key, c, byte) is column 128 tile + 32 c + byte,
+def test_the_mma_kernels_load_views_name_the_bytes_its_copies_wrote(buffer: str) -> None:
+    """No GPU: in each buffer of a stage, chunk j's load view puts at every offset the (key, column)
+    that the copy view put at chunk j's offset plus it, with keys and columns as the dots' load
+    layouts address them: the score dot's (tile, key, c, byte) is column 128 tile + 32 c + byte,
     the value dot's (tile, k3, c, k0, g, j) key 8 k3 + 2 c + k0 and column 128 tile + 16 g + j,
     the RoPE part's (w, key, c, e) column 16 w + 4 c + e, the scales' (tile, key) column tile."""
     from mla_planner.kernels import fp8_mma
@@ -419,8 +399,8 @@ def test_the_staged_kernels_load_views_name_the_bytes_its_copies_wrote(buffer: s
 
 
 @pytest.mark.parametrize("load", ["nope keys", "nope values", "rope"])
-def test_the_staged_kernels_shared_loads_meet_no_bank_conflict(load: str) -> None:
-    """No GPU: each of the staged kernel's vector loads from shared memory (16 bytes a lane, 8 for
+def test_the_mma_kernels_shared_loads_meet_no_bank_conflict(load: str) -> None:
+    """No GPU: each of the mma kernel's vector loads from shared memory (16 bytes a lane, 8 for
     the RoPE part), as its register layout and its view's swizzle place them, has every phase of the
     warp (8 lanes for 16 bytes, 16 for 8) on distinct banks: one shared-memory wavefront a phase.
     Without the swizzle each of these loads meets conflicts."""
@@ -454,26 +434,27 @@ def test_the_staged_kernels_shared_loads_meet_no_bank_conflict(load: str) -> Non
                 assert len(groups) == phase, (load, warp, reg, first, offsets[first:first + phase])
 
 
-def test_the_staged_mma_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No GPU: with ``STAGE_ROWS`` the mma.sync kernel copies each block's rows by 16-byte
-    ``cp.async`` that zero-fills an invalid entry's (a source-size operand), reads both dots'
-    operands from shared memory by 16-byte loads and gathers nothing itself; its shared memory
+def test_the_mma_kernel_compiles_for_sm90() -> None:
+    """No GPU: the mma.sync kernel compiles for sm90 with both dots as f16 ``mma.sync`` (and the RoPE
+    part's in bf16) on e4m3 bytes converted in registers, no ``wgmma``; it copies each block's rows
+    by 16-byte ``cp.async`` that zero-fills an invalid entry's (a source-size operand), reads both
+    dots' operands from shared memory by 16-byte loads and gathers nothing itself; its shared memory
     (two stages of 64 rows of 656 bytes, and the partial scores) leaves room for two programs an SM
     (227 KB), and it does not spill."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from fp8_direct_bench import compile_wgmma, ptxas_usage
 
-    from mla_planner.kernels import fp8_mma
-
-    monkeypatch.setattr(fp8_mma, "STAGE_ROWS", True)
     compiled = compile_wgmma(16, "mma")
     ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" not in ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert "cvt.rn.f16x2.e4m3x2" in ptx
     copies = [line for line in ptx.splitlines() if "cp.async.cg.shared.global" in line]
     assert copies and all(line.rstrip(";").split(",")[-2].strip() == "0x10" and "%r" in line.split(",")[-1]
                           for line in copies)
     assert "cp.async.wait_group" in ptx and "ld.shared.v4.b32" in ptx
     assert "ld.global.v4.b32" not in ptx and "prefetch.global" not in ptx
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
     assert 2 * 64 * 656 < compiled.metadata.shared <= (227 * 1024) // 2
     import triton
     _, spill = ptxas_usage(ptx, Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")

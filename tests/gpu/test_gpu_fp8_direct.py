@@ -97,7 +97,7 @@ def test_the_mma_kernel_on_padded_pages_with_nan_slots(gen: torch.Generator, hea
     """MMA_CONFIG where its shortcuts could show: pages not back to back (a padded page stride, so
     the general row address), rows of different magnitudes (so tile scales differ from key to key,
     which its value dot divides by the largest seen), every slot no valid index names filled with
-    NaN bytes, row 0 among them (an invalid index reads row 0 unmasked for the scores), and a head
+    NaN bytes, row 0 among them (an invalid index's copy points at row 0 and must land as zeros), and a head
     count that leaves half of the second program's heads padded."""
     case = make_case(256, heads, 2048, 128, gen, lengths=True, sink=True, spread=1.5)
     assert case.topk_length is not None

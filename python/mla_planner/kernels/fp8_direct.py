@@ -131,8 +131,9 @@ class KernelConfig:
     (:mod:`mla_planner.kernels.fp8_wgmma_ws`, :data:`WGMMA_WS_CONFIG`).
     ``a_in_registers``: with ``wgmma``, run its variant whose score dot takes the key block from
     registers (:data:`WGMMA_RA_CONFIG`).
-    ``mma_sync``: run :mod:`mla_planner.kernels.fp8_mma`'s kernel, both dots' key operands
-    gathered straight into ``mma.sync`` registers (:data:`MMA_CONFIG`, its only layout).
+    ``mma_sync``: run :mod:`mla_planner.kernels.fp8_mma`'s kernel, the heads as ``mma.sync``'s M,
+    each block's rows copied into shared memory while the block before runs (:data:`MMA_CONFIG`,
+    its only layout).
     """
 
     block_n: int = 32

@@ -5,22 +5,25 @@
 Same inputs, outputs and semantics as :mod:`mla_planner.kernels.fp8_direct`'s Triton kernel (its
 docstring); selected by a :class:`~mla_planner.kernels.fp8_direct.KernelConfig` with ``mma``.
 
-Why: the ``wgmma`` kernels stage every dequantised key block through a shared tile and read it
-twice (docs/fp8-direct.md); their L1/shared unit is the bound. Here no key byte goes through
-shared memory. A program is one token x 16 heads, four warps, and warp w owns the cache's scale
-tile w (columns [128 w, 128 w + 128)) in both dots:
+Why: the ``wgmma`` kernels write every dequantised key block into a shared tile and read it twice
+(docs/fp8-direct.md); their L1/shared unit is the bound. Here each key byte is written to shared
+memory once, as the cache holds it, and read once by each dot. A program is one token x 16 heads,
+four warps, and warp w owns the cache's scale tile w (columns [128 w, 128 w + 128)) in both dots:
 
+- the rows: while a block of 64 top-k rows runs from one shared stage, the next block's rows are
+  copied into the other by ``cp.async`` (NoPE bytes, RoPE part and tile scales; an invalid entry's
+  as zeros), so no warp waits on a gather;
 - the score dot: warp w multiplies its 128 query columns (held in registers as ``mma.sync``'s A
-  operand, in f16) by its 128 columns of each key row, gathered by 16-byte loads straight into
-  the B operand's registers (the dot's columns are renamed so that a thread's bytes are
+  operand, in f16) by its 128 columns of each key row, loaded by 16-byte shared loads straight
+  into the B operand's registers (the dot's columns are renamed so that a thread's bytes are
   contiguous; the query is loaded in the same order). The raw e4m3 bytes become f16 exactly
   with no scale; the tile's scale multiplies the partial score. A quarter of the RoPE part rides
   along in bf16. The four warps' partial scores are summed through shared memory (a score is
   16 floats a key, against 1,152 bytes of key row);
 - the value dot: warp w accumulates its 128 output columns (O, 16 x 128 float32 a warp), with
   the probabilities (times the key's tile scale) as the A operand straight from the score's
-  accumulator registers, and the same 128 columns of each key row gathered again (now an L1
-  hit) into the B operand's registers, keys paired as the MMA takes them.
+  accumulator registers, and the same 128 columns of each key row loaded again, in the layout
+  of the value dot's B operand, keys paired as the MMA takes them.
 
 Both dots run in f16 with float32 accumulation: e4m3 values are exact in f16, and the query is
 scaled by a power of two per head before its cast so that it is exact too. The probabilities enter
@@ -28,20 +31,14 @@ the value dot times their key's tile scale over the largest scale of that tile s
 they stay at most 1. Keys come in chunks of 16 (the value dot's k-step), four chunks a softmax
 step; the partial scores of a step meet in one barrier.
 
-Measured on an H100 and an H200 (docs/fp8-direct.md): correct, and slower than ``fp8_wgmma_ws``
-(1.48x its time at 32,768 tokens x 16 heads), held by the gathers' latency with 8 warps an SM.
-
-:data:`STAGE_ROWS` selects a second kernel with the same dots (:func:`_mma_staged_kernel`): each
-block's rows are copied by ``cp.async`` into shared memory while the block before runs, so that no
-warp waits on a gather. It compiles without spilling and leaves two programs an SM; it has not run
-on a GPU yet, so it is off.
+Measured on an H100 (docs/fp8-direct.md): correct, and slower than ``fp8_wgmma_ws`` (1.10x its
+time at 32,768 tokens x 16 heads, 1.84x at 32 heads), latency-bound with 8 warps an SM (255
+registers a thread and 108 KB of shared memory a program each allow two programs).
 
 This module imports torch and triton only; nothing here runs at import time.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from triton.experimental import gluon
@@ -50,28 +47,13 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from mla_planner.kernels.fp8_wgmma import _cta_barrier, launch_kernel, store_lse
 
-__all__ = ["BLOCK_H", "BLOCK_N", "launch", "selected"]
+__all__ = ["BLOCK_H", "BLOCK_N", "launch"]
 
 BLOCK_H = 16
-"""Heads a program: the MMA's M. 32 heads run as two programs a token (each gathers the rows)."""
+"""Heads a program: the MMA's M. 32 heads run as two programs a token (each copies the rows)."""
 BLOCK_N = 64
 """Top-k rows a softmax step takes: four chunks of 16 (the value dot's k-step)."""
 NUM_WARPS = 4  # one a scale tile
-PREFETCH = 1
-"""How many blocks ahead a softmax step prefetches rows into L1 (``prefetch.global.L1``, at the
-step's end; their indices loaded at its start, and the indices a block further on prefetched), so
-that a step's gathers need not wait on L2; 0: none. Measured on an H100 at 32,768 x 16: 1 block
-ahead took 25.5 ms against 28.2 with none."""
-MAX_REGS: int | None = None
-"""Triton's ``maxnreg`` for the launch (``None``: ptxas' choice, 255, with no spill under Triton 3.6:
-two programs an SM). Measured on an H100 at 32,768 x 16 with the prefetch: 168 (three programs, spilling) took
-27.4 ms, 128 took 56.7, against 25.5."""
-
-STAGE_ROWS = False
-"""Copy each block's rows into shared memory one block ahead (``cp.async``, two stages) and run
-both dots from there (:func:`_mma_staged_kernel`), in place of gathering them from global memory
-into registers with an L1 prefetch (:func:`_mma_kernel`). Off until a GPU has checked and timed it
-(docs/fp8-direct.md)."""
 
 # Triton 3.8 renamed Gluon's cp.async (3.6: async_copy_global_to_shared).
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -116,7 +98,7 @@ _PARTS = gl.constexpr(gl.PaddedSharedLayout([[16, 8]], [[0, 0, 1], [0, 0, 2], [0
                                             [], [4, 16, 16]))
 
 
-# The staged kernel's shared buffers, a set a stage: a block's 64 rows as the NoPE bytes (u8, 512 a
+# The shared buffers, a set a stage: a block's 64 rows as the NoPE bytes (u8, 512 a
 # key), the RoPE part (bf16, 64 a key) and the tile scales (float32, 4 a key). Each has a view as
 # copied, (64 keys, columns), and views for the loads, (4 chunks, the load's shape), the chunk
 # outermost (Gluon indexes the leading dimension only). In each, key bits 0..n-1 are XORed into
@@ -211,7 +193,7 @@ def _valid(idx_row, n, n_end, num_rows):
 @gluon.jit
 def _rows(idx_row, n, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
     """Top-k entries n (any shape and layout): (each row's byte offset, valid). An invalid entry
-    points at row 0, so that a load needs no mask where its result is masked later."""
+    points at row 0, so that its copy's address stays inside the cache."""
     idx, valid = _valid(idx_row, n, n_end, num_rows)
     if CONTIGUOUS:  # pages back to back: row idx of the whole cache
         return idx.to(gl.int64) * 656, valid
@@ -241,29 +223,6 @@ def _load_query(q_ptr, t, h0, num_heads, stride_qt, stride_qh):
 
 
 @gluon.jit
-def _score_chunk(q16, qr, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr,
-                 CONTIGUOUS: gl.constexpr):
-    """Top-k entries [start, start + 16), gathered from the cache: :func:`_score_dot`'s scores, and
-    the keys' tile scales (tile, keys)."""
-    # NoPE bytes (tile, key, c, byte).
-    ld: gl.constexpr = _KEY_LOAD
-    row, _ = _rows(idx_row, start + _index(16, ld, 1, 4), n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
-    col = 128 * _index(4, ld, 0, 4) + 32 * _index(4, ld, 2, 4) + _index(32, ld, 3, 4)
-    x = gl.load(kv_u8 + row + col)
-    # RoPE (bytes [528, 656) of a row): (tile, key, c, 4 bf16).
-    lr: gl.constexpr = _ROPE_LOAD
-    row_r = gl.convert_layout(row, lr, assert_trivial=True)
-    col_r = 264 + 16 * _index(4, lr, 0, 4) + 4 * _index(4, lr, 2, 4) + _index(4, lr, 3, 4)
-    xr = gl.load((kv_u8 + row_r).to(gl.pointer_type(gl.bfloat16), bitcast=True) + col_r)
-    # The tile scales (float32 128 + w of a row) of the accumulator's keys, and which keys count.
-    ls: gl.constexpr = gl.SliceLayout(1, _MMA)
-    row_s, valid = _rows(idx_row, start + _index(16, ls, 1, 2), n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
-    scale = gl.load((kv_u8 + row_s).to(gl.pointer_type(gl.float32), bitcast=True) + 128 + _index(4, ls, 0, 2),
-                    mask=valid, other=0.0)
-    return _score_dot(q16, qr, x, xr, scale, valid), scale
-
-
-@gluon.jit
 def _score_dot(q16, qr, x, xr, scale, valid):
     """Each tile's share of 16 keys' scores (tile, heads, keys), in the query's scaled units, -inf
     for an invalid key, from the keys' NoPE bytes x (tile, key, c, byte; :data:`_KEY_LOAD`), RoPE
@@ -277,18 +236,6 @@ def _score_dot(q16, qr, x, xr, scale, valid):
     s = mma_v2(q16, k, gl.zeros([4, 16, 16], gl.float32, layout=_MMA))
     s = mma_v2(qr, kr, s * gl.expand_dims(scale, 1))
     return gl.where(gl.expand_dims(valid, 1), s, float("-inf"))
-
-
-@gluon.jit
-def _value_chunk(p, o, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr,
-                 CONTIGUOUS: gl.constexpr):
-    """:func:`_value_dot` of top-k entries [start, start + 16), gathered from the cache."""
-    ld: gl.constexpr = _VALUE_LOAD
-    n = start + 8 * _index(2, ld, 1, 6) + 2 * _index(4, ld, 2, 6) + _index(2, ld, 3, 6)
-    row, valid = _rows(idx_row, n, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
-    col = 128 * _index(4, ld, 0, 6) + 16 * _index(8, ld, 4, 6) + _index(16, ld, 5, 6)
-    # Masked: an unused slot may hold NaN bytes, and 0 x NaN is NaN.
-    return _value_dot(p, o, gl.load(kv_u8 + row + col, mask=valid, other=0))
 
 
 @gluon.jit
@@ -315,8 +262,9 @@ def _copy_rows(smem, ptr, idx_row, keys, cols: gl.constexpr, layout: gl.constexp
 
 
 @gluon.jit
-def _staged_score(q16, qr, nope, rope, scales, idx_row, start, n_end, num_rows):
-    """:func:`_score_chunk` of top-k entries [start, start + 16) from a stage's chunk views."""
+def _score_chunk(q16, qr, nope, rope, scales, idx_row, start, n_end, num_rows):
+    """Top-k entries [start, start + 16) from a stage's chunk views: :func:`_score_dot`'s scores, and
+    the keys' tile scales (tile, keys)."""
     ls: gl.constexpr = gl.SliceLayout(1, _MMA)
     scale = scales.load(ls)
     _, valid = _valid(idx_row, start + _index(16, ls, 1, 2), n_end, num_rows)
@@ -349,13 +297,6 @@ def _chunks(p):
     sl: gl.constexpr = gl.SliceLayout(0, _MMA)
     return (gl.convert_layout(p0, sl, assert_trivial=True), gl.convert_layout(p1, sl, assert_trivial=True),
             gl.convert_layout(p2, sl, assert_trivial=True), gl.convert_layout(p3, sl, assert_trivial=True))
-
-
-@gluon.jit
-def _prefetch_lines(ptrs, ok):
-    """``prefetch.global.L1`` of the lines of ``ptrs`` where ``ok``."""
-    gl.inline_asm_elementwise("@$2 prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l,b", [ptrs, ok],
-                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -432,62 +373,6 @@ def _softmax_step(parts0, parts1, parts2, parts3, down, m, l, unit, acc, scale0,
 
 
 @gluon.jit
-def _mma_kernel(
-    q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
-    num_heads, topk, num_rows,
-    stride_qt, stride_qh, stride_it, stride_ot, stride_oh, stride_lt, stride_lh,
-    page_stride_u8, page_stride_f32, page_stride_bf16,
-    scale_log2,
-    PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-    HAS_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, CONTIGUOUS: gl.constexpr, PREFETCH: gl.constexpr,
-):
-    """:mod:`mla_planner.kernels.fp8_mma`'s kernel, each chunk's rows gathered from global memory;
-    ``PREFETCH``: blocks ahead that a step prefetches into L1."""
-    t, h0, n_end, idx_row, q16, qr, down = _program(q_ptr, idx_ptr, len_ptr, num_heads, topk, stride_qt, stride_qh,
-                                                    stride_it, scale_log2, BLOCK_H, HAS_LENGTH)
-    parts0, parts1, parts2, parts3 = _parts()
-    m, l, unit, acc = _fresh_state()
-    # The prefetch's (64 keys, 2 row halves), one a thread: a block's rows, three 128-byte lines a
-    # thread, their indices loaded at the step's start, the rows prefetched at its end.
-    pl: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
-    half = 384 * _index(2, pl, 1, 2)
-    for start in range(0, n_end, BLOCK_N):
-        if PREFETCH > 0:
-            further: gl.constexpr = (PREFETCH + 1) * BLOCK_N
-            _prefetch_lines(idx_row + start + further + _index(1, pl, 0, 2), start + further < n_end)
-            next_row, next_ok = _rows(idx_row, start + PREFETCH * BLOCK_N + _index(64, pl, 0, 2), n_end, num_rows,
-                                      page_stride_u8, PAGE, CONTIGUOUS)
-        s, scale0 = _score_chunk(q16, qr, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
-        parts0.store(s)
-        s, scale1 = _score_chunk(q16, qr, kv_u8, idx_row, start + 16, n_end, num_rows, page_stride_u8, PAGE,
-                                 CONTIGUOUS)
-        parts1.store(s)
-        s, scale2 = _score_chunk(q16, qr, kv_u8, idx_row, start + 32, n_end, num_rows, page_stride_u8, PAGE,
-                                 CONTIGUOUS)
-        parts2.store(s)
-        s, scale3 = _score_chunk(q16, qr, kv_u8, idx_row, start + 48, n_end, num_rows, page_stride_u8, PAGE,
-                                 CONTIGUOUS)
-        parts3.store(s)
-        _cta_barrier()
-        p0, p1, p2, p3, inv_unit, m, l, unit, acc = _softmax_step(parts0, parts1, parts2, parts3, down, m, l, unit,
-                                                                 acc, scale0, scale1, scale2, scale3)
-        acc = _value_chunk(_weights(p0, scale0, inv_unit), acc, kv_u8, idx_row, start, n_end, num_rows,
-                           page_stride_u8, PAGE, CONTIGUOUS)
-        acc = _value_chunk(_weights(p1, scale1, inv_unit), acc, kv_u8, idx_row, start + 16, n_end, num_rows,
-                           page_stride_u8, PAGE, CONTIGUOUS)
-        acc = _value_chunk(_weights(p2, scale2, inv_unit), acc, kv_u8, idx_row, start + 32, n_end, num_rows,
-                           page_stride_u8, PAGE, CONTIGUOUS)
-        acc = _value_chunk(_weights(p3, scale3, inv_unit), acc, kv_u8, idx_row, start + 48, n_end, num_rows,
-                           page_stride_u8, PAGE, CONTIGUOUS)
-        if PREFETCH > 0:
-            for i in gl.static_range(3):
-                _prefetch_lines(kv_u8 + next_row + half + 128 * i, next_ok & (half + 128 * i < 656))
-
-    _epilogue(acc, unit, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt,
-              stride_lh, HAS_SINK)
-
-
-@gluon.jit
 def _stage():
     """One stage's buffers, as the chunk views the loads take: (NoPE keys, NoPE values, RoPE,
     scales), each (4 chunks, ...)."""
@@ -515,7 +400,7 @@ def _fill(keys, rope, scales, kv_u8, idx_row, start, n_end, num_rows, page_strid
 
 
 @gluon.jit
-def _staged_block(keys, values, rope, scales, next_keys, next_rope, next_scales, parts0, parts1, parts2, parts3,
+def _block(keys, values, rope, scales, next_keys, next_rope, next_scales, parts0, parts1, parts2, parts3,
                   q16, qr, down, m, l, unit, acc, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8,
                   PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
     """The block of top-k entries [start, start + 64) from its stage (keys, values, rope, scales),
@@ -526,15 +411,15 @@ def _staged_block(keys, values, rope, scales, next_keys, next_rope, next_scales,
     _cta_barrier()
     _fill(next_keys, next_rope, next_scales, kv_u8, idx_row, start + 64, n_end, num_rows, page_stride_u8, PAGE,
           CONTIGUOUS)
-    s, scale0 = _staged_score(q16, qr, keys.index(0), rope.index(0), scales.index(0), idx_row, start, n_end, num_rows)
+    s, scale0 = _score_chunk(q16, qr, keys.index(0), rope.index(0), scales.index(0), idx_row, start, n_end, num_rows)
     parts0.store(s)
-    s, scale1 = _staged_score(q16, qr, keys.index(1), rope.index(1), scales.index(1), idx_row, start + 16, n_end,
+    s, scale1 = _score_chunk(q16, qr, keys.index(1), rope.index(1), scales.index(1), idx_row, start + 16, n_end,
                               num_rows)
     parts1.store(s)
-    s, scale2 = _staged_score(q16, qr, keys.index(2), rope.index(2), scales.index(2), idx_row, start + 32, n_end,
+    s, scale2 = _score_chunk(q16, qr, keys.index(2), rope.index(2), scales.index(2), idx_row, start + 32, n_end,
                               num_rows)
     parts2.store(s)
-    s, scale3 = _staged_score(q16, qr, keys.index(3), rope.index(3), scales.index(3), idx_row, start + 48, n_end,
+    s, scale3 = _score_chunk(q16, qr, keys.index(3), rope.index(3), scales.index(3), idx_row, start + 48, n_end,
                               num_rows)
     parts3.store(s)
     _cta_barrier()
@@ -548,7 +433,7 @@ def _staged_block(keys, values, rope, scales, next_keys, next_rope, next_scales,
 
 
 @gluon.jit
-def _mma_staged_kernel(
+def _mma_kernel(
     q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
     num_heads, topk, num_rows,
     stride_qt, stride_qh, stride_it, stride_ot, stride_oh, stride_lt, stride_lh,
@@ -558,7 +443,7 @@ def _mma_staged_kernel(
     HAS_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, CONTIGUOUS: gl.constexpr,
 ):
     """:mod:`mla_planner.kernels.fp8_mma`'s kernel, each block's rows copied into shared memory while
-    the block before runs (two stages, :data:`STAGE_ROWS`). The loop takes two blocks a step, one
+    the block before runs (two stages). The loop takes two blocks a step, one
     from each stage, so that each stage is its own allocation: Triton then sees that copying into
     one does not race with reading the other, and adds no barrier between them."""
     gl.static_assert(BLOCK_N == 64, "a stage holds 64 rows")
@@ -570,11 +455,11 @@ def _mma_staged_kernel(
     _fill(keys0, rope0, scales0, kv_u8, idx_row, 0, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
     m, l, unit, acc = _fresh_state()
     for start in range(0, n_end, 2 * BLOCK_N):
-        m, l, unit, acc = _staged_block(keys0, values0, rope0, scales0, keys1, rope1, scales1, parts0, parts1, parts2,
+        m, l, unit, acc = _block(keys0, values0, rope0, scales0, keys1, rope1, scales1, parts0, parts1, parts2,
                                         parts3, q16, qr, down, m, l, unit, acc, kv_u8, idx_row, start, n_end, num_rows,
                                         page_stride_u8, PAGE, CONTIGUOUS)
         if start + BLOCK_N < n_end:
-            m, l, unit, acc = _staged_block(keys1, values1, rope1, scales1, keys0, rope0, scales0, parts0, parts1,
+            m, l, unit, acc = _block(keys1, values1, rope1, scales1, keys0, rope0, scales0, parts0, parts1,
                                             parts2, parts3, q16, qr, down, m, l, unit, acc, kv_u8, idx_row,
                                             start + BLOCK_N, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
     async_copy.wait_group(0)  # the copies past the end (all masked) land before the program exits
@@ -595,17 +480,10 @@ def _epilogue(acc, unit, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, str
     gl.store(out_ptr + t * stride_ot + h * stride_oh + col, o, mask=h < num_heads)
 
 
-def selected() -> tuple[Any, dict[str, Any]]:
-    """The kernel the module's knobs select (:data:`STAGE_ROWS`), and its own constexprs."""
-    return (_mma_staged_kernel, {}) if STAGE_ROWS else (_mma_kernel, {"PREFETCH": PREFETCH})
-
-
 def launch(q: torch.Tensor, cache3: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None,
            attn_sink: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, page_stride: int,
            scale_log2: float) -> None:
-    """This module's kernel (:func:`selected`), as :func:`mla_planner.kernels.fp8_wgmma.launch_kernel`
-    says, 16 heads a program."""
-    kernel, knobs = selected()
-    launch_kernel(kernel, q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, scale_log2, BLOCK_H,
-                  block_n=BLOCK_N, CONTIGUOUS=page_stride == cache3.shape[1] * 656, num_warps=NUM_WARPS, **knobs,
-                  **({} if MAX_REGS is None else {"maxnreg": MAX_REGS}))
+    """This module's kernel, as :func:`mla_planner.kernels.fp8_wgmma.launch_kernel` says, 16 heads a
+    program."""
+    launch_kernel(_mma_kernel, q, cache3, indices, topk_length, attn_sink, out, lse, page_stride, scale_log2, BLOCK_H,
+                  block_n=BLOCK_N, CONTIGUOUS=page_stride == cache3.shape[1] * 656, num_warps=NUM_WARPS)
