@@ -438,9 +438,10 @@ def test_the_mma_kernel_compiles_for_sm90() -> None:
     """No GPU: the mma.sync kernel compiles for sm90 with both dots as f16 ``mma.sync`` (and the RoPE
     part's in bf16) on e4m3 bytes converted in registers, no ``wgmma``; it copies each block's rows
     by 16-byte ``cp.async`` that zero-fills an invalid entry's (a source-size operand), reads both
-    dots' operands from shared memory by 16-byte loads and gathers nothing itself; its shared memory
-    (two stages of 64 rows of 656 bytes, and the partial scores) leaves room for two programs an SM
-    (227 KB), and it does not spill."""
+    dots' operands from shared memory by 16-byte loads and gathers nothing itself; between its first
+    and last MMA (the loop) it loads nothing from global memory, its indices copied too; its shared
+    memory (two stages of 64 rows of 656 bytes, their indices, and the partial scores) leaves room
+    for two programs an SM (227 KB), and it does not spill."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from fp8_direct_bench import compile_wgmma, ptxas_usage
 
@@ -455,6 +456,9 @@ def test_the_mma_kernel_compiles_for_sm90() -> None:
                           for line in copies)
     assert "cp.async.wait_group" in ptx and "ld.shared.v4.b32" in ptx
     assert "ld.global.v4.b32" not in ptx and "prefetch.global" not in ptx
+    lines = ptx.splitlines()
+    mmas = [i for i, line in enumerate(lines) if "mma.sync" in line]
+    assert not [line for line in lines[mmas[0]:mmas[-1]] if "ld.global" in line]
     assert 2 * 64 * 656 < compiled.metadata.shared <= (227 * 1024) // 2
     import triton
     _, spill = ptxas_usage(ptx, Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")

@@ -12,7 +12,9 @@ four warps, and warp w owns the cache's scale tile w (columns [128 w, 128 w + 12
 
 - the rows: while a block of 64 top-k rows runs from one shared stage, the next block's rows are
   copied into the other by ``cp.async`` (NoPE bytes, RoPE part and tile scales; an invalid entry's
-  as zeros), so no warp waits on a gather;
+  as zeros), so no warp waits on a gather. The indices go one block further ahead, copied into
+  shared memory too: starting a block's copies, and masking its invalid keys (flags written as
+  the copies start), waits on shared memory only, and the loop loads nothing from global memory;
 - the score dot: warp w multiplies its 128 query columns (held in registers as ``mma.sync``'s A
   operand, in f16) by its 128 columns of each key row, loaded by 16-byte shared loads straight
   into the B operand's registers (the dot's columns are renamed so that a thread's bytes are
@@ -31,9 +33,10 @@ the value dot times their key's tile scale over the largest scale of that tile s
 they stay at most 1. Keys come in chunks of 16 (the value dot's k-step), four chunks a softmax
 step; the partial scores of a step meet in one barrier.
 
-Measured on an H100 (docs/fp8-direct.md): correct, and slower than ``fp8_wgmma_ws`` (1.10x its
-time at 32,768 tokens x 16 heads, 1.84x at 32 heads), latency-bound with 8 warps an SM (255
-registers a thread and 108 KB of shared memory a program each allow two programs).
+Measured on an H100 (docs/fp8-direct.md): correct, and at 16 heads faster than ``fp8_wgmma_ws``
+(0.88x its time at 32,768 tokens, 0.94x at 2,048); at 32 heads, two programs a token, slower
+(1.50x). 249 registers a thread and 109 KB of shared memory a program each allow two programs an
+SM.
 
 This module imports torch and triton only; nothing here runs at import time.
 """
@@ -140,6 +143,13 @@ _SCALE_KEYS = gl.constexpr(_staged([_bits("col", 0, 1), _bits("key", 0, 1, 2, 3)
 _NOPE_COPY = gl.constexpr(gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0]))
 _ROPE_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 _SCALE_COPY = gl.constexpr(gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0]))
+# A stage's top-k indices, copied a block ahead of its rows, and which of its entries are valid,
+# written as its rows' copies start: both 64 int32 in order, the flags also viewed as (4 chunks, 16
+# keys). The index copy is 8 bytes a lane, every warp copying all 64.
+_ENTRIES = gl.constexpr(gl.SharedLinearLayout([[1], [2], [4], [8], [16], [32]]))
+_CHUNK_FLAGS = gl.constexpr(gl.SharedLinearLayout([[1], [2], [4], [8]]))
+_INDEX_COPY = gl.constexpr(gl.BlockedLayout([2], [32], [4], [0]))
+_FLAG_STORE = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
 
 @gluon.jit
@@ -183,18 +193,18 @@ def _index(n: gl.constexpr, layout: gl.constexpr, dim: gl.constexpr, rank: gl.co
 
 
 @gluon.jit
-def _valid(idx_row, n, n_end, num_rows):
-    """Top-k entries n (any shape and layout): (their rows, 0 where invalid; which are valid)."""
-    idx = gl.load(idx_row + n, mask=n < n_end, other=-1)
+def _valid(idx, n, n_end, num_rows):
+    """Top-k entries n holding indices idx (any shape and layout): (their rows, 0 where invalid;
+    which are valid)."""
     valid = (n < n_end) & (idx >= 0) & (idx < num_rows)
     return gl.where(valid, idx, 0).to(gl.uint32), valid
 
 
 @gluon.jit
-def _rows(idx_row, n, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
-    """Top-k entries n (any shape and layout): (each row's byte offset, valid). An invalid entry
-    points at row 0, so that its copy's address stays inside the cache."""
-    idx, valid = _valid(idx_row, n, n_end, num_rows)
+def _rows(idx, n, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
+    """Top-k entries n holding indices idx (any shape and layout): (each row's byte offset, valid).
+    An invalid entry points at row 0, so that its copy's address stays inside the cache."""
+    idx, valid = _valid(idx, n, n_end, num_rows)
     if CONTIGUOUS:  # pages back to back: row idx of the whole cache
         return idx.to(gl.int64) * 656, valid
     return (idx // PAGE).to(gl.int64) * page_stride_u8 + (idx % PAGE).to(gl.int64) * 656, valid
@@ -248,26 +258,28 @@ def _value_dot(p, o, x):
 
 
 @gluon.jit
-def _copy_rows(smem, ptr, idx_row, keys, cols: gl.constexpr, layout: gl.constexpr, n_end, num_rows, page_stride_u8,
-               PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
-    """Starts copying (``cp.async``) columns [0, cols) of each row of top-k entries ``keys`` (64) on
-    from ``ptr`` (the row's start) into ``smem`` (64, cols) in ``layout``; an invalid entry's as
-    zeros (its slot may hold NaN bytes, and 0 x NaN is NaN)."""
+def _copy_rows(smem, ptr, entries, keys, cols: gl.constexpr, layout: gl.constexpr, n_end, num_rows,
+               page_stride_u8, PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
+    """Starts copying (``cp.async``) columns [0, cols) of each row of top-k entries ``keys`` (64) on,
+    their indices in ``entries`` (shared, 64), from ``ptr`` (the row's start) into ``smem`` (64,
+    cols) in ``layout``; an invalid entry's as zeros (its slot may hold NaN bytes, and 0 x NaN is
+    NaN)."""
     # The rows a thread copies, before broadcasting over its columns (each index loaded once).
-    row, ok = _rows(idx_row, keys + gl.arange(0, 64, layout=gl.SliceLayout(1, layout)), n_end, num_rows,
-                    page_stride_u8, PAGE, CONTIGUOUS)
+    kl: gl.constexpr = gl.SliceLayout(1, layout)
+    row, ok = _rows(entries.load(kl), keys + gl.arange(0, 64, layout=kl), n_end, num_rows, page_stride_u8, PAGE,
+                    CONTIGUOUS)
     col = _index(cols, layout, 1, 2)
     rows = (ptr + gl.expand_dims(row, 1)).to(gl.pointer_type(smem.dtype), bitcast=True)
     _async_load(smem, rows + col, mask=gl.expand_dims(ok, 1) & (col < cols))
 
 
 @gluon.jit
-def _score_chunk(q16, qr, nope, rope, scales, idx_row, start, n_end, num_rows):
-    """Top-k entries [start, start + 16) from a stage's chunk views: :func:`_score_dot`'s scores, and
-    the keys' tile scales (tile, keys)."""
+def _score_chunk(q16, qr, nope, rope, scales, flags):
+    """A chunk of 16 top-k entries from a stage's chunk views: :func:`_score_dot`'s scores, and the
+    keys' tile scales (tile, keys)."""
     ls: gl.constexpr = gl.SliceLayout(1, _MMA)
     scale = scales.load(ls)
-    _, valid = _valid(idx_row, start + _index(16, ls, 1, 2), n_end, num_rows)
+    valid = gl.expand_dims(flags.load(gl.SliceLayout(0, ls)) != 0, 0)
     return _score_dot(q16, qr, nope.load(_KEY_LOAD), rope.load(_ROPE_LOAD), scale, valid), scale
 
 
@@ -375,52 +387,67 @@ def _softmax_step(parts0, parts1, parts2, parts3, down, m, l, unit, acc, scale0,
 @gluon.jit
 def _stage():
     """One stage's buffers, as the chunk views the loads take: (NoPE keys, NoPE values, RoPE,
-    scales), each (4 chunks, ...)."""
+    scales, flags), each (4 chunks, ...), and its indices (64)."""
     nope = gl.allocate_shared_memory(gl.uint8, [64, 512], _NOPE)
     rope = gl.allocate_shared_memory(gl.bfloat16, [64, 64], _ROPE)
     scales = gl.allocate_shared_memory(gl.float32, [64, 4], _SCALES)
+    flags = gl.allocate_shared_memory(gl.int32, [64], _ENTRIES)
+    entries = gl.allocate_shared_memory(gl.int32, [64], _ENTRIES)
     return (nope._reinterpret(gl.uint8, [4, 4, 16, 4, 32], _NOPE_KEYS),
             nope._reinterpret(gl.uint8, [4, 4, 2, 4, 2, 8, 16], _NOPE_VALUES),
             rope._reinterpret(gl.bfloat16, [4, 4, 16, 4, 4], _ROPE_KEYS),
-            scales._reinterpret(gl.float32, [4, 4, 16], _SCALE_KEYS))
+            scales._reinterpret(gl.float32, [4, 4, 16], _SCALE_KEYS), flags._reinterpret(gl.int32, [4, 16], _CHUNK_FLAGS),
+            entries)
 
 
 @gluon.jit
-def _fill(keys, rope, scales, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr,
+def _fetch_entries(entries, idx_row, start, n_end):
+    """Starts copying the indices of top-k entries [start, start + 64) into ``entries`` (those past
+    the end as zeros, which the flags then mark invalid)."""
+    n = start + gl.arange(0, 64, layout=_INDEX_COPY)
+    _async_load(entries, idx_row + n, mask=n < n_end)
+
+
+@gluon.jit
+def _fill(keys, rope, scales, flags, entries, kv_u8, start, n_end, num_rows, page_stride_u8, PAGE: gl.constexpr,
           CONTIGUOUS: gl.constexpr):
-    """Starts copying the rows of top-k entries [start, start + 64) into the stage of these views
-    (:func:`_stage`'s): NoPE bytes [0, 512), scales [512, 528) and RoPE [528, 656) of each row."""
-    _copy_rows(keys._reinterpret(gl.uint8, [64, 512], _NOPE), kv_u8, idx_row, start, 512, _NOPE_COPY, n_end,
+    """Starts copying the rows of top-k entries [start, start + 64), their indices landed in
+    ``entries``, into the stage of these views (:func:`_stage`'s): NoPE bytes [0, 512), scales
+    [512, 528) and RoPE [528, 656) of each row; writes which entries are valid into ``flags``."""
+    _copy_rows(keys._reinterpret(gl.uint8, [64, 512], _NOPE), kv_u8, entries, start, 512, _NOPE_COPY, n_end,
                num_rows, page_stride_u8, PAGE, CONTIGUOUS)
-    _copy_rows(rope._reinterpret(gl.bfloat16, [64, 64], _ROPE), kv_u8 + 528, idx_row, start, 64, _ROPE_COPY, n_end,
+    _copy_rows(rope._reinterpret(gl.bfloat16, [64, 64], _ROPE), kv_u8 + 528, entries, start, 64, _ROPE_COPY, n_end,
                num_rows, page_stride_u8, PAGE, CONTIGUOUS)
-    _copy_rows(scales._reinterpret(gl.float32, [64, 4], _SCALES), kv_u8 + 512, idx_row, start, 4, _SCALE_COPY, n_end,
-               num_rows, page_stride_u8, PAGE, CONTIGUOUS)
-    async_copy.commit_group()
+    _copy_rows(scales._reinterpret(gl.float32, [64, 4], _SCALES), kv_u8 + 512, entries, start, 4, _SCALE_COPY,
+               n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    n = start + gl.arange(0, 64, layout=_FLAG_STORE)
+    _, valid = _valid(entries.load(_FLAG_STORE), n, n_end, num_rows)
+    flags._reinterpret(gl.int32, [64], _ENTRIES).store(valid.to(gl.int32))
 
 
 @gluon.jit
-def _block(keys, values, rope, scales, next_keys, next_rope, next_scales, parts0, parts1, parts2, parts3,
-                  q16, qr, down, m, l, unit, acc, kv_u8, idx_row, start, n_end, num_rows, page_stride_u8,
-                  PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
-    """The block of top-k entries [start, start + 64) from its stage (keys, values, rope, scales),
-    once it has landed, while the next block's rows are copied into the other stage: (m, l, unit,
-    acc) after it."""
-    # This block's rows are in, and every warp is done with the other stage (the block before).
+def _block(keys, values, rope, scales, flags, entries, next_keys, next_rope, next_scales, next_flags, next_entries,
+           parts0, parts1, parts2, parts3, q16, qr, down, m, l, unit, acc, kv_u8, idx_row, start, n_end, num_rows,
+           page_stride_u8, PAGE: gl.constexpr, CONTIGUOUS: gl.constexpr):
+    """The block of top-k entries [start, start + 64) from its stage (keys, values, rope, scales,
+    flags), once it has landed, while the next block's rows are copied into the other stage (their
+    indices landed in ``next_entries``) and the indices of the block after that into ``entries``:
+    (m, l, unit, acc) after it."""
+    # This block's rows and the next block's indices are in, and every warp is done with the other
+    # stage (the block before) and with this stage's indices (read when its rows' copies started).
     async_copy.wait_group(0)
     _cta_barrier()
-    _fill(next_keys, next_rope, next_scales, kv_u8, idx_row, start + 64, n_end, num_rows, page_stride_u8, PAGE,
-          CONTIGUOUS)
-    s, scale0 = _score_chunk(q16, qr, keys.index(0), rope.index(0), scales.index(0), idx_row, start, n_end, num_rows)
+    _fill(next_keys, next_rope, next_scales, next_flags, next_entries, kv_u8, start + 64, n_end, num_rows,
+          page_stride_u8, PAGE, CONTIGUOUS)
+    _fetch_entries(entries, idx_row, start + 128, n_end)
+    async_copy.commit_group()
+    s, scale0 = _score_chunk(q16, qr, keys.index(0), rope.index(0), scales.index(0), flags.index(0))
     parts0.store(s)
-    s, scale1 = _score_chunk(q16, qr, keys.index(1), rope.index(1), scales.index(1), idx_row, start + 16, n_end,
-                              num_rows)
+    s, scale1 = _score_chunk(q16, qr, keys.index(1), rope.index(1), scales.index(1), flags.index(1))
     parts1.store(s)
-    s, scale2 = _score_chunk(q16, qr, keys.index(2), rope.index(2), scales.index(2), idx_row, start + 32, n_end,
-                              num_rows)
+    s, scale2 = _score_chunk(q16, qr, keys.index(2), rope.index(2), scales.index(2), flags.index(2))
     parts2.store(s)
-    s, scale3 = _score_chunk(q16, qr, keys.index(3), rope.index(3), scales.index(3), idx_row, start + 48, n_end,
-                              num_rows)
+    s, scale3 = _score_chunk(q16, qr, keys.index(3), rope.index(3), scales.index(3), flags.index(3))
     parts3.store(s)
     _cta_barrier()
     p0, p1, p2, p3, inv_unit, m, l, unit, acc = _softmax_step(parts0, parts1, parts2, parts3, down, m, l, unit, acc,
@@ -450,18 +477,26 @@ def _mma_kernel(
     t, h0, n_end, idx_row, q16, qr, down = _program(q_ptr, idx_ptr, len_ptr, num_heads, topk, stride_qt, stride_qh,
                                                     stride_it, scale_log2, BLOCK_H, HAS_LENGTH)
     parts0, parts1, parts2, parts3 = _parts()
-    keys0, values0, rope0, scales0 = _stage()
-    keys1, values1, rope1, scales1 = _stage()
-    _fill(keys0, rope0, scales0, kv_u8, idx_row, 0, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    keys0, values0, rope0, scales0, flags0, entries0 = _stage()
+    keys1, values1, rope1, scales1, flags1, entries1 = _stage()
+    # The indices of the first two blocks, then the first block's rows: from here on a block's
+    # indices land a block ahead of its rows, so that starting a copy waits on shared memory only.
+    _fetch_entries(entries0, idx_row, 0, n_end)
+    _fetch_entries(entries1, idx_row, BLOCK_N, n_end)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    _cta_barrier()
+    _fill(keys0, rope0, scales0, flags0, entries0, kv_u8, 0, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+    async_copy.commit_group()
     m, l, unit, acc = _fresh_state()
     for start in range(0, n_end, 2 * BLOCK_N):
-        m, l, unit, acc = _block(keys0, values0, rope0, scales0, keys1, rope1, scales1, parts0, parts1, parts2,
-                                        parts3, q16, qr, down, m, l, unit, acc, kv_u8, idx_row, start, n_end, num_rows,
-                                        page_stride_u8, PAGE, CONTIGUOUS)
+        m, l, unit, acc = _block(keys0, values0, rope0, scales0, flags0, entries0, keys1, rope1, scales1, flags1,
+                                 entries1, parts0, parts1, parts2, parts3, q16, qr, down, m, l, unit, acc, kv_u8,
+                                 idx_row, start, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
         if start + BLOCK_N < n_end:
-            m, l, unit, acc = _block(keys1, values1, rope1, scales1, keys0, rope0, scales0, parts0, parts1,
-                                            parts2, parts3, q16, qr, down, m, l, unit, acc, kv_u8, idx_row,
-                                            start + BLOCK_N, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
+            m, l, unit, acc = _block(keys1, values1, rope1, scales1, flags1, entries1, keys0, rope0, scales0, flags0,
+                                     entries0, parts0, parts1, parts2, parts3, q16, qr, down, m, l, unit, acc, kv_u8,
+                                     idx_row, start + BLOCK_N, n_end, num_rows, page_stride_u8, PAGE, CONTIGUOUS)
     async_copy.wait_group(0)  # the copies past the end (all masked) land before the program exits
 
     _epilogue(acc, unit, m, l, sink_ptr, out_ptr, lse_ptr, t, h0, num_heads, stride_ot, stride_oh, stride_lt,
