@@ -1,11 +1,6 @@
-"""One vLLM engine in this process (stock FLASHMLA_SPARSE or the planned backend), the cases in order
-(docs/e2e.md, "The in-process runner", "Fault injection").
-
-    python3 tests/e2e/run_cases.py --backend planned --util 0.95 --mnbt 32768 --cases 1 2 3 5 --out r.json
-
-The JSON is rewritten after every case (marked ``started`` before it runs), so a crash keeps what came
-before. A case that raises (stock's CUDA OOM) is a result: its requests are aborted and the next case
-runs in the same engine, flagged with the failures before it.
+"""The in-process runner (docs/e2e.md): one vLLM engine in this process, stock FLASHMLA_SPARSE or the
+planned backend, the cases in order. The JSON is rewritten after every case, so a crash keeps what came
+before; a case that raises (stock's CUDA OOM) is a result, and the next case runs in the same engine.
 """
 
 from __future__ import annotations
@@ -38,10 +33,9 @@ REPLACE_VAR = "MLA_PLANNER_REPLACE_FLASHMLA_SPARSE"
 PLANNER_VARS = ("MLA_PLANNER_SCRATCH_MB", "VLLM_FLASHMLA_SPARSE_MAX_SCRATCH_MB", REPLACE_VAR)
 TOKEN_RANGE = (100, 30000)
 MAX_TOKENS = 4
-GIB = 1 << 30
 
-# The cases. Case 3: the 32K blocker fills one step of 32,768 tokens; the five queued prompts (32,767
-# tokens) then share the next step with the blocker's first decode token.
+# Case 3: the 32K blocker fills one step of 32,768 tokens; the five queued prompts (32,767 tokens)
+# then share the next step with the blocker's first decode token.
 CASE_PROMPTS: dict[str, list[int]] = {
     "1": [32768],
     "2": [12288, 8192, 4096, 3072, 2048, 1536, 1024, 508],  # 32,764
@@ -60,10 +54,14 @@ CASE_TITLES = {
     "same_function": "first generated tokens of a fixed 16K prompt",
 }
 CASES = tuple(CASE_TITLES)
-SAME_FUNCTION_SEED = 16384
-MIXED_DECODERS, MIXED_DECODER_LEN, MIXED_DECODE_TOKENS = 8, 1024, 48
-MIXED_PREFILLS = (16384, 16384)
-TOP_LOGPROBS = 5
+SAME_FUNCTION_SEED, TOP_LOGPROBS = 16384, 5
+MIXED_DECODERS, MIXED_DECODER_LEN, MIXED_DECODE_TOKENS, MIXED_PREFILLS = 8, 1024, 48, (16384, 16384)
+THROUGHPUT_TITLES = {
+    "prefill_8k": "one 8,192-token prompt, max_tokens 1",
+    "prefill_32k": "one 32,768-token prompt, max_tokens 1",
+    "mixed": f"{len(MIXED_PREFILLS)} x {MIXED_PREFILLS[0]:,}-token prompts (max_tokens 1) arriving while "
+             f"{MIXED_DECODERS} requests of {MIXED_DECODER_LEN:,} tokens decode; timed until both finish",
+}
 # what model_variant may change, and the suffix each gives the copy's folder
 VARIANT_KEYS = {"num_attention_heads": "h", "num_hidden_layers": "l", "num_nextn_predict_layers": "mtp"}
 
@@ -108,45 +106,39 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> list[str]:
         from vllm import SamplingParams
         from vllm.config import AttentionConfig
         from vllm.engine.arg_utils import EngineArgs
-    except ImportError as exc:
-        return [f"vllm not importable: {exc}"]
-    try:
+
         SamplingParams(**sampling_kwargs(logprobs=TOP_LOGPROBS))
     except Exception as exc:
-        return [f"SamplingParams refuses {sampling_kwargs(logprobs=TOP_LOGPROBS)}: {exc}"]
+        return [f"vllm refuses the sampling parameters or cannot be imported: {exc}"]
     fields, attn_fields = ({f.name for f in dataclasses.fields(c)} for c in (EngineArgs, AttentionConfig))
     return [f"EngineArgs has no field {k!r}" for k in kwargs if k not in fields] + [
         f"AttentionConfig has no field {k!r}" for k in kwargs["attention_config"] if k not in attn_fields]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", choices=sorted(BACKENDS), required=True)
-    ap.add_argument("--util", type=float, required=True, help="gpu_memory_utilization")
-    ap.add_argument("--mnbt", type=int, default=32768, help="max_num_batched_tokens")
-    ap.add_argument("--cases", nargs="+", required=True, help=f"in order; of {', '.join(CASES)} (commas also split)")
-    ap.add_argument("--out", type=Path, required=True, help="JSON results, rewritten after every case")
-    ap.add_argument("--repeats", type=int, default=5, help="throughput repeats per workload")
-    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (workers in their own processes)")
-    ap.add_argument("--heads", type=int, help="the model's attention heads (default: its config's)")
-    ap.add_argument("--block-size", type=int, default=64,
-                    help="KV cache block size (default 64; vLLM 0.33 takes any multiple of 64 on Hopper)")
-    ap.add_argument("--case-timeout-s", type=float, default=90,
-                    help="limit on one generate call (default 90 s; a 2-layer model prefills 64K tokens in seconds)")
-    ap.add_argument("--faults", help="fault modes, comma-separated (faults.MODES): the cases run once per mode")
-    ap.add_argument("--dry-run", action="store_true", help="print the plan, check engine arguments, run nothing")
-    ap.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # CPU tests: fakes
+    ap = argparse.ArgumentParser(description=__doc__, epilog="docs/e2e.md says what each case and option does.")
+    add = ap.add_argument
+    add("--backend", choices=sorted(BACKENDS), required=True)
+    add("--util", type=float, required=True, help="gpu_memory_utilization")
+    add("--mnbt", type=int, default=32768, help="max_num_batched_tokens")
+    add("--cases", nargs="+", required=True, help=f"in order; of {', '.join(CASES)} (commas also split)")
+    add("--out", type=Path, required=True, help="JSON results, rewritten after every case")
+    add("--repeats", type=int, default=5, help="throughput repeats per workload")
+    add("--tp", type=int, default=1, help="tensor_parallel_size (workers in their own processes)")
+    add("--heads", type=int, help="the model's attention heads (default: its config's)")
+    add("--block-size", type=int, default=64, help="KV cache block size, a multiple of 64 (default 64)")
+    add("--case-timeout-s", type=float, default=90, help="limit on one generate call (default 90 s)")
+    add("--faults", help="fault modes, comma-separated (faults.MODES): the cases run once per mode")
+    add("--dry-run", action="store_true", help="print the plan, check engine arguments, run nothing")
+    add("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # CPU tests: fakes
     args = ap.parse_args(argv)
     args.cases = [c for item in args.cases for c in item.split(",") if c]
-    unknown = [c for c in args.cases if c not in CASES]
-    if unknown:
-        ap.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    if set(args.cases) - set(CASES):
+        ap.error(f"unknown case(s) {sorted(set(args.cases) - set(CASES))}; known: {', '.join(CASES)}")
     if not 0 < args.util <= 1:
         ap.error("--util must be in (0, 1]")
-    if args.repeats < 1 or args.tp < 1 or (args.heads is not None and args.heads < 1):
-        ap.error("--repeats, --tp and --heads must be at least 1")
-    if args.block_size < 64 or args.block_size % 64:
-        ap.error("--block-size must be a multiple of 64")
+    if min(args.repeats, args.tp, args.heads or 1) < 1 or args.block_size < 64 or args.block_size % 64:
+        ap.error("--repeats, --tp and --heads must be at least 1, --block-size a multiple of 64")
     args.faults = args.faults.split(",") if args.faults else None
     if args.faults is not None and (set(args.faults) - set(faults.MODES) or args.backend != "planned" or args.tp != 1):
         ap.error(f"--faults takes {', '.join(faults.MODES)}, with --backend planned and --tp 1")
@@ -242,32 +234,38 @@ class Bench:
 
     def engine_info(self) -> dict[str, Any]:
         """The KV cache the engine got at start-up (the in-process EngineCore's scheduler holds the
-        KVCacheConfig), and which attention implementation runs."""
+        KVCacheConfig), and which attention implementation runs; None where vLLM moved a field."""
         engine = self.llm.llm_engine
-        info: dict[str, Any] = {}
 
-        def record(key: str, read: Callable[[], Any]) -> None:
+        def cache() -> Any:
+            return engine.vllm_config.cache_config
+
+        def core() -> Any:
+            return engine.engine_core.engine_core
+
+        def layers() -> list[Any]:
+            return list(engine.vllm_config.compilation_config.static_forward_context.values())
+
+        reads: dict[str, Callable[[], Any]] = {
+            "num_gpu_blocks": lambda: cache().num_gpu_blocks, "block_size": lambda: cache().block_size,
+            "kv_cache_size_tokens": lambda: cache().kv_cache_size_tokens,
+            "kv_cache_max_concurrency": lambda: cache().kv_cache_max_concurrency,
+            "kv_available_bytes": lambda: core().available_gpu_memory_for_kv_cache,
+            "kv_cache_bytes": lambda: kv_tensor_bytes(core().scheduler.kv_cache_config.kv_cache_tensors),
+            "kv_cache_groups": lambda: [type(g.kv_cache_spec).__name__
+                                        for g in core().scheduler.kv_cache_config.kv_cache_groups],
+            "attention_backends": lambda: sorted({x.attn_backend.get_name() for x in layers()
+                                                  if hasattr(x, "attn_backend")}),
+            "attention_impls": lambda: sorted({f"{type(x.impl).__module__}.{type(x.impl).__qualname__}"
+                                               for x in layers() if hasattr(x, "impl")}),
+        }
+        info: dict[str, Any] = {}
+        for key, read in reads.items():
             try:  # an attribute moved in another vLLM costs one field, not the run
                 info[key] = read()
             except Exception as exc:
                 info[key] = None
                 info.setdefault("info_errors", {})[key] = error_text(exc)
-
-        cache = engine.vllm_config.cache_config
-        record("num_gpu_blocks", lambda: cache.num_gpu_blocks)
-        record("block_size", lambda: cache.block_size)
-        record("kv_cache_size_tokens", lambda: getattr(cache, "kv_cache_size_tokens", None))
-        record("kv_cache_max_concurrency", lambda: getattr(cache, "kv_cache_max_concurrency", None))
-        core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
-        record("kv_available_bytes", lambda: getattr(core, "available_gpu_memory_for_kv_cache", None))
-        kv_config = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
-        record("kv_cache_bytes", lambda: kv_tensor_bytes(getattr(kv_config, "kv_cache_tensors")))
-        record("kv_cache_groups", lambda: [type(g.kv_cache_spec).__name__ for g in getattr(kv_config, "kv_cache_groups")])
-        layers = list(engine.vllm_config.compilation_config.static_forward_context.values())
-        record("attention_backends", lambda: sorted({layer.attn_backend.get_name() for layer in layers
-                                                     if hasattr(layer, "attn_backend")}))
-        record("attention_impls", lambda: sorted({f"{type(layer.impl).__module__}.{type(layer.impl).__qualname__}"
-                                                  for layer in layers if hasattr(layer, "impl")}))
         return info
 
 
@@ -308,8 +306,7 @@ def measured(bench: Bench, body: Callable[[], dict[str, Any]]) -> dict[str, Any]
     try:
         result["memory_after"] = bench.memory()
     except Exception as exc:
-        result["memory_after"] = None
-        result.setdefault("sync_error", error_text(exc))
+        result.update(memory_after=None, sync_error=result.get("sync_error") or error_text(exc))
     return result
 
 
@@ -351,8 +348,8 @@ def time_mixed(bench: Bench, seed: int) -> float:
         bench.llm.llm_engine.step()
     prefills = [token_prompt(n, rng) for n in MIXED_PREFILLS]
     t0 = time.perf_counter()
-    bench.run_until_done({external_id(i) for i in bench.llm.enqueue(prefills, bench.params(max_tokens=1),
-                                                                    use_tqdm=False)})
+    ids = bench.llm.enqueue(prefills, bench.params(max_tokens=1), use_tqdm=False)
+    bench.run_until_done({external_id(i) for i in ids})
     dt = time.perf_counter() - t0
     bench.run_until_done()  # the decoders finish outside the timing
     return sum(MIXED_PREFILLS) / dt
@@ -375,14 +372,7 @@ def run_throughput(bench: Bench, repeats: int) -> dict[str, Any]:
         return {"tok_s": samples, "median_tok_s": {k: statistics.median(v) for k, v in samples.items()},
                 "repeats": repeats}
 
-    result = measured(bench, body)
-    result["workloads"] = {
-        "prefill_8k": "one 8,192-token prompt, max_tokens 1",
-        "prefill_32k": "one 32,768-token prompt, max_tokens 1",
-        "mixed": f"{len(MIXED_PREFILLS)} x {MIXED_PREFILLS[0]:,}-token prompts (max_tokens 1) arriving while "
-                 f"{MIXED_DECODERS} requests of {MIXED_DECODER_LEN:,} tokens decode; timed until both finish",
-    }
-    return result
+    return {**measured(bench, body), "workloads": THROUGHPUT_TITLES}
 
 
 def run_same_function(bench: Bench) -> dict[str, Any]:
@@ -417,11 +407,10 @@ def planner_settings() -> dict[str, Any]:
     try:
         from mla_planner.vllm_backend import read_settings
 
-        settings = read_settings()
+        s = read_settings()
     except Exception as exc:
         return {"error": error_text(exc)}
-    return {"scratch_mb": settings.scratch_mb, "source": settings.source,
-            "replace_flashmla_sparse": settings.replace_flashmla_sparse}
+    return {"scratch_mb": s.scratch_mb, "source": s.source, "replace_flashmla_sparse": s.replace_flashmla_sparse}
 
 
 def versions() -> dict[str, str]:
@@ -477,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, data)
     kv_bytes = data["startup"].get("kv_cache_bytes")
     print(f"engine up in {data['startup']['elapsed_s']:.0f} s: {data['startup'].get('num_gpu_blocks')} KV blocks, "
-          f"{kv_bytes / GIB if isinstance(kv_bytes, int) else float('nan'):.2f} GiB KV cache", flush=True)
+          f"{kv_bytes / (1 << 30) if isinstance(kv_bytes, int) else float('nan'):.2f} GiB KV cache", flush=True)
 
     failures: list[str] = []
     dead: str | None = None
