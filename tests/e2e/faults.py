@@ -1,9 +1,6 @@
-"""Fault injection for an in-process engine (run_cases.py ``--faults``; docs/e2e.md): each reason a
-step cannot run its plan (``MODES``), and the allocator's peak over every attention layer call.
-
-A test hook, never a setting: it patches the plugin's modules in this process before the engine is
-built, armed per case with :func:`arm`. The patch points exist in builds before the bounded path too,
-so one driver measures both.
+"""Fault injection for an in-process engine (run_cases.py ``--faults``): a test hook, never a setting, that
+patches the plugin's modules in this process before the engine is built, armed per case with ``arm``; its
+patch points exist in builds before the bounded path too, so one driver measures both.
 """
 
 from __future__ import annotations
@@ -26,6 +23,11 @@ class Faults:
     peak_bytes: int = 0  # the largest layer call's peak since ``arm``
     depth: int = 0
 
+    def fire(self, mode: str, when: bool = True) -> bool:
+        if self.mode == mode and when:
+            self.fired += 1
+        return self.mode == mode and when
+
 
 STATE = Faults()
 
@@ -38,11 +40,10 @@ def arm(mode: str) -> None:
 
 
 def read() -> dict[str, Any]:
-    """What happened since :func:`arm`, with the engine's step counters' gains (``StepStats.counts``)."""
-    now = step_counts()
+    """What happened since ``arm``, with the engine's step counters' gains (``StepStats.counts``)."""
     return {"mode": STATE.mode, "faults_fired": STATE.fired, "attention_layer_calls": STATE.layer_calls,
             "attention_peak_bytes": STATE.peak_bytes, "kernel_launches": STATE.kernel_launches,
-            "step_counts": {name: n - STATE.counts_at_arm.get(name, 0) for name, n in now.items()}}
+            "step_counts": {name: n - STATE.counts_at_arm.get(name, 0) for name, n in step_counts().items()}}
 
 
 def newest_engine_state() -> Any | None:
@@ -54,7 +55,6 @@ def newest_engine_state() -> Any | None:
 
 
 def step_counts() -> dict[str, int]:
-    """The newest engine's step counters (empty where none counts)."""
     stats = getattr(newest_engine_state(), "stats", None)
     return dict(stats.counts()) if stats is not None else {}
 
@@ -77,40 +77,29 @@ def install() -> None:
     from mla_planner import routing
     from mla_planner.vllm_backend import backend, vllm_api
 
-    choose_plan = routing.choose_plan
-
-    def choose(*args: Any, **kwargs: Any) -> Any:
-        if STATE.mode == "plan":
-            STATE.fired += 1
-            raise ValueError("injected: the builder cannot plan")
-        return choose_plan(*args, **kwargs)
-
-    routing.choose_plan = choose  # the builder calls routing.choose_plan
-
+    choose_plan, make_provider = routing.choose_plan, backend.kernel_provider
     builder_cls = backend.PlannedFlashMLASparseMetadataBuilder
     attach, build = builder_cls.attach_plan, builder_cls.build
 
+    def choose(*args: Any, **kwargs: Any) -> Any:
+        if STATE.fire("plan"):
+            raise ValueError("injected: the builder cannot plan")
+        return choose_plan(*args, **kwargs)
+
     def attach_plan(self: Any, metadata: Any, common: Any) -> None:
         attach(self, metadata, common)
-        planned = getattr(metadata, "planned", None)
-        if STATE.mode == "tokens" and planned is not None and hasattr(planned, "sparse_tokens"):
-            STATE.fired += 1
+        planned: Any = getattr(metadata, "planned", None)
+        if STATE.fire("tokens", hasattr(planned, "sparse_tokens")):
             planned.sparse_tokens += 1
 
     def build_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         STATE.launches = 0
         return build(self, *args, **kwargs)
 
+    routing.choose_plan = choose  # the builder calls routing.choose_plan
     setattr(builder_cls, "attach_plan", attach_plan)
     setattr(builder_cls, "build", build_step)
-
-    make_provider = backend.kernel_provider
-
-    def provider() -> Any:
-        return FaultyProvider(make_provider(), torch.OutOfMemoryError)
-
-    backend.kernel_provider = provider
-
+    backend.kernel_provider = lambda: FaultyProvider(make_provider(), torch.OutOfMemoryError)
     for cls in (backend.PlannedFlashMLASparseImpl, vllm_api.FlashMLASparseImpl):
         for name in ("_forward_fp8_kv_mixed_batch", "_forward_fp8_kv_separate_prefill_decode"):
             if name in vars(cls):
@@ -118,7 +107,7 @@ def install() -> None:
 
 
 def measured(forward: Callable[..., Any], torch: Any) -> Callable[..., Any]:
-    """``forward`` with the allocator's peak over the outermost call read into :data:`STATE`."""
+    """``forward`` with the allocator's peak over the outermost call read into ``STATE``."""
     @functools.wraps(forward)
     def call(*args: Any, **kwargs: Any) -> Any:
         if STATE.depth:
@@ -136,28 +125,22 @@ def measured(forward: Callable[..., Any], torch: Any) -> Callable[..., Any]:
 
 
 class FaultyProvider:
-    """The plugin's kernel provider, failing where the armed mode says."""
+    """The plugin's kernel provider, failing its launches where the armed mode says."""
 
     def __init__(self, inner: Any, oom: type[BaseException]) -> None:
         self.inner, self.oom = inner, oom
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        attr = getattr(self.inner, name)
+        if name not in ("sparse_decode", "sparse_prefill"):
+            return attr
 
-    def _launch(self) -> None:
-        STATE.launches += 1
-        STATE.kernel_launches += 1
-        if STATE.mode == "oom2" and STATE.launches == 2:
-            STATE.fired += 1
-            raise self.oom("injected: CUDA out of memory in the second launch")
-        if STATE.mode == "launch" and STATE.launches == 1:
-            STATE.fired += 1
-            raise RuntimeError("injected: the launch failed")
-
-    def sparse_decode(self, *args: Any, **kwargs: Any) -> Any:
-        self._launch()
-        return self.inner.sparse_decode(*args, **kwargs)
-
-    def sparse_prefill(self, *args: Any, **kwargs: Any) -> Any:
-        self._launch()
-        return self.inner.sparse_prefill(*args, **kwargs)
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            STATE.launches += 1
+            STATE.kernel_launches += 1
+            if STATE.fire("oom2", STATE.launches == 2):
+                raise self.oom("injected: CUDA out of memory in the second launch")
+            if STATE.fire("launch", STATE.launches == 1):
+                raise RuntimeError("injected: the launch failed")
+            return attr(*args, **kwargs)
+        return launch
