@@ -1,7 +1,5 @@
-"""The reports of a results folder (docs/e2e.md): ``serve.md`` over the served phases (``ab.json``,
-``<phase>-<engine>.json``) and ``matrix.md`` from ``matrix.json``. They work from the saved files alone,
-say what is missing (a run cut by the deadline, a case a crash interrupted), and compute only medians,
-ratios and differences of the numbers they hold.
+"""The reports of a results folder, from its saved files alone: ``serve.md`` over the served phases and
+``matrix.md`` from ``matrix.json``; they say what is missing and compute only medians, ratios and differences.
 
     python3 tests/e2e/report.py DIR   # writes DIR's reports, and prints them
 """
@@ -14,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from serve_proc import ERROR_PATTERNS
 from step_log import plugin_over_stock
 
 SERVE_MD, MATRIX_MD = "serve.md", "matrix.md"
@@ -22,8 +21,9 @@ PHASES = ("ab", "boundary", "failrate", "soak")
 METRICS = (("TTFT p50 ms", "p50_ttft_ms", 1), ("TTFT p99 ms", "p99_ttft_ms", 1), ("TPOT p50 ms", "p50_tpot_ms", 2),
            ("TPOT p99 ms", "p99_tpot_ms", 2), ("output tok/s", "output_throughput", 0),
            ("total tok/s", "total_token_throughput", 0))
-ERROR_KINDS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error", "illegal memory access", "EngineDeadError")
 ENGINES = ("stock", "plugin")
+YES_NO = {True: "yes", False: "**no**", None: "–"}
+STEP_MIB = 16  # a change between two soak samples at least this large is a step, not sampling noise
 
 
 def write(folder: Path) -> str:
@@ -36,9 +36,7 @@ def write(folder: Path) -> str:
             continue
         if isinstance(data, dict) and data.get("schema") == 1 and data.get("phase") in PHASES:
             phases[path.stem] = data
-    reports = []
-    if phases:
-        reports.append((SERVE_MD, render_serve(phases)))
+    reports = [(SERVE_MD, render_serve(phases))] if phases else []
     if (folder / "matrix.json").is_file():
         reports.append((MATRIX_MD, render_matrix(json.loads((folder / "matrix.json").read_text()))))
     for name, text in reports:
@@ -81,13 +79,6 @@ def up(record: dict[str, Any]) -> bool:
     return bool(record.get("startup", {}).get("status") == "ok")
 
 
-def planner_lines(record: dict[str, Any]) -> tuple[list[str], int]:
-    """A server's mla-planner lines (the first 40) and their count (older matrix.json files name
-    them ``mla_planner_lines``; older phase files keep 6 and no count)."""
-    lines = record.get("planner_lines", record.get("mla_planner_lines")) or []
-    return lines, int(record.get("planner_line_count", record.get("mla_planner_line_count", len(lines))))
-
-
 def server_rows(records: list[dict[str, Any]]) -> list[str]:
     lines = table("server", "engine", "util", "mnbt", "start-up", "KV cache GiB", "KV tokens", "mla-planner log lines",
                   "alive at end", "errors in log")
@@ -95,20 +86,20 @@ def server_rows(records: list[dict[str, Any]]) -> list[str]:
         s = r.get("startup", {})
         started = f"{s.get('status')}, {s['elapsed_s']:.0f} s" if "elapsed_s" in s else s.get("status", "–")
         if s.get("status") not in ("ok", None, "not run"):
-            last_line = next(iter((s.get("log_tail") or "").splitlines()[-1:]), "")
-            started += f": {cell(s.get('error') or last_line, 80)}"
+            last = (s.get("log_tail") or "").rpartition("\n")[2]
+            started += f": {cell(s.get('error') or last, 80)}"
         errors = ", ".join(f"{k} ×{v}" for k, v in (r.get("error_count") or {}).items()) or "none"
         lines.append(row(r.get("label"), r.get("engine"), r.get("util"), r.get("mnbt"), started,
-                         num(r.get("kv_cache_memory_gib"), 2), num(r.get("kv_cache_tokens")), planner_lines(r)[1],
-                         {True: "yes", False: "**no**", None: "–"}[r.get("alive_at_end")], cell(errors, 80)))
+                         num(r.get("kv_cache_memory_gib"), 2), num(r.get("kv_cache_tokens")),
+                         r.get("planner_line_count", 0), YES_NO[r.get("alive_at_end")], cell(errors, 80)))
     return lines
 
 
 def engine_checks(records: list[dict[str, Any]]) -> list[str]:
     """A plugin server must log the planner's lines, a stock server none."""
-    return [f"**{r.get('label')}: {r.get('engine')} server logged {planner_lines(r)[1]} mla-planner lines**"
-            for r in records
-            if "planner_lines" in r and up(r) and (r.get("engine") == "plugin") != bool(planner_lines(r)[1])]
+    return [f"**{r.get('label')}: {r.get('engine')} server logged {r.get('planner_line_count', 0)} mla-planner lines**"
+            for r in records if "planner_lines" in r and up(r)
+            and (r.get("engine") == "plugin") != bool(r.get("planner_line_count"))]
 
 
 # --- serve.md -----------------------------------------------------------------------------------------
@@ -122,14 +113,21 @@ def client_rows(runs: list[dict[str, Any]], label: str) -> list[dict[str, Any]]:
             if r.get("status") == "ok" and (r["clients"].get(label) or {}).get("result")]
 
 
-def totals(runs: list[dict[str, Any]], label: str) -> str:
-    """The runs' total tokens/s of one client (or ``combined``), in run order."""
-    return " ".join(num(r.get("total_token_throughput")) for r in client_rows(runs, label)) or "–"
+def paired_ratios(wruns: list[dict[str, Any]], label: str, key: str) -> list[float]:
+    """Plugin/stock ``key`` of one client (or ``combined``) in each repeat both engines finished: the two
+    runs of a repeat share a seed and ran back to back or at once, so the ratio leaves out what moves
+    from one repeat to the next, which the ratio of the medians keeps."""
+    got: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
+    for r in wruns:
+        value = next(iter(client_rows([r], label)), {}).get(key)
+        if r.get("engine") in got and isnum(value):
+            got[r["engine"]][(r.get("call"), r.get("seed"))] = value
+    return plugin_over_stock(got)
 
 
 def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     """One workload's table: per client (and all clients combined), each engine's medians over its
-    finished repeats, then plugin/stock. Warm-up rounds are left out."""
+    finished repeats (warm-ups left out), then plugin/stock; then the per-repeat ratios."""
     wruns = [r for r in every if not r.get("warmup")]
     labels = list(dict.fromkeys(label for r in wruns for label in r.get("clients", {})))
     labels += ["combined"] if len(labels) > 1 else []
@@ -154,8 +152,9 @@ def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tu
         for name, key in (("total tokens/s", "total_token_throughput"), ("output tokens/s", "output_throughput")):
             summary.append(f"{workload}: plugin/stock {name} {ratio(meds['plugin'][key], meds['stock'][key])} "
                            f"(medians of {done['plugin']} and {done['stock']} repeats)")
-        lines += ["", f"Total tokens/s per repeat ({labels[-1]}): stock {totals(by_engine['stock'], labels[-1])}; "
-                  f"plugin {totals(by_engine['plugin'], labels[-1])}."]
+        totals = {e: " ".join(num(r.get("total_token_throughput")) for r in client_rows(by_engine[e], labels[-1]))
+                  or "–" for e in ENGINES}
+        lines += ["", f"Total tokens/s per repeat ({labels[-1]}): stock {totals['stock']}; plugin {totals['plugin']}."]
         how = "at the same time" if any(r.get("at_once") for r in wruns) else "back to back"
         for name, key, label in (("total tokens/s", "total_token_throughput", labels[-1]),
                                  ("TPOT p50", "p50_tpot_ms", labels[0])):  # combined has no TPOT: the first client's
@@ -169,20 +168,6 @@ def workload_lines(workload: str, title: str, every: list[dict[str, Any]]) -> tu
                                f"({len(paired)} pairs{spread}, {how})")
     lines += [f"- {r['tag']}: {r.get('status')}: {cell(r.get('error'), 160)}" for r in every if r.get("status") != "ok"]
     return [*lines, ""], summary
-
-
-def paired_ratios(wruns: list[dict[str, Any]], label: str, key: str = "total_token_throughput") -> list[float]:
-    """Plugin/stock ``key`` of one client (or ``combined``) in each repeat both engines finished, in
-    repeat order. The two runs of a repeat share a seed (the same prompts) and ran back to back or
-    at the same time, so their ratio leaves out what moves from one repeat to the next (the
-    prompts, the machine), which the ratio of the medians keeps."""
-    got: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
-    for r in wruns:
-        rows = client_rows([r], label)
-        value = rows[0].get(key) if rows else None
-        if r.get("engine") in got and isnum(value):
-            got[r["engine"]][(r.get("call"), r.get("seed"))] = value
-    return plugin_over_stock(got)
 
 
 def ab_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -251,9 +236,6 @@ def failrate_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
     return ["Fresh server per trial; one 32,768-token prompt each.", "", *lines, "", *server_rows(servers)], summary
 
 
-STEP_MIB = 16  # a change between two samples at least this large is a step, not sampling noise
-
-
 def memory_flatness(samples: list[dict[str, Any]], after_s: float) -> dict[str, Any]:
     """Used GPU memory (MiB, the first GPU) of the samples taken at ``after_s`` or later."""
     used = [s["used_mib"][0] for s in samples if s.get("used_mib") and s["t_s"] >= after_s]
@@ -262,18 +244,11 @@ def memory_flatness(samples: list[dict[str, Any]], after_s: float) -> dict[str, 
     return {"samples": len(used), "min_mib": min(used), "max_mib": max(used), "spread_mib": max(used) - min(used)}
 
 
-def memory_steps(samples: list[dict[str, Any]], after_s: float) -> list[tuple[float, int]]:
-    """(time, change in MiB) wherever used memory (the first GPU) moved by ``STEP_MIB`` or more
-    from one sample to the next, from ``after_s`` on: the allocator growing to a larger shape
-    shows as a few steps that stop, a leak as steps that go on."""
-    used = [(s["t_s"], s["used_mib"][0]) for s in samples if s.get("used_mib") and s["t_s"] >= after_s]
-    return [(t, b - a) for (_, a), (t, b) in zip(used, used[1:]) if abs(b - a) >= STEP_MIB]
-
-
 def settled(samples: list[dict[str, Any]], warm: float) -> dict[str, Any] | None:
-    """After warm-up's last memory step: when it came, what it was, and the flatness from then to
-    the end; None without a step."""
-    steps = memory_steps(samples, warm)
+    """The steps of ``STEP_MIB`` or more in used memory from ``warm`` on (an allocator growing to a larger
+    shape: a few that stop; a leak: steps that go on), and the flatness after the last; None without one."""
+    used = [(s["t_s"], s["used_mib"][0]) for s in samples if s.get("used_mib") and s["t_s"] >= warm]
+    steps = [(t, b - a) for (_, a), (t, b) in zip(used, used[1:]) if abs(b - a) >= STEP_MIB]
     if not steps:
         return None
     at, change = steps[-1]
@@ -286,8 +261,8 @@ def steps_row(after: dict[str, Any] | None) -> str:
     if after is None:
         return f"{head} none |"
     steps = after["steps"]
-    listed = ", ".join(f"{d:+,} MiB at {t:.0f} s" for t, d in steps[:8])
-    listed += f", … ({len(steps)} in all)" if len(steps) > 8 else ""
+    listed = ", ".join(f"{d:+,} MiB at {t:.0f} s" for t, d in steps[:8]) + (f", … ({len(steps)} in all)"
+                                                                            if len(steps) > 8 else "")
     return (f"{head} {listed}; from the last ({after['at_s']:.0f} s) to the end ({after['span_s']:.0f} s, "
             f"{after['samples']} samples): {num(after['min_mib'])}–{num(after['max_mib'])} MiB, "
             f"max − min {num(after['spread_mib'])} MiB |")
@@ -297,10 +272,9 @@ def soak_section(data: dict[str, Any]) -> tuple[list[str], list[str]]:
     its, samples = data.get("iterations", []), data.get("samples", [])
     warm = its[0]["t_end_s"] if its else 0.0  # after the first iteration: kernels compiled, pools grown
     flat, after, every = memory_flatness(samples, warm), settled(samples, warm), memory_flatness(samples, 0.0)
-    done = sum(int((i.get("combined") or {}).get("completed") or 0) for i in its)
-    failed = sum(int((i.get("combined") or {}).get("failed") or 0) for i in its)
+    done, failed = (sum(int((i.get("combined") or {}).get(k) or 0) for i in its) for k in ("completed", "failed"))
     record = data.get("server", {})
-    errors = {k: v for k, v in (record.get("error_count") or {}).items() if k in ERROR_KINDS}
+    errors = {k: v for k, v in (record.get("error_count") or {}).items() if k in ERROR_PATTERNS[:5]}
     tps = [(i.get("combined") or {}).get("total_token_throughput") for i in its]
     lines = [*server_rows([record]), "", "| | |", "|---|---|",
              f"| soak | {num(data.get('soak_elapsed_s'))} s of {num(data.get('soak_s'))} s asked"
@@ -333,13 +307,13 @@ SECTIONS = {"ab": ("Throughput A/B (`vllm bench serve`)", ab_section),
 
 
 def render_serve(phases: dict[str, dict[str, Any]]) -> str:
-    out = ["# Serving (`vllm serve`): stock FLASHMLA_SPARSE vs the plugin", ""]
     v, run = next(iter(phases.values())).get("versions", {}), next(iter(phases.values())).get("run", {})
     scaled = f", {run['layers']} hidden layers" if run.get("layers") is not None else ""
-    out += [f"vLLM {v.get('vllm')}, torch {v.get('torch')}, mla-planner {v.get('mla-planner')}, transformers "
-            f"{v.get('transformers')}. Model: tests/e2e/tiny-deepseek-v32 (dummy weights{scaled}) with a generated "
-            "word-level tokenizer; `vllm serve` with vLLM's defaults (CUDA graphs, engine process) and "
-            "`--kv-cache-dtype fp8_ds_mla --block-size 64 --max-model-len 70000 --no-enable-prefix-caching`.", ""]
+    out = ["# Serving (`vllm serve`): stock FLASHMLA_SPARSE vs the plugin", "",
+           f"vLLM {v.get('vllm')}, torch {v.get('torch')}, mla-planner {v.get('mla-planner')}, transformers "
+           f"{v.get('transformers')}. Model: tests/e2e/tiny-deepseek-v32 (dummy weights{scaled}) with a generated "
+           "word-level tokenizer; `vllm serve` with vLLM's defaults (CUDA graphs, engine process) and "
+           "`--kv-cache-dtype fp8_ds_mla --block-size 64 --max-model-len 70000 --no-enable-prefix-caching`.", ""]
     summary: list[str] = []
     body: list[str] = []
     for stem, data in sorted(phases.items(), key=lambda kv: (PHASES.index(kv[1]["phase"]), kv[0])):
@@ -368,11 +342,10 @@ MATRIX_COLUMNS = ("server", "model", "MTP", "max-num-seqs", "budget MiB", "CUDA 
 
 def load_cell(result: dict[str, Any] | None) -> str:
     """``ok/asked``, failures in bold; why a step did not run."""
-    if not result:
-        return "–"
+    result = result or {}
     status, n, ok = result.get("status"), result.get("n_requests"), result.get("requests_ok")
-    if status in ("not run", "started"):
-        return "not run" if status == "not run" else "**cut** (driver ended)"
+    if status in (None, "not run", "started"):
+        return {None: "–", "not run": "not run", "started": "**cut** (driver ended)"}[status]
     if not isinstance(n, int) or not isinstance(ok, int):
         return cell(status)
     return f"{ok}/{n}" if ok == n else f"{ok}/{n}, **{n - ok} failed**"
@@ -435,7 +408,7 @@ def matrix_notes(rec: dict[str, Any]) -> list[str]:
         out.append(f"  - start-up {s.get('status')}: {cell(s.get('error') or '', 200)}")
     if twin and not up(twin):
         out.append(f"  - stock twin: {(twin.get('startup') or {}).get('status')}")
-    lines, count = planner_lines(plugin)
+    lines, count = plugin.get("planner_lines") or [], plugin.get("planner_line_count", 0)
     shown = [line for line in lines if "budget" in line or "reservation" in line][:3]
     out += [f"  - `{cell(line[line.find('mla-planner'):], 300)}`" for line in shown]
     out += [f"  - fallback: `{cell(line[line.find('mla-planner'):], 300)}`" for line in plugin.get("fallback_examples") or []]

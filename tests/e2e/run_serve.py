@@ -1,10 +1,6 @@
 """The serve driver (docs/e2e.md): stock FLASHMLA_SPARSE against the plugin under ``vllm serve``, one
-``--phase`` a call (ab, boundary, failrate, soak, matrix), with serve_proc.py's servers and bench clients.
-
-A call ends by ``--deadline-s``; what it leaves no time for is recorded as not run. ``DIR/<phase>[-<engine>]
-.json`` is rewritten at every change (a crash keeps what came before), server logs go to ``DIR/logs``,
-bench results to ``DIR/bench``, then report.py writes the reports. A phase longer than a device call
-runs ``--detach``ed in a session of its own; ``--follow`` picks it up in the next call.
+``--phase`` a call, until ``--deadline-s`` (what it leaves no time for is recorded as not run). Results in
+``DIR/<phase>[-<engine>].json``, rewritten at every change; then report.py's reports.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ import serve_proc as sp
 import step_log
 from report import ENGINES, up
 from run_cases import (CASE_MAX_TOKENS, CASE_PROMPTS, CASE_TITLES, ENV_DEFAULTS, MAX_TOKENS, MODEL_DIR, PLANNER_VARS,
-                       TOKEN_RANGE, case_prompts, model_variant, versions, write_json)
+                       TOKEN_RANGE, case_prompts, error_text, model_variant, versions, write_json)
 from serve_proc import Server, ServerSpec, check_stop
 
 PHASES = ("ab", "boundary", "failrate", "soak", "matrix")
@@ -55,9 +51,16 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
+def not_run(why: str) -> dict[str, Any]:
+    return {"status": "not run", "error": why}
+
+
+def split(text: str) -> list[str]:
+    return [w for w in text.split(",") if w]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="docs/e2e.md says what each phase and option does.")
+    ap = argparse.ArgumentParser(description=__doc__, epilog="docs/e2e.md says what each phase and option does.")
     add = ap.add_argument
     add("--phase", choices=PHASES, required=True, help="one a call")
     add("--out", type=Path, required=True, help="results folder (kept: later calls add to it)")
@@ -88,51 +91,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--request-timeout-s", type=float, help="one request's limit (default 120; matrix: 180)")
     add("--fake-server", action="store_true", help=argparse.SUPPRESS)
     add("--fake-bench", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.detach and args.follow:
+    a = ap.parse_args(argv)
+    if a.detach and a.follow:
         ap.error("--detach follows the phase itself: give one of --detach and --follow")
-    args.workloads = [w for w in args.workloads.split(",") if w]
-    unknown = [w for w in args.workloads if w not in sp.WORKLOADS]
-    if unknown:
-        ap.error(f"unknown workload(s) {unknown}; known: {', '.join(sp.WORKLOADS)}")
-    args.at_once = args.workloads if args.at_once == "*" else [w for w in args.at_once.split(",") if w]
-    if set(args.at_once) - set(args.workloads):
-        ap.error(f"--at-once {','.join(args.at_once)}: not all of them are in --workloads {','.join(args.workloads)}")
-    args.failrate_utils = [float(u) for u in args.failrate_utils.split(",") if u]
-    engine, util = PHASE_DEFAULTS[args.phase]
-    args.engine = args.engine or engine
-    if args.phase == "matrix" and args.util is None and args.start == "together" and args.stock_twins:
+    a.workloads = split(a.workloads)
+    if set(a.workloads) - set(sp.WORKLOADS):
+        ap.error(f"unknown workload(s) in {a.workloads}; known: {', '.join(sp.WORKLOADS)}")
+    a.at_once = a.workloads if a.at_once == "*" else split(a.at_once)
+    if set(a.at_once) - set(a.workloads):
+        ap.error(f"--at-once {','.join(a.at_once)}: not all of them are in --workloads {','.join(a.workloads)}")
+    a.failrate_utils = [float(u) for u in split(a.failrate_utils)]
+    engine, util = PHASE_DEFAULTS[a.phase]
+    a.engine = a.engine or engine
+    if a.phase == "matrix" and a.util is None and a.start == "together" and a.stock_twins:
         util = 0.04  # every twin alive beside every server
-    args.util = args.util if args.util is not None else util
-    start_s, request_s = TIMEOUTS.get(args.phase, DEFAULT_TIMEOUTS)
-    args.start_timeout_s = args.start_timeout_s or start_s
-    args.request_timeout_s = args.request_timeout_s or request_s
-    for u in [args.util, *args.failrate_utils]:
-        if u is not None and not 0 < u <= 1:
-            ap.error(f"utilization {u} is not in (0, 1]")
-    if args.phase == "matrix":
-        matrix_args(ap, args)
-    return args
-
-
-def matrix_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The matrix's servers and twins, their shares of the GPU within MAX_UTIL_SUM."""
+    a.util = util if a.util is None else a.util
+    start_s, request_s = TIMEOUTS.get(a.phase, DEFAULT_TIMEOUTS)
+    a.start_timeout_s, a.request_timeout_s = a.start_timeout_s or start_s, a.request_timeout_s or request_s
+    if any(u is not None and not 0 < u <= 1 for u in [a.util, *a.failrate_utils]):
+        ap.error("a utilization is not in (0, 1]")
+    if a.phase != "matrix":
+        return a
+    # the matrix's servers and twins, their shares of the GPU within MAX_UTIL_SUM
     names = [c.name for c in md.DESIGN]
-    args.servers = [s for s in (args.servers or ",".join(names)).split(",") if s]
-    unknown = [s for s in args.servers if s not in names]
-    if unknown:
-        ap.error(f"unknown server(s) {unknown}; known: {', '.join(names)}")
-    args.stock_twins = [] if not args.stock_twins else (
-        list(args.servers) if args.stock_twins == "all" else [s for s in args.stock_twins.split(",") if s])
-    strays = [s for s in args.stock_twins if s not in args.servers]
-    if strays:
-        ap.error(f"--stock-twins {','.join(strays)}: not among the servers run ({','.join(args.servers)})")
-    utils = [md.util_for(c, args.util) for c in md.DESIGN if c.name in args.servers]
-    twin_utils = [md.util_for(c, args.util) for c in md.DESIGN if c.name in args.stock_twins]
+    a.servers = split(a.servers or ",".join(names))
+    if set(a.servers) - set(names):
+        ap.error(f"unknown server(s) in {a.servers}; known: {', '.join(names)}")
+    a.stock_twins = list(a.servers) if a.stock_twins == "all" else split(a.stock_twins)
+    if set(a.stock_twins) - set(a.servers):
+        ap.error(f"--stock-twins {','.join(a.stock_twins)}: not all among the servers run ({','.join(a.servers)})")
+    utils = [md.util_for(c, a.util) for c in md.DESIGN if c.name in a.servers]
+    twin_utils = [md.util_for(c, a.util) for c in md.DESIGN if c.name in a.stock_twins]
     # a stock twin lives until every server is up when together, else until the next start
-    twins = 0 if not twin_utils else sum(twin_utils) if args.start == "together" else max(twin_utils)
+    twins = sum(twin_utils) if a.start == "together" else max(twin_utils, default=0)
     if sum(utils) + twins > MAX_UTIL_SUM:
         ap.error(f"the servers' utilizations add up to {sum(utils) + twins:.2f} (at most {MAX_UTIL_SUM}): lower --util")
+    return a
 
 
 class Run:
@@ -145,40 +139,36 @@ class Run:
         self.deadline: float = t0 + args.deadline_s
         self.lock = threading.RLock()
         self.clients: sp.Clients | None = None  # None: no step of this phase runs a bench client
-        self.model_dir = Path()  # the served model folder (the bench clients' tokenizer too)
-        self.model_dirs: dict[str, Path] = {}  # the matrix's, by server
-        self.closed = False
+        # the served model folders, the matrix's by server, the other phases' one as "" (the clients' tokenizer too)
+        self.model_dirs: dict[str, Path] = {}
+        self.closed = False  # no record after this: the reports are written from the file as it is then
 
-    def save(self) -> None:
+    def update(self, target: dict[str, Any] | None = None, **values: Any) -> None:
+        """``target.update(values)`` and the file rewritten (none once closed: a stop leaves the matrix's
+        load threads running until the process exits, and what they would add would disagree with the
+        reports)."""
         with self.lock:
             if not self.closed:
+                (self.data if target is None else target).update(values)
                 write_json(self.path, self.data)
-
-    def update(self, target: dict[str, Any], **values: Any) -> None:
-        with self.lock:
-            if not self.closed:
-                target.update(values)
-                write_json(self.path, self.data)
-
-    def close(self) -> None:
-        """No record after this: the reports are written from the file as it is now. (A stop leaves
-        the matrix's load threads running until the process exits; what they would add, requests
-        the stop cut, would make the file disagree with the reports.)"""
-        with self.lock:
-            self.closed = True
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
+
+    def late(self, needed_s: float) -> dict[str, Any] | None:
+        """A ``not run`` record where less than ``needed_s`` is left."""
+        return not_run(f"deadline: {self.left():.0f} s left") if self.left() < needed_s else None
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 1)
 
     def port(self, k: int) -> int:
-        base: int = self.args.port_base
-        return sp.free_port() if base == 0 else base + k
+        return sp.free_port() if self.args.port_base == 0 else int(self.args.port_base) + k
 
-    def spec(self, engine: str, util: float, k: int, mnbt: int = 32768) -> ServerSpec:
-        return ServerSpec(engine, util, self.port(k), mnbt, log_iterations=self.args.log_iterations)
+    def job(self, engine: str, util: float, k: int, label: str, mnbt: int = 32768) -> Job:
+        """A server of the phases but the matrix, on their one model."""
+        spec = ServerSpec(engine, util, self.port(k), mnbt, log_iterations=self.args.log_iterations)
+        return Job(spec, label, self.model_dirs[""])
 
 
 # --- starting servers ----------------------------------------------------------------------------------
@@ -220,12 +210,12 @@ def spawn(run: Run, job: Job) -> Starting:
     try:
         server.start()
     except Exception as exc:
-        item.state = {"status": "error", "error": f"{type(exc).__name__}: {exc}", "elapsed_s": 0.0}
+        item.state = {"status": "error", "error": error_text(exc), "elapsed_s": 0.0}
     record["pid"] = server.pid
     return item
 
 
-def settle(run: Run, job: Job, server: Server | None, record: dict[str, Any]) -> None:
+def settle(job: Job, server: Server | None, record: dict[str, Any]) -> None:
     if server is not None:
         record.update(sp.log_facts(server.log_text()))
         s, kv = record["startup"], record.get("kv_cache_memory_gib")
@@ -248,71 +238,62 @@ def gate(item: Starting, mode: str, following: Job | None) -> bool:
     return sized and mode == "staggered" and not (following is not None and following.compared)
 
 
-def start_jobs(run: Run, jobs: list[Job], mode: str = "chained", min_left_s: float = MIN_SERVER_S) -> list[dict[str, Any]]:
-    """Starts ``jobs``' servers, each once the one before passes its ``gate`` (``together``: all at
-    once), none with less than ``min_left_s`` left, all on this thread. Returns their records, in
-    order, each with its window (spawn to gate, or to settled) and ``startup``."""
-    chains = [[job] for job in jobs] if mode == "together" else [list(jobs)]
-    records: dict[int, dict[str, Any]] = {}
-    current: list[Starting | None] = [None] * len(chains)
+def start_jobs(run: Run, jobs: list[Job], mode: str = "chained",
+               min_left_s: float = MIN_SERVER_S) -> list[tuple[Server | None, dict[str, Any]]]:
+    """Starts ``jobs``' servers in order, each once the one before passes its ``gate``, none with less
+    than ``min_left_s`` left, all on this thread. Returns each job's server (None: not started) and
+    record, with its window (spawn to gate, or to settled) and ``startup``."""
+    queue, started = list(jobs), list[tuple[Server | None, dict[str, Any]]]()
+    current: Starting | None = None
     released: list[Starting] = []  # past their gate, awaiting /health
-    while True:
+    while queue or current or released:
         check_stop()
-        for ready in list(released):  # first, so a twin sized is stopped before its chain's next start
-            ready.state = ready.state or ready.server.start_state(ready.limit_s)
-            if ready.state is not None:
-                released.remove(ready)
-                ready.record["startup"] = ready.state
-                if ready.record["window_s"][1] is None:
-                    ready.record["window_s"][1] = run.now()
-                settle(run, ready.job, ready.server, ready.record)
-        for k, chain in enumerate(chains):
-            if current[k] is None and chain:
-                job = chain.pop(0)
-                if run.left() < min_left_s:  # nothing started that could not be up and used in time
-                    records[id(job)] = {"label": job.label, "engine": job.spec.engine, "util": job.spec.util,
-                                        "startup": {"status": "not run", "error": f"deadline: {run.left():.0f} s left"}}
-                    settle(run, job, None, records[id(job)])
-                    continue
-                current[k] = spawn(run, job)
-            item = current[k]
-            if item is None:
+        if current is None and queue:
+            job = queue.pop(0)
+            late = run.late(min_left_s)  # nothing started that could not be up and used in time
+            if late is not None:
+                record: dict[str, Any] = {"label": job.label, "engine": job.spec.engine, "util": job.spec.util,
+                                          "startup": late}
+                started.append((None, record))
+                settle(job, None, record)
                 continue
-            records[id(item.job)] = item.record
-            item.state = item.state or item.server.start_state(item.limit_s)
-            if gate(item, mode, chain[0] if chain else None):
-                current[k] = None
+            current = spawn(run, job)
+            started.append((current.server, current.record))
+        if current is not None:
+            current.state = current.state or current.server.start_state(current.limit_s)
+            if gate(current, mode, queue[0] if queue else None):
                 if mode != "together":
-                    item.record["window_s"][1] = run.now()
-                if item.job.kv_only and item.state is None:  # sized: all a twin is for
-                    alive = item.server.alive()
-                    item.state = {"status": "ok" if alive else "exited", "until": "KV cache sized",
-                                  "elapsed_s": time.monotonic() - item.server.t0,
-                                  **({} if alive else {"log_tail": item.server.log_tail()})}
-                released.append(item)
-        if not released and not any(current) and not any(chains):
-            return [records[id(job)] for job in jobs if id(job) in records]
+                    current.record["window_s"][1] = run.now()
+                if current.job.kv_only and current.state is None:  # sized: all a twin is for
+                    alive = current.server.alive()
+                    current.state = {"status": "ok" if alive else "exited", "until": "KV cache sized",
+                                     "elapsed_s": time.monotonic() - current.server.t0,
+                                     **({} if alive else {"log_tail": current.server.log_tail()})}
+                released.append(current)
+                current = None
+                if mode == "together" and queue:
+                    continue  # every start at once
         time.sleep(0.5)
+        for item in list(released):  # before the next start, so a twin sized is stopped by then
+            item.state = item.state or item.server.start_state(item.limit_s)
+            if item.state is not None:
+                released.remove(item)
+                item.record["startup"] = item.state
+                if item.record["window_s"][1] is None:
+                    item.record["window_s"][1] = run.now()
+                settle(item.job, item.server, item.record)
+    return started
 
 
 def start_one(run: Run, job: Job, min_left_s: float = MIN_SERVER_S) -> tuple[Server | None, dict[str, Any]]:
-    """One server, started and awaited; None if it was not started."""
-    got: list[Server | None] = [None]
-
-    def keep(server: Server | None, record: dict[str, Any]) -> None:
-        got[0] = server
-        if job.done is not None:
-            job.done(server, record)
-
-    (record,) = start_jobs(run, [Job(job.spec, job.label, job.model_dir, keep)], min_left_s=min_left_s)
-    return got[0], record
+    return start_jobs(run, [job], min_left_s=min_left_s)[0]
 
 
 def finish(server: Server, record: dict[str, Any]) -> None:
     """Alive and /health, the plugin's metrics, the stop, then the whole log's facts."""
-    record["alive_at_end"] = server.alive()
-    record["health_at_end"] = server.health() if server.alive() else None
-    if server.alive():  # the plugin's metrics, where vLLM serves a worker's (PROMETHEUS_MULTIPROC_DIR set)
+    record["alive_at_end"] = alive = server.alive()
+    record["health_at_end"] = server.health() if alive else None
+    if alive:  # the plugin's metrics, where vLLM serves a worker's (PROMETHEUS_MULTIPROC_DIR set)
         text = sp.http(server.url + "/metrics", timeout_s=10)[1] or ""
         record["plugin_metrics"] = [line for line in text.splitlines() if line.startswith("mla_planner_")]
     record["stop"] = server.stop()
@@ -321,11 +302,9 @@ def finish(server: Server, record: dict[str, Any]) -> None:
         say(f"{server.log_path.stem}: WARNING: processes of the server's group still running after SIGKILL")
 
 
-# --- requests ---------------------------------------------------------------------------------------
-# run_cases' cases (token-id prompts) and the matrix's chat burst, over HTTP. A case's prompts go on
-# threads of their own a few ms apart, so the server gets them as one submission (case 3's blocker first).
+# --- requests: run_cases' cases (token-id prompts) and the matrix's chat burst, over HTTP ---------------
 
-STAGGER_S = 0.02
+STAGGER_S = 0.02  # a case's prompts, this far apart, reach the server as one submission (case 3's blocker first)
 CHAT_N, CHAT_PREFIX, CHAT_LEN, CHAT_MAX_TOKENS, CHAT_SEED = 100, 256, (300, 1100), (16, 256), 2900
 
 
@@ -334,12 +313,8 @@ def chat_prompts(n: int, seed: int = CHAT_SEED) -> list[tuple[list[int], int]]:
     tokens in all, 16-256 out; the same for every server."""
     rng = random.Random(seed)
     prefix = [rng.randrange(*TOKEN_RANGE) for _ in range(CHAT_PREFIX)]
-    prompts = []
-    for _ in range(n):
-        length = rng.randint(*CHAT_LEN)
-        ids = prefix + [rng.randrange(*TOKEN_RANGE) for _ in range(length - CHAT_PREFIX)]
-        prompts.append((ids, rng.randint(*CHAT_MAX_TOKENS)))
-    return prompts
+    return [(prefix + [rng.randrange(*TOKEN_RANGE) for _ in range(rng.randint(*CHAT_LEN) - CHAT_PREFIX)],
+             rng.randint(*CHAT_MAX_TOKENS)) for _ in range(n)]
 
 
 def one_request(url: str, ids: list[int], max_tokens: int, delay_s: float, timeout_s: float) -> dict[str, Any]:
@@ -357,30 +332,23 @@ def one_request(url: str, ids: list[int], max_tokens: int, delay_s: float, timeo
             "completion_tokens": tokens, "elapsed_s": time.perf_counter() - t0, "error": error}
 
 
-def send_all(url: str, prompts: list[tuple[list[int], int]], stagger_s: float, timeout_s: float) -> dict[str, Any]:
-    """Every prompt at once, ``stagger_s`` apart, each answer awaited: counts, and the first errors."""
+def send_step(url: str, case: str | None, timeout_s: float) -> dict[str, Any]:
+    """A case of run_cases' (its prompts ``STAGGER_S`` apart), or (None) the chat burst, whose requests
+    are not kept: every prompt at once, each answer awaited; counts, and the first errors."""
+    max_tokens = CASE_MAX_TOKENS.get(case or "", MAX_TOKENS)
+    prompts = chat_prompts(CHAT_N) if case is None else [(ids, max_tokens) for ids in case_prompts(case)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        futures = [pool.submit(one_request, url, ids, max_tokens, i * stagger_s, timeout_s)
-                   for i, (ids, max_tokens) in enumerate(prompts)]
+        futures = [pool.submit(one_request, url, ids, m, 0.0 if case is None else i * STAGGER_S, timeout_s)
+                   for i, (ids, m) in enumerate(prompts)]
         requests = [f.result() for f in futures]
     errors = list(dict.fromkeys(str(r["error"]) for r in requests if not r["ok"]))[:5]
     ok = sum(r["ok"] for r in requests)
-    return {"status": "ok" if ok == len(requests) else "error", "error": errors[0] if errors else None,
-            "errors": errors, "n_requests": len(requests), "requests_ok": ok, "elapsed_s": time.perf_counter() - t0,
-            "prompt_tokens": sum(len(ids) for ids, _ in prompts), "max_tokens": sum(m for _, m in prompts),
-            "requests": requests}
-
-
-def send_step(url: str, case: str | None, timeout_s: float) -> dict[str, Any]:
-    """A case of run_cases', or (None) the chat burst, whose requests are not kept."""
-    if case is None:
-        result = send_all(url, chat_prompts(CHAT_N), 0.0, timeout_s)
-        del result["requests"]
-        return result
-    max_tokens = CASE_MAX_TOKENS.get(case, MAX_TOKENS)
-    result = send_all(url, [(ids, max_tokens) for ids in case_prompts(case)], STAGGER_S, timeout_s)
-    return {**result, "prompt_lens": CASE_PROMPTS[case], "max_tokens": max_tokens}
+    result = {"status": "ok" if ok == len(requests) else "error", "error": errors[0] if errors else None,
+              "errors": errors, "n_requests": len(requests), "requests_ok": ok, "elapsed_s": time.perf_counter() - t0,
+              "prompt_tokens": sum(len(ids) for ids, _ in prompts), "max_tokens": sum(m for _, m in prompts)}
+    return result if case is None else {**result, "requests": requests, "prompt_lens": CASE_PROMPTS[case],
+                                        "max_tokens": max_tokens}
 
 
 def probe(run: Run, name: str, server: Server, steps: list[tuple[str, str | None]], results: dict[str, Any]) -> None:
@@ -388,13 +356,9 @@ def probe(run: Run, name: str, server: Server, steps: list[tuple[str, str | None
     after each; not run past the deadline or on a server dead or not healthy."""
     for key, case in steps:
         check_stop()
-        if run.left() < MIN_STEP_S:
-            result: dict[str, Any] = {"status": "not run", "error": f"deadline: {run.left():.0f} s left"}
-        elif not server.alive():
-            result = {"status": "not run", "error": "server process exited"}
-        elif server.health() != 200:
-            result = {"status": "not run", "error": "server not healthy"}
-        else:
+        result = run.late(MIN_STEP_S) or (not_run("server process exited") if not server.alive() else
+                                          not_run("server not healthy") if server.health() != 200 else None)
+        if result is None:
             run.update(results, **{key: {"status": "started", "at_s": run.now()}})
             result = send_step(server.url, case, max(5.0, min(run.args.request_timeout_s, run.left() - 5)))
             if result["status"] != "ok":
@@ -416,15 +380,14 @@ def bench(run: Run, servers: dict[str, Server], workload: str, seed: int, tags: 
     summary and the workload combined."""
     assert run.clients is not None, "a phase that runs bench clients gets a Clients"
     clients = sp.WORKLOADS[workload]
-    cmds, results = [], []
+    runs = []
     for engine, server in servers.items():
-        meta = {"engine": engine, "workload": workload, "tag": tags[engine]}
         for c in clients:
-            results.append(run.out / "bench" / f"{tags[engine]}-{c.label}.json")
-            cmds.append(sp.bench_command(c, python=sys.executable, base_url=server.url, tokenizer=run.model_dir,
-                                         seed=seed, result=results[-1], scale=scale, metadata=meta,
-                                         fake=run.clients.fake))
-    outcomes = sp.run_clients(run.clients, cmds, results, [r.with_suffix(".log") for r in results], timeout_s, tick)
+            result = run.out / "bench" / f"{tags[engine]}-{c.label}.json"
+            runs.append((sp.bench_args(c, base_url=server.url, tokenizer=run.model_dirs[""], seed=seed, scale=scale,
+                                       result=result, metadata={"engine": engine, "workload": workload,
+                                                                "tag": tags[engine]}), result))
+    outcomes = sp.run_clients(run.clients, runs, timeout_s, tick)
     records = {}
     for k, engine in enumerate(servers):
         mine = outcomes[k * len(clients):(k + 1) * len(clients)]
@@ -464,11 +427,11 @@ def ab(run: Run) -> None:
         # one after the other: vLLM's start-up measures the GPU's free memory, which a second server
         # starting beside it would disturb
         for k, engine in enumerate(ENGINES):
-            server, records[engine] = start_one(run, Job(run.spec(engine, a.util, 100 * k), f"ab{call['id']}-{engine}",
-                                                         run.model_dir), min_left_s=0)
+            server, records[engine] = start_one(run, run.job(engine, a.util, 100 * k, f"ab{call['id']}-{engine}"),
+                                                min_left_s=0)
             if server is not None:
                 servers[engine] = server
-            run.save()
+            run.update()
             if not up(records[engine]):
                 call["error"] = f"{engine} server did not start: {records[engine]['startup'].get('status')}"
                 return
@@ -489,28 +452,24 @@ def ab(run: Run) -> None:
                     bench_runs(run, servers, together, w, seed)
                     for one in together.values():
                         data["runs"].append(one)
-                        run.save()
+                        run.update()
                         say(run_line(one["tag"], one))
                         check_stop()
     finally:
         for engine, server in servers.items():
             finish(server, records[engine])
-        run.save()
+        run.update()
 
 
 def bench_runs(run: Run, servers: dict[str, Server], runs: dict[str, dict[str, Any]], workload: str,
                seed: int) -> None:
     """The workload against each engine's server in ``runs`` at once, each run filled in with its
     result and window (for step_log.py compare --ab); none runs if one cannot."""
-    def why_not(server: Server) -> dict[str, Any] | None:
-        if run.left() < MIN_BENCH_S:
-            return {"status": "not run", "error": f"deadline: {run.left():.0f} s left"}
-        return None if server.healthy() else {"status": "not run", "error": "server not healthy", "alive": server.alive()}
-
-    why = {e: why_not(servers[e]) for e in runs}
+    why = {e: run.late(MIN_BENCH_S) or (None if servers[e].healthy() else
+                                        {**not_run("server not healthy"), "alive": servers[e].alive()}) for e in runs}
     if any(why.values()):
         for e, one in runs.items():
-            one.update(why[e] or {"status": "not run", "error": "the other engine's run could not start"})
+            one.update(why[e] or not_run("the other engine's run could not start"))
         return
     began = step_log.stamp()
     done = bench(run, {e: servers[e] for e in runs}, workload, seed, {e: one["tag"] for e, one in runs.items()},
@@ -528,10 +487,10 @@ def boundary(run: Run) -> None:
     run.data["servers"] = []
     for k, (mnbt, cases) in enumerate(BOUNDARY):
         label = f"boundary-{a.engine}-{mnbt // 1024}k"
-        server, record = start_one(run, Job(run.spec(a.engine, a.util, k, mnbt), label, run.model_dir))
+        server, record = start_one(run, run.job(a.engine, a.util, k, label, mnbt))
         record.update(mnbt=mnbt, cases={}, case_order=list(cases))
         run.data["servers"].append(record)
-        run.save()
+        run.update()
         if server is None:
             continue
         try:
@@ -539,7 +498,7 @@ def boundary(run: Run) -> None:
                 probe(run, label, server, [(case, case) for case in cases], record["cases"])
         finally:
             finish(server, record)
-            run.save()
+            run.update()
         sp.wait_gpu_idle()
 
 
@@ -553,9 +512,9 @@ def failrate(run: Run) -> None:
             label = f"failrate-{a.engine}-{util:.2f}-c{call}-{i + 1}"
             trial: dict[str, Any] = {"label": label, "util": util, "call": call, "index": i + 1}
             data["trials"].append(trial)
-            server, record = start_one(run, Job(run.spec(a.engine, util, len(data["trials"])), label, run.model_dir))
+            server, record = start_one(run, run.job(a.engine, util, len(data["trials"]), label))
             if server is None:
-                run.update(trial, status="not run", error=record["startup"]["error"])
+                run.update(trial, **record["startup"])
                 continue
             trial["server"] = record
             try:
@@ -568,8 +527,9 @@ def failrate(run: Run) -> None:
                     trial.update(status="startup failed", engine_died=None)
             finally:
                 finish(server, record)
-                trial["oom_in_log"] = any("out of memory" in k.lower() or "OutOfMemory" in k for k in record["error_count"])
-                run.save()
+                trial["oom_in_log"] = any("out of memory" in k.lower() or "OutOfMemory" in k
+                                          for k in record["error_count"])
+                run.update()
             say(f"{label}: {trial['status']}, engine died: {trial.get('engine_died')}, OOM in log: {trial['oom_in_log']}")
             sp.wait_gpu_idle()
 
@@ -577,9 +537,7 @@ def failrate(run: Run) -> None:
 def soak(run: Run) -> None:
     a, data = run.args, run.data
     data.update(samples=[], iterations=[], soak_s=a.soak_s, sample_s=a.sample_s)
-    server, record = start_one(run, Job(run.spec(a.engine, a.util, 0), f"soak-{a.engine}", run.model_dir),
-                               min_left_s=0)
-    data["server"] = record
+    server, data["server"] = start_one(run, run.job(a.engine, a.util, 0, f"soak-{a.engine}"), min_left_s=0)
     assert server is not None  # started whatever the deadline
     t0 = time.monotonic()
     due = [t0]
@@ -587,32 +545,29 @@ def soak(run: Run) -> None:
     def sample(force: bool = False) -> None:
         """Every ``--sample-s``: the GPU's used memory (the server is alone on it), alive, /health."""
         now = time.monotonic()
-        if now < due[0] and not force:
-            return
-        due[0] = now + a.sample_s
-        data["samples"].append({"t_s": round(now - t0, 1), "used_mib": sp.gpu_memory_used_mib(),
-                                "alive": server.alive(), "health": server.health(timeout_s=3)})
+        if now >= due[0] or force:
+            due[0] = now + a.sample_s
+            data["samples"].append({"t_s": round(now - t0, 1), "used_mib": sp.gpu_memory_used_mib(),
+                                    "alive": server.alive(), "health": server.health(timeout_s=3)})
 
-    # from here on a stop (a signal) still stops the server and records it
-    try:
-        run.save()
-        if not up(record):
+    try:  # from here on a stop (a signal) still stops the server and records it
+        run.update()
+        if not up(data["server"]):
             return
         data["pids_at_start"] = sp.group_pids(server.pid or 0)  # the API server and its engine process
         sample()
         i = 0
         while time.monotonic() - t0 < a.soak_s:
-            if run.left() < MIN_BENCH_S:
-                data["cut"] = f"deadline after {time.monotonic() - t0:.0f} s of {a.soak_s:.0f}"
-                break
-            if not server.alive():
-                data["cut"] = f"server process exited after {time.monotonic() - t0:.0f} s"
+            spent = f"after {time.monotonic() - t0:.0f} s"
+            if run.left() < MIN_BENCH_S or not server.alive():
+                data["cut"] = (f"deadline {spent} of {a.soak_s:.0f}" if server.alive() else
+                               f"server process exited {spent}")
                 break
             one = bench(run, {a.engine: server}, "mix", SEED_BASE + 10 * i, {a.engine: f"soak-i{i + 1}"},
                         a.prompt_scale, run.left() - 10, sample)[a.engine]
             one.update(iteration=i + 1, t_end_s=round(time.monotonic() - t0, 1))
             data["iterations"].append(one)
-            run.save()
+            run.update()
             say(run_line(f"soak iteration {i + 1} ({one['t_end_s']:.0f} s)", one))
             check_stop()
             i += 1
@@ -624,8 +579,8 @@ def soak(run: Run) -> None:
             # end as at the start (and /health 200 in every sample) means none died and none replaced it.
             data["pids_at_end"] = sp.group_pids(server.pid or 0) if server.alive() else []
             data["same_processes"] = data["pids_at_end"] == data["pids_at_start"]
-        finish(server, record)
-        run.save()
+        finish(server, data["server"])
+        run.update()
 
 
 # --- the flag matrix (docs/e2e.md, "The flag matrix") ------------------------------------------------
@@ -662,13 +617,15 @@ class Matrix:
         self.servers: dict[str, Server] = {}
         self.twins: dict[str, Server] = {}
 
-    def job(self, name: str, role: str, label: str, scratch_mb: int | None,
-            done: Callable[[Server | None, dict[str, Any]], None], kv_only: bool = False, compared: bool = False) -> Job:
+    def job(self, name: str, role: str, label: str, scratch_mb: int | None, done: Done, kv_only: bool = False,
+            compared: bool = False) -> Job:
         config = self.configs[name]
-        engine = "stock" if role.startswith("stock") else "plugin"
-        spec = md.spec(config, engine, md.util_for(config, self.args.util), self.run.port(PORTS[role] + self.index[name]),
-                       scratch_mb)
+        spec = md.spec(config, "stock" if role.startswith("stock") else "plugin", md.util_for(config, self.args.util),
+                       self.run.port(PORTS[role] + self.index[name]), scratch_mb)
         return Job(spec, label, self.run.model_dirs[name], done, kv_only, compared)
+
+    def retry_label(self, name: str, label: str, key: str, retry: bool) -> str:
+        return f"{label}-retry{len(self.records[name].get(key, []))}" if retry else label
 
     # 1. the minimum budget
 
@@ -691,13 +648,10 @@ class Matrix:
             text = server.log_text()
             line, minimum = sp.refusal(text)
             result.update(log=start["log"], window_s=start["window_s"], refusal_line=line, rc=start["stop"]["rc"],
-                          first_errors=start["first_errors"])
-            if minimum is not None:
-                result.update(outcome="refused", min_mb=minimum)
-            elif sp.disturbed(text):
-                result.update(outcome="disturbed", disturbed_line=sp.disturbed(text))
-            else:
-                result.update(outcome="failed")
+                          first_errors=start["first_errors"], outcome="refused" if minimum is not None else
+                          "disturbed" if sp.disturbed(text) else "failed", min_mb=minimum)
+            if result["outcome"] == "disturbed":
+                result["disturbed_line"] = sp.disturbed(text)
         earlier = [*rec.get("probe_attempts", []), *([rec["probe"]] if rec.get("probe") else [])]
         self.run.update(rec, probe=result, probe_attempts=earlier)
         say(f"{name}: {md.PROBE_MB} MiB start {result['outcome']}"
@@ -709,7 +663,8 @@ class Matrix:
         if names:
             say(f"minimum budget: {len(names)} start(s) at {md.PROBE_MB} MiB ({', '.join(names)})")
         # together unless chained: a refused start ends before vLLM profiles memory; one disturbed is retried
-        start_jobs(self.run, [self.probe_job(n) for n in names], "chained" if self.args.start == "chained" else "together")
+        mode = "chained" if self.args.start == "chained" else "together"
+        start_jobs(self.run, [self.probe_job(n) for n in names], mode)
         for _ in range(RETRIES):
             again = [n for n in names if self.records[n]["probe"].get("outcome") == "disturbed"]
             if not again or self.run.left() < MIN_SERVER_S:
@@ -720,10 +675,8 @@ class Matrix:
     def budget(self, name: str) -> int | None:
         """The server's MLA_PLANNER_SCRATCH_MB: its own, the minimum found, or None."""
         budget = self.configs[name].budget
-        if isinstance(budget, int):
-            return budget
         found = (self.records[name].get("probe") or {}).get("min_mb")
-        return int(found) if found is not None else None
+        return budget if isinstance(budget, int) else None if found is None else int(found)
 
     # 2. the servers and their stock twins
 
@@ -735,29 +688,26 @@ class Matrix:
                 self.servers[name] = server
             self.run.update(rec, plugin=start, scratch_mb=scratch)
 
-        label = f"{name}-retry{len(rec.get('attempts', []))}" if retry else name
-        return self.job(name, "retry" if retry else "plugin", label, scratch, done,
-                        compared=name in self.args.stock_twins)
+        return self.job(name, "retry" if retry else "plugin", self.retry_label(name, name, "attempts", retry), scratch,
+                        done, compared=name in self.args.stock_twins)
 
     def twin_job(self, name: str, retry: bool = False) -> Job:
         """The same flags, FLASHMLA_SPARSE, no budget; stopped once its KV lines are in."""
-        rec = self.records[name]
-
         def done(server: Server | None, start: dict[str, Any]) -> None:
-            self.run.update(rec, twin=start)
+            self.run.update(self.records[name], twin=start)
             if server is not None:
                 self.twins[name] = server
                 if retry or self.args.start != "together":  # stopped before the next start: none is profiling
                     self.stop_twin(name)
 
-        label = f"{name}-stock" + (f"-retry{len(rec.get('twin_attempts', []))}" if retry else "")
+        label = self.retry_label(name, f"{name}-stock", "twin_attempts", retry)
         return self.job(name, "stock-retry" if retry else "stock", label, None, done, kv_only=True, compared=True)
 
     def stop_twin(self, name: str) -> None:
         server = self.twins.pop(name, None)
         if server is not None:
             finish(server, self.records[name]["twin"])
-            self.run.save()
+            self.run.update()
 
     def start_servers(self) -> None:
         names = []
@@ -768,7 +718,7 @@ class Matrix:
                 probe_rec = rec.get("probe") or {}
                 why = probe_rec.get("error") or (f"no minimum: the {md.PROBE_MB} MiB start {probe_rec.get('outcome')} "
                                                  "without the plugin's refusal line")
-                self.run.update(rec, plugin={"startup": {"status": "not run", "error": why}})
+                self.run.update(rec, plugin={"startup": not_run(why)})
                 continue
             names.append(name)
         twins = [n for n in self.records if n in self.args.stock_twins and (n in names or n in self.servers)]
@@ -810,8 +760,7 @@ class Matrix:
     def load(self) -> None:
         names = [n for n in self.records if n in self.servers and self.servers[n].alive()]
         for n, rec in self.records.items():
-            phases = {k: {"status": "not run", "error": "server not up"} for k, _ in LOAD} if n not in names else {}
-            self.run.update(rec, phases=phases)
+            self.run.update(rec, phases={} if n in names else {k: not_run("server not up") for k, _ in LOAD})
         if names:
             say(f"load on {len(names)} server(s) at once: chat burst of {CHAT_N}, then cases 1, 2, 4")
             each(names, lambda n: probe(self.run, n, self.servers[n], list(LOAD), self.records[n]["phases"]))
@@ -820,7 +769,7 @@ class Matrix:
         for name in list(self.twins):
             self.stop_twin(name)
         each(list(self.servers), lambda n: finish(self.servers[n], self.records[n]["plugin"]))
-        self.run.save()
+        self.run.update()
 
 
 def matrix(run: Run) -> None:
@@ -840,28 +789,22 @@ PLANS: dict[str, Callable[[Run], None]] = {"ab": ab, "boundary": boundary, "fail
 # --- a phase's call ----------------------------------------------------------------------------------
 
 
-def result_path(args: argparse.Namespace) -> Path:
-    out: Path = args.out
-    return out / (f"{args.phase}.json" if args.phase in ("ab", "matrix") else f"{args.phase}-{args.engine}.json")
-
-
 def prepare_models(run: Run) -> bool:
-    """Each served model folder (the matrix's: with an MTP layer where it speculates) with its
-    tokenizer, checked; False (the error in the results) where it would fail the servers."""
+    """Each served model folder (the matrix's: with an MTP layer where it speculates; ``""``: the one
+    model of the other phases) with its tokenizer, checked; False (the error in the results) where it
+    would fail the servers."""
     a, out = run.args, run.out
     if a.phase == "matrix":
-        run.model_dirs = {c.name: sp.served_model_dir(out / "model", md.model_source(c, out / "variants"))
-                          for c in md.DESIGN if c.name in a.servers}
-        folders = sorted(set(run.model_dirs.values()))
+        sources = {c.name: md.model_source(c, out / "variants") for c in md.DESIGN if c.name in a.servers}
     else:
-        run.model_dir = sp.served_model_dir(out / "model", model_variant(MODEL_DIR, out / "variants", layers=a.layers))
-        folders = [run.model_dir]
-    run.data["tokenizers"] = {}
-    for folder in folders:
+        sources = {"": model_variant(MODEL_DIR, out / "variants", layers=a.layers)}
+    run.model_dirs = {name: sp.served_model_dir(out / "model", source) for name, source in sources.items()}
+    tokenizers: dict[str, Any] = run.data.setdefault("tokenizers", {})
+    for folder in sorted(set(run.model_dirs.values())):
         try:
-            run.data["tokenizers"][folder.name] = facts = sp.check_tokenizer(folder)
+            tokenizers[folder.name] = facts = sp.check_tokenizer(folder)
         except Exception as exc:  # no server is started on a tokenizer that would fail them
-            run.update(run.data["tokenizers"], **{folder.name: {"error": f"{type(exc).__name__}: {exc}"}})
+            run.update(tokenizers, **{folder.name: {"error": error_text(exc)}})
             print(f"tokenizer check failed: {exc}", file=sys.stderr)
             return False
         say(f"{a.phase}: tokenizer ok ({facts['class']}, {facts['len']} tokens): {folder.name}")
@@ -884,7 +827,7 @@ def run_phase(args: argparse.Namespace) -> int:
     start = time.monotonic()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    path = result_path(args)
+    path = out / (f"{args.phase}.json" if args.phase in ("ab", "matrix") else f"{args.phase}-{args.engine}.json")
     # ab and failrate add to an earlier call's file; the others start afresh
     data: dict[str, Any] = json.loads(path.read_text()) if args.phase in ("ab", "failrate") and path.is_file() else {}
     run_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
@@ -899,7 +842,7 @@ def run_phase(args: argparse.Namespace) -> int:
                 workload_titles=sp.WORKLOAD_TITLES, case_titles=CASE_TITLES,
                 **(matrix_header(args) if args.phase == "matrix" else {}))
     run = Run(args, path, data, start)
-    run.save()
+    run.update()
     if args.log_iterations and not os.environ.get(LOGGING_VAR):
         # vLLM's iteration lines are of use with milliseconds in their stamps (step_log.py)
         step_log.write_config(out / "logging.json", plugin_steps=False)  # imports vLLM: before the variable
@@ -913,54 +856,46 @@ def run_phase(args: argparse.Namespace) -> int:
         run.clients = sp.Clients(args.fake_bench, sp.server_env(ServerSpec("stock", 0.0, 0)))
         run.clients.warm()
     if not prepare_models(run):
-        run.update(data, finished=True)
+        run.update(finished=True)
         return 2
     say(f"{args.phase}: results in {path}")
     try:
         PLANS[args.phase](run)
-        run.update(data, finished=True, elapsed_s=time.monotonic() - start)
+        run.update(finished=True, elapsed_s=time.monotonic() - start)
     finally:
-        run.close()
+        run.closed = True
     return 0
-
-
-def driver_files(args: argparse.Namespace) -> tuple[Path, Path]:
-    out: Path = args.out
-    return out / f"{args.phase}-driver.log", out / f"{args.phase}-driver.pid"
 
 
 def detached_deadline(args: argparse.Namespace) -> float:
     return float(args.soak_s + DETACHED_MARGIN_S if args.phase == "soak" else DETACHED_DEADLINE_S)
 
 
-def detach(args: argparse.Namespace, argv: list[str]) -> None:
-    """This command without --detach, in a session and with a deadline of its own."""
-    args.out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), *[a for a in argv if a != "--detach"],
-           "--deadline-s", str(detached_deadline(args))]  # argparse takes the last --deadline-s
-    log_path, pid_path = driver_files(args)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    pid_path.write_text(f"{proc.pid}\n")
-    say(f"{args.phase}: detached as pid {proc.pid} (log {log_path})")
-
-
-def follow(args: argparse.Namespace) -> int:
-    """Prints the detached phase's log as it grows, until it ends or the deadline."""
+def follow(args: argparse.Namespace, argv: list[str]) -> int:
+    """With --detach, this command without it, in a session and with a deadline of its own; then its
+    log as it grows, until it ends or the deadline."""
     start = time.monotonic()
-    log, pid_file = driver_files(args)
+    log, pid_file = (args.out / f"{args.phase}-driver.{ext}" for ext in ("log", "pid"))
+    if args.detach:
+        args.out.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), *[a for a in argv if a != "--detach"],
+               "--deadline-s", str(detached_deadline(args))]  # argparse takes the last --deadline-s
+        with log.open("w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        pid_file.write_text(f"{proc.pid}\n")
+        say(f"{args.phase}: detached as pid {proc.pid} (log {log})")
     if not pid_file.is_file():
         print(f"no detached {args.phase} in {args.out}", file=sys.stderr)
         return 2
-    pid = int(pid_file.read_text())
-    shown = 0
+    pid, shown = int(pid_file.read_text()), 0
     while True:
         lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
         for line in lines[shown:]:
             say(f"  | {line}")
         shown = len(lines)
-        if not pid_alive(pid):
+        # a zombie (its parent, a previous call's driver, is gone, so init reaps it soon) has ended
+        if sp.proc_stat(pid)[:1] in ([], ["Z"]):
             say(f"{args.phase}: finished (pid {pid} ended)")
             return 0
         if time.monotonic() - start > args.deadline_s:
@@ -970,24 +905,11 @@ def follow(args: argparse.Namespace) -> int:
         time.sleep(5)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie (its parent, a previous call's driver, is gone, so init reaps it soon) is ended
-    return sp.proc_stat(pid)[:1] not in ([], ["Z"])
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.detach:
-        detach(args, argv)
     if args.detach or args.follow:
-        rc = follow(args)
+        rc = follow(args, argv)
         print(report.write(args.out))
         return rc
     sp.install_cleanup()

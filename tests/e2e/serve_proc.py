@@ -1,10 +1,6 @@
-"""What run_serve.py runs beside itself: ``vllm serve`` processes (command line, environment, start,
-/health, stop, what the log says), nvidia-smi's view of the GPU, the generated tokenizer the servers load,
-and ``vllm bench serve`` clients (docs/e2e.md, "The serve driver").
-
-Each server runs in a process group of its own, so one ``killpg`` ends it with its engine process; the
-group leader gets SIGTERM when the thread that started it ends (``PR_SET_PDEATHSIG``), and live servers
-are stopped at exit, on SIGTERM/SIGHUP and on Ctrl-C (``install_cleanup``).
+"""What run_serve.py runs beside itself: ``vllm serve`` processes, each in a process group of its own
+(one ``killpg`` ends it with its engine; stopped at exit, on SIGTERM/SIGHUP/Ctrl-C, and by the kernel if
+the driver dies), what their logs say, the GPU's memory, the generated tokenizer, and bench clients.
 """
 
 from __future__ import annotations
@@ -30,14 +26,14 @@ import urllib.request
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import Any, Callable
 
 from run_cases import ENV_DEFAULTS, MODEL_DIR, PLANNER_VARS, REPLACE_VAR
 
 HERE = Path(__file__).resolve().parent
 ENGINES = {"stock": "FLASHMLA_SPARSE", "plugin": "CUSTOM"}
 SERVED_NAME = "tiny-deepseek-v32"
-VLLM_CLI = ("-m", "vllm.entrypoints.cli.main")  # what the `vllm` console script runs
+VLLM_CLI = "vllm.entrypoints.cli.main"  # what the `vllm` console script runs
 HOST = "127.0.0.1"
 # Lines of a server log that say the engine failed.
 ERROR_PATTERNS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error", "illegal memory access",
@@ -85,19 +81,15 @@ def server_args(spec: ServerSpec, model_dir: Path) -> list[str]:
 
 
 def server_command(spec: ServerSpec, model_dir: Path, python: str, fake: bool = False) -> list[str]:
-    head = [python, str(HERE / "fakes.py"), "serve"] if fake else [python, *VLLM_CLI, "serve"]
+    head = [python, str(HERE / "fakes.py"), "serve"] if fake else [python, "-m", VLLM_CLI, "serve"]
     return head + server_args(spec, model_dir)
 
 
 def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
-    """run_cases' environment less ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: a server keeps its engine in
-    its own process, as operators run it."""
-    env = dict(os.environ if base is None else base)
-    for key, value in ENV_DEFAULTS.items():
-        env.setdefault(key, value)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    env["PYTHONUNBUFFERED"] = "1"
-    for var in PLANNER_VARS:  # the plugin's settings come from the spec alone
+    """run_cases' environment less ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (a server keeps its engine in
+    its own process, as operators run it); the plugin's settings come from the spec alone."""
+    env = {**ENV_DEFAULTS, **(os.environ if base is None else base), "PYTHONUNBUFFERED": "1"}
+    for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", *PLANNER_VARS):
         env.pop(var, None)
     if spec.engine == "plugin" and spec.scratch_mb is not None:
         env["MLA_PLANNER_SCRATCH_MB"] = str(spec.scratch_mb)
@@ -113,12 +105,6 @@ def _own_group() -> None:
         pass
 
 
-def spawn(cmd: list[str], log: IO[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    log.write("$ " + " ".join(cmd) + "\n")
-    log.flush()
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_own_group)
-
-
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -129,8 +115,15 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def wait_while(alive: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 20) -> dict[str, Any]:
-    """SIGTERM to the group, SIGKILL after ``grace_s``; waits until no process of it is left."""
+    """SIGTERM to the group, SIGKILL after ``grace_s``; waits until no process of it is left (the
+    engine process may outlive the leader)."""
     pgid, forced = proc.pid, False
     if group_alive(pgid):
         os.killpg(pgid, signal.SIGTERM)
@@ -138,16 +131,12 @@ def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 20) -> dict[str, 
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
-    deadline = time.monotonic() + grace_s
-    while group_alive(pgid) and time.monotonic() < deadline:  # the engine process may outlive the leader
-        time.sleep(0.2)
+    wait_while(lambda: group_alive(pgid), grace_s)
     if group_alive(pgid):
         forced = True
         os.killpg(pgid, signal.SIGKILL)
     rc = proc.wait()
-    deadline = time.monotonic() + 10
-    while group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_while(lambda: group_alive(pgid), 10)
     return {"rc": rc, "forced": forced, "left_running": group_alive(pgid)}
 
 
@@ -198,6 +187,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def tail(path: Path, lines: int) -> str:
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    return "\n".join(text.splitlines()[-lines:])[-4000:]
+
+
 class Server:
 
     def __init__(self, spec: ServerSpec, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
@@ -209,14 +203,15 @@ class Server:
 
     def start(self) -> None:
         # a port can be held for a moment by something short-lived: only one still taken after 2 s is a server
-        deadline = time.monotonic() + 2
-        while not port_free(self.spec.port):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"port {self.spec.port} is taken: another server still running?")
-            time.sleep(0.1)
+        wait_while(lambda: not port_free(self.spec.port), 2)
+        if not port_free(self.spec.port):
+            raise RuntimeError(f"port {self.spec.port} is taken: another server still running?")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:  # the child keeps its own descriptor
-            self.proc = spawn(self.cmd, log, self.env)
+            log.write("$ " + " ".join(self.cmd) + "\n")
+            log.flush()
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         preexec_fn=_own_group)
         self.t0 = time.monotonic()
         _LIVE.add(self)
 
@@ -256,11 +251,6 @@ class Server:
 
     def log_tail(self) -> str:
         return tail(self.log_path, 30)
-
-
-def tail(path: Path, lines: int) -> str:
-    text = path.read_text(errors="replace") if path.is_file() else ""
-    return "\n".join(text.splitlines()[-lines:])[-4000:]
 
 
 _LIVE: set[Server] = set()
@@ -306,46 +296,31 @@ def log_facts(text: str) -> dict[str, Any]:
         return float(m.group(1).replace(",", "")) if m else None
 
     lines = text.splitlines()
-    engine = engine_lines(lines)
+    # the engine's lines: not logged below ERROR, and before vLLM's first "[shutdown]" line (the API
+    # server logs an EngineDeadError of the stop's own after it)
+    stop = next((i for i, line in enumerate(lines) if SHUTDOWN_MARK in line), len(lines))
+    engine = [line for line in lines[:stop] if not QUIET_LEVEL.search(line)]
+    # the first distinct exception and ERROR_PATTERNS lines (but the bare "Traceback ...")
+    errors = [line.strip()[:400] for line in engine
+              if EXCEPTION_LINE.search(line) or any(p in line for p in ERROR_PATTERNS[:-1])]
     planner = [line.strip()[:400] for line in lines if "mla-planner" in line]
     reserved = [int(m.group(1).replace(",", "")) for line in planner for m in [RESERVATION.search(line)] if m]
-    counts = {p: n for p in ERROR_PATTERNS if (n := sum(p in line for line in engine))}
     return {
         "kv_cache_memory_gib": number(r"Available KV cache memory: ([\d.]+) GiB"),
         "kv_cache_tokens": number(r"GPU KV cache size: ([\d,]+) tokens"),
-        "graph_capture": next((line.strip()[:200] for line in lines if "Graph capturing finished" in line), None),
         "planner_lines": planner[:40], "planner_line_count": len(planner),
         "reserved_mib": reserved[-1] if reserved else None,
         "fallback_lines": sum(FELL_BACK in line for line in lines),
         "fallback_examples": [line for line in planner if FELL_BACK in line][:5],
-        "error_count": counts, "first_errors": first_errors(engine),
+        "error_count": {p: n for p in ERROR_PATTERNS if (n := sum(p in line for line in engine))},
+        "first_errors": list(dict.fromkeys(errors))[:5],
     }
-
-
-def first_errors(engine: list[str], limit: int = 5) -> list[str]:
-    """The first distinct exception and ERROR_PATTERNS lines (but the bare "Traceback ...")."""
-    found: list[str] = []
-    for line in engine:
-        if EXCEPTION_LINE.search(line) or any(p in line for p in ERROR_PATTERNS[:-1]):
-            if line.strip()[:400] not in found:
-                found.append(line.strip()[:400])
-            if len(found) >= limit:
-                break
-    return found
-
-
-def engine_lines(lines: list[str]) -> list[str]:
-    """The lines in which an error is the engine's: not logged below ERROR, and before vLLM's first
-    "[shutdown]" line (the API server logs an EngineDeadError of the stop's own after it)."""
-    stop = next((i for i, line in enumerate(lines) if SHUTDOWN_MARK in line), len(lines))
-    return [line for line in lines[:stop] if not QUIET_LEVEL.search(line)]
 
 
 def refusal(text: str) -> tuple[str | None, int | None]:
     """The plugin's refusal of a budget below the engine's minimum, and that minimum (MiB, rounded up)."""
     for line in text.splitlines():
-        m = REFUSAL.search(line)
-        if m:
+        if m := REFUSAL.search(line):
             return line.strip()[:500], math.ceil(float(m.group(1)))
     return None, None
 
@@ -355,32 +330,20 @@ def disturbed(text: str) -> str | None:
     return next((line.strip()[:400] for line in text.splitlines() if any(p in line for p in DISTURBED)), None)
 
 
-# --- the GPU ----------------------------------------------------------------------------------------
-
-
 def gpu_memory_used_mib() -> list[int] | None:
     """Each GPU's used memory (nvidia-smi); None where it fails."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
     try:
-        out = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=15)
+        out = subprocess.run([shutil.which("nvidia-smi") or "nvidia-smi", "--query-gpu=memory.used",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=15)
         used = [int(float(line.split(",")[0])) for line in out.stdout.splitlines() if line.strip()]
     except (OSError, subprocess.TimeoutExpired, ValueError):
         return None
     return used if out.returncode == 0 else None
 
 
-def wait_gpu_idle(max_s: float = 30, below_mib: int = 4096) -> float:
+def wait_gpu_idle(max_s: float = 30, below_mib: int = 4096) -> None:
     """Until the GPU's memory is back under ``below_mib``: the next server measures free memory."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < max_s:
-        used = gpu_memory_used_mib()
-        if used is None or max(used, default=0) < below_mib:
-            break
-        time.sleep(1)
-    return time.monotonic() - t0
+    wait_while(lambda: max(gpu_memory_used_mib() or [0]) >= below_mib, max_s)
 
 
 # --- the tokenizer ------------------------------------------------------------------------------------
@@ -498,31 +461,27 @@ CLI_PRELOAD = ("vllm.entrypoints.cli.main", "vllm.entrypoints.cli.benchmark.main
                "vllm.entrypoints.cli.snapshot", "vllm.benchmarks.serve", "vllm.benchmarks.datasets")
 
 
-def bench_command(client: Client, *, python: str, base_url: str, tokenizer: Path, seed: int, result: Path,
-                  scale: float = 1.0, metadata: dict[str, str] | None = None, fake: bool = False) -> list[str]:
-    """``vllm bench serve`` for one client (flags as in vLLM 0.26.0 and 0.33.0)."""
+def bench_args(client: Client, *, base_url: str, tokenizer: Path, seed: int, result: Path, scale: float = 1.0,
+               metadata: dict[str, str] | None = None) -> list[str]:
+    """The flags of ``vllm bench serve`` for one client (as in vLLM 0.26.0 and 0.33.0)."""
     prompts = max(1, round(client.num_prompts * scale))
-    head = [python, str(HERE / "fakes.py"), "bench"] if fake else [python, *VLLM_CLI, "bench", "serve"]
-    cmd = [*head, "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
-           "--model", SERVED_NAME, "--tokenizer", str(tokenizer),
-           "--dataset-name", "random", "--random-input-len", str(client.input_len),
-           "--random-output-len", str(client.output_len), "--num-prompts", str(prompts),
-           "--max-concurrency", str(client.concurrency), "--seed", str(seed + client.seed_offset),
-           "--ignore-eos", "--temperature", "0", "--num-warmups", str(min(client.warmups, prompts)),
-           "--percentile-metrics", PERCENTILE_METRICS, "--metric-percentiles", "50,99", "--disable-tqdm",
-           "--label", client.label, "--save-result", "--result-dir", str(result.parent),
-           "--result-filename", result.name]
-    if client.range_ratio is not None:
-        cmd += ["--random-range-ratio", client.range_ratio]
-    if metadata:
-        cmd += ["--metadata", *(f"{k}={v}" for k, v in metadata.items())]
-    return cmd
+    return ["--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
+            "--model", SERVED_NAME, "--tokenizer", str(tokenizer),
+            "--dataset-name", "random", "--random-input-len", str(client.input_len),
+            "--random-output-len", str(client.output_len), "--num-prompts", str(prompts),
+            "--max-concurrency", str(client.concurrency), "--seed", str(seed + client.seed_offset),
+            "--ignore-eos", "--temperature", "0", "--num-warmups", str(min(client.warmups, prompts)),
+            "--percentile-metrics", PERCENTILE_METRICS, "--metric-percentiles", "50,99", "--disable-tqdm",
+            "--label", client.label, "--save-result", "--result-dir", str(result.parent),
+            "--result-filename", result.name,
+            *(["--random-range-ratio", client.range_ratio] if client.range_ratio is not None else []),
+            *(["--metadata", *(f"{k}={v}" for k, v in metadata.items())] if metadata else [])]
 
 
 class Clients:
     """Starts bench clients. Importing vLLM's CLI takes ~25 s on the GPU machine, longer than most runs,
     so each client is forked from a forkserver that imported it once (``warm``, while the servers
-    start), and runs the ``vllm`` console script's entry point on ``bench_command``'s line."""
+    start), and runs the ``vllm`` console script's entry point (or fakes.py's) on ``bench_args``."""
 
     def __init__(self, fake: bool, env: dict[str, str]) -> None:
         self.fake = fake
@@ -530,31 +489,21 @@ class Clients:
         os.environ.update(env)
         self.mp = multiprocessing.get_context("forkserver")
         self.mp.set_forkserver_preload(["fakes"] if fake else list(CLI_PRELOAD))
-        self._warming: threading.Thread | None = None
 
     def warm(self) -> None:
-        if self._warming is None:
-            self._warming = threading.Thread(target=self._noop_client, daemon=True)
-            self._warming.start()
+        threading.Thread(target=lambda: self.run(os.getpid).join(), daemon=True).start()
 
-    def _noop_client(self) -> None:
-        p = self.mp.Process(target=os.getpid)
-        p.start()
-        p.join()
-
-    def start(self, cmd: list[str], log: Path) -> BaseProcess:
-        """``bench_command``'s ``cmd`` in a forked process, its output to ``log``."""
-        if cmd[1:3] == list(VLLM_CLI):
-            module, argv = VLLM_CLI[1], ["vllm", *cmd[3:]]
-        elif Path(cmd[1]).name == "fakes.py":
-            module, argv = "fakes", [cmd[1], *cmd[2:]]
-        else:
-            raise ValueError(f"not a bench command line: {cmd[:3]}")
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text("$ " + " ".join(cmd) + "\n")
-        p = self.mp.Process(target=run_entry_point, args=(module, argv, str(log)), daemon=True)
+    def run(self, target: Callable[..., Any], *args: Any) -> BaseProcess:
+        p = self.mp.Process(target=target, args=args, daemon=True)
         p.start()
         return p
+
+    def start(self, args: list[str], log: Path) -> BaseProcess:
+        """``vllm bench serve`` on ``args`` in a forked process, its output to ``log``."""
+        module, argv = ("fakes", ["fakes.py", "bench"]) if self.fake else (VLLM_CLI, ["vllm", "bench", "serve"])
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("$ " + " ".join(argv + args) + "\n")
+        return self.run(run_entry_point, module, argv + args, str(log))
 
 
 def run_entry_point(module: str, argv: list[str], log: str) -> None:
@@ -572,12 +521,10 @@ def run_entry_point(module: str, argv: list[str], log: str) -> None:
 
 def read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     """The numbers of a bench result the report uses (p50: bench's median where no p50 key)."""
-    if not path.is_file():
-        return None, f"no result file {path.name}"
     try:
         result = json.loads(path.read_text())
     except (ValueError, OSError) as exc:
-        return None, f"unreadable {path.name}: {exc}"
+        return None, f"no readable result {path.name}: {exc}"
     out = {k: result.get(k) for k in KEPT}
     for metric in PERCENTILE_METRICS.split(","):
         if out[f"p50_{metric}_ms"] is None:
@@ -591,28 +538,27 @@ def combined(results: list[dict[str, Any]]) -> dict[str, Any]:
     if len(durations) != len(results) or not durations or max(durations) <= 0:
         return {}
     wall = max(durations)
-    tokens_in = sum(int(r.get("total_input_tokens") or 0) for r in results)
-    tokens_out = sum(int(r.get("total_output_tokens") or 0) for r in results)
+    tokens_in, tokens_out = (sum(int(r.get(k) or 0) for r in results) for k in ("total_input_tokens",
+                                                                                "total_output_tokens"))
     return {"duration": wall, "completed": sum(int(r.get("completed") or 0) for r in results),
             "failed": sum(int(r.get("failed") or 0) for r in results),
             "output_throughput": tokens_out / wall, "total_token_throughput": (tokens_in + tokens_out) / wall}
 
 
-def run_clients(clients: Clients, cmds: list[list[str]], results: list[Path], logs: list[Path], timeout_s: float,
+def run_clients(clients: Clients, runs: list[tuple[list[str], Path]], timeout_s: float,
                 tick: Callable[[], None] | None = None) -> list[dict[str, Any]]:
-    """Every client at once, awaited (``tick`` every 0.2 s meanwhile), killed at ``timeout_s``; per
-    client its rc, wall time, and result or why none."""
+    """Every client (its flags, its result file) at once, awaited (``tick`` every 0.2 s meanwhile),
+    killed at ``timeout_s``; per client its rc, wall time, and result or why none."""
     t0 = time.monotonic()
     procs: list[BaseProcess] = []
-    for result in results:
+    for _, result in runs:
         result.unlink(missing_ok=True)  # a result left by an earlier call must not count for this one
     timed_out = False
     try:
-        procs.extend(clients.start(cmd, log) for cmd, log in zip(cmds, logs))
+        procs.extend(clients.start(args, result.with_suffix(".log")) for args, result in runs)
         while any(p.is_alive() for p in procs):
             check_stop()
-            if time.monotonic() - t0 > timeout_s:
-                timed_out = True
+            if timed_out := time.monotonic() - t0 > timeout_s:
                 break
             if tick is not None:
                 tick()
@@ -622,10 +568,10 @@ def run_clients(clients: Clients, cmds: list[list[str]], results: list[Path], lo
             if p.is_alive():
                 p.kill()
             p.join(5)
-    wall = time.monotonic() - t0
-    out = []
-    for p, result, log in zip(procs, results, logs):
+    wall, out = time.monotonic() - t0, []
+    for p, (_, result) in zip(procs, runs):
         summary, why = read_result(result)
+        log = result.with_suffix(".log")
         out.append({"rc": p.exitcode, "timed_out": timed_out, "wall_s": wall, "result": summary,
                     "error": None if summary and p.exitcode == 0 else (why or f"rc {p.exitcode}"),
                     "log": log.name, "log_tail": None if summary else tail(log, 15)})
