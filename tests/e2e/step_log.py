@@ -1,13 +1,7 @@
-"""Where a server's time goes, step by step, from its log (docs/e2e.md, "Step logs").
-
-Two kinds of step line: the plugin's (``mla-planner step: ...``, at debug level, written as the step
-is built) and vLLM's own (``Iteration(N): ...``, ``--enable-logging-iteration-details``, written as the
-step's output arrives; stock's engine logs only these). With millisecond stamps (``config``) the gaps
-between lines are the steps' durations, give or take the engine's one-step lead of the GPU (async
-scheduling builds step N+1 while step N runs). Hence decode-only time is estimated inside runs of
-decode-only steps only, as their mean gap (the stamps are whole milliseconds: a median of ~3 ms gaps
-would be off by up to half of one) times their count; and the gap before a vLLM line with context
-tokens, which holds that step's host work, is shown apart.
+"""Where a server's time goes, step by step, from its log (docs/e2e.md, "Step logs"): the plugin's step
+lines (``mla-planner step: ...``, debug, written as a step is built) and vLLM's own (``Iteration(N): ...``,
+written as its output arrives). With millisecond stamps (``config``) the gaps between lines are the steps'
+durations, give or take the engine's one-step lead of the GPU.
 
     python3 tests/e2e/step_log.py config /tmp/step-logging.json   # then VLLM_LOGGING_CONFIG_PATH=/tmp/step-logging.json
     python3 tests/e2e/step_log.py report /tmp/serve/logs/ab0-plugin.log
@@ -36,6 +30,9 @@ LAYER = re.compile(r"mla-planner layer: bounded path \((.*)\)")  # a layer call 
 ITERATION = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) .*Iteration\((\d+)\): (\d+) context requests, "
                        r"(\d+) context tokens, (\d+) generation requests, (\d+) generation tokens, "
                        r"iteration elapsed time: ([\d.]+) ms(?! \(dummy\))")
+SUMMARY = re.compile(r"since start-up ([\d,]+) steps planned \(([\d,]+) split, ([\d,]+) launches\), ([\d,]+) on "
+                     r"vLLM's call; .*; ([\d,]+) fallbacks")
+LAUNCHES = re.compile(r", (\d+) launches, ")
 DECODE_ONLY = "decode-only, stock's code"
 FALLBACK = "bounded path (could not be planned)"  # the plugin's fallback: counted, each reason logged once
 KINDS = (DECODE_ONLY, "decodes + dense prefills, stock's code", "planned: mixed_batch", "planned: separate_prefill_decode",
@@ -64,7 +61,9 @@ class Step:
 
 @dataclass(frozen=True)
 class Split:
-    """A log's busy time, and the part of it the decode-only steps take."""
+    """A log's busy time, and the part of it the decode-only steps take: as the stamps are whole
+    milliseconds, their mean gap inside runs of them times their count (a median of ~3 ms would be off
+    by up to half of one)."""
 
     steps: int
     busy_s: float
@@ -78,18 +77,10 @@ class Split:
 
     @property
     def decode_s(self) -> float | None:
-        """The decode-only steps' time: their mean gap inside runs of them times their count."""
-        gap = self.decode_gap_s
-        return None if gap is None else gap * self.decode_steps
-
-    @property
-    def other_s(self) -> float | None:
-        """The rest of the busy time; None where the estimate leaves none (a log of decodes alone)."""
-        rest = None if self.decode_s is None else self.busy_s - self.decode_s
-        return rest if rest is not None and rest > 0 else None
+        return None if self.decode_gap_s is None else self.decode_gap_s * self.decode_steps
 
 
-def logging_config(plugin_steps: bool = True) -> dict[str, object]:
+def write_config(path: Path, plugin_steps: bool = True) -> None:
     """vLLM's default logging configuration with millisecond stamps and, with ``plugin_steps``, the
     plugin at DEBUG (a cost between steps stock does not pay: a per-step comparison leaves it out)."""
     from vllm.logger import DEFAULT_LOGGING_CONFIG
@@ -98,24 +89,11 @@ def logging_config(plugin_steps: bool = True) -> dict[str, object]:
     for formatter in config["formatters"].values():
         formatter["format"] = formatter["format"].replace("%(asctime)s", "%(asctime)s.%(msecs)03d")
     # vLLM's colour formatter (on a terminal) would split the time from the milliseconds
-    config["handlers"]["vllm"]["formatter"] = "vllm"
-    config["handlers"]["vllm"]["level"] = "DEBUG"
+    config["handlers"]["vllm"].update(formatter="vllm", level="DEBUG")
     config["loggers"]["vllm"]["level"] = "INFO"
     if plugin_steps:
         config["loggers"][PLUGIN_LOGGER] = {"level": "DEBUG"}  # propagates to the "vllm" handler
-    return config
-
-
-def write_config(path: Path, plugin_steps: bool = True) -> None:
-    path.write_text(json.dumps(logging_config(plugin_steps), indent=1) + "\n")
-
-
-def kind_of(detail: str, prefills: int) -> str:
-    if detail == "stock's code":
-        return DECODE_ONLY if prefills == 0 else KINDS[1]
-    if detail == "bounded path":
-        return FALLBACK
-    return f"planned: {detail}"
+    path.write_text(json.dumps(config, indent=1) + "\n")
 
 
 def stamp() -> str:
@@ -139,7 +117,15 @@ def _matches(text: str, pattern: re.Pattern[str],
 
 def parse(text: str) -> list[Step]:
     """The plugin's step lines."""
-    return [Step(at, int(m[2]), int(m[3]), int(m[4]), kind_of(m[5], int(m[4]))) for at, m in _matches(text, STEP)]
+    kinds = {"stock's code": KINDS[1], "bounded path": FALLBACK}
+    return [Step(at, int(m[2]), int(m[3]), int(m[4]), DECODE_ONLY if m[5] == "stock's code" and m[4] == "0"
+                 else kinds.get(m[5], f"planned: {m[5]}")) for at, m in _matches(text, STEP)]
+
+
+def parse_iterations(text: str, windows: list[Window] | None = None) -> list[Step]:
+    """vLLM's iteration lines inside ``windows`` if given; tokens: context and generation together."""
+    return [Step(at, int(m[4]) + int(m[6]), int(m[6]), int(m[3]), CONTEXT_STEP if int(m[4]) else DECODE_STEP,
+                 float(m[7])) for at, m in _matches(text, ITERATION, windows)]
 
 
 def layer_fallbacks(text: str) -> list[str]:
@@ -151,52 +137,29 @@ def layer_fallbacks(text: str) -> list[str]:
         f"- {reason}: {n:,}" for reason, n in reasons.most_common()]
 
 
-SUMMARY = re.compile(r"since start-up ([\d,]+) steps planned \(([\d,]+) split, ([\d,]+) launches\), ([\d,]+) on "
-                     r"vLLM's call; .*; ([\d,]+) fallbacks")
-LAUNCHES = re.compile(r", (\d+) launches, ")
-
-
 def summaries(text: str) -> list[str]:
     """Whether each of the plugin's summary lines holds the counts of the step lines before it:
-    planned, split, launches, on vLLM's call, fell back."""
+    planned, split, launches, on vLLM's call, fell back (a planned step whose layer call fell back
+    counts as both)."""
     counts = [0, 0, 0, 0, 0]
-    said = matching = 0
-    wrong: list[str] = []
+    said, wrong = 0, []
     for line in text.splitlines():
-        m = STEP.search(line)
-        if m is not None:
-            kind = m[5]
-            if kind == "stock's code":
-                counts[3] += 1
-            elif kind == "bounded path":
-                counts[4] += 1
+        if (m := STEP.search(line)) is not None:
+            if m[5] in ("stock's code", "bounded path"):
+                counts[3 if m[5] == "stock's code" else 4] += 1
             else:
-                launches = LAUNCHES.search(line)
-                n = int(launches[1]) if launches else 1
-                counts[0] += 1
-                counts[1] += n > 1
-                counts[2] += n
-            continue
-        if LAYER.search(line) is not None:  # a planned step whose layer call fell back: counted as both
+                n = int(launches[1]) if (launches := LAUNCHES.search(line)) else 1
+                counts[:3] = [counts[0] + 1, counts[1] + (n > 1), counts[2] + n]
+        elif LAYER.search(line) is not None:
             counts[4] += 1
-            continue
-        s = SUMMARY.search(line)
-        if s is not None:
+        elif (s := SUMMARY.search(line)) is not None:
             said += 1
-            got = [int(g.replace(",", "")) for g in s.groups()]
-            if got == counts:
-                matching += 1
-            else:
+            if [int(g.replace(",", "")) for g in s.groups()] != counts:
                 wrong.append(f"- {line[s.start():][:160]}: the step lines before it count {counts}")
     if not said:
         return ["no summary line"]
-    return [f"summary lines: {said:,}, {matching:,} of them holding the counts of the step lines before them", *wrong]
-
-
-def parse_iterations(text: str, windows: list[Window] | None = None) -> list[Step]:
-    """vLLM's iteration lines inside ``windows`` if given; tokens: context and generation together."""
-    return [Step(at, int(m[4]) + int(m[6]), int(m[6]), int(m[3]), CONTEXT_STEP if int(m[4]) else DECODE_STEP,
-                 float(m[7])) for at, m in _matches(text, ITERATION, windows)]
+    return [f"summary lines: {said:,}, {said - len(wrong):,} of them holding the counts of the step lines before them",
+            *wrong]
 
 
 def line_gaps(steps: list[Step]) -> list[float]:
@@ -207,7 +170,7 @@ def line_gaps(steps: list[Step]) -> list[float]:
 def own_gaps(steps: list[Step], before: bool) -> list[float | None]:
     """Each step's gap: after its line (the plugin's, written as the step starts) or before it
     (``before``: vLLM's, written as its output arrives); None at the log's ends."""
-    gaps = line_gaps(steps)
+    gaps: list[float | None] = list(line_gaps(steps))
     return [None, *gaps] if before else [*gaps, None]
 
 
@@ -231,84 +194,68 @@ def breakdown(steps: list[Step]) -> list[str]:
     if len(steps) < 2:
         return [f"{len(steps)} step line(s): nothing to measure (was the plugin's logger at DEBUG, or the server "
                 "started with --enable-logging-iteration-details?)"]
-    gaps = own_gaps(steps, before=False)
-    whole = split(steps)
+    gaps, whole = own_gaps(steps, before=False), split(steps)
     busy = whole.busy_s
-    lines = [f"{len(steps):,} steps logged, {busy:.2f} s busy (gaps under {GAP_S} s); by the kind of step:",
-             "",
-             "| kind | steps | tokens | decode tokens | gaps after them, s |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [f"{len(steps):,} steps logged, {busy:.2f} s busy (gaps under {GAP_S} s); by the kind of step:", "",
+             "| kind | steps | tokens | decode tokens | gaps after them, s |", "|---|---:|---:|---:|---:|"]
     order = KINDS + ITERATION_KINDS
     for kind in sorted({s.kind for s in steps}, key=lambda k: (order.index(k) if k in order else len(order), k)):
         mine = [i for i, s in enumerate(steps) if s.kind == kind]
         own = sum(g for i in mine if (g := gaps[i]) is not None and g < GAP_S)
         lines.append(f"| {kind} | {len(mine):,} | {sum(steps[i].tokens for i in mine):,} | "
                      f"{sum(steps[i].decode_tokens for i in mine):,} | {own:.2f} |")
-    lines.append("")
-    if whole.decode_s is not None and whole.decode_gap_s is not None and busy > 0:
-        lines.append(f"decode-only steps: mean {whole.decode_gap_s * 1e3:.2f} ms inside runs of them "
-                     f"({len(whole.decode_gaps):,} gaps; median {statistics.median(whole.decode_gaps) * 1e3:.2f} ms), "
-                     f"so {whole.decode_steps:,} take about {whole.decode_s:.2f} s, {whole.decode_s / busy:.1%} of the "
-                     f"busy time; the other steps about {busy - whole.decode_s:.2f} s")
-    else:
-        lines.append("no runs of decode-only steps: their time is not estimated")
-    return lines
-
-
-def host_gaps(steps: list[Step]) -> list[float]:
-    """vLLM's iteration lines: the gaps closing a run of decode-only steps before a step with context
-    tokens, which hold that step's host work (scheduling, metadata, planning, launches), s."""
-    gaps = line_gaps(steps)
-    return [gaps[i] for i in range(len(gaps) - 1)
-            if gaps[i] < GAP_S and steps[i].decode_only and steps[i + 1].decode_only and not steps[i + 2].decode_only]
+    if whole.decode_s is None or whole.decode_gap_s is None or busy <= 0:
+        return [*lines, "", "no runs of decode-only steps: their time is not estimated"]
+    return [*lines, "", f"decode-only steps: mean {whole.decode_gap_s * 1e3:.2f} ms inside runs of them "
+            f"({len(whole.decode_gaps):,} gaps; median {statistics.median(whole.decode_gaps) * 1e3:.2f} ms), "
+            f"so {whole.decode_steps:,} take about {whole.decode_s:.2f} s, {whole.decode_s / busy:.1%} of the "
+            f"busy time; the other steps about {busy - whole.decode_s:.2f} s"]
 
 
 def summarize(steps: list[Step]) -> Summary:
-    """The figures ``compare`` puts side by side, for one engine's iteration lines."""
-    sp = split(steps, before=True)
+    """The figures ``compare`` puts side by side, for one engine's iteration lines. The gap closing a run
+    of decode-only steps before a step with context tokens holds that step's host work (scheduling,
+    metadata, planning, launches): shown apart."""
+    sp, gaps = split(steps, before=True), line_gaps(steps)
+    other_s = None if sp.decode_s is None or sp.busy_s <= sp.decode_s else sp.busy_s - sp.decode_s
     waits = [s.elapsed_ms for s in steps if s.decode_only and s.elapsed_ms is not None]
-    host = host_gaps(steps)
+    host = [gaps[i] for i in range(len(gaps) - 1)
+            if gaps[i] < GAP_S and steps[i].decode_only and steps[i + 1].decode_only and not steps[i + 2].decode_only]
     return {"steps": sp.steps, "busy_s": sp.busy_s, "decode_steps": sp.decode_steps,
             "other_steps": sp.steps - sp.decode_steps, "decode_gaps": len(sp.decode_gaps),
             "decode_gap_ms": None if sp.decode_gap_s is None else sp.decode_gap_s * 1e3,
             "decode_wait_ms": statistics.mean(waits) if waits else None, "decode_s": sp.decode_s,
             "other_tokens": sp.other_tokens,
-            "other_ms_per_1k": sp.other_s / sp.other_tokens * 1e6 if sp.other_s and sp.other_tokens else None,
+            "other_ms_per_1k": other_s / sp.other_tokens * 1e6 if other_s and sp.other_tokens else None,
             "host_gaps": len(host), "host_gap_ms": statistics.mean(host) * 1e3 if host else None}
 
 
+COMPARED = (("steps", "steps", ",", False), ("busy s", "busy_s", ".2f", True),
+            ("decode-only steps", "decode_steps", ",", False),
+            ("decode-only: mean gap inside runs of them, ms", "decode_gap_ms", ".3f", True),
+            ("decode-only: mean iteration elapsed time, ms", "decode_wait_ms", ".3f", True),
+            ("decode-only: their time (mean gap x count), s", "decode_s", ".2f", True),
+            ("other steps", "other_steps", ",", False),
+            ("other steps: tokens (those with busy time)", "other_tokens", ",", False),
+            ("other steps: time per 1K tokens, ms", "other_ms_per_1k", ".3f", True),
+            ("other steps after decode-only ones: the gap before, with their host work, ms", "host_gap_ms", ".3f",
+             True), ("those gaps", "host_gaps", ",", False))
+
+
 def compare(a: Summary, b: Summary) -> list[str]:
-    """Stock's steps (``a``) beside the plugin's (``b``) over the same bench runs."""
+    """Stock's steps (``a``) beside the plugin's (``b``) over the same bench runs; then the two figures
+    to quote: the plugin's decode-only steps against stock's, and r."""
     if a["steps"] < 2 or b["steps"] < 2:
         return [f"iteration lines: stock {a['steps']}, plugin {b['steps']}: nothing to compare (were the servers "
                 "started with --enable-logging-iteration-details, and VLLM_LOGGING_CONFIG_PATH from `config`?)"]
-
-    def row(label: str, key: str, fmt: str, ratio: bool = True) -> str:
+    lines = [f"vLLM's iteration lines, gaps under {GAP_S} s:", "", "| | stock | plugin | plugin/stock |",
+             "|---|---:|---:|---:|"]
+    for label, key, fmt, ratio in COMPARED:
         x, y = a[key], b[key]
         cells = [format(v, fmt) if v is not None else "-" for v in (x, y)]
-        r = f"{y / x:.3f}" if ratio and x and y is not None else ""
-        return f"| {label} | {cells[0]} | {cells[1]} | {r} |"
-
-    lines = [f"vLLM's iteration lines, gaps under {GAP_S} s:", "",
-             "| | stock | plugin | plugin/stock |", "|---|---:|---:|---:|",
-             row("steps", "steps", ",", ratio=False),
-             row("busy s", "busy_s", ".2f"),
-             row("decode-only steps", "decode_steps", ",", ratio=False),
-             row("decode-only: mean gap inside runs of them, ms", "decode_gap_ms", ".3f"),
-             row("decode-only: mean iteration elapsed time, ms", "decode_wait_ms", ".3f"),
-             row("decode-only: their time (mean gap x count), s", "decode_s", ".2f"),
-             row("other steps", "other_steps", ",", ratio=False),
-             row("other steps: tokens (those with busy time)", "other_tokens", ",", ratio=False),
-             row("other steps: time per 1K tokens, ms", "other_ms_per_1k", ".3f"),
-             row("other steps after decode-only ones: the gap before, with their host work, ms", "host_gap_ms",
-                 ".3f"),
-             row("those gaps", "host_gaps", ",", ratio=False), ""]
-    return lines + verdict(a, b)
-
-
-def verdict(a: Summary, b: Summary) -> list[str]:
-    """The two figures to quote: the plugin's decode-only steps against stock's, and r."""
-    lines = []
+        quotient = f"{y / x:.3f}" if ratio and x and y is not None else ""
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} | {quotient} |")
+    lines.append("")
     if a["decode_gap_ms"] and b["decode_gap_ms"]:
         lines.append(f"decode-only steps: the plugin's {b['decode_gap_ms'] / a['decode_gap_ms'] - 1:+.1%} against "
                      f"stock's ({a['decode_gaps']:,} and {b['decode_gaps']:,} gaps)")
@@ -318,37 +265,34 @@ def verdict(a: Summary, b: Summary) -> list[str]:
     return lines
 
 
-def timed_runs(data: dict[str, Any], call: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """An ab call's runs that bench timed (warm-up rounds left out), with a window, by workload."""
-    return {w: [r for r in data.get("runs", []) if r.get("call") == call.get("id") and r.get("workload") == w
-                and not r.get("warmup") and r.get("window")] for w in call.get("workloads", [])}
-
-
-def step_figures(out: Path, data: dict[str, Any], call: dict[str, Any]) -> dict[str, Any]:
-    """An ab call's figures per workload, from its server logs in ``out``: ``steps``, each engine's
-    summary of its timed runs, and ``step_pairs``, plugin/stock mean decode-only gap per repeat (one
-    seed), whose spread says whether the pooled figure stands out of the machine's own swings."""
-    texts = {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
-             for e, rec in call.get("servers", {}).items() if rec.get("log")}
-    steps: dict[str, dict[str, Summary]] = {}
-    pairs: dict[str, list[float]] = {}
-    for workload, runs in timed_runs(data, call).items():
-        steps[workload] = {e: summarize(parse_iterations(text, [(r["window"][0], r["window"][1]) for r in runs
-                                                                if r["engine"] == e])) for e, text in texts.items()}
-        gap: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
-        for r in runs:
-            if r["engine"] in gap and r["engine"] in texts:
-                mean = summarize(parse_iterations(texts[r["engine"]], [(r["window"][0], r["window"][1])]))["decode_gap_ms"]
-                if mean:
-                    gap[r["engine"]][r.get("seed")] = mean
-        pairs[workload] = plugin_over_stock(gap)
-    return {"steps": steps, "step_pairs": pairs}
-
-
 def plugin_over_stock(values: dict[str, dict[Any, float]]) -> list[float]:
     """Plugin/stock of each key both engines have a value for, in stock's order."""
     stock, plugin = values.get("stock", {}), values.get("plugin", {})
     return [plugin[k] / stock[k] for k in stock if k in plugin and stock[k]]
+
+
+def step_figures(out: Path, data: dict[str, Any], call: dict[str, Any]) -> dict[str, Any]:
+    """An ab call's timed runs (warm-ups left out) per workload, from its server logs in ``out``: ``runs``,
+    ``steps``, each engine's summary of them, and ``step_pairs``, plugin/stock mean decode-only gap per
+    repeat (one seed), whose spread says whether the pooled figure stands out of the machine's own swings."""
+    texts = {e: (out / rec["log"]).read_text(errors="replace") if (out / rec["log"]).is_file() else ""
+             for e, rec in call.get("servers", {}).items() if rec.get("log")}
+    figures: dict[str, Any] = {"runs": {}, "steps": {}, "step_pairs": {}}
+    for w in call.get("workloads", []):
+        runs = [r for r in data.get("runs", []) if r.get("call") == call.get("id") and r.get("workload") == w
+                and not r.get("warmup") and r.get("window")]
+        figures["runs"][w] = runs
+        windows = {e: [(r["window"][0], r["window"][1]) for r in runs if r["engine"] == e] for e in texts}
+        figures["steps"][w] = {e: summarize(parse_iterations(text, windows[e])) for e, text in texts.items()}
+        gap: dict[str, dict[Any, float]] = {"stock": {}, "plugin": {}}
+        for r in runs:
+            if r["engine"] in gap and r["engine"] in texts:
+                window = (r["window"][0], r["window"][1])
+                mean = summarize(parse_iterations(texts[r["engine"]], [window]))["decode_gap_ms"]
+                if mean:
+                    gap[r["engine"]][r.get("seed")] = mean
+        figures["step_pairs"][w] = plugin_over_stock(gap)
+    return figures
 
 
 def pairs_line(ratios: list[float]) -> str:
@@ -368,7 +312,7 @@ def compare_ab(out: Path) -> list[str]:
         if set(call.get("servers", {})) == {"stock", "plugin"}:
             figures = step_figures(out, data, call)
             for workload, engines in figures["steps"].items():
-                lines += [f"### call {call['id']}, {workload} ({len(timed_runs(data, call)[workload])} timed runs)", "",
+                lines += [f"### call {call['id']}, {workload} ({len(figures['runs'][workload])} timed runs)", "",
                           *compare(engines["stock"], engines["plugin"]), pairs_line(figures["step_pairs"][workload]),
                           ""]
     return lines or [f"{out / 'ab.json'}: no call with both servers"]
@@ -392,27 +336,20 @@ class Rank:
     steps: list[str] = field(default_factory=list)
 
 
-def parse_ranks(text: str) -> dict[int, Rank]:
+def rank_report(path: Path) -> tuple[list[str], list[str]]:
+    """A tensor-parallel run's ranks, and what is wrong: a rank without its KV line; planned, a rank that
+    reserved nothing or planned other steps than rank 0."""
     ranks: dict[int, Rank] = {}
-    for raw in text.splitlines():
-        line = ANSI.sub("", raw)
-        m = RANK.search(line)
-        if m is None:
+    for line in (ANSI.sub("", raw) for raw in path.read_text(errors="replace").splitlines()):
+        if (m := RANK.search(line)) is None:
             continue
         rank = ranks.setdefault(int(m.group(1)), Rank())
-        if (kv := RANK_KV.search(line)) is not None:
-            rank.kv_gib = float(kv.group(1))
+        if (hit := RANK_KV.search(line)) is not None:
+            rank.kv_gib = float(hit.group(1))
         elif (res := RESERVED.search(line)) is not None:
             rank.reserved_mib = int(res.group(2) or res.group(3) or res.group(1))
         elif (step := RANK_STEP.search(line)) is not None:
             rank.steps.append(step.group(1).strip())
-    return ranks
-
-
-def rank_report(path: Path) -> tuple[list[str], list[str]]:
-    """A run's ranks, and what is wrong: a rank without its KV line; planned, a rank that reserved
-    nothing or planned other steps than rank 0."""
-    ranks = parse_ranks(path.read_text(errors="replace"))
     planned = any(rank.reserved_mib is not None or rank.steps for rank in ranks.values())
     lines = [f"{path.name}: {len(ranks)} rank(s), {'planned' if planned else 'stock'}"]
     for r, rank in sorted(ranks.items()):
@@ -435,15 +372,15 @@ def rank_report(path: Path) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    cfg = sub.add_parser("config", help="write the logging configuration (VLLM_LOGGING_CONFIG_PATH)")
-    cfg.add_argument("path", type=Path)
-    rep = sub.add_parser("report", help="the step breakdown of a server log, from the plugin's step lines")
-    rep.add_argument("log", type=Path)
-    cmp = sub.add_parser("compare", help="stock's and the plugin's steps in each workload's timed runs of an ab, "
-                                          "from vLLM's iteration lines")
-    cmp.add_argument("--ab", type=Path, metavar="DIR", required=True, help="run_serve.py's folder of an ab phase")
-    rk = sub.add_parser("ranks", help="each worker's KV cache, reservation and step plans in tensor-parallel run logs")
-    rk.add_argument("logs", type=Path, nargs="+")
+    sub.add_parser("config", help="write the logging configuration (VLLM_LOGGING_CONFIG_PATH)").add_argument(
+        "path", type=Path)
+    sub.add_parser("report", help="the step breakdown of a server log, from the plugin's step lines").add_argument(
+        "log", type=Path)
+    sub.add_parser("compare", help="stock's and the plugin's steps in each workload's timed runs of an ab, from "
+                   "vLLM's iteration lines").add_argument("--ab", type=Path, metavar="DIR", required=True,
+                                                          help="run_serve.py's folder of an ab phase")
+    sub.add_parser("ranks", help="each worker's KV cache, reservation and step plans in tensor-parallel run "
+                   "logs").add_argument("logs", type=Path, nargs="+")
     args = ap.parse_args(argv)
     if args.command == "ranks":
         failed = False
@@ -455,12 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         write_config(args.path)
         print(f"VLLM_LOGGING_CONFIG_PATH={args.path}")
-        return 0
-    if args.command == "compare":
+    elif args.command == "compare":
         print("\n".join(compare_ab(args.ab)))
-        return 0
-    text = args.log.read_text(errors="replace")
-    print("\n".join([*breakdown(parse(text)), "", *layer_fallbacks(text), *summaries(text)]))
+    else:
+        text = args.log.read_text(errors="replace")
+        print("\n".join([*breakdown(parse(text)), "", *layer_fallbacks(text), *summaries(text)]))
     return 0
 
 
