@@ -1,11 +1,6 @@
-"""Packing a vLLM release (:data:`TARGETS`) and the wheels the GPU image lacks to run it for the GPU
-machine, and unpacking them there (standard library only: the device runs it with the image's python3).
-
-A device call carries at most 64 MiB, vLLM's wheel is 304-336 MB. So the wheel's tree, less what the
-H200 never loads (FA2, SM100 sources, DeepGEMM for other Pythons), goes into ``vllm-core.tar.xz``, FA3's
-153 MB library into ``vllm-fa3.tar.xz``, both and the dependency wheels into one ``bundle.tar``, cut into
-chunks under 60 MB, each with the same ``manifest.json`` (sizes and sha256). The CLI is
-``device_install.sh``'s: ``status``, ``join``, ``install-vllm``, ``check``.
+"""Packing a vLLM release (``TARGETS``) and the wheels the GPU image lacks into parts a device call can
+carry (docs/e2e.md, "Staging"), and unpacking them there: standard library only, for the image's python3.
+The CLI is device_install.sh's.
 """
 
 from __future__ import annotations
@@ -51,12 +46,8 @@ class Target:
 
     @property
     def required_in_site(self) -> tuple[str, ...]:
-        return (
-            "vllm/__init__.py",
-            "vllm/_flashmla_C.abi3.so",
-            FA3_SO,
-            f"{self.dist_info}/METADATA",  # vLLM's platform detection reads its own distribution metadata
-        )
+        # vLLM's platform detection reads its own distribution metadata
+        return "vllm/__init__.py", "vllm/_flashmla_C.abi3.so", FA3_SO, f"{self.dist_info}/METADATA"
 
 
 _SHARED = (  # the same wheel in both releases' closures
@@ -191,15 +182,10 @@ def sha256_of(path: Path) -> str:
 
 
 def split_into_parts(bundle: Path, parts_dir: Path, chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
-    """Cuts ``bundle`` into ``parts_dir/partK/bundle.tar.KKK`` (K from 1), each part with the manifest.
-
-    Earlier ``partK`` folders are removed first, so no stale chunk can travel.
-    """
-    if chunk_bytes <= 0:
-        raise ValueError("chunk_bytes must be positive")
-    if parts_dir.exists():
-        for old in parts_dir.glob("part*"):
-            shutil.rmtree(old)
+    """Cuts ``bundle`` into ``parts_dir/partK/bundle.tar.KKK`` (K from 1), each part with the manifest;
+    earlier ``partK`` folders are removed first, so no stale chunk can travel."""
+    for old in parts_dir.glob("part*"):
+        shutil.rmtree(old)
     chunks: list[dict[str, Any]] = []
     with bundle.open("rb") as src:
         while block := src.read(chunk_bytes):
@@ -257,8 +243,7 @@ def _extract(tar: tarfile.TarFile, dest: Path) -> None:
 
 def unpack_bundle(bundle: Path, dest: Path) -> Path:
     """Extracts the bundle (the two vLLM tars and ``wheels/``) into ``dest``."""
-    if dest.exists():
-        shutil.rmtree(dest)
+    shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     with tarfile.open(bundle, "r") as tar:
         _extract(tar, dest)
@@ -270,8 +255,7 @@ def install_vllm_tree(unpacked: Path, site: Path) -> Target:
     target = target_for(json.loads((unpacked / TARGET_FILE).read_text())["vllm"])  # the target the bundle carries
     site.mkdir(parents=True, exist_ok=True)
     for old in [site / "vllm", *site.glob("vllm-*.dist-info")]:
-        if old.exists():
-            shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
     for name in (CORE_TAR, FA3_TAR):
         with tarfile.open(unpacked / name, "r:xz") as tar:
             _extract(tar, site)

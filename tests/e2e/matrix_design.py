@@ -1,6 +1,5 @@
-"""The flag matrix (docs/e2e.md): the ``vllm serve`` configurations ``run_serve.py --phase matrix``
-starts, on the axes operators of DeepSeek-V3.2 and GLM-5 set, and ``coverage_gaps``: what a design
-misses of every value of every axis and of ``REQUIRED_PAIRS``."""
+"""The flag matrix (docs/e2e.md): the ``vllm serve`` configurations ``run_serve.py --phase matrix`` starts,
+on the axes operators of DeepSeek-V3.2 and GLM-5 set."""
 
 from __future__ import annotations
 
@@ -85,22 +84,15 @@ def mnbt(config: Config) -> int:
     return CHUNKED_MNBT if config.chunked_prefill else MAX_MODEL_LEN
 
 
-def extra_args(config: Config) -> tuple[str, ...]:
-    args: list[str] = ["--max-num-seqs", str(config.max_num_seqs)]
-    if config.mtp:
-        args += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": config.mtp})]
-    if not config.cuda_graphs:
-        args.append("--enforce-eager")
-    if not config.chunked_prefill:
-        args.append("--no-enable-chunked-prefill")
-    return tuple(args)
-
-
 def spec(config: Config, engine: str, util: float, port: int, scratch_mb: int | None) -> ServerSpec:
     """``config``'s server: the plugin with budget ``scratch_mb`` (stock: none), or its stock twin."""
+    spec_decode = json.dumps({"method": "mtp", "num_speculative_tokens": config.mtp})
+    extra = ("--max-num-seqs", str(config.max_num_seqs), *(["--speculative-config", spec_decode] if config.mtp else []),
+             *([] if config.cuda_graphs else ["--enforce-eager"]),
+             *([] if config.chunked_prefill else ["--no-enable-chunked-prefill"]))
     return ServerSpec(engine, util, port, mnbt(config), max_model_len=MAX_MODEL_LEN,
                       scratch_mb=scratch_mb if engine == "plugin" else None, prefix_caching=config.prefix_caching,
-                      extra_args=extra_args(config))
+                      extra_args=extra)
 
 
 # chunked prefill off: vLLM profiles a step of 70,000 tokens, which left the engine 6.5 GiB short of
@@ -123,11 +115,9 @@ def model_source(config: Config, where: Path) -> Path:
 
 
 def describe(config: Config) -> str:
-    parts = [config.model, f"MTP {config.mtp}" if config.mtp else "no MTP", f"--max-num-seqs {config.max_num_seqs}",
-             f"budget {config.budget}" + ("" if config.budget == "min" else " MiB"),
-             "CUDA graphs" if config.cuda_graphs else "--enforce-eager"]
-    if not config.chunked_prefill:
-        parts.append("--no-enable-chunked-prefill")
-    if config.prefix_caching:
-        parts.append("--enable-prefix-caching")
-    return ", ".join(parts)
+    return ", ".join([config.model, f"MTP {config.mtp}" if config.mtp else "no MTP",
+                      f"--max-num-seqs {config.max_num_seqs}",
+                      f"budget {config.budget}" + ("" if config.budget == "min" else " MiB"),
+                      "CUDA graphs" if config.cuda_graphs else "--enforce-eager",
+                      *([] if config.chunked_prefill else ["--no-enable-chunked-prefill"]),
+                      *(["--enable-prefix-caching"] if config.prefix_caching else [])])
