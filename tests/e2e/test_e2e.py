@@ -1,7 +1,5 @@
-"""In-process end to end (run_cases.py; docs/e2e.md). The ``e2e`` tests need a CUDA GPU and vLLM's
-kernels and skip elsewhere, saying why. The others run on a CPU: the staging of vLLM for the GPU
-machine and its install there (on a toy vLLM), run_cases.py on stand-ins (``fakes``), fault injection.
-"""
+"""In-process end to end (run_cases.py; docs/e2e.md): the ``e2e`` tests need a CUDA GPU and skip elsewhere;
+on a CPU, the staging of vLLM for the GPU machine (a toy vLLM), run_cases.py on stand-ins, fault injection."""
 
 from __future__ import annotations
 
@@ -173,16 +171,6 @@ def test_under_sleep_mode_the_reservation_leaves_vllms_pool_and_the_engine_sleep
 # --- packing and unpacking -------------------------------------------------------------------------
 
 
-def test_member_kind_keeps_what_the_h200_loads() -> None:
-    kinds = {"vllm/__init__.py": "core", "vllm/_flashmla_C.abi3.so": "core",
-             f"{eb.target_for('0.26').dist_info}/METADATA": "core", eb.FA3_SO: "fa3",
-             "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": "drop", "vllm/third_party/fmha_sm100/include/x.hpp": "drop",
-             "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": "drop",
-             "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so": "core",
-             "vllm/third_party/deep_gemm/include/cute/arch/mma_sm90.hpp": "core"}
-    assert {name: eb.member_kind(name) for name in kinds} == kinds
-
-
 def write_wheel(path: Path, name: str, version: str, files: dict[str, str], entry_points: str = "") -> Path:
     """A minimal pure-Python wheel that pip installs."""
     info = f"{name}-{version}.dist-info"
@@ -199,24 +187,19 @@ def write_wheel(path: Path, name: str, version: str, files: dict[str, str], entr
     return path
 
 
-def toy_vllm_wheel(path: Path, version: str = "0.26.0") -> Path:
-    """The vLLM wheel's layout in miniature, with a file of each kind member_kind sorts."""
-    files = {
-        "vllm/__init__.py": f'__version__ = "{version}"\n',
-        "vllm/_flashmla_C.abi3.so": "kernels\n",
-        eb.FA3_SO: "fa3\n" * 1000,
-        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": "fa2\n",
-        "vllm/third_party/fmha_sm100/x.hpp": "sm100\n",
-        "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": "311\n",
-        "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so": "312\n",
-    }
-    return write_wheel(path, "vllm", version, files)
+# The vLLM wheel's layout in miniature, with a file of each kind member_kind sorts: kept, FA3's, dropped.
+TOY_VLLM = {"vllm/_flashmla_C.abi3.so": "kernels\n", eb.FA3_SO: "fa3\n" * 1000,
+            "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so": "312\n",
+            "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": "fa2\n", "vllm/third_party/fmha_sm100/x.hpp": "sm100\n",
+            "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": "311\n"}
 
 
 def stage_toy(root: Path, chunk_bytes: int, version: str = "0.26.0") -> dict[str, Any]:
     """What scripts/e2e_stage.py does, on the toy wheel and a toy dependency: parts in root/.e2e/parts."""
     build = root / "build" / version
-    core, fa3 = eb.pack_vllm_wheel(toy_vllm_wheel(build / f"vllm-{version}-py3-none-any.whl", version), build)
+    toy = write_wheel(build / f"vllm-{version}-py3-none-any.whl", "vllm", version,
+                      {"vllm/__init__.py": f'__version__ = "{version}"\n', **TOY_VLLM})
+    core, fa3 = eb.pack_vllm_wheel(toy, build)
     dep_name = f"toydep{version.replace('.', '')}"
     dep = write_wheel(build / f"{dep_name}-1.0-py3-none-any.whl", dep_name, "1.0", {f"{dep_name}/__init__.py": ""})
     bundle = eb.make_bundle(eb.target_for(version),
@@ -243,10 +226,7 @@ def test_pack_split_join_unpack_round_trip(tmp_path: Path) -> None:
     site = tmp_path / "site"
     eb.install_vllm_tree(unpacked, site)
     assert eb.missing_in_site(site) == []
-    assert (site / "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so").is_file()
-    for dropped in ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/third_party/fmha_sm100/x.hpp",
-                    "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so"):
-        assert not (site / dropped).exists(), dropped
+    assert [(site / name).is_file() for name in TOY_VLLM] == [True] * 3 + [False] * 3  # the drops are dropped
     assert [p.name for p in (unpacked / eb.WHEELS_DIR).iterdir()] == ["toydep0260-1.0-py3-none-any.whl"]
     first = stash / f"{eb.BUNDLE}.001"  # a corrupt chunk is refused
     data = bytearray(first.read_bytes())
