@@ -1,9 +1,5 @@
-"""The serve driver (run_serve.py; docs/e2e.md). ``test_plugin_serves_the_boundary_cases`` (marker
-``e2e``) needs a CUDA GPU and vLLM's kernels, or ``MLA_SERVE_RESULTS=DIR`` with a driver's saved results,
-and skips elsewhere. The others run on a CPU: the generated tokenizer, the matrix's design, every command
-line through the installed vLLM's parsers, what a log says, the servers' processes, every phase on
-fakes.py's stand-ins (once with vLLM's own bench client), and the reports.
-"""
+"""The serve driver (run_serve.py; docs/e2e.md): the ``e2e`` test needs a CUDA GPU or ``MLA_SERVE_RESULTS``;
+the others run every phase on a CPU, on fakes.py's stand-ins, and check the command lines, logs and reports."""
 
 from __future__ import annotations
 
@@ -37,10 +33,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return proc.served_model_dir(tmp_path_factory.mktemp("model"))
 
 
+def driver_cmd(out: Path, *args: str) -> list[str]:
+    """run_serve.py on the stand-ins, on any free ports."""
+    return [sys.executable, str(HERE / "run_serve.py"), "--out", str(out), "--port-base", "0", "--fake-server", *args]
+
+
 def driver(out: Path, *args: str, timeout: float = 240, rc: int = 0, **env: str) -> subprocess.CompletedProcess[str]:
-    """run_serve.py on the stand-ins, any free ports, ``env`` added to the environment; it must exit with ``rc``."""
-    cmd = [sys.executable, str(HERE / "run_serve.py"), "--out", str(out), "--port-base", "0", "--fake-server", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
+    """``driver_cmd``, ``env`` added to the environment; it must exit with ``rc``."""
+    r = subprocess.run(driver_cmd(out, *args), capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, **env})
     assert r.returncode == rc, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -125,12 +126,11 @@ def test_the_tiny_glm5_has_glm5s_attention_geometry_at_tp8() -> None:
     8 heads per rank, 32 index heads of 128), its 64 heads at TP 8 on one GPU; 2 small layers."""
     config = json.loads(GLM5.read_text())
     assert config["architectures"] == ["GlmMoeDsaForCausalLM"] and config["model_type"] == "glm_moe_dsa"
-    assert {k: config[k] for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                                   "index_topk", "index_n_heads", "index_head_dim", "vocab_size")} == {
-        "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
-        "index_topk": 2048, "index_n_heads": 32, "index_head_dim": 128, "vocab_size": 154880}
-    assert config["num_attention_heads"] == 64 // 8 == config["num_key_value_heads"]
-    assert config["num_hidden_layers"] == 2 and config["num_nextn_predict_layers"] == 0
+    geometry = {"kv_lora_rank": 512, "q_lora_rank": 2048, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+                "v_head_dim": 256, "index_topk": 2048, "index_n_heads": 32, "index_head_dim": 128, "vocab_size": 154880,
+                "num_attention_heads": 64 // 8, "num_key_value_heads": 8, "num_hidden_layers": 2,
+                "num_nextn_predict_layers": 0}
+    assert {k: config[k] for k in geometry} == geometry
     loaded = pytest.importorskip("transformers").AutoConfig.from_pretrained(str(GLM5.parent))
     assert type(loaded).__name__ == "GlmMoeDsaConfig" and loaded.qk_head_dim == 256
     assert loaded.indexer_types == ["full", "full"] and loaded.mlp_layer_types == ["dense", "sparse"]
@@ -409,9 +409,8 @@ def test_no_server_outlives_a_stopped_driver(tmp_path: Path, phase: str, how: si
     else:
         args = ["--phase", "matrix", "--servers", "s2,s4", "--request-timeout-s", "120"]
         env = {"FAKE_SERVE_START_S": "60"} if phase == "starting" else {"FAKE_SERVE_HANG_OVER": "20000"}
-    cmd = [sys.executable, str(HERE / "run_serve.py"), "--out", str(out), "--port-base", "0", "--fake-server", *args]
     with (tmp_path / "driver.log").open("w") as log:
-        running = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        running = subprocess.Popen(driver_cmd(out, *args), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
     try:
         deadline = time.monotonic() + 60
         while not started(out, phase):
@@ -820,7 +819,7 @@ def test_serve_report_from_hand_made_results(tmp_path: Path) -> None:
     boundary = {"schema": 1, "phase": "boundary", "finished": False, "run": {"engine": "plugin", "util": 0.95},
                 "case_titles": {"1": "one 32,768-token prompt"}, "servers": [
                     {"label": "b-32k", "engine": "plugin", "mnbt": 32768, "startup": {"status": "ok", "elapsed_s": 70},
-                     "planner_lines": ["mla-planner: x"], "case_order": ["1", "2"],
+                     "planner_lines": ["mla-planner: x"], "planner_line_count": 1, "case_order": ["1", "2"],
                      "cases": {"1": {"status": "started"}}}]}
     (tmp_path / "ab.json").write_text(json.dumps(ab))
     (tmp_path / "boundary-plugin.json").write_text(json.dumps(boundary))
