@@ -95,11 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.detach and a.follow:
         ap.error("--detach follows the phase itself: give one of --detach and --follow")
     a.workloads = split(a.workloads)
-    if set(a.workloads) - set(sp.WORKLOADS):
-        ap.error(f"unknown workload(s) in {a.workloads}; known: {', '.join(sp.WORKLOADS)}")
+    if bad := sorted(set(a.workloads) - set(sp.WORKLOADS)):
+        ap.error(f"unknown workload(s) {bad}; known: {', '.join(sp.WORKLOADS)}")
     a.at_once = a.workloads if a.at_once == "*" else split(a.at_once)
-    if set(a.at_once) - set(a.workloads):
-        ap.error(f"--at-once {','.join(a.at_once)}: not all of them are in --workloads {','.join(a.workloads)}")
+    if bad := sorted(set(a.at_once) - set(a.workloads)):
+        ap.error(f"--at-once {','.join(bad)}: not in --workloads {','.join(a.workloads)}")
     a.failrate_utils = [float(u) for u in split(a.failrate_utils)]
     engine, util = PHASE_DEFAULTS[a.phase]
     a.engine = a.engine or engine
@@ -108,18 +108,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.util = util if a.util is None else a.util
     start_s, request_s = TIMEOUTS.get(a.phase, DEFAULT_TIMEOUTS)
     a.start_timeout_s, a.request_timeout_s = a.start_timeout_s or start_s, a.request_timeout_s or request_s
-    if any(u is not None and not 0 < u <= 1 for u in [a.util, *a.failrate_utils]):
-        ap.error("a utilization is not in (0, 1]")
+    if bad := [u for u in [a.util, *a.failrate_utils] if u is not None and not 0 < u <= 1]:
+        ap.error(f"utilization {bad[0]} is not in (0, 1]")
     if a.phase != "matrix":
         return a
     # the matrix's servers and twins, their shares of the GPU within MAX_UTIL_SUM
     names = [c.name for c in md.DESIGN]
     a.servers = split(a.servers or ",".join(names))
-    if set(a.servers) - set(names):
-        ap.error(f"unknown server(s) in {a.servers}; known: {', '.join(names)}")
+    if bad := sorted(set(a.servers) - set(names)):
+        ap.error(f"unknown server(s) {bad}; known: {', '.join(names)}")
     a.stock_twins = list(a.servers) if a.stock_twins == "all" else split(a.stock_twins)
-    if set(a.stock_twins) - set(a.servers):
-        ap.error(f"--stock-twins {','.join(a.stock_twins)}: not all among the servers run ({','.join(a.servers)})")
+    if bad := sorted(set(a.stock_twins) - set(a.servers)):
+        ap.error(f"--stock-twins {','.join(bad)}: not among the servers run ({','.join(a.servers)})")
     utils = [md.util_for(c, a.util) for c in md.DESIGN if c.name in a.servers]
     twin_utils = [md.util_for(c, a.util) for c in md.DESIGN if c.name in a.stock_twins]
     # a stock twin lives until every server is up when together, else until the next start
