@@ -688,7 +688,7 @@ def compile_kernel(config: KernelConfig, heads: int, dequant: int) -> Any:
 def compile_wgmma(heads: int, variant: str = "wg") -> Any:
     """The warpgroup-MMA kernel (``variant`` "wg", its warp-specialised variant "ws" or the one
     with the score dot's A operand in registers, "ra"), or the ``mma.sync`` kernel ("mma", 16
-    heads a program whatever ``heads``; the one ``fp8_mma.selected`` names), compiled for sm90 as
+    heads a program whatever ``heads``), compiled for sm90 as
     :func:`compile_kernel` compiles the Triton one (Gluon's source type; top-k lengths and sinks on;
     pages back to back for "mma")."""
     import triton
