@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +90,26 @@ def test_step_overhead_bench_times_what_each_engine_runs() -> None:
     assert runs["long", "planned"] == "4 launches (mixed_batch)"
     assert runs["mid", "planned"] == ("1 launch (mixed_batch)" if release.stock_workspace else "stock's 1 call")
     assert runs["mid", "planned+profile"].endswith("launches (separate_prefill_decode)")
+
+
+def test_mma_variants_edit_the_module_as_it_is_and_compile_without_spilling() -> None:
+    """mma_variants.py's candidate forms are text edits of fp8_mma.py: each still applies to the module
+    (the script exits naming the edit that no longer does), changes it, and compiles for sm90 (no GPU)
+    without a spill; the reduce-scatter form keeps one more barrier a block (two a loop iteration)."""
+    import re
+
+    import triton
+
+    variants = load_benchmark("mma_variants")
+    sources = variants.variant_sources()
+    assert len(set(sources.values())) == len(sources) == 4
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    barriers = {}
+    with tempfile.TemporaryDirectory() as folder:
+        modules = variants.load_variants(Path(folder))
+        for name in ("module", "reduce_scatter"):
+            with variants.running(modules[name]):
+                compiled = variants.bench.compile_wgmma(16, "mma")
+            assert variants.bench.ptxas_usage(compiled.asm["ptx"], bin_dir / "ptxas")[1] == "0", name
+            barriers[name] = len(re.findall(r"bar\.sync", compiled.asm["ptx"]))
+    assert barriers["reduce_scatter"] == barriers["module"] + 2
