@@ -637,18 +637,22 @@ def ptx_counts(ptx: str) -> dict[str, int]:
     return counts
 
 
-def sass_counts(cubin: bytes, bin_dir: Path) -> dict[str, int] | None:
-    """Static count of each ``SASS_OPS`` opcode in the cubin (Triton's bundled ``nvdisasm``), or
-    None where it is missing."""
-    nvdisasm = bin_dir / "nvdisasm"
-    if not nvdisasm.exists():
-        return None
+def sass_opcodes(cubin: bytes, bin_dir: Path) -> list[str]:
+    """The cubin's opcodes in order, without their modifiers (Triton's bundled ``nvdisasm``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+
+
+def sass_counts(cubin: bytes, bin_dir: Path) -> dict[str, int] | None:
+    """Static count of each ``SASS_OPS`` opcode in the cubin, or None where Triton's bundled
+    ``nvdisasm`` is missing."""
+    if not (bin_dir / "nvdisasm").exists():
+        return None
     counts = dict.fromkeys(SASS_OPS, 0)
-    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass):
+    for op in sass_opcodes(cubin, bin_dir):
         if op in counts:
             counts[op] += 1
     return counts

@@ -4,9 +4,9 @@ prefill tolerances, the probability rounding bound, lse within 1e-3).
 
 A score dot run in FP8 on the cache's bytes (``wgmma`` takes e4m3 on both sides) needs the query
 in e4m3 too: its 512 NoPE dims quantised with one scale per (token, head) or per token, or split
-into two e4m3 parts (one FP8 MMA each; with power-of-two scales they hold a bf16 query exactly); the 64 RoPE dims stay bf16, as in the cache. This
-is the error of that quantisation alone, before any kernel's own roundings, on
-test_matches_the_reference's cases (docs/fp8-direct.md).
+into two e4m3 parts (one FP8 MMA each; with power-of-two scales they hold a bf16 query exactly);
+the 64 RoPE dims stay bf16, as in the cache. This is the error of that quantisation alone, before
+any kernel's own roundings, on test_matches_the_reference's cases (docs/fp8-direct.md).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
-    print("| heads | top-k | sink, lengths | query scale | e4m3 parts | scales | 1 - cos (limit 1e-5) | outside FlashMLA's element-wise criterion "
-          "| worst error / allowed (limit 1) | lse max abs error (limit 1e-3) |")
+    print("| heads | top-k | sink, lengths | query scale | e4m3 parts | scales | 1 - cos (limit 1e-5) "
+          "| outside FlashMLA's element-wise criterion | worst error / allowed (limit 1) | lse max abs error (limit 1e-3) |")
     print("|---:|---:|---|---|---:|---|---:|---:|---:|---:|")
     for heads, topk, sink in CASES:
         case = make_case(256, heads, topk, 128, gen, lengths=sink, sink=sink)
@@ -68,7 +68,9 @@ def main() -> int:
                                  ("token-head", 2, True)):
             out, lse = reference(dataclasses.replace(case, q=quantised_query(case.q, per, parts, pow2)))
             err = (out - ref_out).abs()
-            print(f"| {heads} | {topk:,} | {'on' if sink else 'off'} | {per} | {parts} | {'power of two' if pow2 else 'amax'} | {cosine_difference(out, ref_out):.2e} "
+            scales = "power of two" if pow2 else "amax"
+            print(f"| {heads} | {topk:,} | {'on' if sink else 'off'} | {per} | {parts} | {scales} "
+                  f"| {cosine_difference(out, ref_out):.2e} "
                   f"| {float((err >= tol).float().mean()):.1%} | {float((err / allowed).max()):.2f} "
                   f"| {float((lse - ref_lse)[finite].abs().max()):.2e} |", flush=True)
     return 0

@@ -28,8 +28,6 @@ import collections
 import contextlib
 import importlib.util
 import re
-import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -199,12 +197,8 @@ def running(module: ModuleType) -> Iterator[None]:
 
 
 def loop_sass(cubin: bytes, bin_dir: Path) -> collections.Counter[str]:
-    """Opcodes from the kernel's first MMA to its last (the loop, two blocks), by Triton's nvdisasm."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
-    ops = [op.split(".")[0] for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
+    """Opcodes from the kernel's first MMA to its last (the loop, two blocks)."""
+    ops = bench.sass_opcodes(cubin, bin_dir)
     mmas = [i for i, op in enumerate(ops) if op == "HMMA"]
     return collections.Counter(ops[mmas[0]:mmas[-1] + 1])
 
@@ -223,7 +217,8 @@ def compile_report(modules: dict[str, ModuleType]) -> None:
         regs, spill = bench.ptxas_usage(ptx, bin_dir / "ptxas")
         ops = loop_sass(compiled.asm["cubin"], bin_dir)
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
-        print(f"| {name} | {regs} | {spill} | {compiled.metadata.shared:,} | {len(re.findall(r'bar.sync', ptx))} "
+        barriers = len(re.findall(r"bar\.sync", ptx))
+        print(f"| {name} | {regs} | {spill} | {compiled.metadata.shared:,} | {barriers} "
               f"| {sum(ops.values()):,} | {top} |", flush=True)
 
 
